@@ -1,0 +1,857 @@
+//! The command line: `serve` (default) and `migrate` run the service; the other commands
+//! are an operator and walkthrough client speaking gRPC to a running server.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde_json::{Value, json};
+use tonic::transport::Channel;
+
+use crate::config::{self, Settings};
+use crate::proto::{from_timestamp, v1};
+use crate::startup::{self, Application, Runtime};
+use crate::telemetry;
+
+type Client = v1::outbox_service_client::OutboxServiceClient<Channel>;
+
+/// outboxd: a transactional outbox over PostgreSQL, served over gRPC.
+///
+/// Without a command it serves. The server is configured by OUTBOX_* environment
+/// variables (see README.md); with no OUTBOX_DATABASE__URL it starts an embedded
+/// PostgreSQL cluster under .outboxd/pgdata.
+#[derive(Debug, Parser)]
+#[command(version, after_help = variables_help())]
+pub struct Cli {
+    /// What to do (default: serve).
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+/// Client options shared by the operator commands.
+#[derive(Debug, Args, Clone)]
+pub struct ClientArgs {
+    /// Server address.
+    #[arg(
+        long,
+        env = "OUTBOX_SERVER",
+        default_value = "http://127.0.0.1:50051",
+        global = true
+    )]
+    pub server: String,
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+/// Commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the gRPC server (the default).
+    Serve,
+    /// Apply database migrations and exit.
+    Migrate,
+    /// Record an intent (direct mode).
+    Enqueue {
+        /// Routing key.
+        #[arg(long)]
+        kind: String,
+        /// Payload text.
+        #[arg(long, default_value = "")]
+        payload: String,
+        /// Media type of the payload.
+        #[arg(long, default_value = "application/json")]
+        content_type: String,
+        /// Region ('' = any).
+        #[arg(long, default_value = "")]
+        region: String,
+        /// Idempotency key.
+        #[arg(long, default_value = "")]
+        key: String,
+        /// Claims allowed before dead-lettering (0 = server default).
+        #[arg(long, default_value_t = 0)]
+        max_attempts: i32,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Lease intents as a worker.
+    Claim {
+        /// Worker id.
+        #[arg(long, default_value = "cli")]
+        worker: String,
+        /// Worker region.
+        #[arg(long, default_value = "")]
+        region: String,
+        /// Only these kinds (repeatable).
+        #[arg(long)]
+        kind: Vec<String>,
+        /// Most intents.
+        #[arg(long, default_value_t = 10)]
+        max: i32,
+        /// Lease length, e.g. 30s.
+        #[arg(long, value_parser = config::duration)]
+        lease: Option<Duration>,
+        /// Long-poll up to this long, e.g. 5s.
+        #[arg(long, value_parser = config::duration)]
+        wait: Option<Duration>,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Tell outboxd a lease's external call is starting.
+    MarkSubmitted {
+        #[command(flatten)]
+        lease: LeaseArgs,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Report a lease's side effect as done.
+    Ack {
+        #[command(flatten)]
+        lease: LeaseArgs,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Report a lease's side effect as failed.
+    Fail {
+        #[command(flatten)]
+        lease: LeaseArgs,
+        /// What is known about the side effect.
+        #[arg(long, value_enum)]
+        outcome: Outcome,
+        /// What went wrong.
+        #[arg(long, default_value = "")]
+        error: String,
+        /// RETRY only: wait this long instead of the backoff, e.g. 10s.
+        #[arg(long, value_parser = config::duration)]
+        retry_after: Option<Duration>,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Inspect intents.
+    Intents {
+        #[command(subcommand)]
+        command: IntentsCommand,
+    },
+    /// List and resolve intents awaiting an operator (NEEDS_RECONCILE, DEAD_LETTERED).
+    Reconcile {
+        #[command(subcommand)]
+        command: ReconcileCommand,
+    },
+    /// Queue statistics.
+    Stats {
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+/// A lease on the command line.
+#[derive(Debug, Args)]
+pub struct LeaseArgs {
+    /// Intent id.
+    #[arg(long)]
+    pub intent: String,
+    /// Lease id from claim.
+    #[arg(long)]
+    pub lease: String,
+}
+
+/// Intent inspection commands.
+#[derive(Debug, Subcommand)]
+pub enum IntentsCommand {
+    /// List intents, oldest first.
+    List {
+        /// Only these states (repeatable).
+        #[arg(long, value_enum)]
+        state: Vec<State>,
+        /// Only this kind.
+        #[arg(long, default_value = "")]
+        kind: String,
+        /// Only this region.
+        #[arg(long, default_value = "")]
+        region: String,
+        /// Most intents.
+        #[arg(long, default_value_t = 50)]
+        limit: i32,
+        /// Continue after this page token.
+        #[arg(long, default_value = "")]
+        page_token: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Show one intent with its payload and decisions.
+    Get {
+        /// Intent id.
+        id: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+/// Reconcile commands.
+#[derive(Debug, Subcommand)]
+pub enum ReconcileCommand {
+    /// List intents awaiting a decision.
+    List {
+        /// Most intents.
+        #[arg(long, default_value_t = 50)]
+        limit: i32,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Record a decision, by id (--id, repeatable) or by filter (--state ...).
+    Resolve {
+        /// Intents to resolve.
+        #[arg(long = "id", conflicts_with = "state")]
+        ids: Vec<String>,
+        /// Resolve every intent in these states (needs-reconcile, dead-lettered).
+        #[arg(long, value_enum)]
+        state: Vec<State>,
+        /// Filter: only this kind.
+        #[arg(long, default_value = "")]
+        kind: String,
+        /// Filter: only this region.
+        #[arg(long, default_value = "")]
+        region: String,
+        /// Filter: most intents in this call.
+        #[arg(long, default_value_t = 0)]
+        limit: i32,
+        /// The ruling.
+        #[arg(long, value_enum)]
+        decision: DecisionArg,
+        /// Who decides (defaults to $USER).
+        #[arg(long, env = "USER", default_value = "operator")]
+        actor: String,
+        /// Why (recorded).
+        #[arg(long)]
+        reason: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+/// Fail outcomes.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum Outcome {
+    /// Did not happen; retry.
+    Retry,
+    /// Did not happen; never will.
+    Permanent,
+    /// May have happened.
+    Unknown,
+}
+
+/// Operator decisions.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum DecisionArg {
+    /// It happened.
+    Delivered,
+    /// Deliver again.
+    Requeue,
+    /// Give up.
+    Dead,
+}
+
+/// Intent states.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum State {
+    /// STAGED
+    Staged,
+    /// PENDING
+    Pending,
+    /// LEASED
+    Leased,
+    /// SUBMITTED
+    Submitted,
+    /// DELIVERED
+    Delivered,
+    /// NEEDS_RECONCILE
+    NeedsReconcile,
+    /// DEAD_LETTERED
+    DeadLettered,
+    /// DISCARDED
+    Discarded,
+}
+
+impl From<State> for v1::IntentState {
+    fn from(s: State) -> Self {
+        match s {
+            State::Staged => Self::Staged,
+            State::Pending => Self::Pending,
+            State::Leased => Self::Leased,
+            State::Submitted => Self::Submitted,
+            State::Delivered => Self::Delivered,
+            State::NeedsReconcile => Self::NeedsReconcile,
+            State::DeadLettered => Self::DeadLettered,
+            State::Discarded => Self::Discarded,
+        }
+    }
+}
+
+fn variables_help() -> String {
+    let mut help = String::from("Environment variables:\n");
+    for (name, what) in config::VARIABLES {
+        help.push_str(&format!("  {name:<38} {what}\n"));
+    }
+    help
+}
+
+/// Runs a parsed command line; the exit code reports success.
+pub fn run(cli: Cli) -> ExitCode {
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(dispatch(cli.command.unwrap_or(Command::Serve))) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn dispatch(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Serve => serve().await,
+        Command::Migrate => migrate().await,
+        Command::Enqueue {
+            kind,
+            payload,
+            content_type,
+            region,
+            key,
+            max_attempts,
+            client,
+        } => {
+            let response = connect(&client)
+                .await?
+                .enqueue(v1::EnqueueRequest {
+                    intents: vec![v1::NewIntent {
+                        kind,
+                        payload: payload.into_bytes(),
+                        content_type,
+                        region,
+                        idempotency_key: key,
+                        max_attempts,
+                        ..Default::default()
+                    }],
+                    txn_token: String::new(),
+                })
+                .await?
+                .into_inner();
+            print(
+                &client,
+                json!(response.results.iter().map(|r| json!({
+                "id": r.id, "state": state_name(r.state), "deduplicated": r.deduplicated,
+            })).collect::<Vec<_>>()),
+                || {
+                    for r in &response.results {
+                        let dedup = if r.deduplicated {
+                            " (deduplicated)"
+                        } else {
+                            ""
+                        };
+                        println!("{}  {}{dedup}", r.id, state_name(r.state));
+                    }
+                },
+            )
+        }
+        Command::Claim {
+            worker,
+            region,
+            kind,
+            max,
+            lease,
+            wait,
+            client,
+        } => {
+            let response = connect(&client)
+                .await?
+                .claim(v1::ClaimRequest {
+                    worker_id: worker,
+                    region,
+                    kinds: kind,
+                    max_intents: max,
+                    lease_duration: lease.map(duration),
+                    wait: wait.map(duration),
+                    request_id: String::new(),
+                })
+                .await?
+                .into_inner();
+            print(
+                &client,
+                json!(
+                    response
+                        .leases
+                        .iter()
+                        .map(|l| json!({
+                            "lease_id": l.lease_id, "attempt": l.attempt,
+                            "lease_expires_at": time(l.lease_expires_at.as_ref()),
+                            "intent": l.intent.as_ref().map(intent_json),
+                        }))
+                        .collect::<Vec<_>>()
+                ),
+                || {
+                    if response.leases.is_empty() {
+                        println!("no intents available");
+                    }
+                    for l in &response.leases {
+                        let i = l.intent.clone().unwrap_or_default();
+                        println!(
+                            "intent {}  lease {}  attempt {}  kind {}  payload {}",
+                            i.id,
+                            l.lease_id,
+                            l.attempt,
+                            i.kind,
+                            String::from_utf8_lossy(&i.payload)
+                        );
+                    }
+                },
+            )
+        }
+        Command::MarkSubmitted { lease, client } => {
+            let response = connect(&client)
+                .await?
+                .mark_submitted(v1::MarkSubmittedRequest {
+                    leases: vec![lease.into()],
+                })
+                .await?
+                .into_inner();
+            print_results(&client, &response.results)
+        }
+        Command::Ack { lease, client } => {
+            let response = connect(&client)
+                .await?
+                .ack(v1::AckRequest {
+                    leases: vec![lease.into()],
+                })
+                .await?
+                .into_inner();
+            print_results(&client, &response.results)
+        }
+        Command::Fail {
+            lease,
+            outcome,
+            error,
+            retry_after,
+            client,
+        } => {
+            let outcome = match outcome {
+                Outcome::Retry => v1::FailOutcome::Retry,
+                Outcome::Permanent => v1::FailOutcome::Permanent,
+                Outcome::Unknown => v1::FailOutcome::Unknown,
+            };
+            let response = connect(&client)
+                .await?
+                .fail(v1::FailRequest {
+                    failures: vec![v1::Failure {
+                        lease: Some(lease.into()),
+                        error,
+                        outcome: outcome as i32,
+                        retry_after: retry_after.map(duration),
+                    }],
+                })
+                .await?
+                .into_inner();
+            print_results(&client, &response.results)
+        }
+        Command::Intents {
+            command:
+                IntentsCommand::List {
+                    state,
+                    kind,
+                    region,
+                    limit,
+                    page_token,
+                    client,
+                },
+        } => {
+            list(
+                &client,
+                state
+                    .into_iter()
+                    .map(|s| v1::IntentState::from(s) as i32)
+                    .collect(),
+                kind,
+                region,
+                limit,
+                page_token,
+            )
+            .await
+        }
+        Command::Intents {
+            command: IntentsCommand::Get { id, client },
+        } => {
+            let response = connect(&client)
+                .await?
+                .get_intent(v1::GetIntentRequest { id })
+                .await?
+                .into_inner();
+            let intent = response.intent.unwrap_or_default();
+            let resolutions: Vec<Value> = response.resolutions.iter().map(|r| json!({
+                "decision": decision_name(r.decision), "from_state": state_name(r.from_state),
+                "actor": r.actor, "reason": r.reason, "resolved_at": time(r.resolved_at.as_ref()),
+            })).collect();
+            print(
+                &client,
+                json!({ "intent": intent_json(&intent), "resolutions": resolutions }),
+                || {
+                    print_intent_detail(&intent);
+                    for r in &response.resolutions {
+                        println!(
+                            "resolution:      {} (was {}) by {} at {}: {}",
+                            decision_name(r.decision),
+                            state_name(r.from_state),
+                            r.actor,
+                            time(r.resolved_at.as_ref()),
+                            r.reason
+                        );
+                    }
+                },
+            )
+        }
+        Command::Reconcile {
+            command: ReconcileCommand::List { limit, client },
+        } => {
+            let states = vec![
+                v1::IntentState::NeedsReconcile as i32,
+                v1::IntentState::DeadLettered as i32,
+            ];
+            list(
+                &client,
+                states,
+                String::new(),
+                String::new(),
+                limit,
+                String::new(),
+            )
+            .await
+        }
+        Command::Reconcile {
+            command:
+                ReconcileCommand::Resolve {
+                    ids,
+                    state,
+                    kind,
+                    region,
+                    limit,
+                    decision,
+                    actor,
+                    reason,
+                    client,
+                },
+        } => {
+            let target = if ids.is_empty() {
+                v1::reconcile_request::Target::Filter(v1::ReconcileFilter {
+                    states: state
+                        .into_iter()
+                        .map(|s| v1::IntentState::from(s) as i32)
+                        .collect(),
+                    kind,
+                    region,
+                    created_before: None,
+                })
+            } else {
+                v1::reconcile_request::Target::Ids(v1::ReconcileIds { ids })
+            };
+            let decision = match decision {
+                DecisionArg::Delivered => v1::Decision::Delivered,
+                DecisionArg::Requeue => v1::Decision::Requeue,
+                DecisionArg::Dead => v1::Decision::Dead,
+            };
+            let response = connect(&client)
+                .await?
+                .reconcile(v1::ReconcileRequest {
+                    target: Some(target),
+                    decision: decision as i32,
+                    actor,
+                    reason,
+                    limit,
+                })
+                .await?
+                .into_inner();
+            let results: Vec<v1::LeaseResult> = response
+                .results
+                .into_iter()
+                .map(|r| v1::LeaseResult {
+                    intent_id: r.intent_id,
+                    error: r.error,
+                    state: r.state,
+                    lease_expires_at: None,
+                })
+                .collect();
+            print_results(&client, &results)
+        }
+        Command::Stats { client } => {
+            let stats = connect(&client)
+                .await?
+                .get_queue_stats(v1::GetQueueStatsRequest {})
+                .await?
+                .into_inner();
+            let counts: Vec<Value> = stats
+                .counts
+                .iter()
+                .map(|c| {
+                    json!({
+                        "state": state_name(c.state), "region": c.region, "count": c.count,
+                    })
+                })
+                .collect();
+            print(
+                &client,
+                json!({
+                    "counts": counts,
+                    "oldest_pending_at": time(stats.oldest_pending_at.as_ref()),
+                    "oldest_staged_at": time(stats.oldest_staged_at.as_ref()),
+                    "reconcile_backlog": stats.reconcile_backlog,
+                }),
+                || {
+                    println!("{:<16} {:<12} {:>10}", "STATE", "REGION", "COUNT");
+                    for c in &stats.counts {
+                        let region = if c.region.is_empty() {
+                            "(any)"
+                        } else {
+                            &c.region
+                        };
+                        println!("{:<16} {:<12} {:>10}", state_name(c.state), region, c.count);
+                    }
+                    println!("reconcile backlog: {}", stats.reconcile_backlog);
+                    println!(
+                        "oldest claimable pending since: {}",
+                        time(stats.oldest_pending_at.as_ref())
+                    );
+                    println!(
+                        "oldest staged since: {}",
+                        time(stats.oldest_staged_at.as_ref())
+                    );
+                },
+            )
+        }
+    }
+}
+
+async fn serve() -> anyhow::Result<()> {
+    let settings = Settings::from_env()?;
+    telemetry::init(settings.log_format, &settings.log_filter);
+    let (embedded, url) = match &settings.database_url {
+        Some(url) => (None, url.clone()),
+        None => {
+            let (cluster, url) = startup::start_embedded(&settings).await?;
+            tracing::info!(
+                data_dir = %settings.embedded_data_dir.display(),
+                database.url = %url,
+                "using the embedded PostgreSQL cluster"
+            );
+            (Some(cluster), url)
+        }
+    };
+    let pool = startup::connect(&url, settings.max_connections).await?;
+    startup::migrate(&pool).await?;
+    let listener = tokio::net::TcpListener::bind(settings.listen_addr)
+        .await
+        .with_context(|| format!("cannot listen on {}", settings.listen_addr))?;
+    let app = Application::start(&settings, pool.clone(), listener, Runtime::default()).await?;
+    let served = app.run_until_stopped().await;
+    pool.close().await;
+    if let Some(mut cluster) = embedded {
+        tokio::task::spawn_blocking(move || cluster.stop()).await??;
+        tracing::info!("embedded PostgreSQL stopped");
+    }
+    served
+}
+
+async fn migrate() -> anyhow::Result<()> {
+    let settings = Settings::from_env()?;
+    telemetry::init(settings.log_format, &settings.log_filter);
+    let (embedded, url) = match &settings.database_url {
+        Some(url) => (None, url.clone()),
+        None => {
+            let (cluster, url) = startup::start_embedded(&settings).await?;
+            (Some(cluster), url)
+        }
+    };
+    let pool = startup::connect(&url, 2).await?;
+    startup::migrate(&pool).await?;
+    pool.close().await;
+    if let Some(mut cluster) = embedded {
+        tokio::task::spawn_blocking(move || cluster.stop()).await??;
+    }
+    println!("migrations applied");
+    Ok(())
+}
+
+async fn connect(args: &ClientArgs) -> anyhow::Result<Client> {
+    Client::connect(args.server.clone()).await.with_context(|| {
+        format!(
+            "cannot reach outboxd at {} (is `outboxd serve` running?)",
+            args.server
+        )
+    })
+}
+
+async fn list(
+    client: &ClientArgs,
+    states: Vec<i32>,
+    kind: String,
+    region: String,
+    limit: i32,
+    page_token: String,
+) -> anyhow::Result<()> {
+    let response = connect(client)
+        .await?
+        .list_intents(v1::ListIntentsRequest {
+            states,
+            kind,
+            region,
+            page_size: limit,
+            page_token,
+            include_payload: false,
+        })
+        .await?
+        .into_inner();
+    print(
+        client,
+        json!({
+            "intents": response.intents.iter().map(intent_json).collect::<Vec<_>>(),
+            "next_page_token": response.next_page_token,
+        }),
+        || {
+            println!(
+                "{:<36}  {:<16} {:<24} {:<8} {:>8}  LAST ERROR",
+                "ID", "STATE", "KIND", "REGION", "ATTEMPTS"
+            );
+            for i in &response.intents {
+                println!(
+                    "{:<36}  {:<16} {:<24} {:<8} {:>4}/{:<3}  {}",
+                    i.id,
+                    state_name(i.state),
+                    i.kind,
+                    i.region,
+                    i.attempts,
+                    i.max_attempts,
+                    i.last_error
+                );
+            }
+            if !response.next_page_token.is_empty() {
+                println!("more: --page-token {}", response.next_page_token);
+            }
+        },
+    )
+}
+
+impl From<LeaseArgs> for v1::LeaseRef {
+    fn from(l: LeaseArgs) -> Self {
+        Self {
+            intent_id: l.intent,
+            lease_id: l.lease,
+        }
+    }
+}
+
+fn print(args: &ClientArgs, value: Value, text: impl FnOnce()) -> anyhow::Result<()> {
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    } else {
+        text();
+    }
+    Ok(())
+}
+
+/// Prints per-item results; fails the command when any item failed, so scripts notice.
+fn print_results(args: &ClientArgs, results: &[v1::LeaseResult]) -> anyhow::Result<()> {
+    print(args, json!(results.iter().map(|r| json!({
+        "intent_id": r.intent_id,
+        "state": state_name(r.state),
+        "error": r.error.as_ref().map(|e| json!({"code": e.code, "reason": e.reason, "message": e.message})),
+    })).collect::<Vec<_>>()), || {
+        for r in results {
+            match &r.error {
+                None => println!("{}  ok  now {}", r.intent_id, state_name(r.state)),
+                Some(e) => println!("{}  {}  {}", r.intent_id, e.reason, e.message),
+            }
+        }
+    })?;
+    let failed = results.iter().filter(|r| r.error.is_some()).count();
+    anyhow::ensure!(
+        failed == 0,
+        "{failed} of {} items were not applied",
+        results.len()
+    );
+    Ok(())
+}
+
+fn print_intent_detail(i: &v1::Intent) {
+    println!("id:              {}", i.id);
+    println!("state:           {}", state_name(i.state));
+    println!("kind:            {}", i.kind);
+    println!(
+        "region:          {}",
+        if i.region.is_empty() {
+            "(any)"
+        } else {
+            &i.region
+        }
+    );
+    println!("attempts:        {}/{}", i.attempts, i.max_attempts);
+    println!("idempotency key: {}", i.idempotency_key);
+    println!("created at:      {}", time(i.created_at.as_ref()));
+    println!("available at:    {}", time(i.available_at.as_ref()));
+    println!("worker:          {}", i.worker_id);
+    println!("last error:      {}", i.last_error);
+    println!("content type:    {}", i.content_type);
+    println!("payload:         {}", String::from_utf8_lossy(&i.payload));
+}
+
+fn intent_json(i: &v1::Intent) -> Value {
+    json!({
+        "id": i.id,
+        "state": state_name(i.state),
+        "kind": i.kind,
+        "region": i.region,
+        "payload": String::from_utf8_lossy(&i.payload),
+        "content_type": i.content_type,
+        "idempotency_key": i.idempotency_key,
+        "headers": i.headers,
+        "attempts": i.attempts,
+        "max_attempts": i.max_attempts,
+        "available_at": time(i.available_at.as_ref()),
+        "created_at": time(i.created_at.as_ref()),
+        "updated_at": time(i.updated_at.as_ref()),
+        "lease_expires_at": time(i.lease_expires_at.as_ref()),
+        "worker_id": i.worker_id,
+        "last_error": i.last_error,
+    })
+}
+
+fn state_name(state: i32) -> String {
+    v1::IntentState::try_from(state)
+        .map(|s| {
+            s.as_str_name()
+                .trim_start_matches("INTENT_STATE_")
+                .to_owned()
+        })
+        .unwrap_or_else(|_| state.to_string())
+}
+
+fn decision_name(decision: i32) -> String {
+    v1::Decision::try_from(decision)
+        .map(|d| d.as_str_name().trim_start_matches("DECISION_").to_owned())
+        .unwrap_or_else(|_| decision.to_string())
+}
+
+fn time(t: Option<&prost_types::Timestamp>) -> String {
+    t.and_then(from_timestamp)
+        .map(|t| t.to_rfc3339())
+        .unwrap_or_else(|| "-".to_owned())
+}
+
+fn duration(d: Duration) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}

@@ -1,0 +1,371 @@
+//! Settings: defaults in code, overridden by `OUTBOX_*` environment variables (`__`
+//! separates sections). Loading is a pure function of key/value pairs so tests pass a map,
+//! and it reports every bad or unknown variable at once, not just the first.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::outbox::maintenance::MaintenanceConfig;
+use crate::outbox::store::BackoffParams;
+
+/// Everything outboxd can be configured with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    /// gRPC listen address.
+    pub listen_addr: SocketAddr,
+    /// External PostgreSQL; `None` starts the embedded cluster.
+    pub database_url: Option<String>,
+    /// Most pooled connections.
+    pub max_connections: u32,
+    /// Embedded cluster data directory.
+    pub embedded_data_dir: PathBuf,
+    /// Embedded cluster port (`None`: a free one).
+    pub embedded_port: Option<u16>,
+    /// Request limits.
+    pub limits: Limits,
+    /// Background sweeps and retry backoff.
+    pub maintenance: MaintenanceConfig,
+    /// `text` or `json` logs.
+    pub log_format: LogFormat,
+    /// `tracing` filter directives (like RUST_LOG).
+    pub log_filter: String,
+}
+
+/// Limits enforced on every request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Most items in one batch (intents, leases, ids, page size).
+    pub max_batch: usize,
+    /// Largest payload in bytes.
+    pub max_payload_bytes: usize,
+    /// Lease length when a Claim or ExtendLease does not say.
+    pub default_lease: Duration,
+    /// Longest lease a worker may ask for.
+    pub max_lease: Duration,
+    /// Longest Claim long-poll.
+    pub max_wait: Duration,
+    /// `max_attempts` when an intent does not say.
+    pub default_max_attempts: i32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_batch: 1000,
+            max_payload_bytes: 1024 * 1024,
+            default_lease: Duration::from_secs(30),
+            max_lease: Duration::from_secs(12 * 3600),
+            max_wait: Duration::from_secs(60),
+            default_max_attempts: 5,
+        }
+    }
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            listen_addr: SocketAddr::from(([127, 0, 0, 1], 50051)),
+            database_url: None,
+            max_connections: 16,
+            embedded_data_dir: PathBuf::from(".outboxd/pgdata"),
+            embedded_port: None,
+            limits: Limits::default(),
+            maintenance: MaintenanceConfig::default(),
+            log_format: LogFormat::Text,
+            log_filter: "info".to_owned(),
+        }
+    }
+}
+
+/// Every problem found in the configuration.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid configuration:\n  {}", .0.join("\n  "))]
+pub struct ConfigError(pub Vec<String>);
+
+/// The documented variables, with what they hold (also printed by `outboxd --help`).
+pub const VARIABLES: &[(&str, &str)] = &[
+    (
+        "OUTBOX_LISTEN_ADDR",
+        "gRPC listen address [127.0.0.1:50051]",
+    ),
+    (
+        "OUTBOX_DATABASE__URL",
+        "PostgreSQL URL; unset starts the embedded cluster",
+    ),
+    (
+        "OUTBOX_DATABASE__MAX_CONNECTIONS",
+        "connection pool size [16]",
+    ),
+    (
+        "OUTBOX_EMBEDDED__DATA_DIR",
+        "embedded cluster data directory [.outboxd/pgdata]",
+    ),
+    (
+        "OUTBOX_EMBEDDED__PORT",
+        "embedded cluster port on 127.0.0.1 [a free port]",
+    ),
+    ("OUTBOX_LIMITS__MAX_BATCH", "most items per request [1000]"),
+    (
+        "OUTBOX_LIMITS__MAX_PAYLOAD_BYTES",
+        "largest payload [1048576]",
+    ),
+    (
+        "OUTBOX_LEASE__DEFAULT",
+        "lease length when a worker does not ask [30s]",
+    ),
+    (
+        "OUTBOX_LEASE__MAX",
+        "longest lease a worker may ask for [12h]",
+    ),
+    ("OUTBOX_CLAIM__MAX_WAIT", "longest Claim long-poll [60s]"),
+    (
+        "OUTBOX_RETRY__MAX_ATTEMPTS",
+        "attempts when an intent does not say [5]",
+    ),
+    (
+        "OUTBOX_RETRY__BASE",
+        "first retry delay, doubling per attempt [1s]",
+    ),
+    ("OUTBOX_RETRY__CAP", "longest retry delay [5m]"),
+    (
+        "OUTBOX_MAINTENANCE__RESCUE_INTERVAL",
+        "how often expired leases are rescued [1s]",
+    ),
+    (
+        "OUTBOX_MAINTENANCE__PURGE_INTERVAL",
+        "how often finished intents are purged [1m]",
+    ),
+    (
+        "OUTBOX_RETENTION__FINISHED",
+        "how long delivered/discarded intents and their idempotency keys are kept [24h]",
+    ),
+    ("OUTBOX_LOG__FORMAT", "text or json [text]"),
+    (
+        "OUTBOX_LOG__FILTER",
+        "tracing filter, e.g. info,outboxd=debug [info]",
+    ),
+    (
+        "OUTBOX_SERVER",
+        "operator commands: server to talk to [http://127.0.0.1:50051]",
+    ),
+];
+
+impl Settings {
+    /// Reads the process environment.
+    ///
+    /// # Errors
+    /// Every malformed or unknown `OUTBOX_*` variable.
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::from_vars(std::env::vars())
+    }
+
+    /// Builds settings from `OUTBOX_*` pairs; other keys are ignored.
+    ///
+    /// # Errors
+    /// Every malformed or unknown `OUTBOX_*` variable, and inconsistent combinations.
+    pub fn from_vars(
+        vars: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        let mut s = Settings::default();
+        let mut errors = Vec::new();
+        for (key, value) in vars {
+            if !key.starts_with("OUTBOX_") {
+                continue;
+            }
+            let value = value.trim();
+            let applied = match key.as_str() {
+                "OUTBOX_LISTEN_ADDR" => parse(value).map(|v| s.listen_addr = v),
+                "OUTBOX_DATABASE__URL" => {
+                    s.database_url = (!value.is_empty()).then(|| value.to_owned());
+                    Ok(())
+                }
+                "OUTBOX_DATABASE__MAX_CONNECTIONS" => parse(value).map(|v| s.max_connections = v),
+                "OUTBOX_EMBEDDED__DATA_DIR" => {
+                    s.embedded_data_dir = PathBuf::from(value);
+                    Ok(())
+                }
+                "OUTBOX_EMBEDDED__PORT" => parse(value).map(|v| s.embedded_port = Some(v)),
+                "OUTBOX_LIMITS__MAX_BATCH" => parse(value).map(|v| s.limits.max_batch = v),
+                "OUTBOX_LIMITS__MAX_PAYLOAD_BYTES" => {
+                    parse(value).map(|v| s.limits.max_payload_bytes = v)
+                }
+                "OUTBOX_LEASE__DEFAULT" => duration(value).map(|v| s.limits.default_lease = v),
+                "OUTBOX_LEASE__MAX" => duration(value).map(|v| s.limits.max_lease = v),
+                "OUTBOX_CLAIM__MAX_WAIT" => duration(value).map(|v| s.limits.max_wait = v),
+                "OUTBOX_RETRY__MAX_ATTEMPTS" => {
+                    parse(value).map(|v| s.limits.default_max_attempts = v)
+                }
+                "OUTBOX_RETRY__BASE" => duration(value).map(|v| s.maintenance.backoff.base = v),
+                "OUTBOX_RETRY__CAP" => duration(value).map(|v| s.maintenance.backoff.cap = v),
+                "OUTBOX_MAINTENANCE__RESCUE_INTERVAL" => {
+                    duration(value).map(|v| s.maintenance.rescue_interval = v)
+                }
+                "OUTBOX_MAINTENANCE__PURGE_INTERVAL" => {
+                    duration(value).map(|v| s.maintenance.purge_interval = v)
+                }
+                "OUTBOX_RETENTION__FINISHED" => {
+                    duration(value).map(|v| s.maintenance.retention = v)
+                }
+                "OUTBOX_LOG__FORMAT" => match value {
+                    "text" => Ok(LogFormat::Text),
+                    "json" => Ok(LogFormat::Json),
+                    _ => Err("expected text or json".to_owned()),
+                }
+                .map(|v| s.log_format = v),
+                // Read by the operator commands (clap), not by the server.
+                "OUTBOX_SERVER" => Ok(()),
+                "OUTBOX_LOG__FILTER" => {
+                    s.log_filter = value.to_owned();
+                    Ok(())
+                }
+                _ => Err("unknown variable (see `outboxd --help` for the list)".to_owned()),
+            };
+            if let Err(why) = applied {
+                errors.push(format!("{key}={value:?}: {why}"));
+            }
+        }
+        errors.extend(s.inconsistencies());
+        if errors.is_empty() {
+            Ok(s)
+        } else {
+            Err(ConfigError(errors))
+        }
+    }
+
+    fn inconsistencies(&self) -> Vec<String> {
+        let mut errors = Vec::new();
+        let l = &self.limits;
+        let mut check = |ok: bool, msg: &str| {
+            if !ok {
+                errors.push(msg.to_owned());
+            }
+        };
+        check(
+            l.max_batch >= 1,
+            "OUTBOX_LIMITS__MAX_BATCH must be at least 1",
+        );
+        check(
+            l.max_payload_bytes >= 1,
+            "OUTBOX_LIMITS__MAX_PAYLOAD_BYTES must be at least 1",
+        );
+        check(
+            !l.default_lease.is_zero(),
+            "OUTBOX_LEASE__DEFAULT must be positive",
+        );
+        check(
+            l.default_lease <= l.max_lease,
+            "OUTBOX_LEASE__DEFAULT must not exceed OUTBOX_LEASE__MAX",
+        );
+        check(
+            l.default_max_attempts >= 1,
+            "OUTBOX_RETRY__MAX_ATTEMPTS must be at least 1",
+        );
+        let m = &self.maintenance;
+        check(
+            !m.rescue_interval.is_zero(),
+            "OUTBOX_MAINTENANCE__RESCUE_INTERVAL must be positive",
+        );
+        check(
+            !m.purge_interval.is_zero(),
+            "OUTBOX_MAINTENANCE__PURGE_INTERVAL must be positive",
+        );
+        check(
+            m.backoff.base <= m.backoff.cap,
+            "OUTBOX_RETRY__BASE must not exceed OUTBOX_RETRY__CAP",
+        );
+        check(
+            self.max_connections >= 2,
+            "OUTBOX_DATABASE__MAX_CONNECTIONS must be at least 2",
+        );
+        errors
+    }
+
+    /// Backoff between attempts.
+    pub fn backoff(&self) -> BackoffParams {
+        self.maintenance.backoff
+    }
+}
+
+fn parse<T: FromStr>(value: &str) -> Result<T, String>
+where
+    T::Err: std::fmt::Display,
+{
+    value.parse().map_err(|e: T::Err| e.to_string())
+}
+
+/// Parses `250ms`, `30s`, `5m`, `12h`, `7d`; a bare number is seconds.
+pub fn duration(value: &str) -> Result<Duration, String> {
+    let split = value
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(value.len());
+    let (number, unit) = value.split_at(split);
+    let n: u64 = number
+        .parse()
+        .map_err(|_| "expected a duration such as 250ms, 30s, 5m, 12h or 7d".to_owned())?;
+    let ms = match unit {
+        "ms" => Some(n),
+        "" | "s" => n.checked_mul(1000),
+        "m" => n.checked_mul(60_000),
+        "h" => n.checked_mul(3_600_000),
+        "d" => n.checked_mul(86_400_000),
+        _ => return Err(format!("unknown unit {unit:?}; use ms, s, m, h or d")),
+    };
+    ms.map(Duration::from_millis)
+        .ok_or_else(|| "duration too large".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn defaults_hold_without_variables() {
+        assert_eq!(
+            Settings::from_vars(vars(&[("HOME", "/root")])).unwrap(),
+            Settings::default()
+        );
+    }
+
+    #[test]
+    fn variables_override_defaults() {
+        let s = Settings::from_vars(vars(&[
+            ("OUTBOX_LEASE__DEFAULT", "45s"),
+            ("OUTBOX_RETENTION__FINISHED", "7d"),
+            ("OUTBOX_DATABASE__URL", "postgres://x@db/outbox"),
+        ]))
+        .unwrap();
+        assert_eq!(s.limits.default_lease, Duration::from_secs(45));
+        assert_eq!(s.maintenance.retention, Duration::from_secs(7 * 86_400));
+        assert_eq!(s.database_url.as_deref(), Some("postgres://x@db/outbox"));
+    }
+
+    #[test]
+    fn every_bad_variable_is_reported_at_once() {
+        let err = Settings::from_vars(vars(&[
+            ("OUTBOX_LEASE__DEFAULT", "soon"),
+            ("OUTBOX_LISTEN_ADDR", "nowhere"),
+            ("OUTBOX_TYPO", "1"),
+        ]))
+        .unwrap_err();
+        assert_eq!(err.0.len(), 3, "{err}");
+    }
+}

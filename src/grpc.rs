@@ -1,0 +1,390 @@
+//! The gRPC service: `OutboxHandler` implements `outbox.v1.OutboxService`. Each method
+//! validates (`crate::validate`), calls the store, and maps the result to the response;
+//! errors become a `Status` here and nowhere else.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tonic::{Code, Request, Response, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+use crate::config::Limits;
+use crate::outbox::notify::PendingSignal;
+use crate::outbox::store::{self, BackoffParams, ClaimParams, EnqueueParams};
+use crate::outbox::{Clock, DEFAULT_TENANT, Error, Reason};
+use crate::proto::v1::outbox_service_server::{OutboxService, OutboxServiceServer};
+use crate::proto::v1::{self};
+use crate::validate;
+
+/// Domain of every `ErrorInfo` outboxd sends.
+pub const ERROR_DOMAIN: &str = "outboxd";
+
+/// A long-polling claimer re-checks at least this often, in case a notification was lost
+/// while the LISTEN connection was down. Notifications, not this, are what wake it.
+const LONG_POLL_RECHECK: Duration = Duration::from_secs(2);
+
+/// Serves `OutboxService` over a PostgreSQL pool.
+#[derive(Debug, Clone)]
+pub struct OutboxHandler {
+    pool: PgPool,
+    limits: Limits,
+    backoff: BackoffParams,
+    clock: Clock,
+    pending: PendingSignal,
+    shutdown: CancellationToken,
+}
+
+impl OutboxHandler {
+    /// A handler; `shutdown` ends waiting long-polls early (they answer with no leases).
+    pub fn new(
+        pool: PgPool,
+        limits: Limits,
+        backoff: BackoffParams,
+        clock: Clock,
+        pending: PendingSignal,
+        shutdown: CancellationToken,
+    ) -> Self {
+        Self {
+            pool,
+            limits,
+            backoff,
+            clock,
+            pending,
+            shutdown,
+        }
+    }
+
+    /// Wraps the handler in the generated tonic server.
+    pub fn into_server(self) -> OutboxServiceServer<Self> {
+        OutboxServiceServer::new(self)
+    }
+}
+
+/// The gRPC code for a reason, for whole-call and per-item errors alike.
+pub fn code_of(reason: Reason) -> Code {
+    match reason {
+        Reason::InvalidArgument => Code::InvalidArgument,
+        Reason::PayloadTooLarge | Reason::BatchTooLarge => Code::ResourceExhausted,
+        Reason::NotFound => Code::NotFound,
+        Reason::LeaseLost | Reason::InvalidState => Code::FailedPrecondition,
+        Reason::IdempotencyConflict => Code::AlreadyExists,
+        Reason::Unimplemented => Code::Unimplemented,
+        Reason::Unavailable => Code::Unavailable,
+        Reason::Conflict => Code::Aborted,
+        Reason::Internal => Code::Internal,
+    }
+}
+
+fn error_info(reason: Reason, metadata: HashMap<String, String>) -> ErrorDetails {
+    ErrorDetails::with_error_info(reason.as_str(), ERROR_DOMAIN, metadata)
+}
+
+impl From<Error> for Status {
+    fn from(e: Error) -> Self {
+        let message = e.to_string();
+        let (reason, details) = match e {
+            Error::InvalidArgument(violations) => {
+                let mut d = error_info(Reason::InvalidArgument, HashMap::new());
+                for v in violations {
+                    d.add_bad_request_violation(v.field, v.description);
+                }
+                (Reason::InvalidArgument, d)
+            }
+            Error::LimitExceeded(reason, violations) => {
+                let mut d = error_info(reason, HashMap::new());
+                for v in violations {
+                    d.add_bad_request_violation(v.field, v.description);
+                }
+                (reason, d)
+            }
+            Error::NotFound(id) => (
+                Reason::NotFound,
+                error_info(
+                    Reason::NotFound,
+                    HashMap::from([("intent_id".to_owned(), id.to_string())]),
+                ),
+            ),
+            Error::IdempotencyConflict { key, existing } => (
+                Reason::IdempotencyConflict,
+                error_info(
+                    Reason::IdempotencyConflict,
+                    HashMap::from([
+                        ("idempotency_key".to_owned(), key),
+                        ("intent_id".to_owned(), existing.to_string()),
+                    ]),
+                ),
+            ),
+            Error::Unimplemented(_) => (
+                Reason::Unimplemented,
+                error_info(Reason::Unimplemented, HashMap::new()),
+            ),
+            Error::Database(db) => {
+                let reason = database_reason(&db);
+                // The chain goes to the log; the client gets no SQL text.
+                tracing::error!(error.cause_chain = ?db, error.message = %db, "database error");
+                let message = match reason {
+                    Reason::Unavailable => "the database is unavailable; retry with backoff",
+                    Reason::Conflict => "a concurrent change conflicted; retry",
+                    _ => "internal error; see the server log",
+                };
+                return Status::with_error_details(
+                    code_of(reason),
+                    message,
+                    error_info(reason, HashMap::new()),
+                );
+            }
+        };
+        Status::with_error_details(code_of(reason), message, details)
+    }
+}
+
+/// Classifies database failures: transient conflicts may be retried at once, outages with
+/// backoff, anything else is a bug.
+fn database_reason(e: &sqlx::Error) -> Reason {
+    match e {
+        sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_) => {
+            Reason::Unavailable
+        }
+        sqlx::Error::Database(db) => match db.code().as_deref() {
+            Some("40001" | "40P01") => Reason::Conflict,
+            // Connection failures, admin shutdown, crash recovery, too many connections.
+            Some(c) if c.starts_with("08") || c.starts_with("57P") || c == "53300" => {
+                Reason::Unavailable
+            }
+            _ => Reason::Internal,
+        },
+        _ => Reason::Internal,
+    }
+}
+
+type RpcResult<T> = Result<Response<T>, Status>;
+
+#[tonic::async_trait]
+impl OutboxService for OutboxHandler {
+    #[tracing::instrument(skip_all, fields(rpc.method = "Enqueue", intents.count), err)]
+    async fn enqueue(
+        &self,
+        request: Request<v1::EnqueueRequest>,
+    ) -> RpcResult<v1::EnqueueResponse> {
+        let (intents, txn_token) = validate::enqueue(request.into_inner(), &self.limits)?;
+        tracing::Span::current().record("intents.count", intents.len());
+        if !txn_token.is_empty() {
+            return Err(Error::Unimplemented(
+                "two-phase enqueue (txn_token) is not available in this build yet".to_owned(),
+            )
+            .into());
+        }
+        let mut tx = self.pool.begin().await.map_err(Error::from)?;
+        let results = store::insert_intents(
+            &mut tx,
+            EnqueueParams {
+                tenant_id: DEFAULT_TENANT,
+                intents: &intents,
+                now: self.clock.now(),
+            },
+        )
+        .await?;
+        tx.commit().await.map_err(Error::from)?;
+        Ok(Response::new(v1::EnqueueResponse {
+            results: results.into_iter().map(Into::into).collect(),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(rpc.method = "Claim", claim.worker, intents.count), err)]
+    async fn claim(&self, request: Request<v1::ClaimRequest>) -> RpcResult<v1::ClaimResponse> {
+        let claim = validate::claim(request.into_inner(), &self.limits)?;
+        tracing::Span::current().record("claim.worker", claim.worker_id.as_str());
+        let params = ClaimParams {
+            tenant_id: DEFAULT_TENANT,
+            worker_id: &claim.worker_id,
+            region: &claim.region,
+            kinds: &claim.kinds,
+            max_intents: claim.max_intents,
+            lease_duration: claim.lease_duration,
+            request_id: claim.request_id.as_deref(),
+            now: self.clock.now(),
+        };
+        let deadline = Instant::now() + claim.wait;
+        let mut woken = self.pending.subscribe();
+        let intents = loop {
+            // Mark the signal seen before looking, so a commit landing in between still wakes us.
+            woken.borrow_and_update();
+            let mut conn = self.pool.acquire().await.map_err(Error::from)?;
+            let intents = store::claim_intents(
+                &mut conn,
+                ClaimParams {
+                    now: self.clock.now(),
+                    ..params
+                },
+            )
+            .await?;
+            if !intents.is_empty() || Instant::now() >= deadline || self.shutdown.is_cancelled() {
+                break intents;
+            }
+            let due = store::next_due_in(&mut *conn, &params).await?;
+            drop(conn);
+            let mut until = deadline.min(Instant::now() + LONG_POLL_RECHECK);
+            if let Some(due) = due {
+                until = until.min(Instant::now() + due);
+            }
+            tokio::select! {
+                _ = woken.changed() => {}
+                _ = tokio::time::sleep_until(until) => {}
+                _ = self.shutdown.cancelled() => {}
+            }
+        };
+        tracing::Span::current().record("intents.count", intents.len());
+        Ok(Response::new(v1::ClaimResponse {
+            leases: intents.into_iter().map(Into::into).collect(),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(rpc.method = "ExtendLease"), err)]
+    async fn extend_lease(
+        &self,
+        request: Request<v1::ExtendLeaseRequest>,
+    ) -> RpcResult<v1::ExtendLeaseResponse> {
+        let (leases, duration) = validate::extend(request.get_ref(), &self.limits)?;
+        let results = store::extend_leases(
+            &self.pool,
+            DEFAULT_TENANT,
+            &leases,
+            duration,
+            self.clock.now(),
+        )
+        .await?;
+        Ok(Response::new(v1::ExtendLeaseResponse {
+            results: results.into_iter().map(Into::into).collect(),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(rpc.method = "MarkSubmitted"), err)]
+    async fn mark_submitted(
+        &self,
+        request: Request<v1::MarkSubmittedRequest>,
+    ) -> RpcResult<v1::MarkSubmittedResponse> {
+        let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
+        let results =
+            store::mark_intents_submitted(&self.pool, DEFAULT_TENANT, &leases, self.clock.now())
+                .await?;
+        Ok(Response::new(v1::MarkSubmittedResponse {
+            results: results.into_iter().map(Into::into).collect(),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(rpc.method = "Ack"), err)]
+    async fn ack(&self, request: Request<v1::AckRequest>) -> RpcResult<v1::AckResponse> {
+        let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
+        let results =
+            store::ack_intents(&self.pool, DEFAULT_TENANT, &leases, self.clock.now()).await?;
+        Ok(Response::new(v1::AckResponse {
+            results: results.into_iter().map(Into::into).collect(),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(rpc.method = "Fail"), err)]
+    async fn fail(&self, request: Request<v1::FailRequest>) -> RpcResult<v1::FailResponse> {
+        let failures = validate::fail(request.into_inner(), &self.limits)?;
+        let results = store::fail_intents(
+            &self.pool,
+            DEFAULT_TENANT,
+            &failures,
+            self.backoff,
+            self.clock.now(),
+        )
+        .await?;
+        Ok(Response::new(v1::FailResponse {
+            results: results.into_iter().map(Into::into).collect(),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(rpc.method = "Reconcile"), err)]
+    async fn reconcile(
+        &self,
+        request: Request<v1::ReconcileRequest>,
+    ) -> RpcResult<v1::ReconcileResponse> {
+        let r = validate::reconcile(request.into_inner(), &self.limits)?;
+        let results = store::resolve_intents(
+            &self.pool,
+            store::ReconcileParams {
+                tenant_id: DEFAULT_TENANT,
+                target: r.target,
+                decision: r.decision,
+                actor: &r.actor,
+                reason: &r.reason,
+                now: self.clock.now(),
+            },
+        )
+        .await?;
+        let applied = results.iter().filter(|r| r.error.is_none()).count();
+        tracing::info!(
+            reconcile.decision = r.decision.as_str(),
+            reconcile.actor = %r.actor,
+            reconcile.reason = %r.reason,
+            intents.count = applied,
+            "operator resolved intents"
+        );
+        Ok(Response::new(v1::ReconcileResponse {
+            results: results.into_iter().map(Into::into).collect(),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(rpc.method = "GetIntent"), err)]
+    async fn get_intent(
+        &self,
+        request: Request<v1::GetIntentRequest>,
+    ) -> RpcResult<v1::GetIntentResponse> {
+        let id = validate::intent_id("id", &request.get_ref().id)?;
+        let mut conn = self.pool.acquire().await.map_err(Error::from)?;
+        let (intent, resolutions) = store::get_intent(&mut conn, DEFAULT_TENANT, id)
+            .await?
+            .ok_or(Error::NotFound(id))?;
+        Ok(Response::new(v1::GetIntentResponse {
+            intent: Some(intent.into()),
+            resolutions: resolutions.into_iter().map(Into::into).collect(),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(rpc.method = "ListIntents"), err)]
+    async fn list_intents(
+        &self,
+        request: Request<v1::ListIntentsRequest>,
+    ) -> RpcResult<v1::ListIntentsResponse> {
+        let list = validate::list(request.into_inner(), &self.limits)?;
+        let mut conn = self.pool.acquire().await.map_err(Error::from)?;
+        let intents = store::list_intents(
+            &mut conn,
+            store::ListParams {
+                tenant_id: DEFAULT_TENANT,
+                states: list.states,
+                kind: list.kind,
+                region: list.region,
+                after: list.after,
+                limit: list.limit,
+                include_payload: list.include_payload,
+            },
+        )
+        .await?;
+        let next_page_token = match intents.last() {
+            Some(last) if intents.len() as i64 == list.limit => last.id.to_string(),
+            _ => String::new(),
+        };
+        Ok(Response::new(v1::ListIntentsResponse {
+            intents: intents.into_iter().map(Into::into).collect(),
+            next_page_token,
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(rpc.method = "GetQueueStats"), err)]
+    async fn get_queue_stats(
+        &self,
+        _request: Request<v1::GetQueueStatsRequest>,
+    ) -> RpcResult<v1::GetQueueStatsResponse> {
+        let mut conn = self.pool.acquire().await.map_err(Error::from)?;
+        let stats = store::queue_stats(&mut conn, DEFAULT_TENANT, self.clock.now()).await?;
+        Ok(Response::new(stats.into()))
+    }
+}

@@ -1,0 +1,16 @@
+//! outboxd: a transactional-outbox service. Producers record delivery intents with their
+//! own PostgreSQL transaction; workers lease them over gRPC, perform the side effect and
+//! report the outcome. See `shared/DESIGN.md` for the contract and README.md for use.
+
+pub mod cli;
+pub mod config;
+pub mod embedded;
+pub mod grpc;
+pub mod outbox;
+pub mod proto;
+pub mod startup;
+pub mod telemetry;
+pub mod validate;
+
+/// The schema migrations under `migrations/`, embedded in the binary.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();

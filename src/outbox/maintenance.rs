@@ -1,0 +1,133 @@
+//! The background sweeps every replica runs: lease rescue and retention purge. They are
+//! safe to run concurrently on many replicas because the store takes rows `SKIP LOCKED`.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use super::store::{self, BackoffParams};
+use super::{Clock, IntentState, Result};
+
+/// Settings of the background sweeps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MaintenanceConfig {
+    /// How often expired leases are looked for.
+    pub rescue_interval: Duration,
+    /// How often finished intents are purged.
+    pub purge_interval: Duration,
+    /// How long DELIVERED and DISCARDED intents (and their idempotency keys) are kept.
+    pub retention: Duration,
+    /// Rows per sweep statement, so one sweep never holds many locks for long.
+    pub batch_size: i64,
+    /// Backoff applied to rescued intents before their next attempt.
+    pub backoff: BackoffParams,
+}
+
+impl Default for MaintenanceConfig {
+    fn default() -> Self {
+        Self {
+            rescue_interval: Duration::from_secs(1),
+            purge_interval: Duration::from_secs(60),
+            retention: Duration::from_secs(24 * 3600),
+            batch_size: 1000,
+            backoff: BackoffParams::default(),
+        }
+    }
+}
+
+/// What one pass of the sweeps did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SweepReport {
+    /// Expired LEASED intents put back to PENDING.
+    pub requeued: u64,
+    /// Expired LEASED intents out of attempts, dead-lettered.
+    pub dead_lettered: u64,
+    /// Expired SUBMITTED intents sent to NEEDS_RECONCILE.
+    pub needs_reconcile: u64,
+    /// Finished intents deleted.
+    pub purged: u64,
+}
+
+/// Rescues every expired lease, batch by batch.
+///
+/// # Errors
+/// [`super::Error::Database`].
+pub async fn rescue_all(
+    pool: &PgPool,
+    config: &MaintenanceConfig,
+    clock: &Clock,
+) -> Result<SweepReport> {
+    let mut report = SweepReport::default();
+    loop {
+        let states =
+            store::rescue_expired_leases(pool, config.backoff, config.batch_size, clock.now())
+                .await?;
+        for state in &states {
+            match state {
+                IntentState::Pending => report.requeued += 1,
+                IntentState::DeadLettered => report.dead_lettered += 1,
+                _ => report.needs_reconcile += 1,
+            }
+        }
+        if (states.len() as i64) < config.batch_size {
+            break;
+        }
+    }
+    if report.needs_reconcile > 0 || report.dead_lettered > 0 {
+        tracing::warn!(
+            intents.needs_reconcile = report.needs_reconcile,
+            intents.dead_lettered = report.dead_lettered,
+            "expired leases need an operator"
+        );
+    }
+    Ok(report)
+}
+
+/// Purges every finished intent past retention, batch by batch.
+///
+/// # Errors
+/// [`super::Error::Database`].
+pub async fn purge_all(pool: &PgPool, config: &MaintenanceConfig, clock: &Clock) -> Result<u64> {
+    let mut purged = 0;
+    loop {
+        let n =
+            store::purge_finished_intents(pool, config.retention, config.batch_size, clock.now())
+                .await?;
+        purged += n;
+        if (n as i64) < config.batch_size {
+            return Ok(purged);
+        }
+    }
+}
+
+/// Runs both sweeps on their intervals until `shutdown`. Failures are logged and retried
+/// on the next tick: a database outage must not stop the sweeps for good.
+pub async fn run_until_stopped(
+    pool: PgPool,
+    config: MaintenanceConfig,
+    clock: Clock,
+    shutdown: CancellationToken,
+) {
+    let mut rescue = tokio::time::interval(config.rescue_interval);
+    let mut purge = tokio::time::interval(config.purge_interval);
+    rescue.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    purge.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = rescue.tick() => {
+                if let Err(e) = rescue_all(&pool, &config, &clock).await {
+                    tracing::warn!(error.message = %e, "lease rescue failed; will retry");
+                }
+            }
+            _ = purge.tick() => {
+                match purge_all(&pool, &config, &clock).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(intents.purged = n, "purged finished intents"),
+                    Err(e) => tracing::warn!(error.message = %e, "retention purge failed; will retry"),
+                }
+            }
+        }
+    }
+}

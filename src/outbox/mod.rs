@@ -1,0 +1,421 @@
+//! The outbox domain: intents, their states and leases, and the errors of its operations.
+//! Wire types never reach this module; `crate::proto` converts at the edge.
+
+pub mod clock;
+pub mod maintenance;
+pub mod notify;
+pub mod store;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+pub use clock::Clock;
+
+/// The tenant every intent belongs to until authentication maps callers to tenants.
+pub const DEFAULT_TENANT: &str = "default";
+
+/// Identifier of an intent (a UUIDv7 minted at enqueue).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, sqlx::Type)]
+#[sqlx(transparent)]
+pub struct IntentId(pub Uuid);
+
+impl fmt::Display for IntentId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Fencing token minted by each claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, sqlx::Type)]
+#[sqlx(transparent)]
+pub struct LeaseId(pub Uuid);
+
+impl fmt::Display for LeaseId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Lifecycle state of an intent, as in shared/DESIGN.md.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, sqlx::Type)]
+#[sqlx(type_name = "outbox.intent_state", rename_all = "snake_case")]
+pub enum IntentState {
+    /// Enqueued inside a producer transaction that has not finished.
+    Staged,
+    /// Claimable once `available_at` has passed.
+    Pending,
+    /// Claimed; the side effect has not started.
+    Leased,
+    /// The worker said the external call is starting.
+    Submitted,
+    /// The side effect happened.
+    Delivered,
+    /// Outcome unknown; an operator decides.
+    NeedsReconcile,
+    /// Given up; an operator may requeue.
+    DeadLettered,
+    /// The producer transaction aborted.
+    Discarded,
+}
+
+impl IntentState {
+    /// Every state, in lifecycle order.
+    pub const ALL: [IntentState; 8] = [
+        Self::Staged,
+        Self::Pending,
+        Self::Leased,
+        Self::Submitted,
+        Self::Delivered,
+        Self::NeedsReconcile,
+        Self::DeadLettered,
+        Self::Discarded,
+    ];
+
+    /// States an operator can resolve with `Reconcile`.
+    pub fn awaits_decision(self) -> bool {
+        matches!(self, Self::NeedsReconcile | Self::DeadLettered)
+    }
+
+    /// The lowercase name used in SQL, logs and the CLI.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Staged => "staged",
+            Self::Pending => "pending",
+            Self::Leased => "leased",
+            Self::Submitted => "submitted",
+            Self::Delivered => "delivered",
+            Self::NeedsReconcile => "needs_reconcile",
+            Self::DeadLettered => "dead_lettered",
+            Self::Discarded => "discarded",
+        }
+    }
+}
+
+impl fmt::Display for IntentState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// When a new intent becomes claimable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Schedule {
+    /// As soon as it is committed.
+    Now,
+    /// This long after the enqueue.
+    Delay(Duration),
+    /// From this instant on.
+    At(DateTime<Utc>),
+}
+
+/// An intent as a producer submits it, already validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewIntent {
+    /// Routing key.
+    pub kind: String,
+    /// Opaque body.
+    pub payload: Vec<u8>,
+    /// Media type of the payload ('' when not given).
+    pub content_type: String,
+    /// Region ('' = any).
+    pub region: String,
+    /// Per-tenant deduplication key.
+    pub idempotency_key: Option<String>,
+    /// Headers carried to the worker.
+    pub headers: BTreeMap<String, String>,
+    /// Claims allowed before dead-lettering.
+    pub max_attempts: i32,
+    /// When it becomes claimable.
+    pub schedule: Schedule,
+}
+
+/// A stored intent.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct Intent {
+    /// Its id.
+    pub id: IntentId,
+    /// Its state.
+    pub state: IntentState,
+    /// Routing key.
+    pub kind: String,
+    /// Body (empty when a listing left it out).
+    pub payload: Vec<u8>,
+    /// Media type.
+    pub content_type: String,
+    /// Region ('' = any).
+    pub region: String,
+    /// Deduplication key.
+    pub idempotency_key: Option<String>,
+    /// Headers.
+    pub headers: sqlx::types::Json<BTreeMap<String, String>>,
+    /// Claims so far.
+    pub attempts: i32,
+    /// Claims allowed.
+    pub max_attempts: i32,
+    /// Not claimable before.
+    pub available_at: DateTime<Utc>,
+    /// Enqueued at.
+    pub created_at: DateTime<Utc>,
+    /// Last state change.
+    pub updated_at: DateTime<Utc>,
+    /// Current or last lease.
+    pub lease_id: Option<LeaseId>,
+    /// Expiry of a live lease.
+    pub lease_expires_at: Option<DateTime<Utc>>,
+    /// Worker holding or last holding it.
+    pub worker_id: Option<String>,
+    /// Last reported error.
+    pub last_error: Option<String>,
+}
+
+/// Result of enqueueing one intent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Enqueued {
+    /// Id of the (possibly pre-existing) intent.
+    pub id: IntentId,
+    /// Its state after the call.
+    pub state: IntentState,
+    /// True when an idempotency key matched an intent already stored.
+    pub deduplicated: bool,
+}
+
+/// A lease as the caller presents it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseRef {
+    /// The leased intent.
+    pub intent_id: IntentId,
+    /// The fencing token from Claim.
+    pub lease_id: LeaseId,
+}
+
+/// What a worker knows about a failed side effect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailOutcome {
+    /// Did not happen; retry after backoff.
+    Retry,
+    /// Did not happen and never will.
+    Permanent,
+    /// May have happened.
+    Unknown,
+}
+
+/// One failure report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    /// The failed lease.
+    pub lease: LeaseRef,
+    /// What went wrong.
+    pub error: String,
+    /// What is known.
+    pub outcome: FailOutcome,
+    /// RETRY only: the worker's minimum wait instead of the backoff.
+    pub retry_after: Option<Duration>,
+}
+
+/// An operator's ruling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Decision {
+    /// It happened.
+    Delivered,
+    /// Deliver again (redrive).
+    Requeue,
+    /// Give up.
+    Dead,
+}
+
+impl Decision {
+    /// The name stored in `outbox.resolution.decision`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Delivered => "delivered",
+            Self::Requeue => "requeue",
+            Self::Dead => "dead",
+        }
+    }
+
+    /// Parses the stored name.
+    pub fn from_db(s: &str) -> Option<Self> {
+        match s {
+            "delivered" => Some(Self::Delivered),
+            "requeue" => Some(Self::Requeue),
+            "dead" => Some(Self::Dead),
+            _ => None,
+        }
+    }
+}
+
+/// A recorded operator decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resolution {
+    /// The ruling.
+    pub decision: Decision,
+    /// State before the ruling.
+    pub from_state: IntentState,
+    /// Who.
+    pub actor: String,
+    /// Why.
+    pub reason: String,
+    /// When.
+    pub resolved_at: DateTime<Utc>,
+}
+
+/// Stable, machine-readable reasons carried in `ErrorInfo` and per-item errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// The request is malformed; see the field violations.
+    InvalidArgument,
+    /// A payload exceeds the configured limit.
+    PayloadTooLarge,
+    /// A batch exceeds the configured limit.
+    BatchTooLarge,
+    /// No such intent for this tenant.
+    NotFound,
+    /// The lease expired and was rescued, or was never this caller's.
+    LeaseLost,
+    /// The intent is not in a state the operation applies to.
+    InvalidState,
+    /// An idempotency key is already used for a different intent.
+    IdempotencyConflict,
+    /// The feature is not available in this build or configuration.
+    Unimplemented,
+    /// The database is unreachable or overloaded; retry.
+    Unavailable,
+    /// A transient conflict (serialization, deadlock); retry.
+    Conflict,
+    /// A bug or an unexpected database error.
+    Internal,
+}
+
+impl Reason {
+    /// The stable string form.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InvalidArgument => "INVALID_ARGUMENT",
+            Self::PayloadTooLarge => "PAYLOAD_TOO_LARGE",
+            Self::BatchTooLarge => "BATCH_TOO_LARGE",
+            Self::NotFound => "NOT_FOUND",
+            Self::LeaseLost => "LEASE_LOST",
+            Self::InvalidState => "INVALID_STATE",
+            Self::IdempotencyConflict => "IDEMPOTENCY_CONFLICT",
+            Self::Unimplemented => "UNIMPLEMENTED",
+            Self::Unavailable => "UNAVAILABLE",
+            Self::Conflict => "CONFLICT",
+            Self::Internal => "INTERNAL",
+        }
+    }
+}
+
+/// Why one item of a batch was not applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ItemError {
+    /// Stable reason.
+    pub reason: Reason,
+    /// Human-readable explanation.
+    pub message: String,
+}
+
+impl ItemError {
+    /// No intent with this id for the caller's tenant.
+    pub fn not_found(id: IntentId) -> Self {
+        Self {
+            reason: Reason::NotFound,
+            message: format!("intent {id} not found"),
+        }
+    }
+
+    /// The lease is not (or no longer) the live lease of the intent.
+    pub fn lease_lost(id: IntentId, state: IntentState) -> Self {
+        Self {
+            reason: Reason::LeaseLost,
+            message: format!(
+                "lease on intent {id} is no longer held (the intent is {state}); \
+                 do not report this attempt again"
+            ),
+        }
+    }
+
+    /// The intent is in a state the operation does not apply to.
+    pub fn invalid_state(id: IntentId, state: IntentState, wanted: &str) -> Self {
+        Self {
+            reason: Reason::InvalidState,
+            message: format!("intent {id} is {state}; {wanted}"),
+        }
+    }
+}
+
+/// Outcome of one item of a lease batch call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ItemResult {
+    /// The intent.
+    pub intent_id: IntentId,
+    /// State after the call; `None` when not found.
+    pub state: Option<IntentState>,
+    /// Set when not applied.
+    pub error: Option<ItemError>,
+    /// New expiry (ExtendLease).
+    pub lease_expires_at: Option<DateTime<Utc>>,
+}
+
+/// One invalid field of a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldViolation {
+    /// Path of the field, e.g. `intents[2].kind`.
+    pub field: String,
+    /// What is wrong and what is allowed.
+    pub description: String,
+}
+
+impl FieldViolation {
+    /// Builds a violation.
+    pub fn new(field: impl Into<String>, description: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            description: description.into(),
+        }
+    }
+}
+
+/// Errors of outbox operations; mapped to gRPC statuses in exactly one place (`crate::grpc`).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The request is malformed.
+    #[error("invalid request: {}", describe(.0))]
+    InvalidArgument(Vec<FieldViolation>),
+    /// The request is well formed but exceeds a configured limit.
+    #[error("limit exceeded: {}", describe(.1))]
+    LimitExceeded(Reason, Vec<FieldViolation>),
+    /// No such intent.
+    #[error("intent {0} not found")]
+    NotFound(IntentId),
+    /// An idempotency key is already used by an intent with a different kind or payload.
+    #[error(
+        "idempotency key {key:?} is already used by intent {existing} with a different kind or payload"
+    )]
+    IdempotencyConflict {
+        /// The key.
+        key: String,
+        /// The intent that holds it.
+        existing: IntentId,
+    },
+    /// The operation does not exist yet in this build.
+    #[error("{0}")]
+    Unimplemented(String),
+    /// A database failure.
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+fn describe(violations: &[FieldViolation]) -> String {
+    violations
+        .iter()
+        .map(|v| format!("{}: {}", v.field, v.description))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Result of outbox operations.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

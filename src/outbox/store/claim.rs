@@ -1,0 +1,163 @@
+//! Claim: lease a batch of claimable intents in one statement with `FOR UPDATE SKIP LOCKED`.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::{Acquire, PgConnection};
+
+use super::{intent_columns, millis};
+use crate::outbox::{Intent, Result};
+
+/// Inputs of [`claim_intents`].
+#[derive(Debug)]
+pub struct ClaimParams<'a> {
+    /// Tenant whose intents to lease.
+    pub tenant_id: &'a str,
+    /// Worker taking the leases.
+    pub worker_id: &'a str,
+    /// Worker's region ('' = any): it gets that region's intents and region-less ones.
+    pub region: &'a str,
+    /// Only these kinds (empty = all).
+    pub kinds: &'a [String],
+    /// Most intents to lease.
+    pub max_intents: i32,
+    /// Lease length.
+    pub lease_duration: Duration,
+    /// Client id of this claim, for replays.
+    pub request_id: Option<&'a str>,
+    /// Current time override (tests).
+    pub now: Option<DateTime<Utc>>,
+}
+
+/// Leases up to `max_intents` claimable intents, oldest `available_at` first, minting a
+/// fresh lease id for each and counting the attempt. With a `request_id` that already
+/// leased intents for this worker, returns those live leases instead of leasing more.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn claim_intents(
+    conn: &mut PgConnection,
+    params: ClaimParams<'_>,
+) -> Result<Vec<Intent>> {
+    let mut intents = match params.request_id {
+        None => lease_next(conn, &params).await?,
+        Some(request_id) => {
+            let mut tx = conn.begin().await?;
+            // Serialises retries of one request id so two racing retries cannot both lease.
+            sqlx::query(
+                "SELECT pg_advisory_xact_lock(hashtextextended($1 || '/' || $2 || '/' || $3, 0))",
+            )
+            .bind(params.tenant_id)
+            .bind(params.worker_id)
+            .bind(request_id)
+            .execute(&mut *tx)
+            .await?;
+            let earlier = leases_of_request(&mut tx, &params, request_id).await?;
+            let intents = if earlier.is_empty() {
+                lease_next(&mut tx, &params).await?
+            } else {
+                earlier
+            };
+            tx.commit().await?;
+            intents
+        }
+    };
+    intents.sort_by_key(|i| (i.available_at, i.id));
+    Ok(intents)
+}
+
+async fn lease_next(conn: &mut PgConnection, params: &ClaimParams<'_>) -> Result<Vec<Intent>> {
+    let intents = sqlx::query_as(concat!(
+        r#"
+        WITH next AS (
+            SELECT id
+            FROM outbox.intent
+            WHERE state = 'pending'
+              AND available_at <= coalesce($8::timestamptz, now())
+              AND tenant_id = $1
+              AND ($3 = '' OR region = '' OR region = $3)
+              AND (cardinality($4::text[]) = 0 OR kind = ANY($4))
+            ORDER BY available_at, id
+            LIMIT $5
+            FOR UPDATE SKIP LOCKED
+        )
+        UPDATE outbox.intent i
+        SET state = 'leased',
+            attempts = i.attempts + 1,
+            lease_id = gen_random_uuid(),
+            lease_expires_at = coalesce($8::timestamptz, now()) + $6 * interval '1 ms',
+            worker_id = $2,
+            claim_request_id = $7,
+            updated_at = coalesce($8::timestamptz, now())
+        FROM next
+        WHERE i.id = next.id
+        RETURNING "#,
+        intent_columns!("i")
+    ))
+    .bind(params.tenant_id)
+    .bind(params.worker_id)
+    .bind(params.region)
+    .bind(params.kinds)
+    .bind(params.max_intents)
+    .bind(millis(params.lease_duration))
+    .bind(params.request_id)
+    .bind(params.now)
+    .fetch_all(conn)
+    .await?;
+    Ok(intents)
+}
+
+async fn leases_of_request(
+    conn: &mut PgConnection,
+    params: &ClaimParams<'_>,
+    request_id: &str,
+) -> Result<Vec<Intent>> {
+    let intents = sqlx::query_as(concat!(
+        "SELECT ",
+        intent_columns!("i"),
+        r#"
+        FROM outbox.intent i
+        WHERE i.tenant_id = $1
+          AND i.worker_id = $2
+          AND i.claim_request_id = $3
+          AND i.state IN ('leased', 'submitted')
+        "#
+    ))
+    .bind(params.tenant_id)
+    .bind(params.worker_id)
+    .bind(request_id)
+    .fetch_all(conn)
+    .await?;
+    Ok(intents)
+}
+
+/// How long until the next PENDING intent matching the claim's filters becomes due, if one
+/// is scheduled in the future; lets a long-polling claimer sleep exactly that long.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn next_due_in(
+    db: impl sqlx::PgExecutor<'_>,
+    params: &ClaimParams<'_>,
+) -> Result<Option<Duration>> {
+    let seconds: Option<f64> = sqlx::query_scalar(
+        r#"
+        SELECT extract(epoch FROM available_at - coalesce($4::timestamptz, now()))::float8
+        FROM outbox.intent
+        WHERE state = 'pending'
+          AND available_at > coalesce($4::timestamptz, now())
+          AND tenant_id = $1
+          AND ($2 = '' OR region = '' OR region = $2)
+          AND (cardinality($3::text[]) = 0 OR kind = ANY($3))
+        ORDER BY available_at
+        LIMIT 1
+        "#,
+    )
+    .bind(params.tenant_id)
+    .bind(params.region)
+    .bind(params.kinds)
+    .bind(params.now)
+    .fetch_optional(db)
+    .await?;
+    Ok(seconds.map(|s| Duration::from_secs_f64(s.max(0.0))))
+}

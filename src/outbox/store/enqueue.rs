@@ -1,0 +1,191 @@
+//! Enqueue: one batch insert with per-tenant idempotency keys.
+
+use chrono::{DateTime, Utc};
+use sqlx::PgConnection;
+use sqlx::types::Json;
+use uuid::Uuid;
+
+use super::{PENDING_CHANNEL, millis};
+use crate::outbox::{Enqueued, Error, IntentId, IntentState, NewIntent, Result, Schedule};
+
+/// Inputs of [`insert_intents`].
+#[derive(Debug)]
+pub struct EnqueueParams<'a> {
+    /// Owner of the intents.
+    pub tenant_id: &'a str,
+    /// Validated intents; idempotency keys are unique within the batch.
+    pub intents: &'a [NewIntent],
+    /// Current time override (tests).
+    pub now: Option<DateTime<Utc>>,
+}
+
+#[derive(sqlx::FromRow)]
+struct InsertRow {
+    new_id: Uuid,
+    inserted: bool,
+    claimable_now: bool,
+    existing_id: Option<Uuid>,
+    existing_state: Option<IntentState>,
+    same_content: Option<bool>,
+}
+
+/// Inserts a batch of intents as PENDING within the caller's transaction, deduplicating by
+/// idempotency key, and notifies waiting claimers when any is claimable now (delivered by
+/// PostgreSQL only if the transaction commits).
+///
+/// # Errors
+/// [`Error::IdempotencyConflict`] when a key is held by an intent with another kind or
+/// payload (the caller must roll back); [`Error::Database`] otherwise.
+pub async fn insert_intents(
+    conn: &mut PgConnection,
+    params: EnqueueParams<'_>,
+) -> Result<Vec<Enqueued>> {
+    let n = params.intents.len();
+    let mut ids = Vec::with_capacity(n);
+    let mut kinds = Vec::with_capacity(n);
+    let mut regions = Vec::with_capacity(n);
+    let mut payloads = Vec::with_capacity(n);
+    let mut content_types = Vec::with_capacity(n);
+    let mut keys = Vec::with_capacity(n);
+    let mut headers = Vec::with_capacity(n);
+    let mut max_attempts = Vec::with_capacity(n);
+    let mut delays_ms: Vec<Option<i64>> = Vec::with_capacity(n);
+    let mut at: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(n);
+    for intent in params.intents {
+        ids.push(Uuid::now_v7());
+        kinds.push(intent.kind.as_str());
+        regions.push(intent.region.as_str());
+        payloads.push(intent.payload.as_slice());
+        content_types.push(intent.content_type.as_str());
+        keys.push(intent.idempotency_key.as_deref());
+        headers.push(Json(&intent.headers));
+        max_attempts.push(intent.max_attempts);
+        let (delay, instant) = match intent.schedule {
+            Schedule::Now => (None, None),
+            Schedule::Delay(d) => (Some(millis(d)), None),
+            Schedule::At(t) => (None, Some(t)),
+        };
+        delays_ms.push(delay);
+        at.push(instant);
+    }
+
+    let rows: Vec<InsertRow> = sqlx::query_as(
+        r#"
+        WITH input AS (
+            SELECT *
+            FROM unnest($2::uuid[], $3::text[], $4::text[], $5::bytea[], $6::text[], $7::text[],
+                        $8::jsonb[], $9::int[], $10::bigint[], $11::timestamptz[])
+                WITH ORDINALITY
+                AS t(id, kind, region, payload, content_type, idempotency_key,
+                     headers, max_attempts, delay_ms, at, ord)
+        ),
+        clock AS (
+            SELECT coalesce($12::timestamptz, now()) AS now
+        ),
+        inserted AS (
+            INSERT INTO outbox.intent (id, tenant_id, kind, region, payload, content_type,
+                                       idempotency_key, headers, state, max_attempts,
+                                       available_at, created_at, updated_at)
+            SELECT input.id, $1, input.kind, input.region, input.payload, input.content_type,
+                   input.idempotency_key, input.headers, 'pending', input.max_attempts,
+                   coalesce(input.at, clock.now + coalesce(input.delay_ms, 0) * interval '1 ms'),
+                   clock.now, clock.now
+            FROM input, clock
+            ORDER BY input.ord
+            ON CONFLICT (tenant_id, idempotency_key) WHERE idempotency_key IS NOT NULL
+            DO NOTHING
+            RETURNING id, available_at <= created_at AS claimable_now
+        )
+        SELECT input.id AS new_id,
+               inserted.id IS NOT NULL AS inserted,
+               coalesce(inserted.claimable_now, false) AS claimable_now,
+               existing.id AS existing_id,
+               existing.state AS existing_state,
+               (existing.kind = input.kind AND existing.payload = input.payload) AS same_content
+        FROM input
+        LEFT JOIN inserted ON inserted.id = input.id
+        LEFT JOIN outbox.intent existing
+            ON inserted.id IS NULL
+           AND existing.tenant_id = $1
+           AND existing.idempotency_key = input.idempotency_key
+        ORDER BY input.ord
+        "#,
+    )
+    .bind(params.tenant_id)
+    .bind(&ids)
+    .bind(&kinds)
+    .bind(&regions)
+    .bind(&payloads)
+    .bind(&content_types)
+    .bind(&keys)
+    .bind(&headers)
+    .bind(&max_attempts)
+    .bind(&delays_ms)
+    .bind(&at)
+    .bind(params.now)
+    .fetch_all(&mut *conn)
+    .await?;
+
+    let mut results = Vec::with_capacity(n);
+    let mut notify = false;
+    for (row, intent) in rows.into_iter().zip(params.intents) {
+        if row.inserted {
+            notify |= row.claimable_now;
+            results.push(Enqueued {
+                id: IntentId(row.new_id),
+                state: IntentState::Pending,
+                deduplicated: false,
+            });
+            continue;
+        }
+        // The key is taken. A concurrent enqueue that committed after this statement's
+        // snapshot is invisible to the join above, so look again with a fresh snapshot.
+        let key = intent.idempotency_key.as_deref().unwrap_or_default();
+        let (existing_id, existing_state, same) = match (row.existing_id, row.existing_state) {
+            (Some(id), Some(state)) => (id, state, row.same_content.unwrap_or(false)),
+            _ => find_by_key(conn, params.tenant_id, key, intent).await?,
+        };
+        if !same {
+            return Err(Error::IdempotencyConflict {
+                key: key.to_owned(),
+                existing: IntentId(existing_id),
+            });
+        }
+        results.push(Enqueued {
+            id: IntentId(existing_id),
+            state: existing_state,
+            deduplicated: true,
+        });
+    }
+
+    if notify {
+        sqlx::query("SELECT pg_notify($1, '')")
+            .bind(PENDING_CHANNEL)
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(results)
+}
+
+async fn find_by_key(
+    conn: &mut PgConnection,
+    tenant_id: &str,
+    key: &str,
+    intent: &NewIntent,
+) -> Result<(Uuid, IntentState, bool)> {
+    let row: (Uuid, IntentState, bool) = sqlx::query_as(
+        r#"
+        SELECT id, state, (kind = $3 AND payload = $4)
+        FROM outbox.intent
+        WHERE tenant_id = $1
+          AND idempotency_key = $2
+        "#,
+    )
+    .bind(tenant_id)
+    .bind(key)
+    .bind(&intent.kind)
+    .bind(&intent.payload)
+    .fetch_one(conn)
+    .await?;
+    Ok(row)
+}

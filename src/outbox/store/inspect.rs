@@ -1,0 +1,180 @@
+//! Read-only inspection for operators: one intent with its history, pages of intents,
+//! and queue statistics.
+
+use chrono::{DateTime, Utc};
+use sqlx::PgConnection;
+
+use super::intent_columns;
+use crate::outbox::{Decision, Intent, IntentId, IntentState, Resolution, Result};
+
+/// Loads one intent of the tenant and its recorded decisions, oldest first.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn get_intent(
+    conn: &mut PgConnection,
+    tenant_id: &str,
+    id: IntentId,
+) -> Result<Option<(Intent, Vec<Resolution>)>> {
+    let intent: Option<Intent> = sqlx::query_as(concat!(
+        "SELECT ",
+        intent_columns!("i"),
+        r#"
+        FROM outbox.intent i
+        WHERE i.tenant_id = $1
+          AND i.id = $2
+        "#
+    ))
+    .bind(tenant_id)
+    .bind(id)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(intent) = intent else {
+        return Ok(None);
+    };
+    let rows: Vec<(String, IntentState, String, String, DateTime<Utc>)> = sqlx::query_as(
+        r#"
+        SELECT decision, from_state, actor, reason, resolved_at
+        FROM outbox.resolution
+        WHERE tenant_id = $1
+          AND intent_id = $2
+        ORDER BY id
+        "#,
+    )
+    .bind(tenant_id)
+    .bind(id)
+    .fetch_all(&mut *conn)
+    .await?;
+    let resolutions = rows
+        .into_iter()
+        .filter_map(|(decision, from_state, actor, reason, resolved_at)| {
+            Some(Resolution {
+                decision: Decision::from_db(&decision)?,
+                from_state,
+                actor,
+                reason,
+                resolved_at,
+            })
+        })
+        .collect();
+    Ok(Some((intent, resolutions)))
+}
+
+/// Inputs of [`list_intents`].
+#[derive(Debug, Clone, Default)]
+pub struct ListParams<'a> {
+    /// Tenant to list.
+    pub tenant_id: &'a str,
+    /// Only these states (empty = all).
+    pub states: Vec<IntentState>,
+    /// Only this kind.
+    pub kind: Option<String>,
+    /// Only this region.
+    pub region: Option<String>,
+    /// Only ids greater than this (keyset paging; ids are time ordered).
+    pub after: Option<IntentId>,
+    /// Page size.
+    pub limit: i64,
+    /// Return payload bytes too.
+    pub include_payload: bool,
+}
+
+/// Lists intents in id (enqueue) order.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn list_intents(conn: &mut PgConnection, params: ListParams<'_>) -> Result<Vec<Intent>> {
+    let mut intents: Vec<Intent> = sqlx::query_as(concat!(
+        "SELECT ",
+        intent_columns!("i"),
+        r#"
+        FROM outbox.intent i
+        WHERE i.tenant_id = $1
+          AND (cardinality($2::outbox.intent_state[]) = 0 OR i.state = ANY($2))
+          AND ($3::text IS NULL OR i.kind = $3)
+          AND ($4::text IS NULL OR i.region = $4)
+          AND ($5::uuid IS NULL OR i.id > $5)
+        ORDER BY i.id
+        LIMIT $6
+        "#
+    ))
+    .bind(params.tenant_id)
+    .bind(&params.states)
+    .bind(&params.kind)
+    .bind(&params.region)
+    .bind(params.after)
+    .bind(params.limit)
+    .fetch_all(conn)
+    .await?;
+    if !params.include_payload {
+        for intent in &mut intents {
+            intent.payload.clear();
+        }
+    }
+    Ok(intents)
+}
+
+/// Number of intents in one state and region.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct StateCount {
+    /// The state.
+    pub state: IntentState,
+    /// The region ('' = any).
+    pub region: String,
+    /// How many.
+    pub count: i64,
+}
+
+/// Queue statistics of a tenant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueStats {
+    /// Non-zero counts by state and region.
+    pub counts: Vec<StateCount>,
+    /// Earliest `available_at` among claimable PENDING intents.
+    pub oldest_pending_at: Option<DateTime<Utc>>,
+    /// Enqueue time of the oldest STAGED intent.
+    pub oldest_staged_at: Option<DateTime<Utc>>,
+}
+
+/// Counts a tenant's intents by state and region.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn queue_stats(
+    conn: &mut PgConnection,
+    tenant_id: &str,
+    now: Option<DateTime<Utc>>,
+) -> Result<QueueStats> {
+    let counts: Vec<StateCount> = sqlx::query_as(
+        r#"
+        SELECT state, region, count(*) AS count
+        FROM outbox.intent
+        WHERE tenant_id = $1
+        GROUP BY state, region
+        ORDER BY state, region
+        "#,
+    )
+    .bind(tenant_id)
+    .fetch_all(&mut *conn)
+    .await?;
+    let (oldest_pending_at, oldest_staged_at): (Option<DateTime<Utc>>, Option<DateTime<Utc>>) =
+        sqlx::query_as(
+            r#"
+            SELECT
+                (SELECT min(available_at) FROM outbox.intent
+                 WHERE state = 'pending' AND tenant_id = $1
+                   AND available_at <= coalesce($2::timestamptz, now())),
+                (SELECT min(created_at) FROM outbox.intent
+                 WHERE state = 'staged' AND tenant_id = $1)
+            "#,
+        )
+        .bind(tenant_id)
+        .bind(now)
+        .fetch_one(&mut *conn)
+        .await?;
+    Ok(QueueStats {
+        counts,
+        oldest_pending_at,
+        oldest_staged_at,
+    })
+}

@@ -1,0 +1,128 @@
+//! Background sweeps: rescue of expired leases and purge of finished history. Both take
+//! their rows with `SKIP LOCKED`, so any number of replicas may run them at once.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::PgExecutor;
+
+use super::{PENDING_CHANNEL, millis};
+use crate::outbox::{IntentState, Result};
+
+/// Exponential backoff between delivery attempts, with jitter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackoffParams {
+    /// Delay after the first attempt; doubles with each further attempt.
+    pub base: Duration,
+    /// Longest delay.
+    pub cap: Duration,
+}
+
+impl Default for BackoffParams {
+    fn default() -> Self {
+        Self {
+            base: Duration::from_secs(1),
+            cap: Duration::from_secs(300),
+        }
+    }
+}
+
+/// Rescues up to `limit` leases that expired before now, across tenants: a LEASED intent
+/// goes back to PENDING after the backoff (or DEAD_LETTERED when attempts are used up); a
+/// SUBMITTED one goes to NEEDS_RECONCILE, never to a blind retry. Returns the new state of
+/// every rescued intent.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn rescue_expired_leases(
+    db: impl PgExecutor<'_>,
+    backoff: BackoffParams,
+    limit: i64,
+    now: Option<DateTime<Utc>>,
+) -> Result<Vec<IntentState>> {
+    let states: Vec<(IntentState,)> = sqlx::query_as(
+        r#"
+        WITH expired AS (
+            SELECT id
+            FROM outbox.intent
+            WHERE state IN ('leased', 'submitted')
+              AND lease_expires_at < coalesce($4::timestamptz, now())
+            ORDER BY lease_expires_at
+            LIMIT $3
+            FOR UPDATE SKIP LOCKED
+        ),
+        rescued AS (
+            UPDATE outbox.intent i
+            SET state = CASE
+                    WHEN i.state = 'submitted' THEN 'needs_reconcile'
+                    WHEN i.attempts >= i.max_attempts THEN 'dead_lettered'
+                    ELSE 'pending'
+                END::outbox.intent_state,
+                -- The holder of a SUBMITTED lease may still learn and report the outcome;
+                -- a LEASED holder never started, so its lease is void.
+                lease_id = CASE WHEN i.state = 'submitted' THEN i.lease_id END,
+                available_at = coalesce($4::timestamptz, now())
+                    + least($2, $1 * power(2, least(greatest(i.attempts - 1, 0), 40)))
+                        * (0.5 + random() / 2) * interval '1 ms',
+                lease_expires_at = NULL,
+                claim_request_id = NULL,
+                last_error = CASE
+                    WHEN i.state = 'submitted'
+                        THEN 'lease expired after the external call started'
+                    ELSE 'lease expired before the external call started'
+                END,
+                updated_at = coalesce($4::timestamptz, now())
+            FROM expired
+            WHERE i.id = expired.id
+            RETURNING i.state
+        ),
+        -- Claimers long-polling right now may take the rescued intents once due.
+        woken AS (
+            SELECT pg_notify($5, '')
+            WHERE EXISTS (SELECT 1 FROM rescued WHERE state = 'pending')
+        )
+        SELECT state FROM rescued, (SELECT count(*) FROM woken) AS w
+        "#,
+    )
+    .bind(millis(backoff.base) as f64)
+    .bind(millis(backoff.cap) as f64)
+    .bind(limit)
+    .bind(now)
+    .bind(PENDING_CHANNEL)
+    .fetch_all(db)
+    .await?;
+    Ok(states.into_iter().map(|(s,)| s).collect())
+}
+
+/// Deletes up to `limit` DELIVERED and DISCARDED intents that finished before
+/// `now - retention`. Returns how many it deleted.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn purge_finished_intents(
+    db: impl PgExecutor<'_>,
+    retention: Duration,
+    limit: i64,
+    now: Option<DateTime<Utc>>,
+) -> Result<u64> {
+    let done = sqlx::query(
+        r#"
+        DELETE FROM outbox.intent
+        WHERE id IN (
+            SELECT id
+            FROM outbox.intent
+            WHERE state IN ('delivered', 'discarded')
+              AND finished_at < coalesce($3::timestamptz, now()) - $1 * interval '1 ms'
+            ORDER BY finished_at
+            LIMIT $2
+            FOR UPDATE SKIP LOCKED
+        )
+        "#,
+    )
+    .bind(millis(retention))
+    .bind(limit)
+    .bind(now)
+    .execute(db)
+    .await?;
+    Ok(done.rows_affected())
+}

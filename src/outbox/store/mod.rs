@@ -1,0 +1,69 @@
+//! Every SQL statement of outboxd, and nothing else. Each transition is one guarded
+//! statement (`UPDATE … WHERE state = ANY(…) AND lease_id = … RETURNING`), so a caller that
+//! lost a race gets no row back instead of forcing a write.
+//!
+//! Time is `coalesce($now, now())`: `None` in production, a manual instant in tests.
+
+mod claim;
+mod enqueue;
+mod inspect;
+mod maintenance;
+mod reconcile;
+mod settle;
+
+pub use claim::{ClaimParams, claim_intents, next_due_in};
+pub use enqueue::{EnqueueParams, insert_intents};
+pub use inspect::{ListParams, QueueStats, StateCount, get_intent, list_intents, queue_stats};
+pub use maintenance::{BackoffParams, purge_finished_intents, rescue_expired_leases};
+pub use reconcile::{ReconcileParams, ReconcileTarget, resolve_intents};
+pub use settle::{ack_intents, extend_leases, fail_intents, mark_intents_submitted};
+
+/// The NOTIFY channel that wakes long-polling claimers when intents become claimable.
+pub const PENDING_CHANNEL: &str = "outbox_intent_pending";
+
+/// The columns of `crate::outbox::Intent`, in one place for every statement returning intents.
+macro_rules! intent_columns {
+    ($t:literal) => {
+        concat!(
+            $t,
+            ".id, ",
+            $t,
+            ".state, ",
+            $t,
+            ".kind, ",
+            $t,
+            ".payload, ",
+            $t,
+            ".content_type, ",
+            $t,
+            ".region, ",
+            $t,
+            ".idempotency_key, ",
+            $t,
+            ".headers, ",
+            $t,
+            ".attempts, ",
+            $t,
+            ".max_attempts, ",
+            $t,
+            ".available_at, ",
+            $t,
+            ".created_at, ",
+            $t,
+            ".updated_at, ",
+            $t,
+            ".lease_id, ",
+            $t,
+            ".lease_expires_at, ",
+            $t,
+            ".worker_id, ",
+            $t,
+            ".last_error"
+        )
+    };
+}
+pub(crate) use intent_columns;
+
+fn millis(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}

@@ -1,0 +1,631 @@
+//! Request validation: converts wire requests into domain inputs, checking every field
+//! against the configured limits. A request is either wholly valid or rejected with every
+//! violation named, before anything touches the database.
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use crate::config::Limits;
+use crate::outbox::store::ReconcileTarget;
+use crate::outbox::{
+    Decision, Error, FailOutcome, Failure, FieldViolation, IntentId, IntentState, LeaseId,
+    LeaseRef, NewIntent, Reason, Result, Schedule,
+};
+use crate::proto::{from_timestamp, v1};
+
+const MAX_NAME_LEN: usize = 200;
+const MAX_REGION_LEN: usize = 64;
+const MAX_HEADERS: usize = 64;
+const MAX_HEADER_KEY_LEN: usize = 128;
+const MAX_HEADER_VALUE_LEN: usize = 4096;
+const MAX_TEXT_LEN: usize = 4096;
+const MAX_KINDS: usize = 100;
+const MAX_ATTEMPTS: i32 = 1000;
+const MAX_SCHEDULE_AHEAD: Duration = Duration::from_secs(366 * 86_400);
+const DEFAULT_RECONCILE_LIMIT: usize = 100;
+const DEFAULT_PAGE_SIZE: usize = 50;
+
+/// Collects violations; invalid input is reported all at once.
+#[derive(Default)]
+struct Check {
+    invalid: Vec<FieldViolation>,
+    too_large: Option<(Reason, Vec<FieldViolation>)>,
+}
+
+impl Check {
+    fn fail(&mut self, field: impl Into<String>, description: impl Into<String>) {
+        self.invalid.push(FieldViolation::new(field, description));
+    }
+
+    fn limit(&mut self, reason: Reason, field: impl Into<String>, description: impl Into<String>) {
+        self.too_large
+            .get_or_insert_with(|| (reason, Vec::new()))
+            .1
+            .push(FieldViolation::new(field, description));
+    }
+
+    fn done<T>(self, value: T) -> Result<T> {
+        if !self.invalid.is_empty() {
+            Err(Error::InvalidArgument(self.invalid))
+        } else if let Some((reason, violations)) = self.too_large {
+            Err(Error::LimitExceeded(reason, violations))
+        } else {
+            Ok(value)
+        }
+    }
+
+    /// A batch must be non-empty and within the limit.
+    fn batch(&mut self, field: &str, len: usize, limits: &Limits) {
+        if len == 0 {
+            self.fail(field, "must contain at least one item");
+        } else if len > limits.max_batch {
+            self.limit(
+                Reason::BatchTooLarge,
+                field,
+                format!("{len} items; at most {} per request", limits.max_batch),
+            );
+        }
+    }
+
+    /// Printable text without control characters (PostgreSQL text cannot hold NUL).
+    fn text(&mut self, field: &str, value: &str, required: bool, max: usize) {
+        if value.is_empty() {
+            if required {
+                self.fail(field, "is required");
+            }
+        } else if value.chars().count() > max {
+            self.fail(field, format!("longer than {max} characters"));
+        } else if value.chars().any(char::is_control) {
+            self.fail(field, "must not contain control characters");
+        }
+    }
+
+    /// Identifier-like names: letters, digits and `. _ - : /`.
+    fn name(&mut self, field: &str, value: &str, required: bool, max: usize) {
+        if value.is_empty() {
+            if required {
+                self.fail(field, "is required");
+            }
+        } else if value.len() > max {
+            self.fail(field, format!("longer than {max} characters"));
+        } else if !value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-:/".contains(&b))
+        {
+            self.fail(
+                field,
+                "may only contain ASCII letters, digits and . _ - : /",
+            );
+        }
+    }
+
+    fn uuid(&mut self, field: &str, value: &str) -> Uuid {
+        match Uuid::parse_str(value) {
+            Ok(u) => u,
+            Err(_) if value.is_empty() => {
+                self.fail(field, "is required");
+                Uuid::nil()
+            }
+            Err(_) => {
+                self.fail(
+                    field,
+                    "must be a UUID such as 0190f3c4-8f1e-7d2a-9b3c-2f4e5d6a7b8c",
+                );
+                Uuid::nil()
+            }
+        }
+    }
+
+    /// A non-negative duration within `max`; `None` when unset.
+    fn duration(
+        &mut self,
+        field: &str,
+        value: Option<&prost_types::Duration>,
+        max: Duration,
+    ) -> Option<Duration> {
+        let d = value?;
+        let valid = d.seconds >= 0 && (0..1_000_000_000).contains(&d.nanos);
+        let duration = valid.then(|| Duration::new(d.seconds as u64, d.nanos as u32));
+        match duration {
+            None => {
+                self.fail(field, "must be a non-negative duration");
+                None
+            }
+            Some(d) if d > max => {
+                self.fail(field, format!("must not exceed {}s", max.as_secs_f64()));
+                None
+            }
+            Some(d) => Some(d),
+        }
+    }
+
+    fn state(&mut self, field: &str, value: i32) -> Option<IntentState> {
+        let state = match v1::IntentState::try_from(value) {
+            Ok(v1::IntentState::Staged) => IntentState::Staged,
+            Ok(v1::IntentState::Pending) => IntentState::Pending,
+            Ok(v1::IntentState::Leased) => IntentState::Leased,
+            Ok(v1::IntentState::Submitted) => IntentState::Submitted,
+            Ok(v1::IntentState::Delivered) => IntentState::Delivered,
+            Ok(v1::IntentState::NeedsReconcile) => IntentState::NeedsReconcile,
+            Ok(v1::IntentState::DeadLettered) => IntentState::DeadLettered,
+            Ok(v1::IntentState::Discarded) => IntentState::Discarded,
+            Ok(v1::IntentState::Unspecified) | Err(_) => {
+                self.fail(field, format!("{value} is not a known intent state"));
+                return None;
+            }
+        };
+        Some(state)
+    }
+}
+
+/// Validates an Enqueue request into domain intents and the optional transaction token.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] or [`Error::LimitExceeded`] naming every bad field.
+pub fn enqueue(req: v1::EnqueueRequest, limits: &Limits) -> Result<(Vec<NewIntent>, String)> {
+    let mut c = Check::default();
+    c.batch("intents", req.intents.len(), limits);
+    let mut keys = HashSet::new();
+    let mut intents = Vec::with_capacity(req.intents.len());
+    for (i, intent) in req.intents.into_iter().enumerate() {
+        let f = |name: &str| format!("intents[{i}].{name}");
+        c.name(&f("kind"), &intent.kind, true, MAX_NAME_LEN);
+        c.name(&f("region"), &intent.region, false, MAX_REGION_LEN);
+        c.text(
+            &f("content_type"),
+            &intent.content_type,
+            false,
+            MAX_NAME_LEN,
+        );
+        c.text(
+            &f("idempotency_key"),
+            &intent.idempotency_key,
+            false,
+            MAX_NAME_LEN,
+        );
+        if !intent.idempotency_key.is_empty() && !keys.insert(intent.idempotency_key.clone()) {
+            c.fail(
+                f("idempotency_key"),
+                "repeats a key used earlier in this batch",
+            );
+        }
+        if intent.payload.len() > limits.max_payload_bytes {
+            c.limit(
+                Reason::PayloadTooLarge,
+                f("payload"),
+                format!(
+                    "{} bytes; at most {} bytes",
+                    intent.payload.len(),
+                    limits.max_payload_bytes
+                ),
+            );
+        }
+        if intent.headers.len() > MAX_HEADERS {
+            c.fail(f("headers"), format!("more than {MAX_HEADERS} headers"));
+        }
+        for (key, value) in &intent.headers {
+            c.name(
+                &f(&format!("headers[{key:?}]")),
+                key,
+                true,
+                MAX_HEADER_KEY_LEN,
+            );
+            c.text(
+                &f(&format!("headers[{key:?}]")),
+                value,
+                false,
+                MAX_HEADER_VALUE_LEN,
+            );
+        }
+        let max_attempts = match intent.max_attempts {
+            0 => limits.default_max_attempts,
+            n if (1..=MAX_ATTEMPTS).contains(&n) => n,
+            n => {
+                c.fail(
+                    f("max_attempts"),
+                    format!("{n}; must be between 1 and {MAX_ATTEMPTS} (0: default)"),
+                );
+                0
+            }
+        };
+        let schedule = match &intent.schedule {
+            None => Schedule::Now,
+            Some(v1::new_intent::Schedule::Delay(d)) => c
+                .duration(&f("delay"), Some(d), MAX_SCHEDULE_AHEAD)
+                .map_or(Schedule::Now, Schedule::Delay),
+            Some(v1::new_intent::Schedule::AvailableAt(t)) => {
+                let latest = chrono::Utc::now() + MAX_SCHEDULE_AHEAD;
+                match from_timestamp(t) {
+                    Some(at) if at <= latest => Schedule::At(at),
+                    _ => {
+                        c.fail(
+                            f("available_at"),
+                            "must be a valid instant at most a year ahead",
+                        );
+                        Schedule::Now
+                    }
+                }
+            }
+        };
+        intents.push(NewIntent {
+            kind: intent.kind,
+            payload: intent.payload,
+            content_type: intent.content_type,
+            region: intent.region,
+            idempotency_key: (!intent.idempotency_key.is_empty()).then_some(intent.idempotency_key),
+            headers: intent.headers.into_iter().collect::<BTreeMap<_, _>>(),
+            max_attempts,
+            schedule,
+        });
+    }
+    c.text("txn_token", &req.txn_token, false, MAX_NAME_LEN);
+    c.done((intents, req.txn_token))
+}
+
+/// A validated Claim request.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    /// Worker id.
+    pub worker_id: String,
+    /// Worker region.
+    pub region: String,
+    /// Kinds filter.
+    pub kinds: Vec<String>,
+    /// Batch size.
+    pub max_intents: i32,
+    /// Lease length.
+    pub lease_duration: Duration,
+    /// Long-poll duration (zero: none).
+    pub wait: Duration,
+    /// Replay id.
+    pub request_id: Option<String>,
+}
+
+/// Validates a Claim request.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] or [`Error::LimitExceeded`] naming every bad field.
+pub fn claim(req: v1::ClaimRequest, limits: &Limits) -> Result<Claim> {
+    let mut c = Check::default();
+    c.text("worker_id", &req.worker_id, true, MAX_NAME_LEN);
+    c.name("region", &req.region, false, MAX_REGION_LEN);
+    if req.kinds.len() > MAX_KINDS {
+        c.fail("kinds", format!("more than {MAX_KINDS} kinds"));
+    }
+    for (i, kind) in req.kinds.iter().enumerate() {
+        c.name(&format!("kinds[{i}]"), kind, true, MAX_NAME_LEN);
+    }
+    if req.max_intents < 1 {
+        c.fail("max_intents", "must be at least 1");
+    } else if req.max_intents as usize > limits.max_batch {
+        c.limit(
+            Reason::BatchTooLarge,
+            "max_intents",
+            format!("at most {} per request", limits.max_batch),
+        );
+    }
+    let lease_duration = lease(
+        &mut c,
+        "lease_duration",
+        req.lease_duration.as_ref(),
+        limits,
+    );
+    let wait = c
+        .duration("wait", req.wait.as_ref(), limits.max_wait)
+        .unwrap_or_default();
+    c.text("request_id", &req.request_id, false, MAX_NAME_LEN);
+    c.done(Claim {
+        worker_id: req.worker_id,
+        region: req.region,
+        kinds: req.kinds,
+        max_intents: req.max_intents,
+        lease_duration,
+        wait,
+        request_id: (!req.request_id.is_empty()).then_some(req.request_id),
+    })
+}
+
+fn lease(
+    c: &mut Check,
+    field: &str,
+    value: Option<&prost_types::Duration>,
+    limits: &Limits,
+) -> Duration {
+    match c.duration(field, value, limits.max_lease) {
+        None => limits.default_lease,
+        Some(d) if d.is_zero() => {
+            c.fail(field, "must be positive (unset: the server default)");
+            limits.default_lease
+        }
+        Some(d) => d,
+    }
+}
+
+fn lease_ref(
+    c: &mut Check,
+    field: &str,
+    lease: Option<&v1::LeaseRef>,
+    seen: &mut HashSet<Uuid>,
+) -> LeaseRef {
+    let Some(lease) = lease else {
+        c.fail(field, "is required");
+        return LeaseRef {
+            intent_id: IntentId(Uuid::nil()),
+            lease_id: LeaseId(Uuid::nil()),
+        };
+    };
+    let intent_id = c.uuid(&format!("{field}.intent_id"), &lease.intent_id);
+    let lease_id = c.uuid(&format!("{field}.lease_id"), &lease.lease_id);
+    if !intent_id.is_nil() && !seen.insert(intent_id) {
+        c.fail(
+            format!("{field}.intent_id"),
+            "names an intent already named in this batch",
+        );
+    }
+    LeaseRef {
+        intent_id: IntentId(intent_id),
+        lease_id: LeaseId(lease_id),
+    }
+}
+
+fn lease_refs(c: &mut Check, leases: &[v1::LeaseRef], limits: &Limits) -> Vec<LeaseRef> {
+    c.batch("leases", leases.len(), limits);
+    let mut seen = HashSet::new();
+    leases
+        .iter()
+        .enumerate()
+        .map(|(i, l)| lease_ref(c, &format!("leases[{i}]"), Some(l), &mut seen))
+        .collect()
+}
+
+/// Validates the leases of an Ack or MarkSubmitted request.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] or [`Error::LimitExceeded`] naming every bad field.
+pub fn leases(leases: &[v1::LeaseRef], limits: &Limits) -> Result<Vec<LeaseRef>> {
+    let mut c = Check::default();
+    let refs = lease_refs(&mut c, leases, limits);
+    c.done(refs)
+}
+
+/// Validates an ExtendLease request.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] or [`Error::LimitExceeded`] naming every bad field.
+pub fn extend(req: &v1::ExtendLeaseRequest, limits: &Limits) -> Result<(Vec<LeaseRef>, Duration)> {
+    let mut c = Check::default();
+    let refs = lease_refs(&mut c, &req.leases, limits);
+    let duration = lease(
+        &mut c,
+        "lease_duration",
+        req.lease_duration.as_ref(),
+        limits,
+    );
+    c.done((refs, duration))
+}
+
+/// Validates a Fail request.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] or [`Error::LimitExceeded`] naming every bad field.
+pub fn fail(req: v1::FailRequest, limits: &Limits) -> Result<Vec<Failure>> {
+    let mut c = Check::default();
+    c.batch("failures", req.failures.len(), limits);
+    let mut seen = HashSet::new();
+    let mut failures = Vec::with_capacity(req.failures.len());
+    for (i, f) in req.failures.into_iter().enumerate() {
+        let field = |name: &str| format!("failures[{i}].{name}");
+        let lease = lease_ref(&mut c, &field("lease"), f.lease.as_ref(), &mut seen);
+        c.text(&field("error"), &f.error, false, MAX_TEXT_LEN);
+        let outcome = match v1::FailOutcome::try_from(f.outcome) {
+            Ok(v1::FailOutcome::Retry) => FailOutcome::Retry,
+            Ok(v1::FailOutcome::Permanent) => FailOutcome::Permanent,
+            Ok(v1::FailOutcome::Unknown) => FailOutcome::Unknown,
+            Ok(v1::FailOutcome::Unspecified) | Err(_) => {
+                c.fail(field("outcome"), "must be RETRY, PERMANENT or UNKNOWN");
+                FailOutcome::Unknown
+            }
+        };
+        let retry_after = c.duration(
+            &field("retry_after"),
+            f.retry_after.as_ref(),
+            MAX_SCHEDULE_AHEAD,
+        );
+        if retry_after.is_some() && outcome != FailOutcome::Retry {
+            c.fail(field("retry_after"), "applies only to the RETRY outcome");
+        }
+        failures.push(Failure {
+            lease,
+            error: f.error,
+            outcome,
+            retry_after,
+        });
+    }
+    c.done(failures)
+}
+
+/// A validated Reconcile request.
+#[derive(Debug, Clone)]
+pub struct Reconcile {
+    /// What to resolve.
+    pub target: ReconcileTarget,
+    /// The ruling.
+    pub decision: Decision,
+    /// Who.
+    pub actor: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// Validates a Reconcile request.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] or [`Error::LimitExceeded`] naming every bad field.
+pub fn reconcile(req: v1::ReconcileRequest, limits: &Limits) -> Result<Reconcile> {
+    let mut c = Check::default();
+    let decision = match v1::Decision::try_from(req.decision) {
+        Ok(v1::Decision::Delivered) => Decision::Delivered,
+        Ok(v1::Decision::Requeue) => Decision::Requeue,
+        Ok(v1::Decision::Dead) => Decision::Dead,
+        Ok(v1::Decision::Unspecified) | Err(_) => {
+            c.fail("decision", "must be DELIVERED, REQUEUE or DEAD");
+            Decision::Dead
+        }
+    };
+    c.text("actor", &req.actor, true, MAX_NAME_LEN);
+    c.text("reason", &req.reason, true, MAX_TEXT_LEN);
+    let target = match req.target {
+        None => {
+            c.fail("target", "give either ids or filter");
+            ReconcileTarget::Ids(Vec::new())
+        }
+        Some(v1::reconcile_request::Target::Ids(ids)) => {
+            c.batch("ids.ids", ids.ids.len(), limits);
+            let mut seen = HashSet::new();
+            let ids = ids
+                .ids
+                .iter()
+                .enumerate()
+                .map(|(i, id)| {
+                    let field = format!("ids.ids[{i}]");
+                    let id = c.uuid(&field, id);
+                    if !id.is_nil() && !seen.insert(id) {
+                        c.fail(field, "repeats an id");
+                    }
+                    IntentId(id)
+                })
+                .collect();
+            if req.limit != 0 {
+                c.fail("limit", "applies only to a filter");
+            }
+            ReconcileTarget::Ids(ids)
+        }
+        Some(v1::reconcile_request::Target::Filter(filter)) => {
+            if filter.states.is_empty() {
+                c.fail("filter.states", "name NEEDS_RECONCILE and/or DEAD_LETTERED");
+            }
+            let mut states = Vec::new();
+            for (i, s) in filter.states.iter().enumerate() {
+                let field = format!("filter.states[{i}]");
+                match c.state(&field, *s) {
+                    Some(s) if s.awaits_decision() => states.push(s),
+                    Some(s) => c.fail(field, format!("{s} does not await a decision")),
+                    None => {}
+                }
+            }
+            c.name("filter.kind", &filter.kind, false, MAX_NAME_LEN);
+            c.name("filter.region", &filter.region, false, MAX_REGION_LEN);
+            let created_before = filter.created_before.as_ref().and_then(|t| {
+                let at = from_timestamp(t);
+                if at.is_none() {
+                    c.fail("filter.created_before", "is not a valid instant");
+                }
+                at
+            });
+            let limit = page(&mut c, "limit", req.limit, DEFAULT_RECONCILE_LIMIT, limits);
+            ReconcileTarget::Filter {
+                states,
+                kind: (!filter.kind.is_empty()).then_some(filter.kind),
+                region: (!filter.region.is_empty()).then_some(filter.region),
+                created_before,
+                limit,
+            }
+        }
+    };
+    c.done(Reconcile {
+        target,
+        decision,
+        actor: req.actor,
+        reason: req.reason,
+    })
+}
+
+fn page(c: &mut Check, field: &str, value: i32, default: usize, limits: &Limits) -> i64 {
+    match value {
+        0 => default.min(limits.max_batch) as i64,
+        n if n < 0 => {
+            c.fail(field, "must not be negative");
+            0
+        }
+        n if n as usize > limits.max_batch => {
+            c.limit(
+                Reason::BatchTooLarge,
+                field,
+                format!("at most {}", limits.max_batch),
+            );
+            0
+        }
+        n => i64::from(n),
+    }
+}
+
+/// Validates an intent id.
+///
+/// # Errors
+/// [`Error::InvalidArgument`].
+pub fn intent_id(field: &str, id: &str) -> Result<IntentId> {
+    let mut c = Check::default();
+    let id = c.uuid(field, id);
+    c.done(IntentId(id))
+}
+
+/// A validated ListIntents request.
+#[derive(Debug, Clone)]
+pub struct List {
+    /// States filter.
+    pub states: Vec<IntentState>,
+    /// Kind filter.
+    pub kind: Option<String>,
+    /// Region filter.
+    pub region: Option<String>,
+    /// Page size.
+    pub limit: i64,
+    /// Keyset cursor.
+    pub after: Option<IntentId>,
+    /// Include payloads.
+    pub include_payload: bool,
+}
+
+/// Validates a ListIntents request.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] or [`Error::LimitExceeded`] naming every bad field.
+pub fn list(req: v1::ListIntentsRequest, limits: &Limits) -> Result<List> {
+    let mut c = Check::default();
+    let states = req
+        .states
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| c.state(&format!("states[{i}]"), *s))
+        .collect();
+    c.name("kind", &req.kind, false, MAX_NAME_LEN);
+    c.name("region", &req.region, false, MAX_REGION_LEN);
+    let limit = page(
+        &mut c,
+        "page_size",
+        req.page_size,
+        DEFAULT_PAGE_SIZE,
+        limits,
+    );
+    let after = if req.page_token.is_empty() {
+        None
+    } else {
+        match Uuid::parse_str(&req.page_token) {
+            Ok(id) => Some(IntentId(id)),
+            Err(_) => {
+                c.fail("page_token", "is not a token returned by ListIntents");
+                None
+            }
+        }
+    };
+    c.done(List {
+        states,
+        kind: (!req.kind.is_empty()).then_some(req.kind),
+        region: (!req.region.is_empty()).then_some(req.region),
+        limit,
+        after,
+        include_payload: req.include_payload,
+    })
+}

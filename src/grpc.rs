@@ -22,10 +22,6 @@ use crate::validate;
 /// Domain of every `ErrorInfo` outboxd sends.
 pub const ERROR_DOMAIN: &str = "outboxd";
 
-/// A long-polling claimer re-checks at least this often, in case a notification was lost
-/// while the LISTEN connection was down. Notifications, not this, are what wake it.
-const LONG_POLL_RECHECK: Duration = Duration::from_secs(2);
-
 /// Serves `OutboxService` over a PostgreSQL pool.
 #[derive(Debug, Clone)]
 pub struct OutboxHandler {
@@ -35,6 +31,7 @@ pub struct OutboxHandler {
     clock: Clock,
     pending: PendingSignal,
     shutdown: CancellationToken,
+    long_poll_recheck: Duration,
 }
 
 impl OutboxHandler {
@@ -54,7 +51,15 @@ impl OutboxHandler {
             clock,
             pending,
             shutdown,
+            long_poll_recheck: Duration::from_secs(2),
         }
+    }
+
+    /// How often a long-polling Claim looks again without a notification (a safety net
+    /// for notifications lost while the LISTEN connection was down).
+    pub fn with_long_poll_recheck(mut self, every: Duration) -> Self {
+        self.long_poll_recheck = every;
+        self
     }
 
     /// Wraps the handler in the generated tonic server.
@@ -226,7 +231,7 @@ impl OutboxService for OutboxHandler {
             }
             let due = store::next_due_in(&mut *conn, &params).await?;
             drop(conn);
-            let mut until = deadline.min(Instant::now() + LONG_POLL_RECHECK);
+            let mut until = deadline.min(Instant::now() + self.long_poll_recheck);
             if let Some(due) = due {
                 until = until.min(Instant::now() + due);
             }

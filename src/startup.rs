@@ -90,6 +90,9 @@ pub struct Runtime {
     pub clock: Clock,
     /// Run lease rescue and retention purge in the background.
     pub maintenance: bool,
+    /// A long-polling Claim looks again at least this often even without a notification,
+    /// in case one was lost while the LISTEN connection was down.
+    pub long_poll_recheck: Duration,
 }
 
 impl Default for Runtime {
@@ -97,6 +100,7 @@ impl Default for Runtime {
         Self {
             clock: Clock::Database,
             maintenance: true,
+            long_poll_recheck: Duration::from_secs(2),
         }
     }
 }
@@ -158,7 +162,8 @@ impl Application {
             runtime.clock,
             pending,
             shutdown.clone(),
-        );
+        )
+        .with_long_poll_recheck(runtime.long_poll_recheck);
         let server = tonic::transport::Server::builder()
             .add_service(health_service)
             .add_service(reflection_v1)

@@ -1,0 +1,234 @@
+//! Claim: batches, order, leases, regions, kinds, request-id replays and concurrency.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use outboxd::proto::v1;
+use tonic::Code;
+
+use crate::helpers::{
+    TestApp, assert_item_ok, assert_status, claim_request, duration, id_of, intent, secs,
+};
+
+#[tokio::test]
+async fn claim_returns_nothing_when_the_outbox_is_empty() {
+    let app = TestApp::spawn().await;
+    assert!(app.claim_n("w", 10).await.is_empty());
+}
+
+#[tokio::test]
+async fn claim_leases_oldest_first_counts_the_attempt_and_mints_a_fresh_lease() {
+    let app = TestApp::spawn().await;
+    let ids = app.enqueue_n("job", 5).await;
+    let mut request = claim_request("worker-1", 3);
+    request.lease_duration = Some(duration(Duration::from_secs(45)));
+    let leases = app.claim(request).await.unwrap();
+
+    assert_eq!(
+        leases.iter().map(id_of).collect::<Vec<_>>(),
+        ids[..3].iter().map(String::as_str).collect::<Vec<_>>()
+    );
+    let now = app.clock.now().unwrap();
+    for lease in &leases {
+        assert_eq!(lease.attempt, 1);
+        assert!(uuid::Uuid::parse_str(&lease.lease_id).is_ok());
+        let expires = secs(&lease.lease_expires_at);
+        assert!((expires - (now.timestamp_micros() as f64 / 1e6 + 45.0)).abs() < 0.001);
+        let intent = lease.intent.as_ref().unwrap();
+        assert_eq!(intent.state(), v1::IntentState::Leased);
+        assert_eq!(intent.worker_id, "worker-1");
+        assert_eq!(
+            intent.payload.is_empty(),
+            false,
+            "the worker gets the payload"
+        );
+    }
+    let distinct: HashSet<_> = leases.iter().map(|l| l.lease_id.clone()).collect();
+    assert_eq!(distinct.len(), 3);
+
+    let rest = app.claim_n("worker-2", 10).await;
+    assert_eq!(
+        rest.iter().map(id_of).collect::<Vec<_>>(),
+        vec![ids[3].as_str(), ids[4].as_str()]
+    );
+}
+
+#[tokio::test]
+async fn a_regional_worker_gets_its_region_and_regionless_intents_only() {
+    let app = TestApp::spawn().await;
+    let mut eu = intent("job", "eu");
+    eu.region = "eu".into();
+    let mut us = intent("job", "us");
+    us.region = "us".into();
+    let anywhere = intent("job", "any");
+    app.enqueue(vec![eu, us, anywhere]).await.unwrap();
+
+    let mut request = claim_request("eu-worker", 10);
+    request.region = "eu".into();
+    let leases = app.claim(request).await.unwrap();
+    let payloads: HashSet<Vec<u8>> = leases
+        .iter()
+        .map(|l| l.intent.as_ref().unwrap().payload.clone())
+        .collect();
+    assert_eq!(payloads, HashSet::from([b"eu".to_vec(), b"any".to_vec()]));
+
+    let rest = app.claim_n("global-worker", 10).await;
+    assert_eq!(rest.len(), 1);
+    assert_eq!(
+        rest[0].intent.as_ref().unwrap().region,
+        "us",
+        "a worker without region takes any"
+    );
+}
+
+#[tokio::test]
+async fn a_kinds_filter_leases_only_those_kinds() {
+    let app = TestApp::spawn().await;
+    app.enqueue(vec![
+        intent("email", "{}"),
+        intent("sms", "{}"),
+        intent("push", "{}"),
+    ])
+    .await
+    .unwrap();
+    let mut request = claim_request("w", 10);
+    request.kinds = vec!["sms".into(), "push".into()];
+    let kinds: HashSet<String> = app
+        .claim(request)
+        .await
+        .unwrap()
+        .iter()
+        .map(|l| l.intent.as_ref().unwrap().kind.clone())
+        .collect();
+    assert_eq!(kinds, HashSet::from(["sms".to_owned(), "push".to_owned()]));
+}
+
+#[tokio::test]
+async fn retrying_a_claim_with_the_same_request_id_returns_the_same_leases() {
+    let app = TestApp::spawn().await;
+    app.enqueue_n("job", 6).await;
+    let mut request = claim_request("w", 2);
+    request.request_id = "req-1".into();
+    let first = app.claim(request.clone()).await.unwrap();
+    let replay = app.claim(request.clone()).await.unwrap();
+    assert_eq!(first.len(), 2);
+    assert_eq!(
+        first
+            .iter()
+            .map(|l| (&l.lease_id, l.attempt))
+            .collect::<Vec<_>>(),
+        replay
+            .iter()
+            .map(|l| (&l.lease_id, l.attempt))
+            .collect::<Vec<_>>()
+    );
+
+    let mut other_worker = request.clone();
+    other_worker.worker_id = "w2".into();
+    let theirs = app.claim(other_worker).await.unwrap();
+    assert_eq!(theirs.len(), 2, "request ids are scoped to the worker");
+    assert!(
+        theirs
+            .iter()
+            .all(|l| !first.iter().any(|f| f.lease_id == l.lease_id))
+    );
+
+    let mut next = request;
+    next.request_id = "req-2".into();
+    assert_eq!(
+        app.claim(next).await.unwrap().len(),
+        2,
+        "a new request id leases more"
+    );
+}
+
+#[tokio::test]
+async fn invalid_claims_are_rejected_with_the_fields_named() {
+    let app = TestApp::spawn().await;
+    let status = app
+        .claim(v1::ClaimRequest {
+            worker_id: String::new(),
+            region: "bad region".into(),
+            kinds: vec!["".into()],
+            max_intents: 0,
+            lease_duration: Some(duration(Duration::from_secs(100 * 3600))),
+            wait: Some(duration(Duration::from_secs(3600))),
+            request_id: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_status(
+        &status,
+        Code::InvalidArgument,
+        "INVALID_ARGUMENT",
+        &[
+            "worker_id",
+            "region",
+            "kinds[0]",
+            "max_intents",
+            "lease_duration",
+            "wait",
+        ],
+    );
+    let status = app.claim(claim_request("w", 100_000)).await.unwrap_err();
+    assert_status(
+        &status,
+        Code::ResourceExhausted,
+        "BATCH_TOO_LARGE",
+        &["max_intents"],
+    );
+}
+
+#[tokio::test]
+async fn concurrent_claimers_get_disjoint_batches_and_every_intent_is_delivered_once() {
+    let app = TestApp::spawn().await;
+    let total = 400;
+    for _ in 0..4 {
+        app.enqueue_n("job", total / 4).await;
+    }
+    let workers: Vec<_> = (0..8)
+        .map(|w| {
+            let app_client = app.client();
+            tokio::spawn(async move {
+                let mut client = app_client;
+                let mut delivered = Vec::new();
+                loop {
+                    let leases = client
+                        .claim(claim_request(&format!("worker-{w}"), 7))
+                        .await
+                        .unwrap()
+                        .into_inner()
+                        .leases;
+                    if leases.is_empty() {
+                        return delivered;
+                    }
+                    let results = client
+                        .ack(v1::AckRequest {
+                            leases: leases.iter().map(crate::helpers::lease_ref).collect(),
+                        })
+                        .await
+                        .unwrap()
+                        .into_inner()
+                        .results;
+                    for r in &results {
+                        assert_item_ok(r, v1::IntentState::Delivered);
+                    }
+                    delivered.extend(leases.iter().map(|l| id_of(l).to_owned()));
+                }
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for w in workers {
+        all.extend(w.await.unwrap());
+    }
+    let distinct: HashSet<_> = all.iter().cloned().collect();
+    assert_eq!(all.len(), total, "each intent was leased exactly once");
+    assert_eq!(distinct.len(), total);
+    let attempts: Vec<i32> =
+        sqlx::query_scalar("SELECT DISTINCT attempts FROM outbox.intent WHERE state = 'delivered'")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(attempts, vec![1]);
+}

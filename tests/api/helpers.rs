@@ -1,0 +1,410 @@
+//! Test harness: one PostgreSQL cluster per test process (the embedded one, or
+//! `OUTBOX_TEST_DATABASE_URL` when set), a migrated template database, and `TestApp`, a
+//! server on a fresh database with a manual clock and one method per RPC.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use chrono::Utc;
+use outboxd::config::Settings;
+use outboxd::embedded::{EmbeddedConfig, EmbeddedPostgres};
+use outboxd::outbox::Clock;
+use outboxd::outbox::maintenance::{self, MaintenanceConfig, SweepReport};
+use outboxd::proto::v1;
+use outboxd::startup::{self, Application, Runtime};
+use sqlx::PgPool;
+use tonic::transport::Channel;
+use tonic::{Code, Status};
+use tonic_types::StatusExt;
+use uuid::Uuid;
+
+pub type Client = v1::outbox_service_client::OutboxServiceClient<Channel>;
+
+const TEMPLATE: &str = "outbox_test_template";
+
+/// The cluster every test of this process uses: (superuser URL prefix without database).
+struct Cluster {
+    /// `postgres://user@host:port/` base; append a database name.
+    base_url: String,
+    /// Keeps the embedded cluster alive for the whole process.
+    _embedded: Option<EmbeddedPostgres>,
+}
+
+fn cluster() -> &'static Cluster {
+    static CLUSTER: OnceLock<Cluster> = OnceLock::new();
+    CLUSTER.get_or_init(|| {
+        let cluster = match std::env::var("OUTBOX_TEST_DATABASE_URL") {
+            Ok(url) => Cluster {
+                base_url: base_of(&url),
+                _embedded: None,
+            },
+            Err(_) => {
+                let dir = std::env::temp_dir()
+                    .join(format!("outboxd-test-{}", std::process::id()))
+                    .join("pgdata");
+                let mut config = EmbeddedConfig::new(dir);
+                // Test speed only: a crash of the OS is not simulated, so fsync buys nothing
+                // here. synchronous_commit stays on as in production.
+                config.settings = vec![
+                    ("fsync".into(), "off".into()),
+                    ("full_page_writes".into(), "off".into()),
+                    ("max_connections".into(), "300".into()),
+                ];
+                let embedded = EmbeddedPostgres::start(config).expect("start embedded PostgreSQL");
+                Cluster {
+                    base_url: base_of(&embedded.url("postgres")),
+                    _embedded: Some(embedded),
+                }
+            }
+        };
+        // The template is migrated once; each test copies it (cheap) instead of migrating.
+        let base = cluster.base_url.clone();
+        std::thread::spawn(move || {
+            tokio::runtime::Runtime::new()
+                .unwrap()
+                .block_on(async move {
+                    let admin = PgPool::connect(&format!("{base}postgres")).await.unwrap();
+                    sqlx::query(&format!("DROP DATABASE IF EXISTS {TEMPLATE} WITH (FORCE)"))
+                        .execute(&admin)
+                        .await
+                        .unwrap();
+                    sqlx::query(&format!("CREATE DATABASE {TEMPLATE}"))
+                        .execute(&admin)
+                        .await
+                        .unwrap();
+                    let template = PgPool::connect(&format!("{base}{TEMPLATE}")).await.unwrap();
+                    startup::migrate(&template).await.unwrap();
+                    template.close().await;
+                    admin.close().await;
+                })
+        })
+        .join()
+        .expect("create the template database");
+        cluster
+    })
+}
+
+fn base_of(url: &str) -> String {
+    let (prefix, _db) = url.rsplit_once('/').expect("URL with a database");
+    format!("{prefix}/")
+}
+
+/// A fresh, migrated database for one test; returns its URL.
+pub async fn fresh_database() -> String {
+    let base = &cluster().base_url;
+    let name = format!("test_{}", Uuid::new_v4().simple());
+    let admin = PgPool::connect(&format!("{base}postgres")).await.unwrap();
+    sqlx::query(&format!("CREATE DATABASE {name} TEMPLATE {TEMPLATE}"))
+        .execute(&admin)
+        .await
+        .unwrap();
+    admin.close().await;
+    format!("{base}{name}")
+}
+
+/// A server on its own database, with a manual clock and no background sweeps.
+pub struct TestApp {
+    pub client: Client,
+    pub pool: PgPool,
+    pub clock: Clock,
+    pub settings: Settings,
+    pub addr: std::net::SocketAddr,
+    app: Option<Application>,
+}
+
+impl TestApp {
+    pub async fn spawn() -> Self {
+        Self::spawn_with(|_| {}).await
+    }
+
+    pub async fn spawn_with(configure: impl FnOnce(&mut Settings)) -> Self {
+        let mut settings = Settings::default();
+        configure(&mut settings);
+        let url = fresh_database().await;
+        let pool = startup::connect(&url, 20).await.unwrap();
+        let clock = Clock::manual(Utc::now());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let runtime = Runtime {
+            clock: clock.clone(),
+            maintenance: false,
+            // Only a notification may wake a long-poll in tests.
+            long_poll_recheck: Duration::from_secs(3600),
+        };
+        let app = Application::start(&settings, pool.clone(), listener, runtime)
+            .await
+            .unwrap();
+        let client = Client::connect(format!("http://{}", app.local_addr()))
+            .await
+            .unwrap();
+        Self {
+            client,
+            pool,
+            clock,
+            settings,
+            addr: app.local_addr(),
+            app: Some(app),
+        }
+    }
+
+    /// A second client connection (for concurrent callers).
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    /// A raw channel to the server, for the non-outbox services (health).
+    pub async fn client_channel(&self) -> Channel {
+        Channel::from_shared(format!("http://{}", self.addr))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap()
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(app) = self.app.take() {
+            app.stop().await.unwrap();
+        }
+    }
+
+    /// Runs the lease rescue as the background sweep would, at the manual clock's time.
+    pub async fn rescue(&self) -> SweepReport {
+        maintenance::rescue_all(&self.pool, &self.maintenance(), &self.clock)
+            .await
+            .unwrap()
+    }
+
+    /// Runs the retention purge as the background sweep would.
+    pub async fn purge(&self) -> u64 {
+        maintenance::purge_all(&self.pool, &self.maintenance(), &self.clock)
+            .await
+            .unwrap()
+    }
+
+    fn maintenance(&self) -> MaintenanceConfig {
+        self.settings.maintenance.clone()
+    }
+
+    pub fn advance(&self, by: Duration) {
+        self.clock.advance(by);
+    }
+
+    pub async fn enqueue(
+        &self,
+        intents: Vec<v1::NewIntent>,
+    ) -> Result<Vec<v1::EnqueueResult>, Status> {
+        self.client()
+            .enqueue(v1::EnqueueRequest {
+                intents,
+                txn_token: String::new(),
+            })
+            .await
+            .map(|r| r.into_inner().results)
+    }
+
+    /// Enqueues one intent of `kind` and returns its id.
+    pub async fn enqueue_one(&self, kind: &str, payload: &str) -> String {
+        let results = self.enqueue(vec![intent(kind, payload)]).await.unwrap();
+        results[0].id.clone()
+    }
+
+    /// Enqueues `n` intents of `kind` and returns their ids in order.
+    pub async fn enqueue_n(&self, kind: &str, n: usize) -> Vec<String> {
+        let intents = (0..n)
+            .map(|i| intent(kind, &format!("{{\"n\":{i}}}")))
+            .collect();
+        self.enqueue(intents)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|r| r.id)
+            .collect()
+    }
+
+    pub async fn claim(&self, request: v1::ClaimRequest) -> Result<Vec<v1::Lease>, Status> {
+        self.client()
+            .claim(request)
+            .await
+            .map(|r| r.into_inner().leases)
+    }
+
+    /// Claims up to `n` intents of any kind as `worker` with the default lease.
+    pub async fn claim_n(&self, worker: &str, n: i32) -> Vec<v1::Lease> {
+        self.claim(claim_request(worker, n)).await.unwrap()
+    }
+
+    pub async fn ack(&self, leases: &[&v1::Lease]) -> Vec<v1::LeaseResult> {
+        self.client()
+            .ack(v1::AckRequest {
+                leases: leases.iter().map(|l| lease_ref(l)).collect(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .results
+    }
+
+    pub async fn fail(&self, lease: &v1::Lease, outcome: v1::FailOutcome) -> v1::LeaseResult {
+        self.fail_with(failure(lease, outcome)).await
+    }
+
+    pub async fn fail_with(&self, failure: v1::Failure) -> v1::LeaseResult {
+        let mut results = self
+            .client()
+            .fail(v1::FailRequest {
+                failures: vec![failure],
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .results;
+        results.remove(0)
+    }
+
+    pub async fn mark_submitted(&self, leases: &[&v1::Lease]) -> Vec<v1::LeaseResult> {
+        self.client()
+            .mark_submitted(v1::MarkSubmittedRequest {
+                leases: leases.iter().map(|l| lease_ref(l)).collect(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .results
+    }
+
+    pub async fn extend(&self, leases: &[&v1::Lease], by: Duration) -> Vec<v1::LeaseResult> {
+        self.client()
+            .extend_lease(v1::ExtendLeaseRequest {
+                leases: leases.iter().map(|l| lease_ref(l)).collect(),
+                lease_duration: Some(duration(by)),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .results
+    }
+
+    pub async fn reconcile(
+        &self,
+        request: v1::ReconcileRequest,
+    ) -> Result<Vec<v1::ReconcileResult>, Status> {
+        self.client()
+            .reconcile(request)
+            .await
+            .map(|r| r.into_inner().results)
+    }
+
+    pub async fn get(&self, id: &str) -> v1::GetIntentResponse {
+        self.client()
+            .get_intent(v1::GetIntentRequest { id: id.to_owned() })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    pub async fn intent(&self, id: &str) -> v1::Intent {
+        self.get(id).await.intent.unwrap()
+    }
+
+    pub async fn state(&self, id: &str) -> v1::IntentState {
+        self.intent(id).await.state()
+    }
+
+    /// Every row of the intent table as text, to prove a rejected request changed nothing.
+    pub async fn snapshot(&self) -> Vec<String> {
+        sqlx::query_scalar("SELECT row_to_json(i)::text FROM outbox.intent i ORDER BY id")
+            .fetch_all(&self.pool)
+            .await
+            .unwrap()
+    }
+}
+
+pub fn intent(kind: &str, payload: &str) -> v1::NewIntent {
+    v1::NewIntent {
+        kind: kind.to_owned(),
+        payload: payload.as_bytes().to_vec(),
+        content_type: "application/json".to_owned(),
+        ..Default::default()
+    }
+}
+
+pub fn claim_request(worker: &str, n: i32) -> v1::ClaimRequest {
+    v1::ClaimRequest {
+        worker_id: worker.to_owned(),
+        max_intents: n,
+        ..Default::default()
+    }
+}
+
+pub fn lease_ref(lease: &v1::Lease) -> v1::LeaseRef {
+    v1::LeaseRef {
+        intent_id: lease.intent.as_ref().unwrap().id.clone(),
+        lease_id: lease.lease_id.clone(),
+    }
+}
+
+pub fn failure(lease: &v1::Lease, outcome: v1::FailOutcome) -> v1::Failure {
+    v1::Failure {
+        lease: Some(lease_ref(lease)),
+        error: "boom".to_owned(),
+        outcome: outcome as i32,
+        retry_after: None,
+    }
+}
+
+pub fn id_of(lease: &v1::Lease) -> &str {
+    &lease.intent.as_ref().unwrap().id
+}
+
+pub fn duration(d: Duration) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
+pub fn secs(t: &Option<prost_types::Timestamp>) -> f64 {
+    let t = t.as_ref().expect("timestamp set");
+    t.seconds as f64 + f64::from(t.nanos) / 1e9
+}
+
+/// Asserts a whole-call error: its code, its ErrorInfo reason and, if given, the fields
+/// its BadRequest names.
+pub fn assert_status(status: &Status, code: Code, reason: &str, fields: &[&str]) {
+    assert_eq!(status.code(), code, "{status:?}");
+    let details = status.get_error_details();
+    let info = details
+        .error_info()
+        .unwrap_or_else(|| panic!("no ErrorInfo in {status:?}"));
+    assert_eq!(info.reason, reason, "{status:?}");
+    assert_eq!(info.domain, "outboxd");
+    if !fields.is_empty() {
+        let violations: Vec<&str> = details
+            .bad_request()
+            .map(|b| {
+                b.field_violations
+                    .iter()
+                    .map(|v| v.field.as_str())
+                    .collect()
+            })
+            .unwrap_or_default();
+        for field in fields {
+            assert!(violations.contains(field), "{field} not in {violations:?}");
+        }
+    }
+}
+
+/// Asserts a per-item error.
+pub fn assert_item_error(result: &v1::LeaseResult, code: Code, reason: &str) {
+    let error = result
+        .error
+        .as_ref()
+        .unwrap_or_else(|| panic!("no error in {result:?}"));
+    assert_eq!(error.code, code as i32, "{result:?}");
+    assert_eq!(error.reason, reason, "{result:?}");
+}
+
+/// Asserts a per-item success and the state it left.
+pub fn assert_item_ok(result: &v1::LeaseResult, state: v1::IntentState) {
+    assert!(result.error.is_none(), "{result:?}");
+    assert_eq!(result.state(), state, "{result:?}");
+}

@@ -1,0 +1,154 @@
+//! GetIntent, ListIntents and GetQueueStats, and the health and reflection services.
+
+use std::collections::HashMap;
+
+use outboxd::proto::v1::{self, FailOutcome, IntentState};
+use tonic::Code;
+
+use crate::helpers::{TestApp, assert_status, intent};
+
+#[tokio::test]
+async fn get_intent_of_an_unknown_or_malformed_id_is_an_error() {
+    let app = TestApp::spawn().await;
+    let mut client = app.client();
+    let status = client
+        .get_intent(v1::GetIntentRequest {
+            id: uuid::Uuid::new_v4().to_string(),
+        })
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::NotFound, "NOT_FOUND", &[]);
+    let status = client
+        .get_intent(v1::GetIntentRequest { id: "42".into() })
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::InvalidArgument, "INVALID_ARGUMENT", &["id"]);
+}
+
+#[tokio::test]
+async fn list_intents_filters_and_pages_in_enqueue_order() {
+    let app = TestApp::spawn().await;
+    let ids = app.enqueue_n("job", 5).await;
+    app.enqueue_n("other", 2).await;
+    let mut client = app.client();
+    let mut seen = Vec::new();
+    let mut token = String::new();
+    loop {
+        let page = client
+            .list_intents(v1::ListIntentsRequest {
+                kind: "job".into(),
+                page_size: 2,
+                page_token: token,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(
+            page.intents.iter().all(|i| i.payload.is_empty()),
+            "payloads only on request"
+        );
+        seen.extend(page.intents.into_iter().map(|i| i.id));
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        token = page.next_page_token;
+    }
+    assert_eq!(seen, ids);
+
+    let lease = app.claim_n("w", 1).await.remove(0);
+    app.fail(&lease, FailOutcome::Unknown).await;
+    let waiting = client
+        .list_intents(v1::ListIntentsRequest {
+            states: vec![IntentState::NeedsReconcile as i32],
+            include_payload: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(waiting.intents.len(), 1);
+    assert_eq!(waiting.intents[0].id, ids[0]);
+    assert!(!waiting.intents[0].payload.is_empty());
+
+    let status = client
+        .list_intents(v1::ListIntentsRequest {
+            page_token: "garbage".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_status(
+        &status,
+        Code::InvalidArgument,
+        "INVALID_ARGUMENT",
+        &["page_token"],
+    );
+}
+
+#[tokio::test]
+async fn queue_stats_count_intents_by_state_and_region() {
+    let app = TestApp::spawn().await;
+    let mut eu = intent("job", "{}");
+    eu.region = "eu".into();
+    app.enqueue(vec![
+        eu.clone(),
+        eu,
+        intent("job", "{}"),
+        intent("job", "{}"),
+    ])
+    .await
+    .unwrap();
+    let mut request = crate::helpers::claim_request("w", 1);
+    request.region = "eu".into();
+    request.kinds = vec!["job".into()];
+    let lease = app.claim(request).await.unwrap().remove(0);
+    app.fail(&lease, FailOutcome::Unknown).await;
+
+    let stats = app
+        .client()
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let counts: HashMap<(IntentState, String), i64> = stats
+        .counts
+        .iter()
+        .map(|c| ((c.state(), c.region.clone()), c.count))
+        .collect();
+    let created = lease.intent.as_ref().unwrap().created_at.clone();
+    assert_eq!(
+        counts,
+        HashMap::from([
+            ((IntentState::Pending, String::new()), 2),
+            ((IntentState::Pending, "eu".to_owned()), 1),
+            ((IntentState::NeedsReconcile, "eu".to_owned()), 1),
+        ])
+    );
+    assert_eq!(stats.reconcile_backlog, 1);
+    assert_eq!(
+        stats.oldest_pending_at, created,
+        "all enqueued at the same manual instant"
+    );
+    assert_eq!(stats.oldest_staged_at, None);
+}
+
+#[tokio::test]
+async fn health_reports_the_outbox_service_as_serving() {
+    let app = TestApp::spawn().await;
+    let channel = app.client_channel().await;
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    let status = health
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "outbox.v1.OutboxService".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status;
+    assert_eq!(
+        status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+    app.stop().await;
+}

@@ -1,0 +1,82 @@
+//! Long-polling Claim: woken by the NOTIFY of a committed enqueue (the test server never
+//! re-checks on a timer, so only the notification can wake it), and answering empty when
+//! the wait elapses.
+
+use std::time::{Duration, Instant};
+
+use crate::helpers::{TestApp, claim_request, duration, id_of};
+
+#[tokio::test]
+async fn a_waiting_claim_is_woken_by_an_enqueue() {
+    let app = TestApp::spawn().await;
+    let mut request = claim_request("w", 10);
+    request.wait = Some(duration(Duration::from_secs(60)));
+    let mut client = app.client();
+    let waiter = tokio::spawn(async move {
+        let started = Instant::now();
+        let leases = client.claim(request).await.unwrap().into_inner().leases;
+        (leases, started.elapsed())
+    });
+    // Enqueue only once the claim is waiting: its connection is back in the pool and the
+    // LISTEN connection is open.
+    wait_until_claim_is_waiting(&app).await;
+    let id = app.enqueue_one("job", "{}").await;
+    let (leases, waited) = waiter.await.unwrap();
+    assert_eq!(
+        leases.len(),
+        1,
+        "woken with the new intent, not by the 60 s deadline"
+    );
+    assert_eq!(id_of(&leases[0]), id);
+    eprintln!("long-poll woke after {waited:?} (includes the wait before the enqueue)");
+}
+
+#[tokio::test]
+async fn a_waiting_claim_answers_empty_when_the_wait_elapses() {
+    let app = TestApp::spawn().await;
+    let mut request = claim_request("w", 10);
+    request.wait = Some(duration(Duration::from_millis(200)));
+    let started = Instant::now();
+    let leases = app.claim(request).await.unwrap();
+    assert!(leases.is_empty());
+    assert!(started.elapsed() >= Duration::from_millis(200));
+}
+
+#[tokio::test]
+async fn stopping_the_server_answers_waiting_claims() {
+    let app = TestApp::spawn().await;
+    let mut request = claim_request("w", 10);
+    request.wait = Some(duration(Duration::from_secs(60)));
+    let mut client = app.client();
+    let waiter = tokio::spawn(async move { client.claim(request).await });
+    wait_until_claim_is_waiting(&app).await;
+    app.stop().await;
+    let leases = waiter.await.unwrap().unwrap().into_inner().leases;
+    assert!(leases.is_empty());
+}
+
+/// Waits (with a deadline) until the server holds a LISTEN connection and no query is
+/// running besides it: the claim has looked once and is now waiting.
+async fn wait_until_claim_is_waiting(app: &TestApp) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (listening, active): (i64, i64) = sqlx::query_as(
+            r#"
+            SELECT count(*) FILTER (WHERE query ILIKE 'LISTEN%'),
+                   count(*) FILTER (WHERE state = 'active' AND pid <> pg_backend_pid())
+            FROM pg_stat_activity
+            WHERE datname = current_database()
+            "#,
+        )
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        if listening >= 1 && active == 0 {
+            // The claim may still be between its query and its select!; one more yield.
+            tokio::task::yield_now().await;
+            return;
+        }
+        assert!(Instant::now() < deadline, "the claim never started waiting");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

@@ -1,0 +1,12 @@
+//! The one integration-test binary: every test gets its own database (copied from a
+//! migrated template) and a real outboxd server on 127.0.0.1:0, driven through the
+//! generated gRPC client.
+
+mod claim;
+mod enqueue;
+mod helpers;
+mod inspect;
+mod long_poll;
+mod maintenance;
+mod reconcile;
+mod settle;

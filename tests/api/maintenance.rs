@@ -1,0 +1,51 @@
+//! Background sweeps: retention purge (lease rescue is covered with the lease tests).
+
+use std::time::Duration;
+
+use outboxd::proto::v1::{FailOutcome, IntentState};
+
+use crate::helpers::TestApp;
+
+#[tokio::test]
+async fn purge_deletes_finished_intents_past_retention_and_keeps_everything_else() {
+    let app = TestApp::spawn_with(|s| s.maintenance.retention = Duration::from_secs(3600)).await;
+    app.enqueue_n("job", 4).await;
+    let leases = app.claim_n("w", 3).await;
+    app.ack(&[&leases[0]]).await;
+    app.fail(&leases[1], FailOutcome::Unknown).await;
+    app.fail(&leases[2], FailOutcome::Permanent).await;
+
+    app.advance(Duration::from_secs(3599));
+    assert_eq!(app.purge().await, 0, "not yet past retention");
+    app.advance(Duration::from_secs(2));
+    assert_eq!(app.purge().await, 1);
+    let states: Vec<String> =
+        sqlx::query_scalar("SELECT state::text FROM outbox.intent ORDER BY id")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(states, vec!["needs_reconcile", "dead_lettered", "pending"]);
+    let _ = IntentState::Delivered;
+}
+
+#[tokio::test]
+async fn an_idempotency_key_is_remembered_until_its_intent_is_purged() {
+    let app = TestApp::spawn_with(|s| s.maintenance.retention = Duration::from_secs(60)).await;
+    let mut keyed = crate::helpers::intent("job", "{}");
+    keyed.idempotency_key = "k-1".into();
+    let first = app.enqueue(vec![keyed.clone()]).await.unwrap()[0]
+        .id
+        .clone();
+    let lease = app.claim_n("w", 1).await.remove(0);
+    app.ack(&[&lease]).await;
+    let replay = app.enqueue(vec![keyed.clone()]).await.unwrap().remove(0);
+    assert!(replay.deduplicated);
+    assert_eq!(replay.state(), IntentState::Delivered);
+    assert_eq!(replay.id, first);
+
+    app.advance(Duration::from_secs(61));
+    app.purge().await;
+    let fresh = app.enqueue(vec![keyed]).await.unwrap().remove(0);
+    assert!(!fresh.deduplicated);
+    assert_ne!(fresh.id, first);
+}

@@ -37,11 +37,7 @@ async fn claim_leases_oldest_first_counts_the_attempt_and_mints_a_fresh_lease() 
         let intent = lease.intent.as_ref().unwrap();
         assert_eq!(intent.state(), v1::IntentState::Leased);
         assert_eq!(intent.worker_id, "worker-1");
-        assert_eq!(
-            intent.payload.is_empty(),
-            false,
-            "the worker gets the payload"
-        );
+        assert!(!intent.payload.is_empty(), "the worker gets the payload");
     }
     let distinct: HashSet<_> = leases.iter().map(|l| l.lease_id.clone()).collect();
     assert_eq!(distinct.len(), 3);

@@ -116,7 +116,7 @@ async fn queue_stats_count_intents_by_state_and_region() {
         .iter()
         .map(|c| ((c.state(), c.region.clone()), c.count))
         .collect();
-    let created = lease.intent.as_ref().unwrap().created_at.clone();
+    let created = lease.intent.as_ref().unwrap().created_at;
     assert_eq!(
         counts,
         HashMap::from([

@@ -27,6 +27,9 @@ pub struct Settings {
     pub limits: Limits,
     /// Background sweeps and retry backoff.
     pub maintenance: MaintenanceConfig,
+    /// Fallback sweep resolving STAGED intents (commits in the outbox's own database are
+    /// promoted at once through NOTIFY; this bounds aborts and other databases).
+    pub txn_resolve_interval: Duration,
     /// `text` or `json` logs.
     pub log_format: LogFormat,
     /// `tracing` filter directives (like RUST_LOG).
@@ -83,6 +86,7 @@ impl Default for Settings {
             embedded_port: None,
             limits: Limits::default(),
             maintenance: MaintenanceConfig::default(),
+            txn_resolve_interval: Duration::from_millis(100),
             log_format: LogFormat::Text,
             log_filter: "info".to_owned(),
         }
@@ -151,6 +155,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "OUTBOX_RETENTION__FINISHED",
         "how long delivered/discarded intents and their idempotency keys are kept [24h]",
     ),
+    ("OUTBOX_TXN__RESOLVE_INTERVAL", "fallback sweep resolving staged intents of finished producer transactions [100ms]"),
     ("OUTBOX_LOG__FORMAT", "text or json [text]"),
     (
         "OUTBOX_LOG__FILTER",
@@ -217,6 +222,9 @@ impl Settings {
                 }
                 "OUTBOX_RETENTION__FINISHED" => {
                     duration(value).map(|v| s.maintenance.retention = v)
+                }
+                "OUTBOX_TXN__RESOLVE_INTERVAL" => {
+                    duration(value).map(|v| s.txn_resolve_interval = v)
                 }
                 "OUTBOX_LOG__FORMAT" => match value {
                     "text" => Ok(LogFormat::Text),

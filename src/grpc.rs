@@ -13,8 +13,8 @@ use tonic_types::{ErrorDetails, StatusExt};
 
 use crate::config::Limits;
 use crate::outbox::notify::PendingSignal;
-use crate::outbox::store::{self, BackoffParams, ClaimParams, EnqueueParams};
-use crate::outbox::{Clock, DEFAULT_TENANT, Error, Reason};
+use crate::outbox::store::{self, BackoffParams, ClaimParams};
+use crate::outbox::{self, Clock, DEFAULT_TENANT, Error, Reason};
 use crate::proto::v1::outbox_service_server::{OutboxService, OutboxServiceServer};
 use crate::proto::v1::{self};
 use crate::validate;
@@ -26,6 +26,7 @@ pub const ERROR_DOMAIN: &str = "outboxd";
 #[derive(Debug, Clone)]
 pub struct OutboxHandler {
     pool: PgPool,
+    cluster_id: String,
     limits: Limits,
     backoff: BackoffParams,
     clock: Clock,
@@ -35,9 +36,11 @@ pub struct OutboxHandler {
 }
 
 impl OutboxHandler {
-    /// A handler; `shutdown` ends waiting long-polls early (they answer with no leases).
+    /// A handler for the cluster whose `system_identifier` is `cluster_id` (tokens must
+    /// name it); `shutdown` ends waiting long-polls early (they answer with no leases).
     pub fn new(
         pool: PgPool,
+        cluster_id: String,
         limits: Limits,
         backoff: BackoffParams,
         clock: Clock,
@@ -46,6 +49,7 @@ impl OutboxHandler {
     ) -> Self {
         Self {
             pool,
+            cluster_id,
             limits,
             backoff,
             clock,
@@ -76,7 +80,8 @@ pub fn code_of(reason: Reason) -> Code {
         Reason::NotFound => Code::NotFound,
         Reason::LeaseLost | Reason::InvalidState => Code::FailedPrecondition,
         Reason::IdempotencyConflict => Code::AlreadyExists,
-        Reason::Unimplemented => Code::Unimplemented,
+        Reason::TxnAborted => Code::Aborted,
+        Reason::TxnCommitted => Code::FailedPrecondition,
         Reason::Unavailable => Code::Unavailable,
         Reason::Conflict => Code::Aborted,
         Reason::Internal => Code::Internal,
@@ -122,9 +127,13 @@ impl From<Error> for Status {
                     ]),
                 ),
             ),
-            Error::Unimplemented(_) => (
-                Reason::Unimplemented,
-                error_info(Reason::Unimplemented, HashMap::new()),
+            Error::TxnAborted(_) => (
+                Reason::TxnAborted,
+                error_info(Reason::TxnAborted, HashMap::new()),
+            ),
+            Error::TxnFinished(_) => (
+                Reason::TxnCommitted,
+                error_info(Reason::TxnCommitted, HashMap::new()),
             ),
             Error::Database(db) => {
                 let reason = database_reason(&db);
@@ -174,25 +183,17 @@ impl OutboxService for OutboxHandler {
         &self,
         request: Request<v1::EnqueueRequest>,
     ) -> RpcResult<v1::EnqueueResponse> {
-        let (intents, txn_token) = validate::enqueue(request.into_inner(), &self.limits)?;
+        let (intents, token) = validate::enqueue(request.into_inner(), &self.limits)?;
         tracing::Span::current().record("intents.count", intents.len());
-        if !txn_token.is_empty() {
-            return Err(Error::Unimplemented(
-                "two-phase enqueue (txn_token) is not available in this build yet".to_owned(),
-            )
-            .into());
-        }
-        let mut tx = self.pool.begin().await.map_err(Error::from)?;
-        let results = store::insert_intents(
-            &mut tx,
-            EnqueueParams {
-                tenant_id: DEFAULT_TENANT,
-                intents: &intents,
-                now: self.clock.now(),
-            },
+        let results = outbox::enqueue::enqueue(
+            &self.pool,
+            &self.cluster_id,
+            DEFAULT_TENANT,
+            &intents,
+            token,
+            self.clock.now(),
         )
         .await?;
-        tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(v1::EnqueueResponse {
             results: results.into_iter().map(Into::into).collect(),
         }))

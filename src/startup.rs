@@ -2,12 +2,14 @@
 //! health, reflection and background tasks, served until a shutdown signal.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::net::TcpListener;
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
@@ -17,7 +19,7 @@ use crate::config::Settings;
 use crate::embedded::{EmbeddedConfig, EmbeddedPostgres};
 use crate::grpc::OutboxHandler;
 use crate::outbox::notify::PendingSignal;
-use crate::outbox::{Clock, maintenance};
+use crate::outbox::{Clock, maintenance, promotion, store};
 use crate::proto::{FILE_DESCRIPTOR_SET, v1::outbox_service_server::OutboxServiceServer};
 
 /// Name of the database outboxd creates in its embedded cluster.
@@ -129,11 +131,23 @@ impl Application {
         let local_addr = listener.local_addr()?;
         let shutdown = CancellationToken::new();
         let pending = PendingSignal::default();
-        let mut background = vec![tokio::spawn(
-            pending
-                .clone()
-                .listen_until_stopped(pool.clone(), shutdown.clone()),
-        )];
+        let txn_committed = Arc::new(Notify::new());
+        let cluster_id = store::cluster_identifier(&pool).await?;
+        let mut background = vec![
+            tokio::spawn(pending.clone().listen_until_stopped(
+                pool.clone(),
+                txn_committed.clone(),
+                shutdown.clone(),
+            )),
+            tokio::spawn(promotion::run_until_stopped(
+                pool.clone(),
+                runtime.clock.clone(),
+                txn_committed,
+                settings.txn_resolve_interval,
+                pending.clone(),
+                shutdown.clone(),
+            )),
+        ];
         if runtime.maintenance {
             background.push(tokio::spawn(maintenance::run_until_stopped(
                 pool.clone(),
@@ -157,6 +171,7 @@ impl Application {
             .build_v1alpha()?;
         let handler = OutboxHandler::new(
             pool,
+            cluster_id,
             settings.limits.clone(),
             settings.backoff(),
             runtime.clock,

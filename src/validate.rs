@@ -9,6 +9,7 @@ use uuid::Uuid;
 
 use crate::config::Limits;
 use crate::outbox::store::ReconcileTarget;
+use crate::outbox::token::TxnToken;
 use crate::outbox::{
     Decision, Error, FailOutcome, Failure, FieldViolation, IntentId, IntentState, LeaseId,
     LeaseRef, NewIntent, Reason, Result, Schedule,
@@ -164,7 +165,10 @@ impl Check {
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] or [`Error::LimitExceeded`] naming every bad field.
-pub fn enqueue(req: v1::EnqueueRequest, limits: &Limits) -> Result<(Vec<NewIntent>, String)> {
+pub fn enqueue(
+    req: v1::EnqueueRequest,
+    limits: &Limits,
+) -> Result<(Vec<NewIntent>, Option<TxnToken>)> {
     let mut c = Check::default();
     c.batch("intents", req.intents.len(), limits);
     let mut keys = HashSet::new();
@@ -260,8 +264,18 @@ pub fn enqueue(req: v1::EnqueueRequest, limits: &Limits) -> Result<(Vec<NewInten
             schedule,
         });
     }
-    c.text("txn_token", &req.txn_token, false, MAX_NAME_LEN);
-    c.done((intents, req.txn_token))
+    let token = if req.txn_token.is_empty() {
+        None
+    } else {
+        match req.txn_token.parse::<TxnToken>() {
+            Ok(t) => Some(t),
+            Err(e) => {
+                c.fail("txn_token", e.to_string());
+                None
+            }
+        }
+    };
+    c.done((intents, token))
 }
 
 /// A validated Claim request.

@@ -2,9 +2,12 @@
 //! Wire types never reach this module; `crate::proto` converts at the edge.
 
 pub mod clock;
+pub mod enqueue;
 pub mod maintenance;
 pub mod notify;
+pub mod promotion;
 pub mod store;
+pub mod token;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -280,8 +283,10 @@ pub enum Reason {
     InvalidState,
     /// An idempotency key is already used for a different intent.
     IdempotencyConflict,
-    /// The feature is not available in this build or configuration.
-    Unimplemented,
+    /// The producer transaction named by the token rolled back.
+    TxnAborted,
+    /// The producer transaction named by the token already committed.
+    TxnCommitted,
     /// The database is unreachable or overloaded; retry.
     Unavailable,
     /// A transient conflict (serialization, deadlock); retry.
@@ -301,7 +306,8 @@ impl Reason {
             Self::LeaseLost => "LEASE_LOST",
             Self::InvalidState => "INVALID_STATE",
             Self::IdempotencyConflict => "IDEMPOTENCY_CONFLICT",
-            Self::Unimplemented => "UNIMPLEMENTED",
+            Self::TxnAborted => "TXN_ABORTED",
+            Self::TxnCommitted => "TXN_COMMITTED",
             Self::Unavailable => "UNAVAILABLE",
             Self::Conflict => "CONFLICT",
             Self::Internal => "INTERNAL",
@@ -401,9 +407,12 @@ pub enum Error {
         /// The intent that holds it.
         existing: IntentId,
     },
-    /// The operation does not exist yet in this build.
+    /// The producer transaction of a two-phase enqueue rolled back.
     #[error("{0}")]
-    Unimplemented(String),
+    TxnAborted(String),
+    /// The producer transaction of a two-phase enqueue is no longer open.
+    #[error("{0}")]
+    TxnFinished(String),
     /// A database failure.
     #[error(transparent)]
     Database(#[from] sqlx::Error),

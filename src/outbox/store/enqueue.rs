@@ -15,6 +15,9 @@ pub struct EnqueueParams<'a> {
     pub tenant_id: &'a str,
     /// Validated intents; idempotency keys are unique within the batch.
     pub intents: &'a [NewIntent],
+    /// The producer transaction of a two-phase enqueue: the intents are STAGED until it
+    /// finishes. `None`: direct mode, PENDING at once.
+    pub txn_xid: Option<u64>,
     /// Current time override (tests).
     pub now: Option<DateTime<Utc>>,
 }
@@ -29,9 +32,9 @@ struct InsertRow {
     same_content: Option<bool>,
 }
 
-/// Inserts a batch of intents as PENDING within the caller's transaction, deduplicating by
-/// idempotency key, and notifies waiting claimers when any is claimable now (delivered by
-/// PostgreSQL only if the transaction commits).
+/// Inserts a batch of intents within the caller's transaction, PENDING (or STAGED with a
+/// producer transaction), deduplicating by idempotency key, and notifies waiting claimers
+/// when any is claimable now (delivered by PostgreSQL only if the transaction commits).
 ///
 /// # Errors
 /// [`Error::IdempotencyConflict`] when a key is held by an intent with another kind or
@@ -85,16 +88,18 @@ pub async fn insert_intents(
         inserted AS (
             INSERT INTO outbox.intent (id, tenant_id, kind, region, payload, content_type,
                                        idempotency_key, headers, state, max_attempts,
-                                       available_at, created_at, updated_at)
+                                       available_at, created_at, updated_at, txn_xid)
             SELECT input.id, $1, input.kind, input.region, input.payload, input.content_type,
-                   input.idempotency_key, input.headers, 'pending', input.max_attempts,
+                   input.idempotency_key, input.headers,
+                   CASE WHEN $13::text IS NULL THEN 'pending' ELSE 'staged' END::outbox.intent_state,
+                   input.max_attempts,
                    coalesce(input.at, clock.now + coalesce(input.delay_ms, 0) * interval '1 ms'),
-                   clock.now, clock.now
+                   clock.now, clock.now, $13::text::xid8
             FROM input, clock
             ORDER BY input.ord
             ON CONFLICT (tenant_id, idempotency_key) WHERE idempotency_key IS NOT NULL
             DO NOTHING
-            RETURNING id, available_at <= created_at AS claimable_now
+            RETURNING id, state = 'pending' AND available_at <= created_at AS claimable_now
         )
         SELECT input.id AS new_id,
                inserted.id IS NOT NULL AS inserted,
@@ -123,6 +128,7 @@ pub async fn insert_intents(
     .bind(&delays_ms)
     .bind(&at)
     .bind(params.now)
+    .bind(params.txn_xid.map(|x| x.to_string()))
     .fetch_all(&mut *conn)
     .await?;
 
@@ -133,7 +139,11 @@ pub async fn insert_intents(
             notify |= row.claimable_now;
             results.push(Enqueued {
                 id: IntentId(row.new_id),
-                state: IntentState::Pending,
+                state: if params.txn_xid.is_some() {
+                    IntentState::Staged
+                } else {
+                    IntentState::Pending
+                },
                 deduplicated: false,
             });
             continue;

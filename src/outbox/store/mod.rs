@@ -10,6 +10,7 @@ mod inspect;
 mod maintenance;
 mod reconcile;
 mod settle;
+mod staged;
 
 pub use claim::{ClaimParams, claim_intents, next_due_in};
 pub use enqueue::{EnqueueParams, insert_intents};
@@ -17,9 +18,16 @@ pub use inspect::{ListParams, QueueStats, StateCount, get_intent, list_intents, 
 pub use maintenance::{BackoffParams, purge_finished_intents, rescue_expired_leases};
 pub use reconcile::{ReconcileParams, ReconcileTarget, resolve_intents};
 pub use settle::{ack_intents, extend_leases, fail_intents, mark_intents_submitted};
+pub use staged::{
+    PromotionReport, TxnStatus, cluster_identifier, find_replay, promote_staged_intents,
+    transaction_status,
+};
 
 /// The NOTIFY channel that wakes long-polling claimers when intents become claimable.
 pub const PENDING_CHANNEL: &str = "outbox_intent_pending";
+
+/// The NOTIFY channel `outbox.txn_token()` uses; delivered only when a producer commits.
+pub const TXN_COMMITTED_CHANNEL: &str = "outbox_txn_committed";
 
 /// The columns of `crate::outbox::Intent`, in one place for every statement returning intents.
 macro_rules! intent_columns {

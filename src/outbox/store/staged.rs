@@ -1,0 +1,192 @@
+//! The two-phase token's SQL: the cluster's identity, a producer transaction's status, and
+//! the promotion of STAGED intents once PostgreSQL says how their transaction ended.
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgConnection, PgExecutor};
+use uuid::Uuid;
+
+use super::PENDING_CHANNEL;
+use crate::outbox::{Enqueued, IntentId, IntentState, NewIntent, Result};
+
+/// How PostgreSQL reports a transaction (`pg_xact_status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TxnStatus {
+    /// Still open: intents enqueued with it are STAGED.
+    InProgress,
+    /// Committed.
+    Committed,
+    /// Rolled back, or its backend or the server crashed before it committed.
+    Aborted,
+    /// Too old for the commit log to remember.
+    Forgotten,
+    /// Not assigned yet: the token was made up.
+    Future,
+}
+
+/// The cluster's `system_identifier`, which every token must carry.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn cluster_identifier(db: impl PgExecutor<'_>) -> Result<String> {
+    let id = sqlx::query_scalar("SELECT system_identifier::text FROM pg_control_system()")
+        .fetch_one(db)
+        .await?;
+    Ok(id)
+}
+
+/// Status of transaction `xid` (a full 64-bit id, as `pg_current_xact_id()` gives).
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn transaction_status(db: impl PgExecutor<'_>, xid: u64) -> Result<TxnStatus> {
+    let status: std::result::Result<Option<String>, sqlx::Error> =
+        sqlx::query_scalar("SELECT pg_xact_status($1::text::xid8)")
+            .bind(xid.to_string())
+            .fetch_one(db)
+            .await;
+    match status {
+        Ok(Some(s)) if s == "in progress" => Ok(TxnStatus::InProgress),
+        Ok(Some(s)) if s == "committed" => Ok(TxnStatus::Committed),
+        Ok(Some(_)) => Ok(TxnStatus::Aborted),
+        Ok(None) => Ok(TxnStatus::Forgotten),
+        // 22023: "transaction ID … is in the future".
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("22023") => Ok(TxnStatus::Future),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// When transaction `xid` already committed, an Enqueue naming it is accepted only as a
+/// replay: every intent carries an idempotency key already recorded with this transaction
+/// and the same content. Returns the recorded intents, or `None` when it is not a replay.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn find_replay(
+    conn: &mut PgConnection,
+    tenant_id: &str,
+    xid: u64,
+    intents: &[NewIntent],
+) -> Result<Option<Vec<Enqueued>>> {
+    let Some(keys) = intents
+        .iter()
+        .map(|i| i.idempotency_key.as_deref())
+        .collect::<Option<Vec<&str>>>()
+    else {
+        return Ok(None);
+    };
+    let kinds: Vec<&str> = intents.iter().map(|i| i.kind.as_str()).collect();
+    let payloads: Vec<&[u8]> = intents.iter().map(|i| i.payload.as_slice()).collect();
+    let rows: Vec<(Option<Uuid>, Option<IntentState>)> = sqlx::query_as(
+        r#"
+        SELECT i.id, i.state
+        FROM unnest($2::text[], $3::text[], $4::bytea[]) WITH ORDINALITY AS t(key, kind, payload, ord)
+        LEFT JOIN outbox.intent i
+            ON i.tenant_id = $1
+           AND i.idempotency_key = t.key
+           AND i.txn_xid = $5::text::xid8
+           AND i.kind = t.kind
+           AND i.payload = t.payload
+        ORDER BY t.ord
+        "#,
+    )
+    .bind(tenant_id)
+    .bind(&keys)
+    .bind(&kinds)
+    .bind(&payloads)
+    .bind(xid.to_string())
+    .fetch_all(conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(id, state)| {
+            Some(Enqueued {
+                id: IntentId(id?),
+                state: state?,
+                deduplicated: true,
+            })
+        })
+        .collect())
+}
+
+/// What one promotion pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PromotionReport {
+    /// STAGED intents whose transaction committed, now PENDING.
+    pub promoted: u64,
+    /// STAGED intents whose transaction aborted, now DISCARDED.
+    pub discarded: u64,
+    /// STAGED intents whose transaction is too old to look up, sent to an operator.
+    pub forgotten: u64,
+}
+
+/// Resolves up to `limit` STAGED intents whose producer transaction has finished, across
+/// tenants: committed → PENDING (and claimers are notified), aborted → DISCARDED. Intents
+/// of transactions still in progress are left alone and cost nothing but an index probe.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn promote_staged_intents(
+    db: impl PgExecutor<'_>,
+    limit: i64,
+    now: Option<DateTime<Utc>>,
+) -> Result<PromotionReport> {
+    let states: Vec<(IntentState,)> = sqlx::query_as(
+        r#"
+        WITH staged_xids AS (
+            SELECT DISTINCT txn_xid
+            FROM outbox.intent
+            WHERE state = 'staged'
+        ),
+        -- Open transactions are skipped before the LIMIT, so a producer holding its
+        -- transaction open never starves the promotion of anyone else's intents.
+        finished_xids AS (
+            SELECT txn_xid, pg_xact_status(txn_xid) AS status
+            FROM staged_xids
+            WHERE pg_xact_status(txn_xid) IS DISTINCT FROM 'in progress'
+        ),
+        finished AS (
+            SELECT i.id, f.status
+            FROM outbox.intent i
+            JOIN finished_xids f ON f.txn_xid = i.txn_xid
+            WHERE i.state = 'staged'
+            LIMIT $1
+            FOR UPDATE OF i SKIP LOCKED
+        ),
+        resolved AS (
+            UPDATE outbox.intent i
+            SET state = CASE finished.status
+                    WHEN 'committed' THEN 'pending'
+                    WHEN 'aborted' THEN 'discarded'
+                    ELSE 'needs_reconcile'
+                END::outbox.intent_state,
+                finished_at = CASE WHEN finished.status = 'aborted'
+                                   THEN coalesce($2::timestamptz, now()) END,
+                last_error = CASE WHEN finished.status IS NULL
+                    THEN 'producer transaction too old to tell whether it committed' END,
+                updated_at = coalesce($2::timestamptz, now())
+            FROM finished
+            WHERE i.id = finished.id
+            RETURNING i.state
+        ),
+        woken AS (
+            SELECT pg_notify($3, '')
+            WHERE EXISTS (SELECT 1 FROM resolved WHERE state = 'pending')
+        )
+        SELECT state FROM resolved, (SELECT count(*) FROM woken) AS w
+        "#,
+    )
+    .bind(limit)
+    .bind(now)
+    .bind(PENDING_CHANNEL)
+    .fetch_all(db)
+    .await?;
+    let mut report = PromotionReport::default();
+    for (state,) in states {
+        match state {
+            IntentState::Pending => report.promoted += 1,
+            IntentState::Discarded => report.discarded += 1,
+            _ => report.forgotten += 1,
+        }
+    }
+    Ok(report)
+}

@@ -155,7 +155,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "OUTBOX_RETENTION__FINISHED",
         "how long delivered/discarded intents and their idempotency keys are kept [24h]",
     ),
-    ("OUTBOX_TXN__RESOLVE_INTERVAL", "fallback sweep resolving staged intents of finished producer transactions [100ms]"),
+    (
+        "OUTBOX_TXN__RESOLVE_INTERVAL",
+        "fallback sweep resolving staged intents of finished producer transactions [100ms]",
+    ),
     ("OUTBOX_LOG__FORMAT", "text or json [text]"),
     (
         "OUTBOX_LOG__FILTER",

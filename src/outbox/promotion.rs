@@ -62,7 +62,9 @@ pub async fn run_until_stopped(
                     );
                 }
             }
-            Err(e) => tracing::warn!(error.message = %e, "promotion of staged intents failed; will retry"),
+            Err(e) => {
+                tracing::warn!(error.message = %e, "promotion of staged intents failed; will retry")
+            }
         }
     }
 }

@@ -62,7 +62,16 @@ mod tests {
         assert_eq!(t.system_identifier, 7312345678901234567);
         assert_eq!(t.xid, 7421);
         assert_eq!(t.to_string(), "v1.7312345678901234567.7421");
-        for bad in ["", "v1", "v1.1", "v2.1.2", "v1.1.2.3", "v1.a.2", "v1.1.+2", "v1.1.99999999999999999999"] {
+        for bad in [
+            "",
+            "v1",
+            "v1.1",
+            "v2.1.2",
+            "v1.1.2.3",
+            "v1.a.2",
+            "v1.1.+2",
+            "v1.1.99999999999999999999",
+        ] {
             assert!(bad.parse::<TxnToken>().is_err(), "{bad}");
         }
     }

@@ -12,7 +12,7 @@ use outboxd::outbox::Clock;
 use outboxd::outbox::maintenance::{self, MaintenanceConfig, SweepReport};
 use outboxd::proto::v1;
 use outboxd::startup::{self, Application, Runtime};
-use sqlx::PgPool;
+use sqlx::{Connection, PgConnection, PgPool};
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 use tonic_types::StatusExt;
@@ -91,10 +91,22 @@ fn base_of(url: &str) -> String {
 
 /// A fresh, migrated database for one test; returns its URL.
 pub async fn fresh_database() -> String {
+    create_database(Some(TEMPLATE)).await
+}
+
+/// A fresh empty database in the same cluster (a producer's own database); returns its URL.
+pub async fn other_database() -> String {
+    create_database(None).await
+}
+
+async fn create_database(template: Option<&str>) -> String {
     let base = &cluster().base_url;
     let name = format!("test_{}", Uuid::new_v4().simple());
+    let template = template
+        .map(|t| format!(" TEMPLATE {t}"))
+        .unwrap_or_default();
     let admin = PgPool::connect(&format!("{base}postgres")).await.unwrap();
-    sqlx::query(&format!("CREATE DATABASE {name} TEMPLATE {TEMPLATE}"))
+    sqlx::query(&format!("CREATE DATABASE {name}{template}"))
         .execute(&admin)
         .await
         .unwrap();
@@ -109,6 +121,8 @@ pub struct TestApp {
     pub clock: Clock,
     pub settings: Settings,
     pub addr: std::net::SocketAddr,
+    /// URL of the outbox database (superuser), for producer connections.
+    pub url: String,
     app: Option<Application>,
 }
 
@@ -118,9 +132,13 @@ impl TestApp {
     }
 
     pub async fn spawn_with(configure: impl FnOnce(&mut Settings)) -> Self {
+        Self::spawn_on(fresh_database().await, configure).await
+    }
+
+    /// A server on an existing, migrated database.
+    pub async fn spawn_on(url: String, configure: impl FnOnce(&mut Settings)) -> Self {
         let mut settings = Settings::default();
         configure(&mut settings);
-        let url = fresh_database().await;
         let pool = startup::connect(&url, 20).await.unwrap();
         let clock = Clock::manual(Utc::now());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -142,6 +160,7 @@ impl TestApp {
             clock,
             settings,
             addr: app.local_addr(),
+            url,
             app: Some(app),
         }
     }
@@ -158,6 +177,27 @@ impl TestApp {
             .connect()
             .await
             .unwrap()
+    }
+
+    /// A producer connection to the outbox's own database.
+    pub async fn producer(&self) -> PgConnection {
+        PgConnection::connect(&self.url).await.unwrap()
+    }
+
+    /// Waits, with a deadline, until the intent is in `state`.
+    pub async fn wait_for_state(&self, id: &str, state: v1::IntentState) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            let now = self.state(id).await;
+            if now == state {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{id} stayed {now:?}, never {state:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     pub async fn stop(mut self) {

@@ -10,3 +10,4 @@ mod long_poll;
 mod maintenance;
 mod reconcile;
 mod settle;
+mod two_phase;

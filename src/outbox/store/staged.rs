@@ -50,7 +50,9 @@ pub async fn transaction_status(db: impl PgExecutor<'_>, xid: u64) -> Result<Txn
         Ok(Some(_)) => Ok(TxnStatus::Aborted),
         Ok(None) => Ok(TxnStatus::Forgotten),
         // 22023: "transaction ID … is in the future".
-        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("22023") => Ok(TxnStatus::Future),
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("22023") => {
+            Ok(TxnStatus::Future)
+        }
         Err(e) => Err(e.into()),
     }
 }

@@ -1,0 +1,414 @@
+//! The two-phase token: intents enqueued inside a producer's transaction exist if and only
+//! if it commits, whatever the producer, its backend or PostgreSQL does.
+
+use std::time::Duration;
+
+use outboxd::embedded::{EmbeddedConfig, EmbeddedPostgres};
+use outboxd::proto::v1::{self, IntentState};
+use sqlx::{Connection, PgConnection};
+use tonic::{Code, Status};
+
+use crate::helpers::{
+    TestApp, assert_status, claim_request, duration, id_of, intent, other_database,
+};
+
+const TOKEN_SQL: &str =
+    "SELECT 'v1.' || system_identifier || '.' || pg_current_xact_id() FROM pg_control_system()";
+
+async fn enqueue_in(
+    app: &TestApp,
+    token: &str,
+    intents: Vec<v1::NewIntent>,
+) -> Result<Vec<v1::EnqueueResult>, Status> {
+    app.client()
+        .enqueue(v1::EnqueueRequest {
+            intents,
+            txn_token: token.to_owned(),
+        })
+        .await
+        .map(|r| r.into_inner().results)
+}
+
+async fn token_of(conn: &mut PgConnection) -> String {
+    sqlx::query_scalar("SELECT outbox.txn_token()")
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
+
+async fn business_table(conn: &mut PgConnection) {
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS orders (id bigserial PRIMARY KEY, customer text NOT NULL)",
+    )
+    .execute(conn)
+    .await
+    .unwrap();
+}
+
+/// Claims with a long-poll; returns the ids leased.
+async fn claim_waiting(app: &TestApp, wait: Duration) -> Vec<String> {
+    let mut request = claim_request("w", 100);
+    request.wait = Some(duration(wait));
+    app.claim(request)
+        .await
+        .unwrap()
+        .iter()
+        .map(|l| id_of(l).to_owned())
+        .collect()
+}
+
+#[tokio::test]
+async fn intents_of_a_committed_producer_transaction_become_claimable() {
+    let app = TestApp::spawn().await;
+    let mut producer = app.producer().await;
+    business_table(&mut producer).await;
+    let mut tx = producer.begin().await.unwrap();
+    sqlx::query("INSERT INTO orders (customer) VALUES ('ada')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let token = token_of(&mut tx).await;
+    let results = enqueue_in(
+        &app,
+        &token,
+        vec![intent("order.created", "{}"), intent("email.send", "{}")],
+    )
+    .await
+    .unwrap();
+    assert!(
+        results
+            .iter()
+            .all(|r| r.state() == IntentState::Staged && !r.deduplicated)
+    );
+    let id = results[0].id.clone();
+
+    assert!(
+        app.claim_n("w", 10).await.is_empty(),
+        "staged intents are not claimable"
+    );
+    assert_eq!(
+        app.state(&id).await,
+        IntentState::Staged,
+        "but visible to inspection"
+    );
+    let stats = app
+        .client()
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(stats.oldest_staged_at.is_some());
+    assert!(
+        stats
+            .counts
+            .iter()
+            .any(|c| c.state() == IntentState::Staged && c.count == 2)
+    );
+
+    tx.commit().await.unwrap();
+    let mut claimed = claim_waiting(&app, Duration::from_secs(10)).await;
+    if claimed.len() < 2 {
+        claimed.extend(claim_waiting(&app, Duration::from_secs(10)).await);
+    }
+    claimed.sort();
+    let mut expected: Vec<String> = results.iter().map(|r| r.id.clone()).collect();
+    expected.sort();
+    assert_eq!(claimed, expected);
+}
+
+#[tokio::test]
+async fn intents_of_a_rolled_back_transaction_are_discarded_and_never_claimable() {
+    let app = TestApp::spawn().await;
+    let mut producer = app.producer().await;
+    business_table(&mut producer).await;
+    let mut tx = producer.begin().await.unwrap();
+    sqlx::query("INSERT INTO orders (customer) VALUES ('bob')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let token = token_of(&mut tx).await;
+    let id = enqueue_in(&app, &token, vec![intent("order.created", "{}")])
+        .await
+        .unwrap()[0]
+        .id
+        .clone();
+    tx.rollback().await.unwrap();
+
+    app.wait_for_state(&id, IntentState::Discarded).await;
+    assert!(app.claim_n("w", 10).await.is_empty());
+    let orders: i64 = sqlx::query_scalar("SELECT count(*) FROM orders")
+        .fetch_one(&mut producer)
+        .await
+        .unwrap();
+    assert_eq!(orders, 0);
+}
+
+#[tokio::test]
+async fn a_producer_in_another_database_of_the_cluster_joins_with_plain_sql() {
+    let app = TestApp::spawn().await;
+    let mut producer = PgConnection::connect(&other_database().await)
+        .await
+        .unwrap();
+    business_table(&mut producer).await;
+
+    let mut tx = producer.begin().await.unwrap();
+    sqlx::query("INSERT INTO orders (customer) VALUES ('cy')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let token: String = sqlx::query_scalar(TOKEN_SQL)
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    let committed = enqueue_in(&app, &token, vec![intent("order.created", "{}")])
+        .await
+        .unwrap()[0]
+        .id
+        .clone();
+    tx.commit().await.unwrap();
+
+    let mut tx = producer.begin().await.unwrap();
+    let token: String = sqlx::query_scalar(TOKEN_SQL)
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    let aborted = enqueue_in(&app, &token, vec![intent("order.created", "{}")])
+        .await
+        .unwrap()[0]
+        .id
+        .clone();
+    tx.rollback().await.unwrap();
+
+    assert_eq!(
+        claim_waiting(&app, Duration::from_secs(10)).await,
+        vec![committed]
+    );
+    app.wait_for_state(&aborted, IntentState::Discarded).await;
+}
+
+#[tokio::test]
+async fn a_producer_backend_killed_mid_transaction_discards_its_intents() {
+    let app = TestApp::spawn().await;
+    let mut producer = app.producer().await;
+    let mut tx = producer.begin().await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    let token = token_of(&mut tx).await;
+    let id = enqueue_in(&app, &token, vec![intent("order.created", "{}")])
+        .await
+        .unwrap()[0]
+        .id
+        .clone();
+
+    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert!(killed);
+    app.wait_for_state(&id, IntentState::Discarded).await;
+    assert!(app.claim_n("w", 10).await.is_empty());
+    drop(tx);
+}
+
+#[tokio::test]
+async fn a_producer_holding_its_transaction_open_delays_nobody_else() {
+    let app = TestApp::spawn().await;
+    let mut idle = app.producer().await;
+    let mut open = idle.begin().await.unwrap();
+    let token = token_of(&mut open).await;
+    let held = enqueue_in(&app, &token, vec![intent("slow", "{}")])
+        .await
+        .unwrap()[0]
+        .id
+        .clone();
+
+    let mut other = app.producer().await;
+    let mut tx = other.begin().await.unwrap();
+    let token = token_of(&mut tx).await;
+    let prompt = enqueue_in(&app, &token, vec![intent("fast", "{}")])
+        .await
+        .unwrap()[0]
+        .id
+        .clone();
+    tx.commit().await.unwrap();
+    let direct = app.enqueue_one("direct", "{}").await;
+
+    let mut claimed = claim_waiting(&app, Duration::from_secs(10)).await;
+    if claimed.len() < 2 {
+        claimed.extend(claim_waiting(&app, Duration::from_secs(10)).await);
+    }
+    claimed.sort();
+    let mut expected = vec![prompt, direct];
+    expected.sort();
+    assert_eq!(claimed, expected);
+    assert_eq!(app.state(&held).await, IntentState::Staged);
+    open.commit().await.unwrap();
+    assert_eq!(
+        claim_waiting(&app, Duration::from_secs(10)).await,
+        vec![held]
+    );
+}
+
+#[tokio::test]
+async fn several_enqueues_with_one_token_all_join_the_transaction() {
+    let app = TestApp::spawn().await;
+    let mut producer = app.producer().await;
+    let mut tx = producer.begin().await.unwrap();
+    let token = token_of(&mut tx).await;
+    let a = enqueue_in(&app, &token, vec![intent("a", "{}")])
+        .await
+        .unwrap()[0]
+        .id
+        .clone();
+    // A savepoint does not change the transaction the token names.
+    let mut nested = tx.begin().await.unwrap();
+    let b = enqueue_in(&app, &token_of(&mut nested).await, vec![intent("b", "{}")])
+        .await
+        .unwrap()[0]
+        .id
+        .clone();
+    nested.commit().await.unwrap();
+    tx.rollback().await.unwrap();
+    app.wait_for_state(&a, IntentState::Discarded).await;
+    app.wait_for_state(&b, IntentState::Discarded).await;
+}
+
+#[tokio::test]
+async fn tokens_that_name_no_open_transaction_of_this_cluster_are_refused() {
+    let app = TestApp::spawn().await;
+    let one = || vec![intent("k", "{}")];
+    for garbage in ["garbage", "v1.1", "v2.1.2", "v1.x.2", "v1.1.2.3"] {
+        let status = enqueue_in(&app, garbage, one()).await.unwrap_err();
+        assert_status(
+            &status,
+            Code::InvalidArgument,
+            "INVALID_ARGUMENT",
+            &["txn_token"],
+        );
+    }
+    let mut producer = app.producer().await;
+    let real = token_of(&mut producer).await; // autocommit: this transaction already committed
+    let (_, rest) = real.split_once('.').unwrap();
+    let (system, xid) = rest.split_once('.').unwrap();
+    let other_cluster = format!("v1.{}.{xid}", system.parse::<u64>().unwrap() ^ 1);
+    let status = enqueue_in(&app, &other_cluster, one()).await.unwrap_err();
+    assert_status(
+        &status,
+        Code::InvalidArgument,
+        "INVALID_ARGUMENT",
+        &["txn_token"],
+    );
+    let future = format!("v1.{system}.{}", xid.parse::<u64>().unwrap() + 1_000_000);
+    let status = enqueue_in(&app, &future, one()).await.unwrap_err();
+    assert_status(
+        &status,
+        Code::InvalidArgument,
+        "INVALID_ARGUMENT",
+        &["txn_token"],
+    );
+
+    let status = enqueue_in(&app, &real, one()).await.unwrap_err();
+    assert_status(&status, Code::FailedPrecondition, "TXN_COMMITTED", &[]);
+
+    let mut tx = producer.begin().await.unwrap();
+    let aborted = token_of(&mut tx).await;
+    tx.rollback().await.unwrap();
+    let status = enqueue_in(&app, &aborted, one()).await.unwrap_err();
+    assert_status(&status, Code::Aborted, "TXN_ABORTED", &[]);
+    assert!(
+        app.snapshot().await.is_empty(),
+        "no refused token stored anything"
+    );
+}
+
+#[tokio::test]
+async fn replaying_an_enqueue_after_commit_returns_the_recorded_intents() {
+    let app = TestApp::spawn().await;
+    let mut producer = app.producer().await;
+    let mut tx = producer.begin().await.unwrap();
+    let token = token_of(&mut tx).await;
+    let mut keyed = intent("order.created", r#"{"order":7}"#);
+    keyed.idempotency_key = "order-7".into();
+    let first = enqueue_in(&app, &token, vec![keyed.clone()]).await.unwrap();
+    let replay_open = enqueue_in(&app, &token, vec![keyed.clone()]).await.unwrap();
+    assert_eq!(replay_open[0].id, first[0].id);
+    assert!(replay_open[0].deduplicated);
+    tx.commit().await.unwrap();
+
+    // The response of the first call was lost, the producer committed anyway and retries.
+    let replay = enqueue_in(&app, &token, vec![keyed.clone()]).await.unwrap();
+    assert_eq!(replay[0].id, first[0].id);
+    assert!(replay[0].deduplicated);
+    let mut other_payload = keyed;
+    other_payload.payload = br#"{"order":8}"#.to_vec();
+    let status = enqueue_in(&app, &token, vec![other_payload])
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::FailedPrecondition, "TXN_COMMITTED", &[]);
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.intent")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(count, 1);
+}
+
+#[tokio::test]
+async fn a_postgres_crash_discards_open_transactions_and_keeps_committed_intents() {
+    // Its own cluster: crashing the shared one would break every other test.
+    let dir = std::env::temp_dir().join(format!("outboxd-crash-{}", uuid::Uuid::new_v4().simple()));
+    let mut cluster =
+        tokio::task::spawn_blocking(move || EmbeddedPostgres::start(EmbeddedConfig::new(dir)))
+            .await
+            .unwrap()
+            .unwrap();
+    let url = cluster.url("postgres");
+    let pool = outboxd::startup::connect(&url, 4).await.unwrap();
+    outboxd::startup::migrate(&pool).await.unwrap();
+    pool.close().await;
+    let app = TestApp::spawn_on(url, |_| {}).await;
+
+    let committed_direct = app.enqueue_one("direct", "{}").await;
+    let mut producer = app.producer().await;
+    let mut tx = producer.begin().await.unwrap();
+    let token = token_of(&mut tx).await;
+    let committed_staged = enqueue_in(&app, &token, vec![intent("staged", "{}")])
+        .await
+        .unwrap()[0]
+        .id
+        .clone();
+    tx.commit().await.unwrap();
+    let mut open = app.producer().await;
+    let mut open_tx = open.begin().await.unwrap();
+    let token = token_of(&mut open_tx).await;
+    let in_flight = enqueue_in(&app, &token, vec![intent("lost", "{}")])
+        .await
+        .unwrap()[0]
+        .id
+        .clone();
+
+    let mut cluster = tokio::task::spawn_blocking(move || {
+        cluster.crash().unwrap();
+        cluster.restart().unwrap();
+        cluster
+    })
+    .await
+    .unwrap();
+    drop(open_tx);
+    drop(open);
+
+    app.wait_for_state(&in_flight, IntentState::Discarded).await;
+    app.wait_for_state(&committed_staged, IntentState::Pending)
+        .await;
+    let mut claimed = claim_waiting(&app, Duration::from_secs(10)).await;
+    claimed.sort();
+    let mut expected = vec![committed_direct, committed_staged];
+    expected.sort();
+    assert_eq!(claimed, expected);
+    app.stop().await;
+    tokio::task::spawn_blocking(move || cluster.stop().unwrap())
+        .await
+        .unwrap();
+}

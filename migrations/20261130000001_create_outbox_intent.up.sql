@@ -81,9 +81,10 @@ CREATE INDEX intent_txn_xid_idx ON outbox.intent (txn_xid)
 CREATE INDEX intent_tenant_state_idx ON outbox.intent (tenant_id, state, id)
     WHERE state IN ('needs_reconcile', 'dead_lettered', 'staged', 'leased', 'submitted');
 
--- Idempotency keys are unique per tenant.
+-- Idempotency keys are unique per tenant among intents that exist: a DISCARDED intent (its
+-- producer rolled back) never existed, so its key is free for the producer's retry.
 CREATE UNIQUE INDEX intent_tenant_idempotency_key_idx ON outbox.intent (tenant_id, idempotency_key)
-    WHERE idempotency_key IS NOT NULL;
+    WHERE idempotency_key IS NOT NULL AND state <> 'discarded';
 
 -- A retried Claim finds the leases its first attempt took.
 CREATE INDEX intent_claim_request_idx ON outbox.intent (tenant_id, worker_id, claim_request_id)

@@ -14,7 +14,7 @@ use tonic_types::{ErrorDetails, StatusExt};
 use crate::config::Limits;
 use crate::outbox::notify::PendingSignal;
 use crate::outbox::store::{self, BackoffParams, ClaimParams};
-use crate::outbox::{self, Clock, DEFAULT_TENANT, Error, Reason};
+use crate::outbox::{self, Clock, DEFAULT_TENANT, Error, IntentId, Reason};
 use crate::proto::v1::outbox_service_server::{OutboxService, OutboxServiceServer};
 use crate::proto::v1::{self};
 use crate::validate;
@@ -80,7 +80,7 @@ pub fn code_of(reason: Reason) -> Code {
         Reason::NotFound => Code::NotFound,
         Reason::LeaseLost | Reason::InvalidState => Code::FailedPrecondition,
         Reason::IdempotencyConflict => Code::AlreadyExists,
-        Reason::TxnAborted => Code::Aborted,
+        Reason::TxnAborted | Reason::IdempotencyKeyInUse => Code::Aborted,
         Reason::TxnCommitted => Code::FailedPrecondition,
         Reason::Unavailable => Code::Unavailable,
         Reason::Conflict => Code::Aborted,
@@ -90,6 +90,16 @@ pub fn code_of(reason: Reason) -> Code {
 
 fn error_info(reason: Reason, metadata: HashMap<String, String>) -> ErrorDetails {
     ErrorDetails::with_error_info(reason.as_str(), ERROR_DOMAIN, metadata)
+}
+
+fn key_holder(reason: Reason, key: String, holder: IntentId) -> ErrorDetails {
+    error_info(
+        reason,
+        HashMap::from([
+            ("idempotency_key".to_owned(), key),
+            ("intent_id".to_owned(), holder.to_string()),
+        ]),
+    )
 }
 
 impl From<Error> for Status {
@@ -119,13 +129,11 @@ impl From<Error> for Status {
             ),
             Error::IdempotencyConflict { key, existing } => (
                 Reason::IdempotencyConflict,
-                error_info(
-                    Reason::IdempotencyConflict,
-                    HashMap::from([
-                        ("idempotency_key".to_owned(), key),
-                        ("intent_id".to_owned(), existing.to_string()),
-                    ]),
-                ),
+                key_holder(Reason::IdempotencyConflict, key, existing),
+            ),
+            Error::IdempotencyKeyInUse { key, existing } => (
+                Reason::IdempotencyKeyInUse,
+                key_holder(Reason::IdempotencyKeyInUse, key, existing),
             ),
             Error::TxnAborted(_) => (
                 Reason::TxnAborted,

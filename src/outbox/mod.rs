@@ -283,6 +283,8 @@ pub enum Reason {
     InvalidState,
     /// An idempotency key is already used for a different intent.
     IdempotencyConflict,
+    /// An idempotency key is held by a producer transaction that has not finished.
+    IdempotencyKeyInUse,
     /// The producer transaction named by the token rolled back.
     TxnAborted,
     /// The producer transaction named by the token already committed.
@@ -306,6 +308,7 @@ impl Reason {
             Self::LeaseLost => "LEASE_LOST",
             Self::InvalidState => "INVALID_STATE",
             Self::IdempotencyConflict => "IDEMPOTENCY_CONFLICT",
+            Self::IdempotencyKeyInUse => "IDEMPOTENCY_KEY_IN_USE",
             Self::TxnAborted => "TXN_ABORTED",
             Self::TxnCommitted => "TXN_COMMITTED",
             Self::Unavailable => "UNAVAILABLE",
@@ -402,6 +405,18 @@ pub enum Error {
         "idempotency key {key:?} is already used by intent {existing} with a different kind or payload"
     )]
     IdempotencyConflict {
+        /// The key.
+        key: String,
+        /// The intent that holds it.
+        existing: IntentId,
+    },
+    /// An idempotency key is held by a STAGED intent of another producer transaction that
+    /// has not finished yet.
+    #[error(
+        "idempotency key {key:?} is held by intent {existing} of a producer transaction that has \
+         not finished; retry once it commits or rolls back"
+    )]
+    IdempotencyKeyInUse {
         /// The key.
         key: String,
         /// The intent that holds it.

@@ -412,3 +412,32 @@ async fn a_postgres_crash_discards_open_transactions_and_keeps_committed_intents
         .await
         .unwrap();
 }
+
+#[tokio::test]
+async fn an_idempotency_key_held_by_another_open_transaction_is_not_deduplicated_onto_it() {
+    let app = TestApp::spawn().await;
+    let mut keyed = intent("order.created", "{}");
+    keyed.idempotency_key = "order-9".into();
+
+    let mut first = app.producer().await;
+    let mut t1 = first.begin().await.unwrap();
+    let token = token_of(&mut t1).await;
+    let held = enqueue_in(&app, &token, vec![keyed.clone()]).await.unwrap()[0]
+        .id
+        .clone();
+
+    // A second attempt at the same operation, while the first is still open.
+    let status = app.enqueue(vec![keyed.clone()]).await.unwrap_err();
+    assert_status(&status, Code::Aborted, "IDEMPOTENCY_KEY_IN_USE", &[]);
+
+    // The first rolls back: its intent never existed and the key is free again.
+    t1.rollback().await.unwrap();
+    app.wait_for_state(&held, IntentState::Discarded).await;
+    let retried = app.enqueue(vec![keyed]).await.unwrap().remove(0);
+    assert!(!retried.deduplicated);
+    assert_ne!(retried.id, held);
+    assert_eq!(
+        claim_waiting(&app, Duration::from_secs(10)).await,
+        vec![retried.id]
+    );
+}

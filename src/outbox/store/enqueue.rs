@@ -29,7 +29,17 @@ struct InsertRow {
     claimable_now: bool,
     existing_id: Option<Uuid>,
     existing_state: Option<IntentState>,
+    existing_txn: Option<String>,
     same_content: Option<bool>,
+}
+
+/// The intent that already holds an idempotency key.
+#[derive(sqlx::FromRow)]
+struct Holder {
+    id: Uuid,
+    state: IntentState,
+    txn: Option<String>,
+    same_content: bool,
 }
 
 /// Inserts a batch of intents within the caller's transaction, PENDING (or STAGED with a
@@ -38,7 +48,8 @@ struct InsertRow {
 ///
 /// # Errors
 /// [`Error::IdempotencyConflict`] when a key is held by an intent with another kind or
-/// payload (the caller must roll back); [`Error::Database`] otherwise.
+/// payload, [`Error::IdempotencyKeyInUse`] when it is held by another producer transaction
+/// still open (the caller must roll back either way); [`Error::Database`] otherwise.
 pub async fn insert_intents(
     conn: &mut PgConnection,
     params: EnqueueParams<'_>,
@@ -97,7 +108,8 @@ pub async fn insert_intents(
                    clock.now, clock.now, $13::text::xid8
             FROM input, clock
             ORDER BY input.ord
-            ON CONFLICT (tenant_id, idempotency_key) WHERE idempotency_key IS NOT NULL
+            ON CONFLICT (tenant_id, idempotency_key)
+                WHERE idempotency_key IS NOT NULL AND state <> 'discarded'
             DO NOTHING
             RETURNING id, state = 'pending' AND available_at <= created_at AS claimable_now
         )
@@ -106,6 +118,7 @@ pub async fn insert_intents(
                coalesce(inserted.claimable_now, false) AS claimable_now,
                existing.id AS existing_id,
                existing.state AS existing_state,
+               existing.txn_xid::text AS existing_txn,
                (existing.kind = input.kind AND existing.payload = input.payload) AS same_content
         FROM input
         LEFT JOIN inserted ON inserted.id = input.id
@@ -113,6 +126,7 @@ pub async fn insert_intents(
             ON inserted.id IS NULL
            AND existing.tenant_id = $1
            AND existing.idempotency_key = input.idempotency_key
+           AND existing.state <> 'discarded'
         ORDER BY input.ord
         "#,
     )
@@ -151,19 +165,33 @@ pub async fn insert_intents(
         // The key is taken. A concurrent enqueue that committed after this statement's
         // snapshot is invisible to the join above, so look again with a fresh snapshot.
         let key = intent.idempotency_key.as_deref().unwrap_or_default();
-        let (existing_id, existing_state, same) = match (row.existing_id, row.existing_state) {
-            (Some(id), Some(state)) => (id, state, row.same_content.unwrap_or(false)),
+        let holder = match (row.existing_id, row.existing_state) {
+            (Some(id), Some(state)) => Holder {
+                id,
+                state,
+                txn: row.existing_txn,
+                same_content: row.same_content.unwrap_or(false),
+            },
             _ => find_by_key(conn, params.tenant_id, key, intent).await?,
         };
-        if !same {
+        if !holder.same_content {
             return Err(Error::IdempotencyConflict {
                 key: key.to_owned(),
-                existing: IntentId(existing_id),
+                existing: IntentId(holder.id),
+            });
+        }
+        // Held by another producer transaction still open: if it rolls back, that intent
+        // never existed, so answering "deduplicated" now could lose this one.
+        let ours = params.txn_xid.map(|x| x.to_string());
+        if holder.state == IntentState::Staged && holder.txn != ours {
+            return Err(Error::IdempotencyKeyInUse {
+                key: key.to_owned(),
+                existing: IntentId(holder.id),
             });
         }
         results.push(Enqueued {
-            id: IntentId(existing_id),
-            state: existing_state,
+            id: IntentId(holder.id),
+            state: holder.state,
             deduplicated: true,
         });
     }
@@ -182,13 +210,14 @@ async fn find_by_key(
     tenant_id: &str,
     key: &str,
     intent: &NewIntent,
-) -> Result<(Uuid, IntentState, bool)> {
-    let row: (Uuid, IntentState, bool) = sqlx::query_as(
+) -> Result<Holder> {
+    let holder = sqlx::query_as(
         r#"
-        SELECT id, state, (kind = $3 AND payload = $4)
+        SELECT id, state, txn_xid::text AS txn, (kind = $3 AND payload = $4) AS same_content
         FROM outbox.intent
         WHERE tenant_id = $1
           AND idempotency_key = $2
+          AND state <> 'discarded'
         "#,
     )
     .bind(tenant_id)
@@ -197,5 +226,5 @@ async fn find_by_key(
     .bind(&intent.payload)
     .fetch_one(conn)
     .await?;
-    Ok(row)
+    Ok(holder)
 }

@@ -7,14 +7,16 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde_json::{Value, json};
-use tonic::transport::Channel;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig};
+
+use crate::auth::{self, Permission};
+use crate::client::{self, Client, Credentials};
+use crate::outbox::store;
 
 use crate::config::{self, Settings};
 use crate::proto::{from_timestamp, v1};
 use crate::startup::{self, Application, Runtime};
 use crate::telemetry;
-
-type Client = v1::outbox_service_client::OutboxServiceClient<Channel>;
 
 /// outboxd: a transactional outbox over PostgreSQL, served over gRPC.
 ///
@@ -43,6 +45,15 @@ pub struct ClientArgs {
     /// Print JSON instead of text.
     #[arg(long, global = true)]
     pub json: bool,
+    /// API key (`obx_…`; create one with `outboxd keys create`).
+    #[arg(long, env = "OUTBOX_API_KEY", hide_env_values = true, global = true)]
+    pub api_key: Option<String>,
+    /// Tenant to act for, when the key is bound to several.
+    #[arg(long, env = "OUTBOX_TENANT", global = true)]
+    pub tenant: Option<String>,
+    /// CA certificate (PEM) to trust for an https:// server.
+    #[arg(long, env = "OUTBOX_CA_FILE", global = true)]
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 /// Commands.
@@ -142,6 +153,48 @@ pub enum Command {
     Stats {
         #[command(flatten)]
         client: ClientArgs,
+    },
+    /// Create, list and revoke API keys (connects to the database as the schema owner).
+    Keys {
+        #[command(subcommand)]
+        command: KeysCommand,
+    },
+}
+
+/// API key commands.
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// Create a key and print its secret (shown only this once).
+    Create {
+        /// Label, e.g. "billing-worker".
+        #[arg(long)]
+        name: String,
+        /// Tenant the key acts for (repeatable).
+        #[arg(long = "tenant", required_unless_present = "all_tenants")]
+        tenants: Vec<String>,
+        /// Act for every tenant (fleet workers, admins).
+        #[arg(long, conflicts_with = "tenants")]
+        all_tenants: bool,
+        /// Scope: produce, consume, operate, admin (repeatable).
+        #[arg(long = "scope", required = true, value_parser = clap::builder::PossibleValuesParser::new(Permission::NAMES))]
+        scopes: Vec<String>,
+        /// Limit the key to these regions (repeatable; default: any).
+        #[arg(long = "region")]
+        regions: Vec<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List keys (never their secrets).
+    List {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke a key by id or name.
+    Revoke {
+        /// Key id or name.
+        key: String,
     },
 }
 
@@ -586,6 +639,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 .collect();
             print_results(&client, &results)
         }
+        Command::Keys { command } => keys(command).await,
         Command::Stats { client } => {
             let stats = connect(&client)
                 .await?
@@ -637,60 +691,173 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
 async fn serve() -> anyhow::Result<()> {
     let settings = Settings::from_env()?;
     telemetry::init(settings.log_format, &settings.log_filter);
-    let (embedded, url) = match &settings.database_url {
-        Some(url) => (None, url.clone()),
-        None => {
-            let (cluster, url) = startup::start_embedded(&settings).await?;
-            tracing::info!(
-                data_dir = %settings.embedded_data_dir.display(),
-                database.url = %url,
-                "using the embedded PostgreSQL cluster"
-            );
-            (Some(cluster), url)
-        }
-    };
-    let pool = startup::connect(&url, settings.max_connections).await?;
-    startup::migrate(&pool).await?;
+    let database = startup::prepare_database(&settings).await?;
+    let pool = startup::connect(&database.service_url, settings.max_connections).await?;
+    startup::verify_service_role(&pool).await?;
     let listener = tokio::net::TcpListener::bind(settings.listen_addr)
         .await
         .with_context(|| format!("cannot listen on {}", settings.listen_addr))?;
     let app = Application::start(&settings, pool.clone(), listener, Runtime::default()).await?;
     let served = app.run_until_stopped().await;
     pool.close().await;
-    if let Some(mut cluster) = embedded {
+    stop_embedded(database.embedded).await?;
+    served
+}
+
+async fn stop_embedded(cluster: Option<crate::embedded::EmbeddedPostgres>) -> anyhow::Result<()> {
+    if let Some(mut cluster) = cluster {
         tokio::task::spawn_blocking(move || cluster.stop()).await??;
         tracing::info!("embedded PostgreSQL stopped");
     }
-    served
+    Ok(())
 }
 
 async fn migrate() -> anyhow::Result<()> {
     let settings = Settings::from_env()?;
     telemetry::init(settings.log_format, &settings.log_filter);
-    let (embedded, url) = match &settings.database_url {
-        Some(url) => (None, url.clone()),
-        None => {
-            let (cluster, url) = startup::start_embedded(&settings).await?;
-            (Some(cluster), url)
-        }
-    };
-    let pool = startup::connect(&url, 2).await?;
-    startup::migrate(&pool).await?;
-    pool.close().await;
-    if let Some(mut cluster) = embedded {
-        tokio::task::spawn_blocking(move || cluster.stop()).await??;
+    if settings.database_url.is_none() {
+        // The embedded cluster is migrated and given its service role as a server start does.
+        let database = startup::prepare_database(&settings).await?;
+        stop_embedded(database.embedded).await?;
+    } else {
+        let (embedded, url) = startup::owner_database(&settings).await?;
+        let pool = startup::connect(&url, 2).await?;
+        startup::migrate(&pool).await?;
+        pool.close().await;
+        stop_embedded(embedded).await?;
     }
     println!("migrations applied");
     Ok(())
 }
 
+async fn keys(command: KeysCommand) -> anyhow::Result<()> {
+    let settings = Settings::from_env()?;
+    let (embedded, url) = startup::owner_database(&settings).await?;
+    let pool = startup::connect(&url, 2).await?;
+    let result = run_keys(&pool, command).await;
+    pool.close().await;
+    stop_embedded(embedded).await?;
+    result
+}
+
+async fn run_keys(pool: &sqlx::PgPool, command: KeysCommand) -> anyhow::Result<()> {
+    match command {
+        KeysCommand::Create {
+            name,
+            tenants,
+            all_tenants,
+            scopes,
+            regions,
+            json,
+        } => {
+            for tenant in &tenants {
+                anyhow::ensure!(
+                    crate::validate::is_name(tenant, 64),
+                    "tenant {tenant:?} must be 1-64 ASCII letters, digits or . _ - : /"
+                );
+            }
+            for region in &regions {
+                anyhow::ensure!(
+                    crate::validate::is_name(region, 64),
+                    "region {region:?} is not a valid name"
+                );
+            }
+            let key = auth::generate_key()?;
+            let record = store::ApiKeyRecord {
+                id: uuid::Uuid::now_v7(),
+                name,
+                prefix: key.prefix.clone(),
+                tenants,
+                all_tenants,
+                scopes,
+                regions,
+                created_at: chrono::Utc::now(),
+                revoked_at: None,
+            };
+            store::insert_api_key(pool, &record, &key.hash).await?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&json!({
+                        "id": record.id, "name": record.name, "api_key": key.secret,
+                    }))?
+                );
+            } else {
+                println!("{}", key.secret);
+                eprintln!(
+                    "created key {:?} ({}); the secret above is shown only once",
+                    record.name, record.id
+                );
+            }
+            Ok(())
+        }
+        KeysCommand::List { json } => {
+            let keys = store::list_api_keys(pool).await?;
+            if json {
+                let keys: Vec<Value> = keys
+                    .iter()
+                    .map(|k| {
+                        json!({
+                            "id": k.id, "name": k.name, "prefix": k.prefix, "tenants": k.tenants,
+                            "all_tenants": k.all_tenants, "scopes": k.scopes, "regions": k.regions,
+                            "created_at": k.created_at, "revoked_at": k.revoked_at,
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&keys)?);
+            } else {
+                println!(
+                    "{:<36}  {:<20} {:<14} {:<24} {:<28} STATUS",
+                    "ID", "NAME", "PREFIX", "TENANTS", "SCOPES"
+                );
+                for k in keys {
+                    let tenants = if k.all_tenants {
+                        "*".to_owned()
+                    } else {
+                        k.tenants.join(",")
+                    };
+                    let status = if k.revoked_at.is_some() {
+                        "revoked"
+                    } else {
+                        "active"
+                    };
+                    println!(
+                        "{:<36}  {:<20} {:<14} {:<24} {:<28} {status}",
+                        k.id,
+                        k.name,
+                        k.prefix,
+                        tenants,
+                        k.scopes.join(",")
+                    );
+                }
+            }
+            Ok(())
+        }
+        KeysCommand::Revoke { key } => {
+            let n = store::revoke_api_key(pool, &key).await?;
+            anyhow::ensure!(n > 0, "no active key with id or name {key:?}");
+            println!("revoked {n} key(s); servers stop accepting it within OUTBOX_AUTH__CACHE_TTL");
+            Ok(())
+        }
+    }
+}
+
 async fn connect(args: &ClientArgs) -> anyhow::Result<Client> {
-    Client::connect(args.server.clone()).await.with_context(|| {
+    let mut endpoint = Channel::from_shared(args.server.clone())
+        .with_context(|| format!("{:?} is not a server URL", args.server))?;
+    if let Some(ca) = &args.ca_file {
+        let pem = std::fs::read(ca).with_context(|| format!("cannot read {}", ca.display()))?;
+        endpoint = endpoint
+            .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)))?;
+    }
+    let channel = endpoint.connect().await.with_context(|| {
         format!(
             "cannot reach outboxd at {} (is `outboxd serve` running?)",
             args.server
         )
-    })
+    })?;
+    let credentials = Credentials::new(args.api_key.as_deref(), args.tenant.as_deref())?;
+    Ok(client::client(channel, credentials))
 }
 
 async fn list(

@@ -15,8 +15,12 @@ use crate::outbox::store::BackoffParams;
 pub struct Settings {
     /// gRPC listen address.
     pub listen_addr: SocketAddr,
-    /// External PostgreSQL; `None` starts the embedded cluster.
+    /// External PostgreSQL, as the service role (owns nothing); `None` starts the embedded
+    /// cluster.
     pub database_url: Option<String>,
+    /// The schema owner's URL, for migrations and key management; `None`: do not migrate
+    /// at start (external) or use the embedded superuser.
+    pub migration_url: Option<String>,
     /// Most pooled connections.
     pub max_connections: u32,
     /// Embedded cluster data directory.
@@ -34,6 +38,23 @@ pub struct Settings {
     pub log_format: LogFormat,
     /// `tracing` filter directives (like RUST_LOG).
     pub log_filter: String,
+    /// How long an API key lookup is cached (revocation takes effect within it).
+    pub auth_cache_ttl: Duration,
+    /// TLS for the gRPC listener.
+    pub tls: Option<TlsSettings>,
+    /// Allow a plaintext listener on a non-loopback address (e.g. behind a mesh with mTLS).
+    pub allow_plaintext: bool,
+}
+
+/// PEM files for the gRPC listener.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsSettings {
+    /// Server certificate chain.
+    pub cert_file: PathBuf,
+    /// Server private key.
+    pub key_file: PathBuf,
+    /// CA that client certificates must chain to; set, it requires mTLS.
+    pub client_ca_file: Option<PathBuf>,
 }
 
 /// Limits enforced on every request.
@@ -81,6 +102,7 @@ impl Default for Settings {
         Self {
             listen_addr: SocketAddr::from(([127, 0, 0, 1], 50051)),
             database_url: None,
+            migration_url: None,
             max_connections: 16,
             embedded_data_dir: PathBuf::from(".outboxd/pgdata"),
             embedded_port: None,
@@ -89,6 +111,9 @@ impl Default for Settings {
             txn_resolve_interval: Duration::from_millis(100),
             log_format: LogFormat::Text,
             log_filter: "info".to_owned(),
+            auth_cache_ttl: Duration::from_secs(5),
+            tls: None,
+            allow_plaintext: false,
         }
     }
 }
@@ -159,6 +184,23 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "OUTBOX_TXN__RESOLVE_INTERVAL",
         "fallback sweep resolving staged intents of finished producer transactions [100ms]",
     ),
+    (
+        "OUTBOX_AUTH__CACHE_TTL",
+        "how long API key lookups are cached; revocation delay [5s]",
+    ),
+    (
+        "OUTBOX_TLS__CERT_FILE",
+        "PEM certificate chain for TLS [unset: plaintext]",
+    ),
+    ("OUTBOX_TLS__KEY_FILE", "PEM private key for TLS"),
+    (
+        "OUTBOX_TLS__CLIENT_CA_FILE",
+        "PEM CA for client certificates; set, mTLS is required",
+    ),
+    (
+        "OUTBOX_ALLOW_PLAINTEXT",
+        "allow plaintext gRPC on a non-loopback address [false]",
+    ),
     ("OUTBOX_LOG__FORMAT", "text or json [text]"),
     (
         "OUTBOX_LOG__FILTER",
@@ -188,6 +230,7 @@ impl Settings {
     ) -> Result<Self, ConfigError> {
         let mut s = Settings::default();
         let mut errors = Vec::new();
+        let (mut cert, mut tls_key, mut client_ca) = (None, None, None);
         for (key, value) in vars {
             if !key.starts_with("OUTBOX_") {
                 continue;
@@ -199,6 +242,24 @@ impl Settings {
                     s.database_url = (!value.is_empty()).then(|| value.to_owned());
                     Ok(())
                 }
+                "OUTBOX_DATABASE__MIGRATION_URL" => {
+                    s.migration_url = (!value.is_empty()).then(|| value.to_owned());
+                    Ok(())
+                }
+                "OUTBOX_AUTH__CACHE_TTL" => duration(value).map(|v| s.auth_cache_ttl = v),
+                "OUTBOX_TLS__CERT_FILE" => {
+                    cert = (!value.is_empty()).then(|| PathBuf::from(value));
+                    Ok(())
+                }
+                "OUTBOX_TLS__KEY_FILE" => {
+                    tls_key = (!value.is_empty()).then(|| PathBuf::from(value));
+                    Ok(())
+                }
+                "OUTBOX_TLS__CLIENT_CA_FILE" => {
+                    client_ca = (!value.is_empty()).then(|| PathBuf::from(value));
+                    Ok(())
+                }
+                "OUTBOX_ALLOW_PLAINTEXT" => parse(value).map(|v| s.allow_plaintext = v),
                 "OUTBOX_DATABASE__MAX_CONNECTIONS" => parse(value).map(|v| s.max_connections = v),
                 "OUTBOX_EMBEDDED__DATA_DIR" => {
                     s.embedded_data_dir = PathBuf::from(value);
@@ -246,6 +307,21 @@ impl Settings {
             if let Err(why) = applied {
                 errors.push(format!("{key}={value:?}: {why}"));
             }
+        }
+        match (cert, tls_key, client_ca) {
+            (Some(cert_file), Some(key_file), client_ca_file) => {
+                s.tls = Some(TlsSettings {
+                    cert_file,
+                    key_file,
+                    client_ca_file,
+                });
+            }
+            (None, None, None) => {}
+            _ => errors.push(
+                "OUTBOX_TLS__CERT_FILE and OUTBOX_TLS__KEY_FILE go together, and \
+                 OUTBOX_TLS__CLIENT_CA_FILE needs both"
+                    .to_owned(),
+            ),
         }
         errors.extend(s.inconsistencies());
         if errors.is_empty() {
@@ -378,5 +454,25 @@ mod tests {
         ]))
         .unwrap_err();
         assert_eq!(err.0.len(), 3, "{err}");
+    }
+
+    #[test]
+    fn plaintext_off_loopback_needs_tls_or_an_explicit_opt_in() {
+        let exposed = [("OUTBOX_LISTEN_ADDR", "0.0.0.0:50051")];
+        assert!(Settings::from_vars(vars(&exposed)).is_err());
+        let opted_in = [exposed[0], ("OUTBOX_ALLOW_PLAINTEXT", "true")];
+        assert!(
+            Settings::from_vars(vars(&opted_in))
+                .unwrap()
+                .allow_plaintext
+        );
+        let tls = [
+            exposed[0],
+            ("OUTBOX_TLS__CERT_FILE", "/tls/tls.crt"),
+            ("OUTBOX_TLS__KEY_FILE", "/tls/tls.key"),
+        ];
+        assert!(Settings::from_vars(vars(&tls)).unwrap().tls.is_some());
+        let half = [("OUTBOX_TLS__CERT_FILE", "/tls/tls.crt")];
+        assert!(Settings::from_vars(vars(&half)).is_err());
     }
 }

@@ -392,6 +392,18 @@ fn free_port() -> io::Result<u16> {
     Ok(listener.local_addr()?.port())
 }
 
+/// The URL of a cluster already running on `data_dir` (started by another outboxd process),
+/// read from its `postmaster.pid`; lets operator commands reach the embedded cluster of a
+/// running server instead of trying to start a second one.
+pub fn running_url(data_dir: &Path, database: &str) -> Option<String> {
+    let pidfile = fs::read_to_string(data_dir.join("postmaster.pid")).ok()?;
+    let lines: Vec<&str> = pidfile.lines().map(str::trim).collect();
+    let pid: i32 = lines.first()?.parse().ok()?;
+    let port: u16 = lines.get(3)?.parse().ok()?;
+    (pid > 0 && postmaster_alive(pid) && lines.get(7) == Some(&"ready"))
+        .then(|| format!("postgres://postgres@127.0.0.1:{port}/{database}"))
+}
+
 /// Checking the process name stops a recycled pid (common in containers) passing for a server.
 fn postmaster_alive(pid: i32) -> bool {
     // SAFETY: signal 0 delivers nothing; it only probes for existence.

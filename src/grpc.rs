@@ -3,6 +3,7 @@
 //! errors become a `Status` here and nowhere else.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgPool;
@@ -11,10 +12,11 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Code, Request, Response, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
-use crate::config::Limits;
+use crate::auth::{Authenticator, Caller, Permission, TENANT_HEADER};
+use crate::config::{Limits, Settings};
 use crate::outbox::notify::PendingSignal;
-use crate::outbox::store::{self, BackoffParams, ClaimParams};
-use crate::outbox::{self, Clock, DEFAULT_TENANT, Error, IntentId, Reason};
+use crate::outbox::store::{self, BackoffParams, ClaimParams, TenantScope};
+use crate::outbox::{self, Clock, Error, FieldViolation, IntentId, Reason};
 use crate::proto::v1::outbox_service_server::{OutboxService, OutboxServiceServer};
 use crate::proto::v1::{self};
 use crate::validate;
@@ -26,6 +28,7 @@ pub const ERROR_DOMAIN: &str = "outboxd";
 #[derive(Debug, Clone)]
 pub struct OutboxHandler {
     pool: PgPool,
+    auth: Arc<Authenticator>,
     cluster_id: String,
     limits: Limits,
     backoff: BackoffParams,
@@ -36,22 +39,37 @@ pub struct OutboxHandler {
 }
 
 impl OutboxHandler {
+    /// Authenticates the caller, checks it holds `permission`, and returns the tenants
+    /// this request acts for.
+    async fn access<T>(
+        &self,
+        request: &Request<T>,
+        permission: Permission,
+    ) -> Result<(Caller, TenantScope), Error> {
+        let caller = self.auth.authenticate(request.metadata()).await?;
+        caller.require(permission)?;
+        let scope = caller.scope(request.metadata())?;
+        tracing::Span::current().record("auth.key", caller.key_name.as_str());
+        Ok((caller, scope))
+    }
+
     /// A handler for the cluster whose `system_identifier` is `cluster_id` (tokens must
     /// name it); `shutdown` ends waiting long-polls early (they answer with no leases).
     pub fn new(
         pool: PgPool,
+        auth: Arc<Authenticator>,
         cluster_id: String,
-        limits: Limits,
-        backoff: BackoffParams,
+        settings: &Settings,
         clock: Clock,
         pending: PendingSignal,
         shutdown: CancellationToken,
     ) -> Self {
         Self {
             pool,
+            auth,
             cluster_id,
-            limits,
-            backoff,
+            limits: settings.limits.clone(),
+            backoff: settings.backoff(),
             clock,
             pending,
             shutdown,
@@ -76,6 +94,10 @@ impl OutboxHandler {
 pub fn code_of(reason: Reason) -> Code {
     match reason {
         Reason::InvalidArgument => Code::InvalidArgument,
+        Reason::Unauthenticated => Code::Unauthenticated,
+        Reason::MissingScope | Reason::TenantNotAllowed | Reason::RegionNotAllowed => {
+            Code::PermissionDenied
+        }
         Reason::PayloadTooLarge | Reason::BatchTooLarge => Code::ResourceExhausted,
         Reason::NotFound => Code::NotFound,
         Reason::LeaseLost | Reason::InvalidState => Code::FailedPrecondition,
@@ -135,6 +157,11 @@ impl From<Error> for Status {
                 Reason::IdempotencyKeyInUse,
                 key_holder(Reason::IdempotencyKeyInUse, key, existing),
             ),
+            Error::Unauthenticated(_) => (
+                Reason::Unauthenticated,
+                error_info(Reason::Unauthenticated, HashMap::new()),
+            ),
+            Error::PermissionDenied(reason, _) => (reason, error_info(reason, HashMap::new())),
             Error::TxnAborted(_) => (
                 Reason::TxnAborted,
                 error_info(Reason::TxnAborted, HashMap::new()),
@@ -186,17 +213,31 @@ type RpcResult<T> = Result<Response<T>, Status>;
 
 #[tonic::async_trait]
 impl OutboxService for OutboxHandler {
-    #[tracing::instrument(skip_all, fields(rpc.method = "Enqueue", intents.count), err)]
+    #[tracing::instrument(skip_all, fields(rpc.method = "Enqueue", auth.key, intents.count), err)]
     async fn enqueue(
         &self,
         request: Request<v1::EnqueueRequest>,
     ) -> RpcResult<v1::EnqueueResponse> {
+        let (caller, scope) = self.access(&request, Permission::Produce).await?;
+        let tenant = scope
+            .single()
+            .ok_or_else(|| {
+                Error::InvalidArgument(vec![FieldViolation::new(
+                    TENANT_HEADER,
+                    "this API key acts for several tenants: name the one to enqueue for in the \
+                     x-outbox-tenant metadata",
+                )])
+            })?
+            .to_owned();
         let (intents, token) = validate::enqueue(request.into_inner(), &self.limits)?;
+        for (i, intent) in intents.iter().enumerate() {
+            caller.require_region(&format!("intents[{i}].region"), &intent.region)?;
+        }
         tracing::Span::current().record("intents.count", intents.len());
         let results = outbox::enqueue::enqueue(
             &self.pool,
             &self.cluster_id,
-            DEFAULT_TENANT,
+            &tenant,
             &intents,
             token,
             self.clock.now(),
@@ -207,12 +248,13 @@ impl OutboxService for OutboxHandler {
         }))
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "Claim", claim.worker, intents.count), err)]
+    #[tracing::instrument(skip_all, fields(rpc.method = "Claim", auth.key, claim.worker, intents.count), err)]
     async fn claim(&self, request: Request<v1::ClaimRequest>) -> RpcResult<v1::ClaimResponse> {
+        let (caller, scope) = self.access(&request, Permission::Consume).await?;
         let claim = validate::claim(request.into_inner(), &self.limits)?;
+        caller.require_region("region", &claim.region)?;
         tracing::Span::current().record("claim.worker", claim.worker_id.as_str());
         let params = ClaimParams {
-            tenant_id: DEFAULT_TENANT,
             worker_id: &claim.worker_id,
             region: &claim.region,
             kinds: &claim.kinds,
@@ -226,20 +268,18 @@ impl OutboxService for OutboxHandler {
         let intents = loop {
             // Mark the signal seen before looking, so a commit landing in between still wakes us.
             woken.borrow_and_update();
-            let mut conn = self.pool.acquire().await.map_err(Error::from)?;
-            let intents = store::claim_intents(
-                &mut conn,
-                ClaimParams {
-                    now: self.clock.now(),
-                    ..params
-                },
-            )
-            .await?;
+            let params = ClaimParams {
+                now: self.clock.now(),
+                ..params
+            };
+            let mut tx = store::begin(&self.pool, &scope).await?;
+            let intents = store::claim_intents(&mut tx, params).await?;
             if !intents.is_empty() || Instant::now() >= deadline || self.shutdown.is_cancelled() {
+                tx.commit().await.map_err(Error::from)?;
                 break intents;
             }
-            let due = store::next_due_in(&mut *conn, &params).await?;
-            drop(conn);
+            let due = store::next_due_in(&mut *tx, &params).await?;
+            tx.commit().await.map_err(Error::from)?;
             let mut until = deadline.min(Instant::now() + self.long_poll_recheck);
             if let Some(due) = due {
                 until = until.min(Instant::now() + due);
@@ -256,75 +296,72 @@ impl OutboxService for OutboxHandler {
         }))
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "ExtendLease"), err)]
+    #[tracing::instrument(skip_all, fields(rpc.method = "ExtendLease", auth.key), err)]
     async fn extend_lease(
         &self,
         request: Request<v1::ExtendLeaseRequest>,
     ) -> RpcResult<v1::ExtendLeaseResponse> {
+        let (_, scope) = self.access(&request, Permission::Consume).await?;
         let (leases, duration) = validate::extend(request.get_ref(), &self.limits)?;
-        let results = store::extend_leases(
-            &self.pool,
-            DEFAULT_TENANT,
-            &leases,
-            duration,
-            self.clock.now(),
-        )
-        .await?;
+        let mut tx = store::begin(&self.pool, &scope).await?;
+        let results = store::extend_leases(&mut *tx, &leases, duration, self.clock.now()).await?;
+        tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(v1::ExtendLeaseResponse {
             results: results.into_iter().map(Into::into).collect(),
         }))
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "MarkSubmitted"), err)]
+    #[tracing::instrument(skip_all, fields(rpc.method = "MarkSubmitted", auth.key), err)]
     async fn mark_submitted(
         &self,
         request: Request<v1::MarkSubmittedRequest>,
     ) -> RpcResult<v1::MarkSubmittedResponse> {
+        let (_, scope) = self.access(&request, Permission::Consume).await?;
         let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
-        let results =
-            store::mark_intents_submitted(&self.pool, DEFAULT_TENANT, &leases, self.clock.now())
-                .await?;
+        let mut tx = store::begin(&self.pool, &scope).await?;
+        let results = store::mark_intents_submitted(&mut *tx, &leases, self.clock.now()).await?;
+        tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(v1::MarkSubmittedResponse {
             results: results.into_iter().map(Into::into).collect(),
         }))
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "Ack"), err)]
+    #[tracing::instrument(skip_all, fields(rpc.method = "Ack", auth.key), err)]
     async fn ack(&self, request: Request<v1::AckRequest>) -> RpcResult<v1::AckResponse> {
+        let (_, scope) = self.access(&request, Permission::Consume).await?;
         let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
-        let results =
-            store::ack_intents(&self.pool, DEFAULT_TENANT, &leases, self.clock.now()).await?;
+        let mut tx = store::begin(&self.pool, &scope).await?;
+        let results = store::ack_intents(&mut *tx, &leases, self.clock.now()).await?;
+        tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(v1::AckResponse {
             results: results.into_iter().map(Into::into).collect(),
         }))
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "Fail"), err)]
+    #[tracing::instrument(skip_all, fields(rpc.method = "Fail", auth.key), err)]
     async fn fail(&self, request: Request<v1::FailRequest>) -> RpcResult<v1::FailResponse> {
+        let (_, scope) = self.access(&request, Permission::Consume).await?;
         let failures = validate::fail(request.into_inner(), &self.limits)?;
-        let results = store::fail_intents(
-            &self.pool,
-            DEFAULT_TENANT,
-            &failures,
-            self.backoff,
-            self.clock.now(),
-        )
-        .await?;
+        let mut tx = store::begin(&self.pool, &scope).await?;
+        let results =
+            store::fail_intents(&mut *tx, &failures, self.backoff, self.clock.now()).await?;
+        tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(v1::FailResponse {
             results: results.into_iter().map(Into::into).collect(),
         }))
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "Reconcile"), err)]
+    #[tracing::instrument(skip_all, fields(rpc.method = "Reconcile", auth.key), err)]
     async fn reconcile(
         &self,
         request: Request<v1::ReconcileRequest>,
     ) -> RpcResult<v1::ReconcileResponse> {
+        let (caller, scope) = self.access(&request, Permission::Operate).await?;
         let r = validate::reconcile(request.into_inner(), &self.limits)?;
+        let mut tx = store::begin(&self.pool, &scope).await?;
         let results = store::resolve_intents(
-            &self.pool,
+            &mut *tx,
             store::ReconcileParams {
-                tenant_id: DEFAULT_TENANT,
                 target: r.target,
                 decision: r.decision,
                 actor: &r.actor,
@@ -333,11 +370,13 @@ impl OutboxService for OutboxHandler {
             },
         )
         .await?;
+        tx.commit().await.map_err(Error::from)?;
         let applied = results.iter().filter(|r| r.error.is_none()).count();
         tracing::info!(
             reconcile.decision = r.decision.as_str(),
             reconcile.actor = %r.actor,
             reconcile.reason = %r.reason,
+            auth.key = %caller.key_name,
             intents.count = applied,
             "operator resolved intents"
         );
@@ -346,33 +385,34 @@ impl OutboxService for OutboxHandler {
         }))
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "GetIntent"), err)]
+    #[tracing::instrument(skip_all, fields(rpc.method = "GetIntent", auth.key), err)]
     async fn get_intent(
         &self,
         request: Request<v1::GetIntentRequest>,
     ) -> RpcResult<v1::GetIntentResponse> {
+        let (_, scope) = self.access(&request, Permission::Operate).await?;
         let id = validate::intent_id("id", &request.get_ref().id)?;
-        let mut conn = self.pool.acquire().await.map_err(Error::from)?;
-        let (intent, resolutions) = store::get_intent(&mut conn, DEFAULT_TENANT, id)
-            .await?
-            .ok_or(Error::NotFound(id))?;
+        let mut tx = store::begin(&self.pool, &scope).await?;
+        let found = store::get_intent(&mut tx, id).await?;
+        tx.commit().await.map_err(Error::from)?;
+        let (intent, resolutions) = found.ok_or(Error::NotFound(id))?;
         Ok(Response::new(v1::GetIntentResponse {
             intent: Some(intent.into()),
             resolutions: resolutions.into_iter().map(Into::into).collect(),
         }))
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "ListIntents"), err)]
+    #[tracing::instrument(skip_all, fields(rpc.method = "ListIntents", auth.key), err)]
     async fn list_intents(
         &self,
         request: Request<v1::ListIntentsRequest>,
     ) -> RpcResult<v1::ListIntentsResponse> {
+        let (_, scope) = self.access(&request, Permission::Operate).await?;
         let list = validate::list(request.into_inner(), &self.limits)?;
-        let mut conn = self.pool.acquire().await.map_err(Error::from)?;
+        let mut tx = store::begin(&self.pool, &scope).await?;
         let intents = store::list_intents(
-            &mut conn,
+            &mut tx,
             store::ListParams {
-                tenant_id: DEFAULT_TENANT,
                 states: list.states,
                 kind: list.kind,
                 region: list.region,
@@ -382,6 +422,7 @@ impl OutboxService for OutboxHandler {
             },
         )
         .await?;
+        tx.commit().await.map_err(Error::from)?;
         let next_page_token = match intents.last() {
             Some(last) if intents.len() as i64 == list.limit => last.id.to_string(),
             _ => String::new(),
@@ -392,13 +433,15 @@ impl OutboxService for OutboxHandler {
         }))
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "GetQueueStats"), err)]
+    #[tracing::instrument(skip_all, fields(rpc.method = "GetQueueStats", auth.key), err)]
     async fn get_queue_stats(
         &self,
-        _request: Request<v1::GetQueueStatsRequest>,
+        request: Request<v1::GetQueueStatsRequest>,
     ) -> RpcResult<v1::GetQueueStatsResponse> {
-        let mut conn = self.pool.acquire().await.map_err(Error::from)?;
-        let stats = store::queue_stats(&mut conn, DEFAULT_TENANT, self.clock.now()).await?;
+        let (_, scope) = self.access(&request, Permission::Operate).await?;
+        let mut tx = store::begin(&self.pool, &scope).await?;
+        let stats = store::queue_stats(&mut tx, self.clock.now()).await?;
+        tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(stats.into()))
     }
 }

@@ -2,7 +2,9 @@
 //! own PostgreSQL transaction; workers lease them over gRPC, perform the side effect and
 //! report the outcome. See `shared/DESIGN.md` for the contract and README.md for use.
 
+pub mod auth;
 pub mod cli;
+pub mod client;
 pub mod config;
 pub mod embedded;
 pub mod grpc;

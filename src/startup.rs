@@ -13,9 +13,11 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use tonic_health::server::HealthReporter;
 
-use crate::config::Settings;
+use crate::auth::Authenticator;
+use crate::config::{Settings, TlsSettings};
 use crate::embedded::{EmbeddedConfig, EmbeddedPostgres};
 use crate::grpc::OutboxHandler;
 use crate::outbox::notify::PendingSignal;
@@ -54,8 +56,13 @@ pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
     crate::MIGRATOR.run(pool).await.context("migrations failed")
 }
 
+/// Role the embedded cluster's outboxd connects as: it owns nothing, so row-level
+/// security applies to it.
+pub const EMBEDDED_SERVICE_ROLE: &str = "outboxd_service";
+
 /// Starts the embedded cluster of `settings` (blocking work, run off the runtime) and
-/// makes sure its `outbox` database exists. Returns the cluster and the database URL.
+/// makes sure its `outbox` database exists. Returns the cluster and the superuser URL of
+/// that database.
 ///
 /// # Errors
 /// No PostgreSQL binaries, an unusable data directory, or a server that does not start.
@@ -82,6 +89,156 @@ pub async fn start_embedded(settings: &Settings) -> anyhow::Result<(EmbeddedPost
     admin.close().await;
     let url = cluster.url(EMBEDDED_DATABASE);
     Ok((cluster, url))
+}
+
+/// The database a server uses: the URL to serve through, and the embedded cluster when
+/// outboxd runs its own (stopped by the caller after serving).
+pub struct Database {
+    /// URL of the service role.
+    pub service_url: String,
+    /// The embedded cluster, if any.
+    pub embedded: Option<EmbeddedPostgres>,
+}
+
+/// Gets the database ready to serve: the embedded cluster started, migrated and given its
+/// service role; or, for an external database, migrated with `OUTBOX_DATABASE__MIGRATION_URL`
+/// when it is set (granting the service role of `OUTBOX_DATABASE__URL` what it needs).
+///
+/// # Errors
+/// The cluster does not start, a migration fails, or the grants fail.
+pub async fn prepare_database(settings: &Settings) -> anyhow::Result<Database> {
+    let Some(service_url) = &settings.database_url else {
+        let (cluster, owner_url) = start_embedded(settings).await?;
+        let owner = connect(&owner_url, 2).await?;
+        migrate(&owner).await?;
+        grant_service_role(&owner, EMBEDDED_SERVICE_ROLE, true).await?;
+        owner.close().await;
+        let service_url = format!(
+            "postgres://{EMBEDDED_SERVICE_ROLE}@127.0.0.1:{}/{EMBEDDED_DATABASE}",
+            cluster.port()
+        );
+        tracing::info!(
+            data_dir = %settings.embedded_data_dir.display(),
+            database.url = %service_url,
+            "using the embedded PostgreSQL cluster"
+        );
+        return Ok(Database {
+            service_url,
+            embedded: Some(cluster),
+        });
+    };
+    if let Some(owner_url) = &settings.migration_url {
+        let role = service_url
+            .parse::<PgConnectOptions>()
+            .context("OUTBOX_DATABASE__URL is not a valid PostgreSQL URL")?
+            .get_username()
+            .to_owned();
+        let owner = connect(owner_url, 2).await?;
+        migrate(&owner).await?;
+        grant_service_role(&owner, &role, false).await?;
+        owner.close().await;
+    }
+    Ok(Database {
+        service_url: service_url.clone(),
+        embedded: None,
+    })
+}
+
+/// Gives `role` the privileges the service needs (`outbox.grant_service_role`), creating
+/// it as a login role first when `create` is set (the embedded cluster, trust auth).
+///
+/// # Errors
+/// A role name that is not a plain identifier, or a failed grant.
+pub async fn grant_service_role(owner: &PgPool, role: &str, create: bool) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !role.is_empty()
+            && role
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),
+        "service role {role:?} must be a lowercase identifier"
+    );
+    if create {
+        let exists: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = $1)")
+                .bind(role)
+                .fetch_one(owner)
+                .await?;
+        if !exists {
+            // Checked above to be a plain identifier; CREATE ROLE takes no parameters.
+            match sqlx::query(&format!("CREATE ROLE {role} LOGIN"))
+                .execute(owner)
+                .await
+            {
+                // 42710: another replica created it meanwhile.
+                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42710") => {}
+                other => {
+                    other?;
+                }
+            }
+        }
+    }
+    sqlx::query("SELECT outbox.grant_service_role($1)")
+        .bind(role)
+        .execute(owner)
+        .await
+        .with_context(|| format!("granting the service role {role:?}"))?;
+    Ok(())
+}
+
+/// Refuses to serve through a role for which row-level security would not apply.
+///
+/// # Errors
+/// The role is a superuser, bypasses RLS, or owns the outbox tables.
+pub async fn verify_service_role(pool: &PgPool) -> anyhow::Result<()> {
+    let (role, superuser, bypass, owner): (String, bool, bool, bool) = sqlx::query_as(
+        r#"
+        SELECT r.rolname::text, r.rolsuper, r.rolbypassrls, pg_has_role(r.oid, c.relowner, 'USAGE')
+        FROM pg_roles r, pg_class c
+        WHERE r.rolname = current_user
+          AND c.oid = 'outbox.intent'::regclass
+        "#,
+    )
+    .fetch_one(pool)
+    .await
+    .context("cannot inspect the service role (are the migrations applied?)")?;
+    let problem = if superuser {
+        "is a superuser"
+    } else if bypass {
+        "has BYPASSRLS"
+    } else if owner {
+        "owns the outbox tables"
+    } else {
+        return Ok(());
+    };
+    anyhow::bail!(
+        "outboxd connects as role {role:?}, which {problem}: row-level security would not isolate \
+         tenants. Connect with a role that owns nothing and run \
+         `SELECT outbox.grant_service_role('<role>')` as the schema owner (see README)"
+    )
+}
+
+/// The schema owner's URL, for `migrate` and key management: `OUTBOX_DATABASE__MIGRATION_URL`,
+/// else `OUTBOX_DATABASE__URL`, else the embedded cluster (the running server's, or started
+/// here and returned so the caller stops it).
+///
+/// # Errors
+/// The embedded cluster does not start.
+pub async fn owner_database(
+    settings: &Settings,
+) -> anyhow::Result<(Option<EmbeddedPostgres>, String)> {
+    if let Some(url) = settings
+        .migration_url
+        .as_ref()
+        .or(settings.database_url.as_ref())
+    {
+        return Ok((None, url.clone()));
+    }
+    if let Some(url) = crate::embedded::running_url(&settings.embedded_data_dir, EMBEDDED_DATABASE)
+    {
+        return Ok((None, url));
+    }
+    let (cluster, url) = start_embedded(settings).await?;
+    Ok((Some(cluster), url))
 }
 
 /// How a server's time and background work run; tests use a manual clock and drive the
@@ -169,17 +326,24 @@ impl Application {
             .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1alpha()?;
+        let auth = Arc::new(Authenticator::new(pool.clone(), settings.auth_cache_ttl));
         let handler = OutboxHandler::new(
             pool,
+            auth,
             cluster_id,
-            settings.limits.clone(),
-            settings.backoff(),
+            settings,
             runtime.clock,
             pending,
             shutdown.clone(),
         )
         .with_long_poll_recheck(runtime.long_poll_recheck);
-        let server = tonic::transport::Server::builder()
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = &settings.tls {
+            builder = builder
+                .tls_config(tls_config(tls)?)
+                .context("invalid TLS configuration")?;
+        }
+        let server = builder
             .add_service(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
@@ -230,6 +394,21 @@ impl Application {
         tracing::info!("shutdown requested; draining");
         self.stop().await
     }
+}
+
+fn tls_config(tls: &TlsSettings) -> anyhow::Result<ServerTlsConfig> {
+    let read = |path: &std::path::Path| {
+        std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))
+    };
+    let mut config = ServerTlsConfig::new().identity(Identity::from_pem(
+        read(&tls.cert_file)?,
+        read(&tls.key_file)?,
+    ));
+    if let Some(ca) = &tls.client_ca_file {
+        // With a client CA, tonic requires a client certificate chaining to it (mTLS).
+        config = config.client_ca_root(Certificate::from_pem(read(ca)?));
+    }
+    Ok(config)
 }
 
 async fn shutdown_signal() {

@@ -4,12 +4,13 @@
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
-use super::store::{self, EnqueueParams, TxnStatus};
+use super::store::{self, EnqueueParams, TenantScope, TxnStatus};
 use super::token::TxnToken;
 use super::{Enqueued, Error, FieldViolation, NewIntent, Result};
 
-/// Records `intents` for `tenant_id`: PENDING at once without a token; STAGED until the
-/// producer's transaction finishes with one. Returns only after outboxd's own commit.
+/// Records `intents` for `tenant_id` (in a transaction scoped to it): PENDING at once
+/// without a token; STAGED until the producer's transaction finishes with one. Returns
+/// only after outboxd's own commit.
 ///
 /// # Errors
 /// - [`Error::InvalidArgument`]: the token names another cluster or a transaction that
@@ -55,8 +56,8 @@ pub async fn enqueue(
                 )));
             }
             TxnStatus::Committed => {
-                let mut conn = pool.acquire().await?;
-                return store::find_replay(&mut conn, tenant_id, token.xid, intents)
+                let mut tx = store::begin(pool, &TenantScope::one(tenant_id)).await?;
+                return store::find_replay(&mut tx, token.xid, intents)
                     .await?
                     .ok_or_else(|| {
                         Error::TxnFinished(format!(
@@ -68,7 +69,7 @@ pub async fn enqueue(
             }
         }
     }
-    let mut tx = pool.begin().await?;
+    let mut tx = store::begin(pool, &TenantScope::one(tenant_id)).await?;
     let results = store::insert_intents(
         &mut tx,
         EnqueueParams {

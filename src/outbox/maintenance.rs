@@ -1,12 +1,13 @@
 //! The background sweeps every replica runs: lease rescue and retention purge. They are
-//! safe to run concurrently on many replicas because the store takes rows `SKIP LOCKED`.
+//! safe to run concurrently on many replicas because the store takes rows `SKIP LOCKED`,
+//! and they are the explicitly cross-tenant work the row-level security policies allow.
 
 use std::time::Duration;
 
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use super::store::{self, BackoffParams};
+use super::store::{self, BackoffParams, TenantScope};
 use super::{Clock, IntentState, Result};
 
 /// Settings of the background sweeps.
@@ -60,9 +61,11 @@ pub async fn rescue_all(
 ) -> Result<SweepReport> {
     let mut report = SweepReport::default();
     loop {
+        let mut tx = store::begin(pool, &TenantScope::All).await?;
         let states =
-            store::rescue_expired_leases(pool, config.backoff, config.batch_size, clock.now())
+            store::rescue_expired_leases(&mut *tx, config.backoff, config.batch_size, clock.now())
                 .await?;
+        tx.commit().await?;
         for state in &states {
             match state {
                 IntentState::Pending => report.requeued += 1,
@@ -91,9 +94,15 @@ pub async fn rescue_all(
 pub async fn purge_all(pool: &PgPool, config: &MaintenanceConfig, clock: &Clock) -> Result<u64> {
     let mut purged = 0;
     loop {
-        let n =
-            store::purge_finished_intents(pool, config.retention, config.batch_size, clock.now())
-                .await?;
+        let mut tx = store::begin(pool, &TenantScope::All).await?;
+        let n = store::purge_finished_intents(
+            &mut *tx,
+            config.retention,
+            config.batch_size,
+            clock.now(),
+        )
+        .await?;
+        tx.commit().await?;
         purged += n;
         if (n as i64) < config.batch_size {
             return Ok(purged);

@@ -18,9 +18,6 @@ use uuid::Uuid;
 
 pub use clock::Clock;
 
-/// The tenant every intent belongs to until authentication maps callers to tenants.
-pub const DEFAULT_TENANT: &str = "default";
-
 /// Identifier of an intent (a UUIDv7 minted at enqueue).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, sqlx::Type)]
 #[sqlx(transparent)]
@@ -285,6 +282,14 @@ pub enum Reason {
     IdempotencyConflict,
     /// An idempotency key is held by a producer transaction that has not finished.
     IdempotencyKeyInUse,
+    /// No valid API key.
+    Unauthenticated,
+    /// The key lacks the scope the call needs.
+    MissingScope,
+    /// The key may not act for that tenant.
+    TenantNotAllowed,
+    /// The key may not act in that region.
+    RegionNotAllowed,
     /// The producer transaction named by the token rolled back.
     TxnAborted,
     /// The producer transaction named by the token already committed.
@@ -309,6 +314,10 @@ impl Reason {
             Self::InvalidState => "INVALID_STATE",
             Self::IdempotencyConflict => "IDEMPOTENCY_CONFLICT",
             Self::IdempotencyKeyInUse => "IDEMPOTENCY_KEY_IN_USE",
+            Self::Unauthenticated => "UNAUTHENTICATED",
+            Self::MissingScope => "MISSING_SCOPE",
+            Self::TenantNotAllowed => "TENANT_NOT_ALLOWED",
+            Self::RegionNotAllowed => "REGION_NOT_ALLOWED",
             Self::TxnAborted => "TXN_ABORTED",
             Self::TxnCommitted => "TXN_COMMITTED",
             Self::Unavailable => "UNAVAILABLE",
@@ -422,6 +431,12 @@ pub enum Error {
         /// The intent that holds it.
         existing: IntentId,
     },
+    /// No valid credentials.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// Valid credentials that do not allow this call.
+    #[error("{1}")]
+    PermissionDenied(Reason, String),
     /// The producer transaction of a two-phase enqueue rolled back.
     #[error("{0}")]
     TxnAborted(String),

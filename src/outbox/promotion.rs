@@ -11,7 +11,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::notify::PendingSignal;
-use super::store::{self, PromotionReport};
+use super::store::{self, PromotionReport, TenantScope};
 use super::{Clock, Result};
 
 /// Rows per promotion statement.
@@ -24,7 +24,9 @@ const BATCH: i64 = 1000;
 pub async fn promote_all(pool: &PgPool, clock: &Clock) -> Result<PromotionReport> {
     let mut total = PromotionReport::default();
     loop {
-        let r = store::promote_staged_intents(pool, BATCH, clock.now()).await?;
+        let mut tx = store::begin(pool, &TenantScope::All).await?;
+        let r = store::promote_staged_intents(&mut *tx, BATCH, clock.now()).await?;
+        tx.commit().await?;
         total.promoted += r.promoted;
         total.discarded += r.discarded;
         total.forgotten += r.forgotten;

@@ -6,6 +6,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use chrono::Utc;
+use outboxd::client::Credentials;
 use outboxd::config::Settings;
 use outboxd::embedded::{EmbeddedConfig, EmbeddedPostgres};
 use outboxd::outbox::Clock;
@@ -18,7 +19,14 @@ use tonic::{Code, Status};
 use tonic_types::StatusExt;
 use uuid::Uuid;
 
-pub type Client = v1::outbox_service_client::OutboxServiceClient<Channel>;
+pub use outboxd::client::Client;
+
+/// The role the test servers connect as: it owns nothing, so row-level security applies
+/// exactly as in production.
+pub const SERVICE_ROLE: &str = "outboxd_service";
+
+/// The tenant of `TestApp`'s default key.
+pub const TENANT: &str = "acme";
 
 const TEMPLATE: &str = "outbox_test_template";
 
@@ -74,6 +82,9 @@ fn cluster() -> &'static Cluster {
                         .unwrap();
                     let template = PgPool::connect(&format!("{base}{TEMPLATE}")).await.unwrap();
                     startup::migrate(&template).await.unwrap();
+                    startup::grant_service_role(&template, SERVICE_ROLE, true)
+                        .await
+                        .unwrap();
                     template.close().await;
                     admin.close().await;
                 })
@@ -116,6 +127,7 @@ async fn create_database(template: Option<&str>) -> String {
 
 /// A server on its own database, with a manual clock and no background sweeps.
 pub struct TestApp {
+    /// Client with the default key: tenant `acme`, every scope.
     pub client: Client,
     pub pool: PgPool,
     pub clock: Clock,
@@ -135,11 +147,14 @@ impl TestApp {
         Self::spawn_on(fresh_database().await, configure).await
     }
 
-    /// A server on an existing, migrated database.
+    /// A server on an existing, migrated database whose service role has its grants.
     pub async fn spawn_on(url: String, configure: impl FnOnce(&mut Settings)) -> Self {
         let mut settings = Settings::default();
         configure(&mut settings);
         let pool = startup::connect(&url, 20).await.unwrap();
+        let service_url = url.replacen("://postgres@", &format!("://{SERVICE_ROLE}@"), 1);
+        let service_pool = startup::connect(&service_url, 20).await.unwrap();
+        startup::verify_service_role(&service_pool).await.unwrap();
         let clock = Clock::manual(Utc::now());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let runtime = Runtime {
@@ -148,12 +163,16 @@ impl TestApp {
             // Only a notification may wake a long-poll in tests.
             long_poll_recheck: Duration::from_secs(3600),
         };
-        let app = Application::start(&settings, pool.clone(), listener, runtime)
+        let app = Application::start(&settings, service_pool, listener, runtime)
             .await
             .unwrap();
-        let client = Client::connect(format!("http://{}", app.local_addr()))
+        let key = create_key(&pool, "test", &[TENANT], &["admin"], &[]).await;
+        let channel = Channel::from_shared(format!("http://{}", app.local_addr()))
+            .unwrap()
+            .connect()
             .await
             .unwrap();
+        let client = outboxd::client::client(channel, Credentials::new(Some(&key), None).unwrap());
         Self {
             client,
             pool,
@@ -165,9 +184,20 @@ impl TestApp {
         }
     }
 
-    /// A second client connection (for concurrent callers).
+    /// A client with the default key (clones share the connection).
     pub fn client(&self) -> Client {
         self.client.clone()
+    }
+
+    /// A client sending `key` (and `tenant` in x-outbox-tenant), or no key at all.
+    pub async fn client_with(&self, key: Option<&str>, tenant: Option<&str>) -> Client {
+        let credentials = Credentials::new(key, tenant).unwrap();
+        outboxd::client::client(self.client_channel().await, credentials)
+    }
+
+    /// Creates an API key directly in the database, as `outboxd keys create` does.
+    pub async fn key(&self, tenants: &[&str], scopes: &[&str], regions: &[&str]) -> String {
+        create_key(&self.pool, "test", tenants, scopes, regions).await
     }
 
     /// A raw channel to the server, for the non-outbox services (health).
@@ -356,6 +386,37 @@ impl TestApp {
             .await
             .unwrap()
     }
+}
+
+/// Stores a key; `tenants == ["*"]` means every tenant.
+pub async fn create_key(
+    pool: &PgPool,
+    name: &str,
+    tenants: &[&str],
+    scopes: &[&str],
+    regions: &[&str],
+) -> String {
+    let key = outboxd::auth::generate_key().unwrap();
+    let all = tenants == ["*"];
+    let record = outboxd::outbox::store::ApiKeyRecord {
+        id: Uuid::now_v7(),
+        name: name.to_owned(),
+        prefix: key.prefix.clone(),
+        tenants: if all {
+            vec![]
+        } else {
+            tenants.iter().map(|t| t.to_string()).collect()
+        },
+        all_tenants: all,
+        scopes: scopes.iter().map(|s| s.to_string()).collect(),
+        regions: regions.iter().map(|r| r.to_string()).collect(),
+        created_at: Utc::now(),
+        revoked_at: None,
+    };
+    outboxd::outbox::store::insert_api_key(pool, &record, &key.hash)
+        .await
+        .unwrap();
+    key.secret
 }
 
 pub fn intent(kind: &str, payload: &str) -> v1::NewIntent {

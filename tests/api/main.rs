@@ -10,4 +10,5 @@ mod long_poll;
 mod maintenance;
 mod reconcile;
 mod settle;
+mod tenancy;
 mod two_phase;

@@ -367,6 +367,9 @@ async fn a_postgres_crash_discards_open_transactions_and_keeps_committed_intents
     let url = cluster.url("postgres");
     let pool = outboxd::startup::connect(&url, 4).await.unwrap();
     outboxd::startup::migrate(&pool).await.unwrap();
+    outboxd::startup::grant_service_role(&pool, crate::helpers::SERVICE_ROLE, true)
+        .await
+        .unwrap();
     pool.close().await;
     let app = TestApp::spawn_on(url, |_| {}).await;
 

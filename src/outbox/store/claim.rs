@@ -3,16 +3,14 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::{Acquire, PgConnection};
+use sqlx::PgConnection;
 
 use super::{intent_columns, millis};
 use crate::outbox::{Intent, Result};
 
 /// Inputs of [`claim_intents`].
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy)]
 pub struct ClaimParams<'a> {
-    /// Tenant whose intents to lease.
-    pub tenant_id: &'a str,
     /// Worker taking the leases.
     pub worker_id: &'a str,
     /// Worker's region ('' = any): it gets that region's intents and region-less ones.
@@ -29,9 +27,10 @@ pub struct ClaimParams<'a> {
     pub now: Option<DateTime<Utc>>,
 }
 
-/// Leases up to `max_intents` claimable intents, oldest `available_at` first, minting a
-/// fresh lease id for each and counting the attempt. With a `request_id` that already
-/// leased intents for this worker, returns those live leases instead of leasing more.
+/// Leases up to `max_intents` claimable intents of the transaction's tenants, oldest
+/// `available_at` first, minting a fresh lease id for each and counting the attempt. With a
+/// `request_id` that already leased intents for this worker, returns those live leases
+/// instead of leasing more. Runs in the caller's (tenant-scoped) transaction.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
@@ -42,24 +41,19 @@ pub async fn claim_intents(
     let mut intents = match params.request_id {
         None => lease_next(conn, &params).await?,
         Some(request_id) => {
-            let mut tx = conn.begin().await?;
-            // Serialises retries of one request id so two racing retries cannot both lease.
-            sqlx::query(
-                "SELECT pg_advisory_xact_lock(hashtextextended($1 || '/' || $2 || '/' || $3, 0))",
-            )
-            .bind(params.tenant_id)
-            .bind(params.worker_id)
-            .bind(request_id)
-            .execute(&mut *tx)
-            .await?;
-            let earlier = leases_of_request(&mut tx, &params, request_id).await?;
-            let intents = if earlier.is_empty() {
-                lease_next(&mut tx, &params).await?
+            // Serialises retries of one request id so two racing retries cannot both lease;
+            // held until the caller's transaction ends.
+            sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1 || '/' || $2, 0))")
+                .bind(params.worker_id)
+                .bind(request_id)
+                .execute(&mut *conn)
+                .await?;
+            let earlier = leases_of_request(conn, &params, request_id).await?;
+            if earlier.is_empty() {
+                lease_next(conn, &params).await?
             } else {
                 earlier
-            };
-            tx.commit().await?;
-            intents
+            }
         }
     };
     intents.sort_by_key(|i| (i.available_at, i.id));
@@ -73,28 +67,26 @@ async fn lease_next(conn: &mut PgConnection, params: &ClaimParams<'_>) -> Result
             SELECT id
             FROM outbox.intent
             WHERE state = 'pending'
-              AND available_at <= coalesce($8::timestamptz, now())
-              AND tenant_id = $1
-              AND ($3 = '' OR region = '' OR region = $3)
-              AND (cardinality($4::text[]) = 0 OR kind = ANY($4))
+              AND available_at <= coalesce($7::timestamptz, now())
+              AND ($2 = '' OR region = '' OR region = $2)
+              AND (cardinality($3::text[]) = 0 OR kind = ANY($3))
             ORDER BY available_at, id
-            LIMIT $5
+            LIMIT $4
             FOR UPDATE SKIP LOCKED
         )
         UPDATE outbox.intent i
         SET state = 'leased',
             attempts = i.attempts + 1,
             lease_id = gen_random_uuid(),
-            lease_expires_at = coalesce($8::timestamptz, now()) + $6 * interval '1 ms',
-            worker_id = $2,
-            claim_request_id = $7,
-            updated_at = coalesce($8::timestamptz, now())
+            lease_expires_at = coalesce($7::timestamptz, now()) + $5 * interval '1 ms',
+            worker_id = $1,
+            claim_request_id = $6,
+            updated_at = coalesce($7::timestamptz, now())
         FROM next
         WHERE i.id = next.id
         RETURNING "#,
         intent_columns!("i")
     ))
-    .bind(params.tenant_id)
     .bind(params.worker_id)
     .bind(params.region)
     .bind(params.kinds)
@@ -117,13 +109,11 @@ async fn leases_of_request(
         intent_columns!("i"),
         r#"
         FROM outbox.intent i
-        WHERE i.tenant_id = $1
-          AND i.worker_id = $2
-          AND i.claim_request_id = $3
+        WHERE i.worker_id = $1
+          AND i.claim_request_id = $2
           AND i.state IN ('leased', 'submitted')
         "#
     ))
-    .bind(params.tenant_id)
     .bind(params.worker_id)
     .bind(request_id)
     .fetch_all(conn)
@@ -142,18 +132,16 @@ pub async fn next_due_in(
 ) -> Result<Option<Duration>> {
     let seconds: Option<f64> = sqlx::query_scalar(
         r#"
-        SELECT extract(epoch FROM available_at - coalesce($4::timestamptz, now()))::float8
+        SELECT extract(epoch FROM available_at - coalesce($3::timestamptz, now()))::float8
         FROM outbox.intent
         WHERE state = 'pending'
-          AND available_at > coalesce($4::timestamptz, now())
-          AND tenant_id = $1
-          AND ($2 = '' OR region = '' OR region = $2)
-          AND (cardinality($3::text[]) = 0 OR kind = ANY($3))
+          AND available_at > coalesce($3::timestamptz, now())
+          AND ($1 = '' OR region = '' OR region = $1)
+          AND (cardinality($2::text[]) = 0 OR kind = ANY($2))
         ORDER BY available_at
         LIMIT 1
         "#,
     )
-    .bind(params.tenant_id)
     .bind(params.region)
     .bind(params.kinds)
     .bind(params.now)

@@ -13,7 +13,6 @@ use crate::outbox::{Decision, Intent, IntentId, IntentState, Resolution, Result}
 /// [`crate::outbox::Error::Database`].
 pub async fn get_intent(
     conn: &mut PgConnection,
-    tenant_id: &str,
     id: IntentId,
 ) -> Result<Option<(Intent, Vec<Resolution>)>> {
     let intent: Option<Intent> = sqlx::query_as(concat!(
@@ -21,11 +20,9 @@ pub async fn get_intent(
         intent_columns!("i"),
         r#"
         FROM outbox.intent i
-        WHERE i.tenant_id = $1
-          AND i.id = $2
+        WHERE i.id = $1
         "#
     ))
-    .bind(tenant_id)
     .bind(id)
     .fetch_optional(&mut *conn)
     .await?;
@@ -36,12 +33,10 @@ pub async fn get_intent(
         r#"
         SELECT decision, from_state, actor, reason, resolved_at
         FROM outbox.resolution
-        WHERE tenant_id = $1
-          AND intent_id = $2
+        WHERE intent_id = $1
         ORDER BY id
         "#,
     )
-    .bind(tenant_id)
     .bind(id)
     .fetch_all(&mut *conn)
     .await?;
@@ -62,9 +57,7 @@ pub async fn get_intent(
 
 /// Inputs of [`list_intents`].
 #[derive(Debug, Clone, Default)]
-pub struct ListParams<'a> {
-    /// Tenant to list.
-    pub tenant_id: &'a str,
+pub struct ListParams {
     /// Only these states (empty = all).
     pub states: Vec<IntentState>,
     /// Only this kind.
@@ -83,22 +76,20 @@ pub struct ListParams<'a> {
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
-pub async fn list_intents(conn: &mut PgConnection, params: ListParams<'_>) -> Result<Vec<Intent>> {
+pub async fn list_intents(conn: &mut PgConnection, params: ListParams) -> Result<Vec<Intent>> {
     let mut intents: Vec<Intent> = sqlx::query_as(concat!(
         "SELECT ",
         intent_columns!("i"),
         r#"
         FROM outbox.intent i
-        WHERE i.tenant_id = $1
-          AND (cardinality($2::outbox.intent_state[]) = 0 OR i.state = ANY($2))
-          AND ($3::text IS NULL OR i.kind = $3)
-          AND ($4::text IS NULL OR i.region = $4)
-          AND ($5::uuid IS NULL OR i.id > $5)
+        WHERE (cardinality($1::outbox.intent_state[]) = 0 OR i.state = ANY($1))
+          AND ($2::text IS NULL OR i.kind = $2)
+          AND ($3::text IS NULL OR i.region = $3)
+          AND ($4::uuid IS NULL OR i.id > $4)
         ORDER BY i.id
-        LIMIT $6
+        LIMIT $5
         "#
     ))
-    .bind(params.tenant_id)
     .bind(&params.states)
     .bind(&params.kind)
     .bind(&params.region)
@@ -125,7 +116,7 @@ pub struct StateCount {
     pub count: i64,
 }
 
-/// Queue statistics of a tenant.
+/// Queue statistics of the transaction's tenants.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QueueStats {
     /// Non-zero counts by state and region.
@@ -136,25 +127,22 @@ pub struct QueueStats {
     pub oldest_staged_at: Option<DateTime<Utc>>,
 }
 
-/// Counts a tenant's intents by state and region.
+/// Counts the transaction's tenants' intents by state and region.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn queue_stats(
     conn: &mut PgConnection,
-    tenant_id: &str,
     now: Option<DateTime<Utc>>,
 ) -> Result<QueueStats> {
     let counts: Vec<StateCount> = sqlx::query_as(
         r#"
         SELECT state, region, count(*) AS count
         FROM outbox.intent
-        WHERE tenant_id = $1
         GROUP BY state, region
         ORDER BY state, region
         "#,
     )
-    .bind(tenant_id)
     .fetch_all(&mut *conn)
     .await?;
     let (oldest_pending_at, oldest_staged_at): (Option<DateTime<Utc>>, Option<DateTime<Utc>>) =
@@ -162,13 +150,12 @@ pub async fn queue_stats(
             r#"
             SELECT
                 (SELECT min(available_at) FROM outbox.intent
-                 WHERE state = 'pending' AND tenant_id = $1
-                   AND available_at <= coalesce($2::timestamptz, now())),
+                 WHERE state = 'pending'
+                   AND available_at <= coalesce($1::timestamptz, now())),
                 (SELECT min(created_at) FROM outbox.intent
-                 WHERE state = 'staged' AND tenant_id = $1)
+                 WHERE state = 'staged')
             "#,
         )
-        .bind(tenant_id)
         .bind(now)
         .fetch_one(&mut *conn)
         .await?;

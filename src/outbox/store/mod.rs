@@ -4,6 +4,8 @@
 //!
 //! Time is `coalesce($now, now())`: `None` in production, a manual instant in tests.
 
+mod access;
+mod api_keys;
 mod claim;
 mod enqueue;
 mod inspect;
@@ -12,6 +14,8 @@ mod reconcile;
 mod settle;
 mod staged;
 
+pub use access::{TenantScope, begin};
+pub use api_keys::{ApiKeyRecord, find_api_key, insert_api_key, list_api_keys, revoke_api_key};
 pub use claim::{ClaimParams, claim_intents, next_due_in};
 pub use enqueue::{EnqueueParams, insert_intents};
 pub use inspect::{ListParams, QueueStats, StateCount, get_intent, list_intents, queue_stats};

@@ -31,8 +31,6 @@ pub enum ReconcileTarget {
 /// Inputs of [`resolve_intents`].
 #[derive(Debug, Clone)]
 pub struct ReconcileParams<'a> {
-    /// Tenant of the intents.
-    pub tenant_id: &'a str,
     /// What to resolve.
     pub target: ReconcileTarget,
     /// The ruling.
@@ -63,31 +61,31 @@ macro_rules! resolve_and_record {
         r#"
         resolved AS (
             UPDATE outbox.intent i
-            SET state = CASE $3
+            SET state = CASE $2
                     WHEN 'delivered' THEN 'delivered'
                     WHEN 'requeue' THEN 'pending'
                     ELSE 'dead_lettered'
                 END::outbox.intent_state,
-                attempts = CASE WHEN $3 = 'requeue' THEN 0 ELSE i.attempts END,
-                available_at = CASE WHEN $3 = 'requeue' THEN coalesce($6::timestamptz, now())
+                attempts = CASE WHEN $2 = 'requeue' THEN 0 ELSE i.attempts END,
+                available_at = CASE WHEN $2 = 'requeue' THEN coalesce($5::timestamptz, now())
                                     ELSE i.available_at END,
-                finished_at = CASE WHEN $3 = 'delivered' THEN coalesce($6::timestamptz, now()) END,
+                finished_at = CASE WHEN $2 = 'delivered' THEN coalesce($5::timestamptz, now()) END,
                 lease_id = NULL,
                 lease_expires_at = NULL,
-                updated_at = coalesce($6::timestamptz, now())
+                updated_at = coalesce($5::timestamptz, now())
             FROM target
             WHERE i.id = target.id
-            RETURNING i.id, i.state, target.state AS from_state
+            RETURNING i.id, i.tenant_id, i.state, target.state AS from_state
         ),
         recorded AS (
             INSERT INTO outbox.resolution (tenant_id, intent_id, from_state, decision, actor, reason,
                                            resolved_at)
-            SELECT $1, id, from_state, $3, $4, $5, coalesce($6::timestamptz, now())
+            SELECT tenant_id, id, from_state, $2, $3, $4, coalesce($5::timestamptz, now())
             FROM resolved
             RETURNING intent_id
         ),
         woken AS (
-            SELECT pg_notify($7, '') WHERE $3 = 'requeue' AND EXISTS (SELECT 1 FROM resolved)
+            SELECT pg_notify($6, '') WHERE $2 = 'requeue' AND EXISTS (SELECT 1 FROM resolved)
         )
         "#
     };
@@ -116,7 +114,6 @@ pub async fn resolve_intents(
         ReconcileTarget::Filter { .. } => RESOLVE_BY_FILTER,
     };
     let query = sqlx::query_as::<_, ResolveRow>(sql)
-        .bind(params.tenant_id)
         .bind(allowed)
         .bind(params.decision.as_str())
         .bind(params.actor)
@@ -177,14 +174,13 @@ fn describe(states: &[IntentState]) -> String {
 const RESOLVE_BY_IDS: &str = concat!(
     r#"
     WITH input AS (
-        SELECT * FROM unnest($8::uuid[]) WITH ORDINALITY AS t(id, ord)
+        SELECT * FROM unnest($7::uuid[]) WITH ORDINALITY AS t(id, ord)
     ),
     target AS (
         SELECT i.id, i.state
         FROM outbox.intent i
         JOIN input ON input.id = i.id
-        WHERE i.tenant_id = $1
-          AND i.state = ANY($2)
+        WHERE i.state = ANY($1)
         FOR UPDATE OF i
     ),
     "#,
@@ -195,7 +191,7 @@ const RESOLVE_BY_IDS: &str = concat!(
            coalesce(resolved.state, cur.state) AS state
     FROM input
     LEFT JOIN resolved ON resolved.id = input.id
-    LEFT JOIN outbox.intent cur ON cur.id = input.id AND cur.tenant_id = $1
+    LEFT JOIN outbox.intent cur ON cur.id = input.id
     CROSS JOIN (SELECT count(*) FROM recorded) AS r
     CROSS JOIN (SELECT count(*) FROM woken) AS w
     ORDER BY input.ord
@@ -207,14 +203,13 @@ const RESOLVE_BY_FILTER: &str = concat!(
     WITH target AS (
         SELECT i.id, i.state
         FROM outbox.intent i
-        WHERE i.tenant_id = $1
-          AND i.state = ANY($2)
-          AND i.state = ANY($8)
-          AND ($9::text IS NULL OR i.kind = $9)
-          AND ($10::text IS NULL OR i.region = $10)
-          AND ($11::timestamptz IS NULL OR i.created_at < $11)
+        WHERE i.state = ANY($1)
+          AND i.state = ANY($7)
+          AND ($8::text IS NULL OR i.kind = $8)
+          AND ($9::text IS NULL OR i.region = $9)
+          AND ($10::timestamptz IS NULL OR i.created_at < $10)
         ORDER BY i.id
-        LIMIT $12
+        LIMIT $11
         FOR UPDATE SKIP LOCKED
     ),
     "#,

@@ -25,7 +25,7 @@ macro_rules! settle_report {
                changed.lease_expires_at
         FROM input
         LEFT JOIN changed ON changed.id = input.id
-        LEFT JOIN outbox.intent cur ON cur.id = input.id AND cur.tenant_id = $1
+        LEFT JOIN outbox.intent cur ON cur.id = input.id
         ORDER BY input.ord
         "#
     };
@@ -73,7 +73,6 @@ fn split(leases: &[LeaseRef]) -> (Vec<Uuid>, Vec<Uuid>) {
 /// [`crate::outbox::Error::Database`].
 pub async fn extend_leases(
     db: impl PgExecutor<'_>,
-    tenant_id: &str,
     leases: &[LeaseRef],
     lease_duration: Duration,
     now: Option<DateTime<Utc>>,
@@ -82,15 +81,14 @@ pub async fn extend_leases(
     let rows = sqlx::query_as(concat!(
         r#"
         WITH input AS (
-            SELECT * FROM unnest($2::uuid[], $3::uuid[]) WITH ORDINALITY AS t(id, lease_id, ord)
+            SELECT * FROM unnest($1::uuid[], $2::uuid[]) WITH ORDINALITY AS t(id, lease_id, ord)
         ),
         changed AS (
             UPDATE outbox.intent i
-            SET lease_expires_at = coalesce($5::timestamptz, now()) + $4 * interval '1 ms',
-                updated_at = coalesce($5::timestamptz, now())
+            SET lease_expires_at = coalesce($4::timestamptz, now()) + $3 * interval '1 ms',
+                updated_at = coalesce($4::timestamptz, now())
             FROM input
             WHERE i.id = input.id
-              AND i.tenant_id = $1
               AND i.lease_id = input.lease_id
               AND i.state IN ('leased', 'submitted')
             RETURNING i.id, i.state, i.lease_expires_at
@@ -98,7 +96,6 @@ pub async fn extend_leases(
         "#,
         settle_report!()
     ))
-    .bind(tenant_id)
     .bind(&ids)
     .bind(&lease_ids)
     .bind(millis(lease_duration))
@@ -114,7 +111,6 @@ pub async fn extend_leases(
 /// [`crate::outbox::Error::Database`].
 pub async fn mark_intents_submitted(
     db: impl PgExecutor<'_>,
-    tenant_id: &str,
     leases: &[LeaseRef],
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<ItemResult>> {
@@ -122,15 +118,14 @@ pub async fn mark_intents_submitted(
     let rows = sqlx::query_as(concat!(
         r#"
         WITH input AS (
-            SELECT * FROM unnest($2::uuid[], $3::uuid[]) WITH ORDINALITY AS t(id, lease_id, ord)
+            SELECT * FROM unnest($1::uuid[], $2::uuid[]) WITH ORDINALITY AS t(id, lease_id, ord)
         ),
         changed AS (
             UPDATE outbox.intent i
             SET state = 'submitted',
-                updated_at = coalesce($4::timestamptz, now())
+                updated_at = coalesce($3::timestamptz, now())
             FROM input
             WHERE i.id = input.id
-              AND i.tenant_id = $1
               AND i.lease_id = input.lease_id
               AND i.state = 'leased'
             RETURNING i.id, i.state, i.lease_expires_at
@@ -138,7 +133,6 @@ pub async fn mark_intents_submitted(
         "#,
         settle_report!()
     ))
-    .bind(tenant_id)
     .bind(&ids)
     .bind(&lease_ids)
     .bind(now)
@@ -155,7 +149,6 @@ pub async fn mark_intents_submitted(
 /// [`crate::outbox::Error::Database`].
 pub async fn ack_intents(
     db: impl PgExecutor<'_>,
-    tenant_id: &str,
     leases: &[LeaseRef],
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<ItemResult>> {
@@ -163,18 +156,17 @@ pub async fn ack_intents(
     let rows = sqlx::query_as(concat!(
         r#"
         WITH input AS (
-            SELECT * FROM unnest($2::uuid[], $3::uuid[]) WITH ORDINALITY AS t(id, lease_id, ord)
+            SELECT * FROM unnest($1::uuid[], $2::uuid[]) WITH ORDINALITY AS t(id, lease_id, ord)
         ),
         changed AS (
             UPDATE outbox.intent i
             SET state = 'delivered',
                 lease_expires_at = NULL,
                 claim_request_id = NULL,
-                finished_at = coalesce($4::timestamptz, now()),
-                updated_at = coalesce($4::timestamptz, now())
+                finished_at = coalesce($3::timestamptz, now()),
+                updated_at = coalesce($3::timestamptz, now())
             FROM input
             WHERE i.id = input.id
-              AND i.tenant_id = $1
               AND i.lease_id = input.lease_id
               AND i.state IN ('leased', 'submitted', 'needs_reconcile')
             RETURNING i.id, i.state, i.lease_expires_at
@@ -182,7 +174,6 @@ pub async fn ack_intents(
         "#,
         settle_report!()
     ))
-    .bind(tenant_id)
     .bind(&ids)
     .bind(&lease_ids)
     .bind(now)
@@ -200,7 +191,6 @@ pub async fn ack_intents(
 /// [`crate::outbox::Error::Database`].
 pub async fn fail_intents(
     db: impl PgExecutor<'_>,
-    tenant_id: &str,
     failures: &[Failure],
     backoff: BackoffParams,
     now: Option<DateTime<Utc>>,
@@ -215,7 +205,7 @@ pub async fn fail_intents(
         r#"
         WITH input AS (
             SELECT *
-            FROM unnest($2::uuid[], $3::uuid[], $4::text[], $5::text[], $6::bigint[])
+            FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::bigint[])
                 WITH ORDINALITY AS t(id, lease_id, outcome, error, retry_after_ms, ord)
         ),
         changed AS (
@@ -227,10 +217,10 @@ pub async fn fail_intents(
                     ELSE 'pending'
                 END::outbox.intent_state,
                 available_at = CASE
-                    WHEN input.outcome = 'retry' THEN coalesce($9::timestamptz, now())
+                    WHEN input.outcome = 'retry' THEN coalesce($8::timestamptz, now())
                         + coalesce(
                             input.retry_after_ms,
-                            least($8, $7 * power(2, least(greatest(i.attempts - 1, 0), 40)))
+                            least($7, $6 * power(2, least(greatest(i.attempts - 1, 0), 40)))
                                 * (0.5 + random() / 2)
                         ) * interval '1 ms'
                     ELSE i.available_at
@@ -238,10 +228,9 @@ pub async fn fail_intents(
                 lease_expires_at = NULL,
                 claim_request_id = NULL,
                 last_error = input.error,
-                updated_at = coalesce($9::timestamptz, now())
+                updated_at = coalesce($8::timestamptz, now())
             FROM input
             WHERE i.id = input.id
-              AND i.tenant_id = $1
               AND i.lease_id = input.lease_id
               AND (i.state IN ('leased', 'submitted')
                    OR (i.state = 'needs_reconcile' AND input.outcome <> 'unknown'))
@@ -250,7 +239,6 @@ pub async fn fail_intents(
         "#,
         settle_report!()
     ))
-    .bind(tenant_id)
     .bind(&ids)
     .bind(&lease_ids)
     .bind(&outcomes)

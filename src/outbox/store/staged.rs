@@ -65,7 +65,6 @@ pub async fn transaction_status(db: impl PgExecutor<'_>, xid: u64) -> Result<Txn
 /// [`crate::outbox::Error::Database`].
 pub async fn find_replay(
     conn: &mut PgConnection,
-    tenant_id: &str,
     xid: u64,
     intents: &[NewIntent],
 ) -> Result<Option<Vec<Enqueued>>> {
@@ -81,17 +80,15 @@ pub async fn find_replay(
     let rows: Vec<(Option<Uuid>, Option<IntentState>)> = sqlx::query_as(
         r#"
         SELECT i.id, i.state
-        FROM unnest($2::text[], $3::text[], $4::bytea[]) WITH ORDINALITY AS t(key, kind, payload, ord)
+        FROM unnest($1::text[], $2::text[], $3::bytea[]) WITH ORDINALITY AS t(key, kind, payload, ord)
         LEFT JOIN outbox.intent i
-            ON i.tenant_id = $1
-           AND i.idempotency_key = t.key
-           AND i.txn_xid = $5::text::xid8
+            ON i.idempotency_key = t.key
+           AND i.txn_xid = $4::text::xid8
            AND i.kind = t.kind
            AND i.payload = t.payload
         ORDER BY t.ord
         "#,
     )
-    .bind(tenant_id)
     .bind(&keys)
     .bind(&kinds)
     .bind(&payloads)

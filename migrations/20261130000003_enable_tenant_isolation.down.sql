@@ -1,0 +1,12 @@
+DROP FUNCTION IF EXISTS outbox.grant_service_role(text);
+DROP TABLE IF EXISTS outbox.api_key;
+DROP POLICY IF EXISTS resolution_cross_tenant ON outbox.resolution;
+DROP POLICY IF EXISTS resolution_of_current_tenants ON outbox.resolution;
+ALTER TABLE outbox.resolution NO FORCE ROW LEVEL SECURITY;
+ALTER TABLE outbox.resolution DISABLE ROW LEVEL SECURITY;
+DROP POLICY IF EXISTS intent_cross_tenant ON outbox.intent;
+DROP POLICY IF EXISTS intent_of_current_tenants ON outbox.intent;
+ALTER TABLE outbox.intent NO FORCE ROW LEVEL SECURITY;
+ALTER TABLE outbox.intent DISABLE ROW LEVEL SECURITY;
+DROP FUNCTION IF EXISTS outbox.cross_tenant();
+DROP FUNCTION IF EXISTS outbox.current_tenants();

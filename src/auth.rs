@@ -1,0 +1,257 @@
+//! Authentication and authorization: bearer API keys mapped to tenants, scopes and
+//! regions. Keys are random 256-bit secrets, so a plain SHA-256 is all the storage needs
+//! (no password stretching); the server only ever holds their hashes.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+use sqlx::PgPool;
+use tonic::metadata::MetadataMap;
+
+use crate::outbox::store::{self, ApiKeyRecord, TenantScope};
+use crate::outbox::{Error, Reason, Result};
+
+/// Metadata naming the tenant a request acts for, for keys bound to several tenants.
+pub const TENANT_HEADER: &str = "x-outbox-tenant";
+
+/// Prefix of every API key, so leaked keys are easy to recognise and scan for.
+pub const KEY_PREFIX: &str = "obx_";
+
+/// What a key may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Permission {
+    /// Enqueue.
+    Produce,
+    /// Claim, ExtendLease, MarkSubmitted, Ack, Fail.
+    Consume,
+    /// Reconcile and inspection.
+    Operate,
+    /// Everything.
+    Admin,
+}
+
+impl Permission {
+    /// Every scope name, as stored.
+    pub const NAMES: [&'static str; 4] = ["produce", "consume", "operate", "admin"];
+
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Produce => "produce",
+            Self::Consume => "consume",
+            Self::Operate => "operate",
+            Self::Admin => "admin",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "produce" => Some(Self::Produce),
+            "consume" => Some(Self::Consume),
+            "operate" => Some(Self::Operate),
+            "admin" => Some(Self::Admin),
+            _ => None,
+        }
+    }
+}
+
+/// An authenticated caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    /// Key name, for logs.
+    pub key_name: String,
+    /// Tenants it acts for.
+    pub tenants: TenantScope,
+    /// Scopes granted.
+    pub permissions: Vec<Permission>,
+    /// Regions it is limited to (empty: any).
+    pub regions: Vec<String>,
+}
+
+impl Caller {
+    fn from_record(r: ApiKeyRecord) -> Self {
+        Self {
+            key_name: r.name,
+            tenants: if r.all_tenants {
+                TenantScope::All
+            } else {
+                TenantScope::Tenants(r.tenants)
+            },
+            permissions: r
+                .scopes
+                .iter()
+                .filter_map(|s| Permission::parse(s))
+                .collect(),
+            regions: r.regions,
+        }
+    }
+
+    /// Fails unless the key has `permission` (or `admin`).
+    ///
+    /// # Errors
+    /// [`Error::PermissionDenied`] with reason `MISSING_SCOPE`.
+    pub fn require(&self, permission: Permission) -> Result<()> {
+        if self.permissions.contains(&permission) || self.permissions.contains(&Permission::Admin) {
+            Ok(())
+        } else {
+            Err(Error::PermissionDenied(
+                Reason::MissingScope,
+                format!(
+                    "API key {:?} lacks the {:?} scope this call needs",
+                    self.key_name,
+                    permission.as_str()
+                ),
+            ))
+        }
+    }
+
+    /// Fails when the key is limited to regions and `region` is not one of them (an empty
+    /// region, meaning "any", is not within a limited key's reach either).
+    ///
+    /// # Errors
+    /// [`Error::PermissionDenied`] with reason `REGION_NOT_ALLOWED`.
+    pub fn require_region(&self, field: &str, region: &str) -> Result<()> {
+        if self.regions.is_empty() || self.regions.iter().any(|r| r == region) {
+            return Ok(());
+        }
+        Err(Error::PermissionDenied(
+            Reason::RegionNotAllowed,
+            format!(
+                "{field} {region:?} is outside the regions of API key {:?} ({})",
+                self.key_name,
+                self.regions.join(", ")
+            ),
+        ))
+    }
+
+    /// The tenants this request acts for: the one named by the `x-outbox-tenant` header
+    /// (which must be one of the key's), or all of the key's.
+    ///
+    /// # Errors
+    /// [`Error::PermissionDenied`] with reason `TENANT_NOT_ALLOWED`.
+    pub fn scope(&self, metadata: &MetadataMap) -> Result<TenantScope> {
+        let Some(value) = metadata.get(TENANT_HEADER) else {
+            return Ok(self.tenants.clone());
+        };
+        let denied = || {
+            Error::PermissionDenied(
+                Reason::TenantNotAllowed,
+                format!(
+                    "API key {:?} may not act for the tenant named in {TENANT_HEADER}",
+                    self.key_name
+                ),
+            )
+        };
+        let tenant = value.to_str().map_err(|_| denied())?;
+        let allowed = match &self.tenants {
+            TenantScope::All => crate::validate::is_name(tenant, 64),
+            TenantScope::Tenants(t) => t.iter().any(|t| t == tenant),
+        };
+        if allowed {
+            Ok(TenantScope::one(tenant))
+        } else {
+            Err(denied())
+        }
+    }
+}
+
+/// A new key: the secret, shown once, and what is stored.
+#[derive(Debug, Clone)]
+pub struct NewKey {
+    /// The bearer secret (`obx_…`).
+    pub secret: String,
+    /// Its SHA-256.
+    pub hash: [u8; 32],
+    /// Its first characters.
+    pub prefix: String,
+}
+
+/// Mints a random key.
+///
+/// # Errors
+/// The operating system's random source failed.
+pub fn generate_key() -> std::result::Result<NewKey, getrandom::Error> {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes)?;
+    let secret = format!("{KEY_PREFIX}{}", hex::encode(bytes));
+    Ok(NewKey {
+        hash: hash_key(&secret),
+        prefix: secret[..KEY_PREFIX.len() + 8].to_owned(),
+        secret,
+    })
+}
+
+/// SHA-256 of a key.
+pub fn hash_key(secret: &str) -> [u8; 32] {
+    Sha256::digest(secret.as_bytes()).into()
+}
+
+/// Resolves bearer keys to callers, caching lookups (revocation takes effect within the TTL).
+#[derive(Debug)]
+pub struct Authenticator {
+    pool: PgPool,
+    ttl: Duration,
+    cache: Mutex<KeyCache>,
+}
+
+/// Key hash → the caller it resolved to (or none) and when it was looked up.
+type KeyCache = HashMap<[u8; 32], (Option<Caller>, Instant)>;
+
+/// Most cached lookups; beyond it the cache is cleared (bad keys must not grow memory).
+const CACHE_LIMIT: usize = 10_000;
+
+impl Authenticator {
+    /// An authenticator reading keys through `pool`.
+    pub fn new(pool: PgPool, ttl: Duration) -> Self {
+        Self {
+            pool,
+            ttl,
+            cache: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The caller presenting `authorization: Bearer <key>`.
+    ///
+    /// # Errors
+    /// [`Error::Unauthenticated`] for a missing, malformed, unknown or revoked key;
+    /// [`Error::Database`] when keys cannot be read.
+    pub async fn authenticate(&self, metadata: &MetadataMap) -> Result<Caller> {
+        let unauthenticated = |why: &str| Error::Unauthenticated(why.to_owned());
+        let header = metadata
+            .get("authorization")
+            .ok_or_else(|| unauthenticated("missing `authorization: Bearer <API key>` metadata"))?;
+        let secret = header
+            .to_str()
+            .ok()
+            .and_then(|h| h.strip_prefix("Bearer "))
+            .map(str::trim)
+            .filter(|s| s.starts_with(KEY_PREFIX))
+            .ok_or_else(|| unauthenticated("authorization must be `Bearer obx_…`"))?;
+        let hash = hash_key(secret);
+        let cached = self
+            .lock()
+            .get(&hash)
+            .and_then(|(caller, at)| (at.elapsed() < self.ttl).then(|| caller.clone()));
+        let caller = match cached {
+            Some(caller) => caller,
+            None => {
+                let caller = store::find_api_key(&self.pool, &hash)
+                    .await?
+                    .map(Caller::from_record);
+                let mut cache = self.lock();
+                if cache.len() >= CACHE_LIMIT {
+                    cache.clear();
+                }
+                cache.insert(hash, (caller.clone(), Instant::now()));
+                caller
+            }
+        };
+        caller.ok_or_else(|| unauthenticated("unknown or revoked API key"))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, KeyCache> {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}

@@ -1,0 +1,119 @@
+//! API keys: created, listed and revoked by the operator CLI with the schema owner's
+//! connection; looked up (read-only) by the server on every call.
+
+use chrono::{DateTime, Utc};
+use sqlx::PgExecutor;
+use uuid::Uuid;
+
+use crate::outbox::Result;
+
+/// A stored API key (never the secret, only its hash).
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct ApiKeyRecord {
+    /// Key id.
+    pub id: Uuid,
+    /// Human label.
+    pub name: String,
+    /// First characters of the secret.
+    pub prefix: String,
+    /// Tenants it acts for (ignored when `all_tenants`).
+    pub tenants: Vec<String>,
+    /// Acts for every tenant.
+    pub all_tenants: bool,
+    /// `produce`, `consume`, `operate`, `admin`.
+    pub scopes: Vec<String>,
+    /// Regions it is limited to (empty: any).
+    pub regions: Vec<String>,
+    /// Created at.
+    pub created_at: DateTime<Utc>,
+    /// Revoked at, if revoked.
+    pub revoked_at: Option<DateTime<Utc>>,
+}
+
+/// Stores a new key.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`], e.g. an unknown scope (CHECK constraint).
+pub async fn insert_api_key(
+    db: impl PgExecutor<'_>,
+    record: &ApiKeyRecord,
+    key_hash: &[u8],
+) -> Result<()> {
+    sqlx::query(
+        r#"
+        INSERT INTO outbox.api_key (id, name, prefix, key_hash, tenants, all_tenants, scopes,
+                                    regions, created_at)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+        "#,
+    )
+    .bind(record.id)
+    .bind(&record.name)
+    .bind(&record.prefix)
+    .bind(key_hash)
+    .bind(&record.tenants)
+    .bind(record.all_tenants)
+    .bind(&record.scopes)
+    .bind(&record.regions)
+    .bind(record.created_at)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// The live (not revoked) key with this hash.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn find_api_key(
+    db: impl PgExecutor<'_>,
+    key_hash: &[u8],
+) -> Result<Option<ApiKeyRecord>> {
+    let record = sqlx::query_as(
+        r#"
+        SELECT id, name, prefix, tenants, all_tenants, scopes, regions, created_at, revoked_at
+        FROM outbox.api_key
+        WHERE key_hash = $1
+          AND revoked_at IS NULL
+        "#,
+    )
+    .bind(key_hash)
+    .fetch_optional(db)
+    .await?;
+    Ok(record)
+}
+
+/// Every key, newest first.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn list_api_keys(db: impl PgExecutor<'_>) -> Result<Vec<ApiKeyRecord>> {
+    let records = sqlx::query_as(
+        r#"
+        SELECT id, name, prefix, tenants, all_tenants, scopes, regions, created_at, revoked_at
+        FROM outbox.api_key
+        ORDER BY created_at DESC
+        "#,
+    )
+    .fetch_all(db)
+    .await?;
+    Ok(records)
+}
+
+/// Revokes a key by id or name; returns how many keys it revoked.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn revoke_api_key(db: impl PgExecutor<'_>, id_or_name: &str) -> Result<u64> {
+    let done = sqlx::query(
+        r#"
+        UPDATE outbox.api_key
+        SET revoked_at = now()
+        WHERE (id::text = $1 OR name = $1)
+          AND revoked_at IS NULL
+        "#,
+    )
+    .bind(id_or_name)
+    .execute(db)
+    .await?;
+    Ok(done.rows_affected())
+}

@@ -1,0 +1,443 @@
+//! Tenancy and authentication: what a key may do, and proof that one tenant can neither
+//! see nor change another's intents, through the API and directly in SQL.
+
+use std::time::Duration;
+
+use outboxd::proto::v1::{self, FailOutcome, IntentState};
+use sqlx::{Connection, PgConnection};
+use tonic::Code;
+
+use crate::helpers::{
+    SERVICE_ROLE, TestApp, assert_item_error, assert_status, claim_request, duration, id_of,
+    intent, lease_ref,
+};
+
+/// Tenant B's world: a pending intent, a leased one (with its lease) and one awaiting a decision.
+struct Other {
+    pending: String,
+    leased: v1::Lease,
+    waiting: String,
+}
+
+async fn populate_globex(app: &TestApp) -> Other {
+    let key = app.key(&["globex"], &["produce", "consume"], &[]).await;
+    let mut b = app.client_with(Some(&key), None).await;
+    let ids: Vec<String> = b
+        .enqueue(v1::EnqueueRequest {
+            intents: vec![intent("b", "1"), intent("b", "2"), intent("b", "3")],
+            txn_token: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    let leases = b
+        .claim(claim_request("b-worker", 2))
+        .await
+        .unwrap()
+        .into_inner()
+        .leases;
+    b.fail(v1::FailRequest {
+        failures: vec![crate::helpers::failure(&leases[1], FailOutcome::Unknown)],
+    })
+    .await
+    .unwrap();
+    Other {
+        pending: ids[2].clone(),
+        leased: leases[0].clone(),
+        waiting: id_of(&leases[1]).to_owned(),
+    }
+}
+
+#[tokio::test]
+async fn no_rpc_lets_a_tenant_read_or_change_another_tenants_intents() {
+    let app = TestApp::spawn().await;
+    let b = populate_globex(&app).await;
+    let before = app.snapshot().await;
+    let mut a = app.client(); // tenant acme, every scope
+
+    for id in [b.pending.as_str(), b.waiting.as_str(), id_of(&b.leased)] {
+        let status = a
+            .get_intent(v1::GetIntentRequest { id: id.to_owned() })
+            .await
+            .unwrap_err();
+        assert_status(&status, Code::NotFound, "NOT_FOUND", &[]);
+    }
+    let listed = a
+        .list_intents(v1::ListIntentsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(listed.intents.is_empty());
+    let stats = a
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(stats.counts.is_empty());
+    assert_eq!(stats.reconcile_backlog, 0);
+    assert!(
+        app.claim_n("a-worker", 100).await.is_empty(),
+        "B's pending intent is not A's to claim"
+    );
+
+    let stolen = &b.leased;
+    assert_item_error(&app.ack(&[stolen]).await[0], Code::NotFound, "NOT_FOUND");
+    assert_item_error(
+        &app.fail(stolen, FailOutcome::Permanent).await,
+        Code::NotFound,
+        "NOT_FOUND",
+    );
+    assert_item_error(
+        &app.extend(&[stolen], Duration::from_secs(60)).await[0],
+        Code::NotFound,
+        "NOT_FOUND",
+    );
+    assert_item_error(
+        &app.mark_submitted(&[stolen]).await[0],
+        Code::NotFound,
+        "NOT_FOUND",
+    );
+    let by_id = app
+        .reconcile(v1::ReconcileRequest {
+            target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
+                ids: vec![b.waiting.clone()],
+            })),
+            decision: v1::Decision::Delivered as i32,
+            actor: "mallory".into(),
+            reason: "trying".into(),
+            limit: 0,
+        })
+        .await
+        .unwrap();
+    assert_eq!(by_id[0].error.as_ref().unwrap().reason, "NOT_FOUND");
+    let by_filter = app
+        .reconcile(v1::ReconcileRequest {
+            target: Some(v1::reconcile_request::Target::Filter(v1::ReconcileFilter {
+                states: vec![IntentState::NeedsReconcile as i32],
+                ..Default::default()
+            })),
+            decision: v1::Decision::Dead as i32,
+            actor: "mallory".into(),
+            reason: "trying".into(),
+            limit: 0,
+        })
+        .await
+        .unwrap();
+    assert!(by_filter.is_empty());
+    assert_eq!(app.snapshot().await, before, "nothing of B's changed");
+
+    // Same key, same idempotency key space? No: keys are per tenant.
+    let mut keyed = intent("b", "1");
+    keyed.idempotency_key = "shared-key".into();
+    app.enqueue(vec![keyed.clone()]).await.unwrap();
+    let key = app.key(&["globex"], &["produce"], &[]).await;
+    let theirs = app
+        .client_with(Some(&key), None)
+        .await
+        .enqueue(v1::EnqueueRequest {
+            intents: vec![keyed],
+            txn_token: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    assert!(
+        !theirs[0].deduplicated,
+        "another tenant's key does not collide"
+    );
+}
+
+#[tokio::test]
+async fn the_service_role_sees_and_writes_only_the_tenant_set_in_its_transaction() {
+    let app = TestApp::spawn().await;
+    populate_globex(&app).await;
+    app.enqueue_n("a", 2).await;
+    let url = app
+        .url
+        .replacen("://postgres@", &format!("://{SERVICE_ROLE}@"), 1);
+    let mut conn = PgConnection::connect(&url).await.unwrap();
+
+    let unscoped: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.intent")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(unscoped, 0, "no tenant set: nothing visible");
+
+    let mut tx = conn.begin().await.unwrap();
+    sqlx::query("SELECT set_config('outbox.tenants', 'acme', true)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let tenants: Vec<String> = sqlx::query_scalar("SELECT DISTINCT tenant_id FROM outbox.intent")
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(tenants, vec!["acme"]);
+    let touched =
+        sqlx::query("UPDATE outbox.intent SET kind = 'hijacked' WHERE tenant_id = 'globex'")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    assert_eq!(touched.rows_affected(), 0);
+    let deleted = sqlx::query("DELETE FROM outbox.intent WHERE tenant_id = 'globex'")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(deleted.rows_affected(), 0);
+    let forged = sqlx::query(
+        "INSERT INTO outbox.intent (id, tenant_id, kind, payload, state, max_attempts, available_at, created_at, updated_at)
+         VALUES (gen_random_uuid(), 'globex', 'forged', '', 'pending', 5, now(), now(), now())",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap_err();
+    assert_eq!(
+        forged.as_database_error().unwrap().code().as_deref(),
+        Some("42501"),
+        "{forged}"
+    );
+    tx.rollback().await.unwrap();
+
+    // The setting ended with the transaction; the pooled connection carries nothing over.
+    let after: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.intent")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(after, 0);
+    // The service may read keys, never mint them.
+    let minted = sqlx::query("INSERT INTO outbox.api_key (id, name, prefix, key_hash, tenants, scopes) VALUES (gen_random_uuid(), 'x', 'x', 'x', '{acme}', '{admin}')")
+        .execute(&mut conn)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        minted.as_database_error().unwrap().code().as_deref(),
+        Some("42501")
+    );
+    let kinds: Vec<String> =
+        sqlx::query_scalar("SELECT DISTINCT kind FROM outbox.intent WHERE tenant_id = 'globex'")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        kinds,
+        vec!["b"],
+        "the superuser view confirms B is untouched"
+    );
+}
+
+#[tokio::test]
+async fn calls_without_a_valid_key_are_unauthenticated_and_health_needs_none() {
+    let app = TestApp::spawn_with(|s| s.auth_cache_ttl = Duration::ZERO).await;
+    let mut anonymous = app.client_with(None, None).await;
+    let status = anonymous
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::Unauthenticated, "UNAUTHENTICATED", &[]);
+    let status = anonymous
+        .enqueue(v1::EnqueueRequest {
+            intents: vec![intent("k", "{}")],
+            txn_token: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::Unauthenticated, "UNAUTHENTICATED", &[]);
+    let status = anonymous.claim(claim_request("w", 1)).await.unwrap_err();
+    assert_status(&status, Code::Unauthenticated, "UNAUTHENTICATED", &[]);
+
+    for bad in ["obx_0000", "not-a-key", "obx_"] {
+        let status = app
+            .client_with(Some(bad), None)
+            .await
+            .claim(claim_request("w", 1))
+            .await
+            .unwrap_err();
+        assert_status(&status, Code::Unauthenticated, "UNAUTHENTICATED", &[]);
+    }
+
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let mut operator = app.client_with(Some(&key), None).await;
+    operator
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .unwrap();
+    let revoked = outboxd::outbox::store::revoke_api_key(&app.pool, "test")
+        .await
+        .unwrap();
+    assert!(revoked >= 1);
+    let status = operator
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::Unauthenticated, "UNAUTHENTICATED", &[]);
+
+    let mut health = tonic_health::pb::health_client::HealthClient::new(app.client_channel().await);
+    let serving = health
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        serving.into_inner().status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+    assert!(app.snapshot().await.is_empty());
+}
+
+#[tokio::test]
+async fn a_key_may_only_do_what_its_scopes_tenants_and_regions_allow() {
+    let app = TestApp::spawn().await;
+    let producer = app.key(&["acme"], &["produce"], &[]).await;
+    let consumer = app.key(&["acme"], &["consume"], &["eu"]).await;
+    let operator = app.key(&["acme"], &["operate"], &[]).await;
+
+    let mut p = app.client_with(Some(&producer), None).await;
+    let status = p.claim(claim_request("w", 1)).await.unwrap_err();
+    assert_status(&status, Code::PermissionDenied, "MISSING_SCOPE", &[]);
+    let status = p
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::PermissionDenied, "MISSING_SCOPE", &[]);
+    let mut eu = intent("k", "{}");
+    eu.region = "eu".into();
+    p.enqueue(v1::EnqueueRequest {
+        intents: vec![eu],
+        txn_token: String::new(),
+    })
+    .await
+    .unwrap();
+
+    let mut c = app.client_with(Some(&consumer), None).await;
+    let status = c
+        .enqueue(v1::EnqueueRequest {
+            intents: vec![intent("k", "{}")],
+            txn_token: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::PermissionDenied, "MISSING_SCOPE", &[]);
+    let mut us = claim_request("w", 1);
+    us.region = "us".into();
+    let status = c.claim(us).await.unwrap_err();
+    assert_status(&status, Code::PermissionDenied, "REGION_NOT_ALLOWED", &[]);
+    let status = c.claim(claim_request("w", 1)).await.unwrap_err();
+    assert_status(&status, Code::PermissionDenied, "REGION_NOT_ALLOWED", &[]);
+    let mut in_eu = claim_request("w", 1);
+    in_eu.region = "eu".into();
+    let leases = c.claim(in_eu).await.unwrap().into_inner().leases;
+    assert_eq!(leases.len(), 1);
+    let status = c
+        .reconcile(v1::ReconcileRequest {
+            decision: v1::Decision::Dead as i32,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::PermissionDenied, "MISSING_SCOPE", &[]);
+
+    let mut o = app.client_with(Some(&operator), None).await;
+    o.get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .unwrap();
+    let status = o
+        .ack(v1::AckRequest {
+            leases: vec![lease_ref(&leases[0])],
+        })
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::PermissionDenied, "MISSING_SCOPE", &[]);
+
+    let mut elsewhere = app.client_with(Some(&operator), Some("globex")).await;
+    let status = elsewhere
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::PermissionDenied, "TENANT_NOT_ALLOWED", &[]);
+
+    let regional_producer = app.key(&["acme"], &["produce"], &["eu"]).await;
+    let status = app
+        .client_with(Some(&regional_producer), None)
+        .await
+        .enqueue(v1::EnqueueRequest {
+            intents: vec![intent("k", "{}")],
+            txn_token: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::PermissionDenied, "REGION_NOT_ALLOWED", &[]);
+}
+
+#[tokio::test]
+async fn a_fleet_key_works_across_its_tenants_and_names_one_to_enqueue() {
+    let app = TestApp::spawn().await;
+    let fleet = app
+        .key(&["acme", "globex"], &["produce", "consume"], &[])
+        .await;
+    let mut both = app.client_with(Some(&fleet), None).await;
+    let status = both
+        .enqueue(v1::EnqueueRequest {
+            intents: vec![intent("k", "{}")],
+            txn_token: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_status(
+        &status,
+        Code::InvalidArgument,
+        "INVALID_ARGUMENT",
+        &["x-outbox-tenant"],
+    );
+
+    for tenant in ["acme", "globex"] {
+        app.client_with(Some(&fleet), Some(tenant))
+            .await
+            .enqueue(v1::EnqueueRequest {
+                intents: vec![intent(tenant, "{}")],
+                txn_token: String::new(),
+            })
+            .await
+            .unwrap();
+    }
+    let owners: Vec<String> =
+        sqlx::query_scalar("SELECT tenant_id FROM outbox.intent ORDER BY tenant_id")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(owners, vec!["acme", "globex"]);
+    let mut request = claim_request("fleet", 10);
+    request.wait = Some(duration(Duration::ZERO));
+    let kinds: Vec<String> = both
+        .claim(request)
+        .await
+        .unwrap()
+        .into_inner()
+        .leases
+        .iter()
+        .map(|l| l.intent.as_ref().unwrap().kind.clone())
+        .collect();
+    assert_eq!(kinds.len(), 2, "{kinds:?}");
+
+    let everyone = app.key(&["*"], &["operate"], &[]).await;
+    let stats = app
+        .client_with(Some(&everyone), None)
+        .await
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .unwrap();
+    assert_eq!(
+        stats
+            .into_inner()
+            .counts
+            .iter()
+            .map(|c| c.count)
+            .sum::<i64>(),
+        2
+    );
+}

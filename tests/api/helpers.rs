@@ -167,11 +167,10 @@ impl TestApp {
             .await
             .unwrap();
         let key = create_key(&pool, "test", &[TENANT], &["admin"], &[]).await;
+        // Lazy: a TLS test server refuses this plaintext channel, and such tests bring their own.
         let channel = Channel::from_shared(format!("http://{}", app.local_addr()))
             .unwrap()
-            .connect()
-            .await
-            .unwrap();
+            .connect_lazy();
         let client = outboxd::client::client(channel, Credentials::new(Some(&key), None).unwrap());
         Self {
             client,

@@ -11,4 +11,5 @@ mod maintenance;
 mod reconcile;
 mod settle;
 mod tenancy;
+mod tls;
 mod two_phase;

@@ -1,0 +1,143 @@
+//! Transport security: TLS with certificates generated in the test, and mTLS refusing
+//! clients without a certificate from the configured CA.
+
+use std::path::{Path, PathBuf};
+
+use outboxd::client::{self, Credentials};
+use outboxd::config::TlsSettings;
+use outboxd::proto::v1;
+use rcgen::{
+    BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa, KeyPair,
+};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+use crate::helpers::TestApp;
+
+/// A CA and certificates it signed, written as PEM files in a fresh directory.
+struct Pki {
+    dir: PathBuf,
+    ca: CertifiedIssuer<'static, KeyPair>,
+}
+
+impl Pki {
+    fn new() -> Self {
+        let dir =
+            std::env::temp_dir().join(format!("outboxd-tls-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
+        std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
+        Self { dir, ca }
+    }
+
+    /// Writes `<name>.pem` and `<name>.key` for a leaf certificate; returns (cert, key) paths.
+    fn leaf(&self, name: &str, purpose: ExtendedKeyUsagePurpose) -> (PathBuf, PathBuf) {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+        params.extended_key_usages = vec![purpose];
+        let cert = params.signed_by(&key, &self.ca).unwrap();
+        let (cert_path, key_path) = (
+            self.dir.join(format!("{name}.pem")),
+            self.dir.join(format!("{name}.key")),
+        );
+        std::fs::write(&cert_path, cert.pem()).unwrap();
+        std::fs::write(&key_path, key.serialize_pem()).unwrap();
+        (cert_path, key_path)
+    }
+
+    fn ca_path(&self) -> PathBuf {
+        self.dir.join("ca.pem")
+    }
+}
+
+fn pem(path: &Path) -> Vec<u8> {
+    std::fs::read(path).unwrap()
+}
+
+/// Calls GetQueueStats over a channel built from `tls` (None: plaintext); Ok if it answered.
+async fn call(app: &TestApp, key: &str, tls: Option<ClientTlsConfig>) -> Result<(), String> {
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let mut endpoint =
+        Channel::from_shared(format!("{scheme}://localhost:{}", app.addr.port())).unwrap();
+    if let Some(tls) = tls {
+        endpoint = endpoint.tls_config(tls).map_err(|e| e.to_string())?;
+    }
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let mut c = client::client(channel, Credentials::new(Some(key), None).unwrap());
+    c.get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .map(|_| ())
+        .map_err(|s| format!("{s:?}"))
+}
+
+#[tokio::test]
+async fn tls_serves_clients_that_trust_its_ca_and_refuses_plaintext() {
+    let pki = Pki::new();
+    let (cert_file, key_file) = pki.leaf("server", ExtendedKeyUsagePurpose::ServerAuth);
+    let app = TestApp::spawn_with(|s| {
+        s.tls = Some(TlsSettings {
+            cert_file,
+            key_file,
+            client_ca_file: None,
+        })
+    })
+    .await;
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+
+    let trusted = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(pem(&pki.ca_path())))
+        .domain_name("localhost");
+    call(&app, &key, Some(trusted)).await.unwrap();
+    assert!(
+        call(&app, &key, None).await.is_err(),
+        "plaintext must be refused"
+    );
+    let stranger = Pki::new();
+    let untrusted = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(pem(&stranger.ca_path())))
+        .domain_name("localhost");
+    assert!(
+        call(&app, &key, Some(untrusted)).await.is_err(),
+        "a server the client cannot verify"
+    );
+}
+
+#[tokio::test]
+async fn mtls_refuses_clients_without_a_certificate_from_the_configured_ca() {
+    let pki = Pki::new();
+    let (cert_file, key_file) = pki.leaf("server", ExtendedKeyUsagePurpose::ServerAuth);
+    let app = TestApp::spawn_with(|s| {
+        s.tls = Some(TlsSettings {
+            cert_file,
+            key_file,
+            client_ca_file: Some(pki.ca_path()),
+        })
+    })
+    .await;
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let base = || {
+        ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(pem(&pki.ca_path())))
+            .domain_name("localhost")
+    };
+
+    let (client_cert, client_key) = pki.leaf("client", ExtendedKeyUsagePurpose::ClientAuth);
+    let with_cert = base().identity(Identity::from_pem(pem(&client_cert), pem(&client_key)));
+    call(&app, &key, Some(with_cert)).await.unwrap();
+
+    assert!(
+        call(&app, &key, Some(base())).await.is_err(),
+        "no client certificate"
+    );
+    let rogue = Pki::new();
+    let (rogue_cert, rogue_key) = rogue.leaf("client", ExtendedKeyUsagePurpose::ClientAuth);
+    let forged = base().identity(Identity::from_pem(pem(&rogue_cert), pem(&rogue_key)));
+    assert!(
+        call(&app, &key, Some(forged)).await.is_err(),
+        "a certificate from another CA"
+    );
+}

@@ -297,7 +297,7 @@ impl Settings {
                 }
                 .map(|v| s.log_format = v),
                 // Read by the operator commands (clap), not by the server.
-                "OUTBOX_SERVER" => Ok(()),
+                "OUTBOX_SERVER" | "OUTBOX_API_KEY" | "OUTBOX_TENANT" | "OUTBOX_CA_FILE" => Ok(()),
                 "OUTBOX_LOG__FILTER" => {
                     s.log_filter = value.to_owned();
                     Ok(())

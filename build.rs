@@ -1,5 +1,7 @@
 //! Compiles `proto/` with the pure-Rust `protox` (no system `protoc`) and generates the
-//! tonic server and client; recompiles the crate when migrations change (`sqlx::migrate!`).
+//! tonic server and client, both using `crate::codec::OutboxCodec` (undecodable requests
+//! answer INVALID_ARGUMENT, not INTERNAL); recompiles the crate when migrations change
+//! (`sqlx::migrate!`).
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
@@ -13,6 +15,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         prost::Message::encode_to_vec(&descriptors),
     )?;
 
-    tonic_prost_build::configure().compile_fds(descriptors)?;
+    tonic_prost_build::configure()
+        .codec_path("crate::codec::OutboxCodec")
+        .compile_fds(descriptors)?;
     Ok(())
 }

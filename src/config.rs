@@ -44,6 +44,17 @@ pub struct Settings {
     pub tls: Option<TlsSettings>,
     /// Allow a plaintext listener on a non-loopback address (e.g. behind a mesh with mTLS).
     pub allow_plaintext: bool,
+    /// Prometheus `/metrics` listen address; `None` disables the endpoint.
+    pub metrics_addr: Option<SocketAddr>,
+    /// How often queue gauges are refreshed from the database.
+    pub metrics_refresh_interval: Duration,
+    /// Serve gRPC server reflection (v1 and v1alpha).
+    pub reflection: bool,
+    /// On shutdown, how long to keep serving while health says NOT_SERVING, so load
+    /// balancers stop routing here before the listener closes.
+    pub shutdown_drain_delay: Duration,
+    /// On shutdown, how long in-flight calls may take to finish before they are cut.
+    pub shutdown_grace: Duration,
 }
 
 /// PEM files for the gRPC listener.
@@ -57,13 +68,35 @@ pub struct TlsSettings {
     pub client_ca_file: Option<PathBuf>,
 }
 
-/// Limits enforced on every request.
+/// Limits enforced on every request (see `crate::validate`). Sizes of what a caller sends
+/// in bulk (payload bytes, batch items) answer RESOURCE_EXHAUSTED; the shape of one field
+/// (string lengths, header count, durations) answers INVALID_ARGUMENT.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limits {
     /// Most items in one batch (intents, leases, ids, page size).
     pub max_batch: usize,
     /// Largest payload in bytes.
     pub max_payload_bytes: usize,
+    /// Largest gRPC request message in bytes, checked by the transport before decoding
+    /// (at least `max_payload_bytes`).
+    pub max_message_bytes: usize,
+    /// Most headers on one intent.
+    pub max_headers: usize,
+    /// Longest header name, in bytes (names are ASCII).
+    pub max_header_key_length: usize,
+    /// Longest header value, in characters.
+    pub max_header_value_length: usize,
+    /// Longest kind, worker id, idempotency key, request id, content type or actor, in
+    /// characters. At most [`Limits::NAME_LENGTH_CEILING`]: several are indexed together.
+    pub max_name_length: usize,
+    /// Longest region, in bytes (regions are ASCII).
+    pub max_region_length: usize,
+    /// Longest free text (a failure's error, a resolution's reason), in characters.
+    pub max_text_length: usize,
+    /// Most kinds in one Claim's filter.
+    pub max_kinds: usize,
+    /// Longest delay (or furthest `available_at`, or `retry_after`) an intent may be given.
+    pub max_delay: Duration,
     /// Lease length when a Claim or ExtendLease does not say.
     pub default_lease: Duration,
     /// Longest lease a worker may ask for.
@@ -74,11 +107,29 @@ pub struct Limits {
     pub default_max_attempts: i32,
 }
 
+impl Limits {
+    /// Highest allowed `max_name_length`: worker id and request id share one btree index
+    /// entry (at most 2704 bytes), and a character may take 4 bytes.
+    pub const NAME_LENGTH_CEILING: usize = 256;
+    /// Highest allowed lease or delay limit: far below PostgreSQL's timestamp range, so
+    /// `now() + interval` can never overflow.
+    pub const DURATION_CEILING: Duration = Duration::from_secs(10 * 366 * 86_400);
+}
+
 impl Default for Limits {
     fn default() -> Self {
         Self {
             max_batch: 1000,
             max_payload_bytes: 1024 * 1024,
+            max_message_bytes: 16 * 1024 * 1024,
+            max_headers: 64,
+            max_header_key_length: 128,
+            max_header_value_length: 4096,
+            max_name_length: 200,
+            max_region_length: 64,
+            max_text_length: 4096,
+            max_kinds: 100,
+            max_delay: Duration::from_secs(366 * 86_400),
             default_lease: Duration::from_secs(30),
             max_lease: Duration::from_secs(12 * 3600),
             max_wait: Duration::from_secs(60),
@@ -114,6 +165,11 @@ impl Default for Settings {
             auth_cache_ttl: Duration::from_secs(5),
             tls: None,
             allow_plaintext: false,
+            metrics_addr: Some(SocketAddr::from(([127, 0, 0, 1], 9090))),
+            metrics_refresh_interval: Duration::from_secs(5),
+            reflection: true,
+            shutdown_drain_delay: Duration::ZERO,
+            shutdown_grace: Duration::from_secs(30),
         }
     }
 }
@@ -149,6 +205,37 @@ pub const VARIABLES: &[(&str, &str)] = &[
     (
         "OUTBOX_LIMITS__MAX_PAYLOAD_BYTES",
         "largest payload [1048576]",
+    ),
+    (
+        "OUTBOX_LIMITS__MAX_MESSAGE_BYTES",
+        "largest gRPC request message, at least the payload limit [16777216]",
+    ),
+    ("OUTBOX_LIMITS__MAX_HEADERS", "most headers per intent [64]"),
+    (
+        "OUTBOX_LIMITS__MAX_HEADER_KEY_LENGTH",
+        "longest header name [128]",
+    ),
+    (
+        "OUTBOX_LIMITS__MAX_HEADER_VALUE_LENGTH",
+        "longest header value, in characters [4096]",
+    ),
+    (
+        "OUTBOX_LIMITS__MAX_NAME_LENGTH",
+        "longest kind, worker id, idempotency key, request id, content type or actor, \
+         at most 256 [200]",
+    ),
+    ("OUTBOX_LIMITS__MAX_REGION_LENGTH", "longest region [64]"),
+    (
+        "OUTBOX_LIMITS__MAX_TEXT_LENGTH",
+        "longest failure error or resolution reason, in characters [4096]",
+    ),
+    (
+        "OUTBOX_LIMITS__MAX_KINDS",
+        "most kinds in one Claim filter [100]",
+    ),
+    (
+        "OUTBOX_LIMITS__MAX_DELAY",
+        "longest delay, available_at or retry_after ahead of now [366d]",
     ),
     (
         "OUTBOX_LEASE__DEFAULT",
@@ -200,6 +287,26 @@ pub const VARIABLES: &[(&str, &str)] = &[
     (
         "OUTBOX_ALLOW_PLAINTEXT",
         "allow plaintext gRPC on a non-loopback address [false]",
+    ),
+    (
+        "OUTBOX_METRICS__LISTEN_ADDR",
+        "Prometheus /metrics address; empty disables it [127.0.0.1:9090]",
+    ),
+    (
+        "OUTBOX_METRICS__REFRESH_INTERVAL",
+        "how often queue gauges are read from the database [5s]",
+    ),
+    (
+        "OUTBOX_GRPC__REFLECTION",
+        "serve gRPC server reflection [true]",
+    ),
+    (
+        "OUTBOX_SHUTDOWN__DRAIN_DELAY",
+        "after SIGTERM, serve this long while health says NOT_SERVING [0s]",
+    ),
+    (
+        "OUTBOX_SHUTDOWN__GRACE",
+        "then wait this long for in-flight calls before cutting them [30s]",
     ),
     ("OUTBOX_LOG__FORMAT", "text or json [text]"),
     (
@@ -260,6 +367,19 @@ impl Settings {
                     Ok(())
                 }
                 "OUTBOX_ALLOW_PLAINTEXT" => parse(value).map(|v| s.allow_plaintext = v),
+                "OUTBOX_METRICS__LISTEN_ADDR" if value.is_empty() => {
+                    s.metrics_addr = None;
+                    Ok(())
+                }
+                "OUTBOX_METRICS__LISTEN_ADDR" => parse(value).map(|v| s.metrics_addr = Some(v)),
+                "OUTBOX_METRICS__REFRESH_INTERVAL" => {
+                    duration(value).map(|v| s.metrics_refresh_interval = v)
+                }
+                "OUTBOX_GRPC__REFLECTION" => parse(value).map(|v| s.reflection = v),
+                "OUTBOX_SHUTDOWN__DRAIN_DELAY" => {
+                    duration(value).map(|v| s.shutdown_drain_delay = v)
+                }
+                "OUTBOX_SHUTDOWN__GRACE" => duration(value).map(|v| s.shutdown_grace = v),
                 "OUTBOX_DATABASE__MAX_CONNECTIONS" => parse(value).map(|v| s.max_connections = v),
                 "OUTBOX_EMBEDDED__DATA_DIR" => {
                     s.embedded_data_dir = PathBuf::from(value);
@@ -270,6 +390,27 @@ impl Settings {
                 "OUTBOX_LIMITS__MAX_PAYLOAD_BYTES" => {
                     parse(value).map(|v| s.limits.max_payload_bytes = v)
                 }
+                "OUTBOX_LIMITS__MAX_MESSAGE_BYTES" => {
+                    parse(value).map(|v| s.limits.max_message_bytes = v)
+                }
+                "OUTBOX_LIMITS__MAX_HEADERS" => parse(value).map(|v| s.limits.max_headers = v),
+                "OUTBOX_LIMITS__MAX_HEADER_KEY_LENGTH" => {
+                    parse(value).map(|v| s.limits.max_header_key_length = v)
+                }
+                "OUTBOX_LIMITS__MAX_HEADER_VALUE_LENGTH" => {
+                    parse(value).map(|v| s.limits.max_header_value_length = v)
+                }
+                "OUTBOX_LIMITS__MAX_NAME_LENGTH" => {
+                    parse(value).map(|v| s.limits.max_name_length = v)
+                }
+                "OUTBOX_LIMITS__MAX_REGION_LENGTH" => {
+                    parse(value).map(|v| s.limits.max_region_length = v)
+                }
+                "OUTBOX_LIMITS__MAX_TEXT_LENGTH" => {
+                    parse(value).map(|v| s.limits.max_text_length = v)
+                }
+                "OUTBOX_LIMITS__MAX_KINDS" => parse(value).map(|v| s.limits.max_kinds = v),
+                "OUTBOX_LIMITS__MAX_DELAY" => duration(value).map(|v| s.limits.max_delay = v),
                 "OUTBOX_LEASE__DEFAULT" => duration(value).map(|v| s.limits.default_lease = v),
                 "OUTBOX_LEASE__MAX" => duration(value).map(|v| s.limits.max_lease = v),
                 "OUTBOX_CLAIM__MAX_WAIT" => duration(value).map(|v| s.limits.max_wait = v),
@@ -348,6 +489,42 @@ impl Settings {
             "OUTBOX_LIMITS__MAX_PAYLOAD_BYTES must be at least 1",
         );
         check(
+            l.max_message_bytes >= l.max_payload_bytes,
+            "OUTBOX_LIMITS__MAX_MESSAGE_BYTES must be at least OUTBOX_LIMITS__MAX_PAYLOAD_BYTES",
+        );
+        check(
+            l.max_header_key_length >= 1,
+            "OUTBOX_LIMITS__MAX_HEADER_KEY_LENGTH must be at least 1",
+        );
+        check(
+            l.max_header_value_length >= 1,
+            "OUTBOX_LIMITS__MAX_HEADER_VALUE_LENGTH must be at least 1",
+        );
+        check(
+            (1..=Limits::NAME_LENGTH_CEILING).contains(&l.max_name_length),
+            "OUTBOX_LIMITS__MAX_NAME_LENGTH must be between 1 and 256",
+        );
+        check(
+            (1..=Limits::NAME_LENGTH_CEILING).contains(&l.max_region_length),
+            "OUTBOX_LIMITS__MAX_REGION_LENGTH must be between 1 and 256",
+        );
+        check(
+            l.max_text_length >= 1,
+            "OUTBOX_LIMITS__MAX_TEXT_LENGTH must be at least 1",
+        );
+        check(
+            l.max_kinds >= 1,
+            "OUTBOX_LIMITS__MAX_KINDS must be at least 1",
+        );
+        check(
+            l.max_delay <= Limits::DURATION_CEILING,
+            "OUTBOX_LIMITS__MAX_DELAY must not exceed 3660d",
+        );
+        check(
+            l.max_lease <= Limits::DURATION_CEILING,
+            "OUTBOX_LEASE__MAX must not exceed 3660d",
+        );
+        check(
             !l.default_lease.is_zero(),
             "OUTBOX_LEASE__DEFAULT must be positive",
         );
@@ -375,6 +552,19 @@ impl Settings {
         check(
             self.max_connections >= 2,
             "OUTBOX_DATABASE__MAX_CONNECTIONS must be at least 2",
+        );
+        check(
+            !self.txn_resolve_interval.is_zero(),
+            "OUTBOX_TXN__RESOLVE_INTERVAL must be positive",
+        );
+        check(
+            !self.metrics_refresh_interval.is_zero(),
+            "OUTBOX_METRICS__REFRESH_INTERVAL must be positive",
+        );
+        check(
+            self.tls.is_some() || self.allow_plaintext || self.listen_addr.ip().is_loopback(),
+            "OUTBOX_LISTEN_ADDR is not a loopback address: configure TLS (OUTBOX_TLS__CERT_FILE, \
+             OUTBOX_TLS__KEY_FILE) or set OUTBOX_ALLOW_PLAINTEXT=true to serve plaintext",
         );
         errors
     }

@@ -14,9 +14,10 @@ use tonic_types::{ErrorDetails, StatusExt};
 
 use crate::auth::{Authenticator, Caller, Permission, TENANT_HEADER};
 use crate::config::{Limits, Settings};
+use crate::metrics::{Metrics, OutcomeLabels};
 use crate::outbox::notify::PendingSignal;
 use crate::outbox::store::{self, BackoffParams, ClaimParams, TenantScope};
-use crate::outbox::{self, Clock, Error, FieldViolation, IntentId, Reason};
+use crate::outbox::{self, Clock, Error, FieldViolation, IntentId, IntentState, Reason};
 use crate::proto::v1::outbox_service_server::{OutboxService, OutboxServiceServer};
 use crate::proto::v1::{self};
 use crate::validate;
@@ -36,6 +37,7 @@ pub struct OutboxHandler {
     pending: PendingSignal,
     shutdown: CancellationToken,
     long_poll_recheck: Duration,
+    metrics: Arc<Metrics>,
 }
 
 impl OutboxHandler {
@@ -74,7 +76,14 @@ impl OutboxHandler {
             pending,
             shutdown,
             long_poll_recheck: Duration::from_secs(2),
+            metrics: Arc::default(),
         }
+    }
+
+    /// Records into `metrics` (by default into a private registry nobody reads).
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// How often a long-polling Claim looks again without a notification (a safety net
@@ -84,9 +93,15 @@ impl OutboxHandler {
         self
     }
 
-    /// Wraps the handler in the generated tonic server.
-    pub fn into_server(self) -> OutboxServiceServer<Self> {
-        OutboxServiceServer::new(self)
+    /// Wraps the handler in the generated tonic server, refusing request messages over
+    /// `max_message_bytes` before decoding them (RESOURCE_EXHAUSTED, see `crate::codec`).
+    pub fn into_server(
+        self,
+        max_message_bytes: usize,
+    ) -> crate::codec::ClientFaults<OutboxServiceServer<Self>> {
+        crate::codec::ClientFaults::new(
+            OutboxServiceServer::new(self).max_decoding_message_size(max_message_bytes),
+        )
     }
 }
 
@@ -243,6 +258,8 @@ impl OutboxService for OutboxHandler {
             self.clock.now(),
         )
         .await?;
+        let recorded = results.iter().filter(|r| !r.deduplicated).count();
+        self.metrics.enqueued.inc_by(recorded as u64);
         Ok(Response::new(v1::EnqueueResponse {
             results: results.into_iter().map(Into::into).collect(),
         }))
@@ -291,6 +308,12 @@ impl OutboxService for OutboxHandler {
             }
         };
         tracing::Span::current().record("intents.count", intents.len());
+        let now = self.clock.now().unwrap_or_else(chrono::Utc::now);
+        self.metrics.record_claimed(
+            intents
+                .iter()
+                .map(|i| (now - i.available_at).to_std().unwrap_or_default()),
+        );
         Ok(Response::new(v1::ClaimResponse {
             leases: intents.into_iter().map(Into::into).collect(),
         }))
@@ -333,6 +356,8 @@ impl OutboxService for OutboxHandler {
         let mut tx = store::begin(&self.pool, &scope).await?;
         let results = store::ack_intents(&mut *tx, &leases, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
+        let acked = results.iter().filter(|r| r.error.is_none()).count();
+        self.metrics.acked.inc_by(acked as u64);
         Ok(Response::new(v1::AckResponse {
             results: results.into_iter().map(Into::into).collect(),
         }))
@@ -346,6 +371,18 @@ impl OutboxService for OutboxHandler {
         let results =
             store::fail_intents(&mut *tx, &failures, self.backoff, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
+        for (failure, result) in failures.iter().zip(&results) {
+            if result.error.is_some() {
+                continue;
+            }
+            let outcome = OutcomeLabels {
+                outcome: failure.outcome.as_str().to_owned(),
+            };
+            self.metrics.failed.get_or_create(&outcome).inc();
+            if result.state == Some(IntentState::DeadLettered) {
+                self.metrics.dead_lettered.inc();
+            }
+        }
         Ok(Response::new(v1::FailResponse {
             results: results.into_iter().map(Into::into).collect(),
         }))

@@ -5,9 +5,11 @@
 pub mod auth;
 pub mod cli;
 pub mod client;
+pub mod codec;
 pub mod config;
 pub mod embedded;
 pub mod grpc;
+pub mod metrics;
 pub mod outbox;
 pub mod proto;
 pub mod startup;

@@ -20,6 +20,7 @@ use crate::auth::Authenticator;
 use crate::config::{Settings, TlsSettings};
 use crate::embedded::{EmbeddedConfig, EmbeddedPostgres};
 use crate::grpc::OutboxHandler;
+use crate::metrics::{self, Metrics, RpcMetricsLayer};
 use crate::outbox::notify::PendingSignal;
 use crate::outbox::{Clock, maintenance, promotion, store};
 use crate::proto::{FILE_DESCRIPTOR_SET, v1::outbox_service_server::OutboxServiceServer};
@@ -267,8 +268,11 @@ impl Default for Runtime {
 /// A running outboxd server.
 pub struct Application {
     local_addr: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
     shutdown: CancellationToken,
     health: HealthReporter,
+    drain_delay: Duration,
+    grace: Duration,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     background: Vec<JoinHandle<()>>,
 }
@@ -278,7 +282,8 @@ impl Application {
     /// or [`Application::run_until_stopped`] ends it.
     ///
     /// # Errors
-    /// A listener without a local address or an invalid reflection descriptor.
+    /// A listener without a local address, an unusable TLS or metrics configuration, or an
+    /// invalid reflection descriptor.
     pub async fn start(
         settings: &Settings,
         pool: PgPool,
@@ -288,44 +293,31 @@ impl Application {
         let local_addr = listener.local_addr()?;
         let shutdown = CancellationToken::new();
         let pending = PendingSignal::default();
-        let txn_committed = Arc::new(Notify::new());
+        let metrics = Arc::new(Metrics::new());
         let cluster_id = store::cluster_identifier(&pool).await?;
-        let mut background = vec![
-            tokio::spawn(pending.clone().listen_until_stopped(
-                pool.clone(),
-                txn_committed.clone(),
-                shutdown.clone(),
-            )),
-            tokio::spawn(promotion::run_until_stopped(
-                pool.clone(),
-                runtime.clock.clone(),
-                txn_committed,
-                settings.txn_resolve_interval,
-                pending.clone(),
-                shutdown.clone(),
-            )),
-        ];
-        if runtime.maintenance {
-            background.push(tokio::spawn(maintenance::run_until_stopped(
-                pool.clone(),
-                settings.maintenance.clone(),
-                runtime.clock.clone(),
-                shutdown.clone(),
-            )));
-        }
+        let mut background =
+            spawn_background(settings, &pool, &runtime, &pending, &metrics, &shutdown);
+        let metrics_addr = match settings.metrics_addr {
+            Some(addr) => {
+                let listener = metrics::bind(addr)
+                    .await
+                    .with_context(|| format!("cannot listen for metrics on {addr}"))?;
+                let bound = listener.local_addr()?;
+                let serve = metrics::serve(metrics.clone(), listener, shutdown.clone());
+                background.push(tokio::spawn(async move {
+                    if let Err(e) = serve.await {
+                        tracing::error!(error.message = %e, "metrics endpoint failed");
+                    }
+                }));
+                Some(bound)
+            }
+            None => None,
+        };
 
         let (health, health_service) = tonic_health::server::health_reporter();
         health
             .set_serving::<OutboxServiceServer<OutboxHandler>>()
             .await;
-        let reflection_v1 = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-            .build_v1()?;
-        let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-            .build_v1alpha()?;
         let auth = Arc::new(Authenticator::new(pool.clone(), settings.auth_cache_ttl));
         let handler = OutboxHandler::new(
             pool,
@@ -336,28 +328,46 @@ impl Application {
             pending,
             shutdown.clone(),
         )
-        .with_long_poll_recheck(runtime.long_poll_recheck);
+        .with_long_poll_recheck(runtime.long_poll_recheck)
+        .with_metrics(metrics.clone());
         let mut builder = tonic::transport::Server::builder();
         if let Some(tls) = &settings.tls {
             builder = builder
                 .tls_config(tls_config(tls)?)
                 .context("invalid TLS configuration")?;
         }
+        let (reflection_v1, reflection_v1alpha) = if settings.reflection {
+            let configure = || {
+                tonic_reflection::server::Builder::configure()
+                    .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+                    .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            };
+            (
+                Some(configure().build_v1()?),
+                Some(configure().build_v1alpha()?),
+            )
+        } else {
+            (None, None)
+        };
         let server = builder
+            .layer(RpcMetricsLayer::new(metrics))
             .add_service(health_service)
-            .add_service(reflection_v1)
-            .add_service(reflection_v1alpha)
-            .add_service(handler.into_server())
+            .add_optional_service(reflection_v1)
+            .add_optional_service(reflection_v1alpha)
+            .add_service(handler.into_server(settings.limits.max_message_bytes))
             .serve_with_incoming_shutdown(
                 TcpListenerStream::new(listener),
                 shutdown.clone().cancelled_owned(),
             );
         let server = tokio::spawn(server);
-        tracing::info!(listen.addr = %local_addr, "outboxd serving gRPC");
+        tracing::info!(listen.addr = %local_addr, metrics.addr = ?metrics_addr, "outboxd serving gRPC");
         Ok(Self {
             local_addr,
+            metrics_addr,
             shutdown,
             health,
+            drain_delay: settings.shutdown_drain_delay,
+            grace: settings.shutdown_grace,
             server,
             background,
         })
@@ -368,8 +378,15 @@ impl Application {
         self.local_addr
     }
 
-    /// Drains and stops: health turns NOT_SERVING, long-polls answer, in-flight calls
-    /// finish, then the server and background tasks end.
+    /// Address of the `/metrics` endpoint, if enabled (port 0 resolved).
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
+    }
+
+    /// Drains and stops: health turns NOT_SERVING (overall and per service) and stays so
+    /// for the drain delay while calls are still served; then new connections are refused,
+    /// waiting long-polls answer, and in-flight calls get the grace period to finish.
+    /// Leases held by workers are not touched: they are acked, or expire and are rescued.
     ///
     /// # Errors
     /// The server task failed.
@@ -377,8 +394,20 @@ impl Application {
         self.health
             .set_not_serving::<OutboxServiceServer<OutboxHandler>>()
             .await;
+        self.health
+            .set_service_status("", tonic_health::ServingStatus::NotServing)
+            .await;
+        tokio::time::sleep(self.drain_delay).await;
         self.shutdown.cancel();
-        let served = self.server.await?;
+        let mut server = self.server;
+        let served = match tokio::time::timeout(self.grace, &mut server).await {
+            Ok(joined) => joined?,
+            Err(_) => {
+                tracing::warn!(grace = ?self.grace, "in-flight calls outlived the grace period; cutting them");
+                server.abort();
+                Ok(())
+            }
+        };
         for task in self.background {
             let _ = task.await;
         }
@@ -394,6 +423,51 @@ impl Application {
         tracing::info!("shutdown requested; draining");
         self.stop().await
     }
+}
+
+/// The server's background tasks: LISTEN wake-ups, staged promotion, the sweeps (unless
+/// the runtime drives them itself) and the metrics gauges.
+fn spawn_background(
+    settings: &Settings,
+    pool: &PgPool,
+    runtime: &Runtime,
+    pending: &PendingSignal,
+    metrics: &Arc<Metrics>,
+    shutdown: &CancellationToken,
+) -> Vec<JoinHandle<()>> {
+    let txn_committed = Arc::new(Notify::new());
+    let mut tasks = vec![
+        tokio::spawn(pending.clone().listen_until_stopped(
+            pool.clone(),
+            txn_committed.clone(),
+            shutdown.clone(),
+        )),
+        tokio::spawn(promotion::run_until_stopped(
+            pool.clone(),
+            runtime.clock.clone(),
+            txn_committed,
+            settings.txn_resolve_interval,
+            pending.clone(),
+            metrics.clone(),
+            shutdown.clone(),
+        )),
+        tokio::spawn(metrics::refresh_until_stopped(
+            metrics.clone(),
+            pool.clone(),
+            settings.metrics_refresh_interval,
+            shutdown.clone(),
+        )),
+    ];
+    if runtime.maintenance {
+        tasks.push(tokio::spawn(maintenance::run_until_stopped(
+            pool.clone(),
+            settings.maintenance.clone(),
+            runtime.clock.clone(),
+            metrics.clone(),
+            shutdown.clone(),
+        )));
+    }
+    tasks
 }
 
 fn tls_config(tls: &TlsSettings) -> anyhow::Result<ServerTlsConfig> {

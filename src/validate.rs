@@ -1,6 +1,8 @@
 //! Request validation: converts wire requests into domain inputs, checking every field
 //! against the configured limits. A request is either wholly valid or rejected with every
-//! violation named, before anything touches the database.
+//! violation named (up to a bound that keeps the error small enough for any client's
+//! header limits), before anything touches the database. No input panics: a property test
+//! (`tests/api/properties.rs`) and a fuzz target (`fuzz/`) hold this to it.
 
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
@@ -16,42 +18,85 @@ use crate::outbox::{
 };
 use crate::proto::{from_timestamp, v1};
 
-const MAX_NAME_LEN: usize = 200;
-const MAX_REGION_LEN: usize = 64;
-const MAX_HEADERS: usize = 64;
-const MAX_HEADER_KEY_LEN: usize = 128;
-const MAX_HEADER_VALUE_LEN: usize = 4096;
-const MAX_TEXT_LEN: usize = 4096;
-const MAX_KINDS: usize = 100;
 const MAX_ATTEMPTS: i32 = 1000;
-const MAX_SCHEDULE_AHEAD: Duration = Duration::from_secs(366 * 86_400);
 const DEFAULT_RECONCILE_LIMIT: usize = 100;
 const DEFAULT_PAGE_SIZE: usize = 50;
+/// Most violations listed in one error, and most bytes of field paths and descriptions:
+/// the message and the BadRequest both travel in HTTP/2 headers, which clients cap (16 KiB
+/// for hyper and tonic by default). A request of 1000 bad intents must still get its
+/// INVALID_ARGUMENT, not a protocol error.
+const MAX_VIOLATIONS: usize = 32;
+const MAX_VIOLATION_BYTES: usize = 4096;
+/// Characters of a client-chosen map key quoted in a field path.
+const KEY_PREVIEW_CHARS: usize = 32;
+/// Earliest instant accepted (0001-01-01T00:00:00Z): PostgreSQL's `timestamptz` refuses
+/// far older ones, which would otherwise fail as an internal error.
+const EARLIEST_INSTANT_SECONDS: i64 = -62_135_596_800;
+/// Latest instant accepted as a filter (9999-12-31T23:59:59Z).
+const LATEST_INSTANT_SECONDS: i64 = 253_402_300_799;
 
 /// Collects violations; invalid input is reported all at once.
 #[derive(Default)]
 struct Check {
     invalid: Vec<FieldViolation>,
     too_large: Option<(Reason, Vec<FieldViolation>)>,
+    /// Violations found but not listed (invalid, over a limit), and bytes listed so far.
+    omitted: (usize, usize),
+    listed_bytes: usize,
 }
 
 impl Check {
+    /// Whether one more violation fits in the error; counts its bytes when it does.
+    fn room(&mut self, v: &FieldViolation) -> bool {
+        let listed = self.invalid.len() + self.too_large.as_ref().map_or(0, |(_, l)| l.len());
+        let bytes = v.field.len() + v.description.len();
+        let fits = listed < MAX_VIOLATIONS && self.listed_bytes + bytes <= MAX_VIOLATION_BYTES;
+        if fits {
+            self.listed_bytes += bytes;
+        }
+        fits
+    }
+
     fn fail(&mut self, field: impl Into<String>, description: impl Into<String>) {
-        self.invalid.push(FieldViolation::new(field, description));
+        let v = FieldViolation::new(field, description);
+        // The first one is always listed: an invalid request must say why.
+        if self.invalid.is_empty() || self.room(&v) {
+            self.invalid.push(v);
+        } else {
+            self.omitted.0 += 1;
+        }
     }
 
     fn limit(&mut self, reason: Reason, field: impl Into<String>, description: impl Into<String>) {
-        self.too_large
-            .get_or_insert_with(|| (reason, Vec::new()))
-            .1
-            .push(FieldViolation::new(field, description));
+        let v = FieldViolation::new(field, description);
+        if self.too_large.is_none() {
+            self.too_large = Some((reason, vec![v]));
+        } else if self.room(&v) {
+            if let Some((_, list)) = &mut self.too_large {
+                list.push(v);
+            }
+        } else {
+            self.omitted.1 += 1;
+        }
     }
 
     fn done<T>(self, value: T) -> Result<T> {
+        let listed = |mut violations: Vec<FieldViolation>, omitted: usize| {
+            if omitted > 0 {
+                violations.push(FieldViolation::new(
+                    "",
+                    format!("{omitted} more violations not listed"),
+                ));
+            }
+            violations
+        };
         if !self.invalid.is_empty() {
-            Err(Error::InvalidArgument(self.invalid))
+            Err(Error::InvalidArgument(listed(self.invalid, self.omitted.0)))
         } else if let Some((reason, violations)) = self.too_large {
-            Err(Error::LimitExceeded(reason, violations))
+            Err(Error::LimitExceeded(
+                reason,
+                listed(violations, self.omitted.1),
+            ))
         } else {
             Ok(value)
         }
@@ -76,7 +121,7 @@ impl Check {
             if required {
                 self.fail(field, "is required");
             }
-        } else if value.chars().count() > max {
+        } else if value.chars().nth(max).is_some() {
             self.fail(field, format!("longer than {max} characters"));
         } else if value.chars().any(char::is_control) {
             self.fail(field, "must not contain control characters");
@@ -102,8 +147,13 @@ impl Check {
         }
     }
 
+    /// A UUID other than the nil one (never assigned, and the placeholder of bad input).
     fn uuid(&mut self, field: &str, value: &str) -> Uuid {
         match Uuid::parse_str(value) {
+            Ok(u) if u.is_nil() => {
+                self.fail(field, "must not be the nil UUID");
+                u
+            }
             Ok(u) => u,
             Err(_) if value.is_empty() => {
                 self.fail(field, "is required");
@@ -127,11 +177,18 @@ impl Check {
         max: Duration,
     ) -> Option<Duration> {
         let d = value?;
-        let valid = d.seconds >= 0 && (0..1_000_000_000).contains(&d.nanos);
-        let duration = valid.then(|| Duration::new(d.seconds as u64, d.nanos as u32));
+        let duration = match (u64::try_from(d.seconds), u32::try_from(d.nanos)) {
+            (Ok(seconds), Ok(nanos)) if nanos < 1_000_000_000 => {
+                Some(Duration::new(seconds, nanos))
+            }
+            _ => None,
+        };
         match duration {
             None => {
-                self.fail(field, "must be a non-negative duration");
+                self.fail(
+                    field,
+                    "must be a non-negative duration (nanos between 0 and 999999999)",
+                );
                 None
             }
             Some(d) if d > max => {
@@ -159,6 +216,54 @@ impl Check {
         };
         Some(state)
     }
+
+    /// A valid instant PostgreSQL can store, no later than `latest`.
+    fn instant(
+        &mut self,
+        field: &str,
+        value: &prost_types::Timestamp,
+        latest: chrono::DateTime<chrono::Utc>,
+        description: &str,
+    ) -> Option<chrono::DateTime<chrono::Utc>> {
+        match from_timestamp(value) {
+            Some(at) if value.seconds >= EARLIEST_INSTANT_SECONDS && at <= latest => Some(at),
+            _ => {
+                self.fail(field, description);
+                None
+            }
+        }
+    }
+}
+
+/// `now + ahead`, saturating at the latest instant a filter may name.
+fn latest_after(ahead: Duration) -> chrono::DateTime<chrono::Utc> {
+    let ceiling = chrono::DateTime::from_timestamp(LATEST_INSTANT_SECONDS, 0).unwrap_or_default();
+    chrono::TimeDelta::from_std(ahead)
+        .ok()
+        .and_then(|d| chrono::Utc::now().checked_add_signed(d))
+        .map_or(ceiling, |t| t.min(ceiling))
+}
+
+/// A map key quoted for a field path: escaped and cut short, so a hostile key cannot
+/// bloat the error.
+fn quoted_key(key: &str) -> String {
+    let mut preview: String = key.chars().take(KEY_PREVIEW_CHARS).collect();
+    if preview.len() < key.len() {
+        preview.push('…');
+    }
+    format!("{preview:?}")
+}
+
+/// Removes repeated filter values, keeping the first of each (for the few intent states;
+/// quadratic in the number of distinct values).
+fn dedup<T: PartialEq>(values: Vec<T>) -> Vec<T> {
+    let mut out: Vec<T> = Vec::new();
+    for v in values {
+        if !out.contains(&v) {
+            out.push(v);
+        }
+    }
+    out
 }
 
 /// True for identifier-like names: 1..=`max` ASCII letters, digits and `. _ - : /`
@@ -185,19 +290,24 @@ pub fn enqueue(
     let mut intents = Vec::with_capacity(req.intents.len());
     for (i, intent) in req.intents.into_iter().enumerate() {
         let f = |name: &str| format!("intents[{i}].{name}");
-        c.name(&f("kind"), &intent.kind, true, MAX_NAME_LEN);
-        c.name(&f("region"), &intent.region, false, MAX_REGION_LEN);
+        c.name(&f("kind"), &intent.kind, true, limits.max_name_length);
+        c.name(
+            &f("region"),
+            &intent.region,
+            false,
+            limits.max_region_length,
+        );
         c.text(
             &f("content_type"),
             &intent.content_type,
             false,
-            MAX_NAME_LEN,
+            limits.max_name_length,
         );
         c.text(
             &f("idempotency_key"),
             &intent.idempotency_key,
             false,
-            MAX_NAME_LEN,
+            limits.max_name_length,
         );
         if !intent.idempotency_key.is_empty() && !keys.insert(intent.idempotency_key.clone()) {
             c.fail(
@@ -216,22 +326,20 @@ pub fn enqueue(
                 ),
             );
         }
-        if intent.headers.len() > MAX_HEADERS {
-            c.fail(f("headers"), format!("more than {MAX_HEADERS} headers"));
+        if intent.headers.len() > limits.max_headers {
+            c.fail(
+                f("headers"),
+                format!(
+                    "{} headers; at most {}",
+                    intent.headers.len(),
+                    limits.max_headers
+                ),
+            );
         }
         for (key, value) in &intent.headers {
-            c.name(
-                &f(&format!("headers[{key:?}]")),
-                key,
-                true,
-                MAX_HEADER_KEY_LEN,
-            );
-            c.text(
-                &f(&format!("headers[{key:?}]")),
-                value,
-                false,
-                MAX_HEADER_VALUE_LEN,
-            );
+            let field = f(&format!("headers[{}]", quoted_key(key)));
+            c.name(&field, key, true, limits.max_header_key_length);
+            c.text(&field, value, false, limits.max_header_value_length);
         }
         let max_attempts = match intent.max_attempts {
             0 => limits.default_max_attempts,
@@ -247,21 +355,19 @@ pub fn enqueue(
         let schedule = match &intent.schedule {
             None => Schedule::Now,
             Some(v1::new_intent::Schedule::Delay(d)) => c
-                .duration(&f("delay"), Some(d), MAX_SCHEDULE_AHEAD)
+                .duration(&f("delay"), Some(d), limits.max_delay)
                 .map_or(Schedule::Now, Schedule::Delay),
-            Some(v1::new_intent::Schedule::AvailableAt(t)) => {
-                let latest = chrono::Utc::now() + MAX_SCHEDULE_AHEAD;
-                match from_timestamp(t) {
-                    Some(at) if at <= latest => Schedule::At(at),
-                    _ => {
-                        c.fail(
-                            f("available_at"),
-                            "must be a valid instant at most a year ahead",
-                        );
-                        Schedule::Now
-                    }
-                }
-            }
+            Some(v1::new_intent::Schedule::AvailableAt(t)) => c
+                .instant(
+                    &f("available_at"),
+                    t,
+                    latest_after(limits.max_delay),
+                    &format!(
+                        "must be a valid instant after the year 1 and at most {}s ahead",
+                        limits.max_delay.as_secs()
+                    ),
+                )
+                .map_or(Schedule::Now, Schedule::At),
         };
         intents.push(NewIntent {
             kind: intent.kind,
@@ -313,13 +419,16 @@ pub struct Claim {
 /// [`Error::InvalidArgument`] or [`Error::LimitExceeded`] naming every bad field.
 pub fn claim(req: v1::ClaimRequest, limits: &Limits) -> Result<Claim> {
     let mut c = Check::default();
-    c.text("worker_id", &req.worker_id, true, MAX_NAME_LEN);
-    c.name("region", &req.region, false, MAX_REGION_LEN);
-    if req.kinds.len() > MAX_KINDS {
-        c.fail("kinds", format!("more than {MAX_KINDS} kinds"));
+    c.text("worker_id", &req.worker_id, true, limits.max_name_length);
+    c.name("region", &req.region, false, limits.max_region_length);
+    if req.kinds.len() > limits.max_kinds {
+        c.fail(
+            "kinds",
+            format!("{} kinds; at most {}", req.kinds.len(), limits.max_kinds),
+        );
     }
     for (i, kind) in req.kinds.iter().enumerate() {
-        c.name(&format!("kinds[{i}]"), kind, true, MAX_NAME_LEN);
+        c.name(&format!("kinds[{i}]"), kind, true, limits.max_name_length);
     }
     if req.max_intents < 1 {
         c.fail("max_intents", "must be at least 1");
@@ -339,7 +448,7 @@ pub fn claim(req: v1::ClaimRequest, limits: &Limits) -> Result<Claim> {
     let wait = c
         .duration("wait", req.wait.as_ref(), limits.max_wait)
         .unwrap_or_default();
-    c.text("request_id", &req.request_id, false, MAX_NAME_LEN);
+    c.text("request_id", &req.request_id, false, limits.max_name_length);
     c.done(Claim {
         worker_id: req.worker_id,
         region: req.region,
@@ -359,8 +468,9 @@ fn lease(
 ) -> Duration {
     match c.duration(field, value, limits.max_lease) {
         None => limits.default_lease,
-        Some(d) if d.is_zero() => {
-            c.fail(field, "must be positive (unset: the server default)");
+        // Leases are stored in milliseconds: less would expire as it is granted.
+        Some(d) if d < Duration::from_millis(1) => {
+            c.fail(field, "must be at least 1ms (unset: the server default)");
             limits.default_lease
         }
         Some(d) => d,
@@ -442,7 +552,7 @@ pub fn fail(req: v1::FailRequest, limits: &Limits) -> Result<Vec<Failure>> {
     for (i, f) in req.failures.into_iter().enumerate() {
         let field = |name: &str| format!("failures[{i}].{name}");
         let lease = lease_ref(&mut c, &field("lease"), f.lease.as_ref(), &mut seen);
-        c.text(&field("error"), &f.error, false, MAX_TEXT_LEN);
+        c.text(&field("error"), &f.error, false, limits.max_text_length);
         let outcome = match v1::FailOutcome::try_from(f.outcome) {
             Ok(v1::FailOutcome::Retry) => FailOutcome::Retry,
             Ok(v1::FailOutcome::Permanent) => FailOutcome::Permanent,
@@ -455,7 +565,7 @@ pub fn fail(req: v1::FailRequest, limits: &Limits) -> Result<Vec<Failure>> {
         let retry_after = c.duration(
             &field("retry_after"),
             f.retry_after.as_ref(),
-            MAX_SCHEDULE_AHEAD,
+            limits.max_delay,
         );
         if retry_after.is_some() && outcome != FailOutcome::Retry {
             c.fail(field("retry_after"), "applies only to the RETRY outcome");
@@ -498,8 +608,8 @@ pub fn reconcile(req: v1::ReconcileRequest, limits: &Limits) -> Result<Reconcile
             Decision::Dead
         }
     };
-    c.text("actor", &req.actor, true, MAX_NAME_LEN);
-    c.text("reason", &req.reason, true, MAX_TEXT_LEN);
+    c.text("actor", &req.actor, true, limits.max_name_length);
+    c.text("reason", &req.reason, true, limits.max_text_length);
     let target = match req.target {
         None => {
             c.fail("target", "give either ids or filter");
@@ -539,14 +649,21 @@ pub fn reconcile(req: v1::ReconcileRequest, limits: &Limits) -> Result<Reconcile
                     None => {}
                 }
             }
-            c.name("filter.kind", &filter.kind, false, MAX_NAME_LEN);
-            c.name("filter.region", &filter.region, false, MAX_REGION_LEN);
+            let states = dedup(states);
+            c.name("filter.kind", &filter.kind, false, limits.max_name_length);
+            c.name(
+                "filter.region",
+                &filter.region,
+                false,
+                limits.max_region_length,
+            );
             let created_before = filter.created_before.as_ref().and_then(|t| {
-                let at = from_timestamp(t);
-                if at.is_none() {
-                    c.fail("filter.created_before", "is not a valid instant");
-                }
-                at
+                c.instant(
+                    "filter.created_before",
+                    t,
+                    latest_after(Duration::MAX),
+                    "must be a valid instant between the years 1 and 9999",
+                )
             });
             let limit = page(&mut c, "limit", req.limit, DEFAULT_RECONCILE_LIMIT, limits);
             ReconcileTarget::Filter {
@@ -624,8 +741,9 @@ pub fn list(req: v1::ListIntentsRequest, limits: &Limits) -> Result<List> {
         .enumerate()
         .filter_map(|(i, s)| c.state(&format!("states[{i}]"), *s))
         .collect();
-    c.name("kind", &req.kind, false, MAX_NAME_LEN);
-    c.name("region", &req.region, false, MAX_REGION_LEN);
+    let states = dedup(states);
+    c.name("kind", &req.kind, false, limits.max_name_length);
+    c.name("region", &req.region, false, limits.max_region_length);
     let limit = page(
         &mut c,
         "page_size",

@@ -2,6 +2,7 @@
 //! safe to run concurrently on many replicas because the store takes rows `SKIP LOCKED`,
 //! and they are the explicitly cross-tenant work the row-level security policies allow.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgPool;
@@ -9,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::store::{self, BackoffParams, TenantScope};
 use super::{Clock, IntentState, Result};
+use crate::metrics::Metrics;
 
 /// Settings of the background sweeps.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -116,6 +118,7 @@ pub async fn run_until_stopped(
     pool: PgPool,
     config: MaintenanceConfig,
     clock: Clock,
+    metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) {
     let mut rescue = tokio::time::interval(config.rescue_interval);
@@ -126,14 +129,18 @@ pub async fn run_until_stopped(
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = rescue.tick() => {
-                if let Err(e) = rescue_all(&pool, &config, &clock).await {
-                    tracing::warn!(error.message = %e, "lease rescue failed; will retry");
+                match rescue_all(&pool, &config, &clock).await {
+                    Ok(report) => metrics.record_sweep(&report),
+                    Err(e) => tracing::warn!(error.message = %e, "lease rescue failed; will retry"),
                 }
             }
             _ = purge.tick() => {
                 match purge_all(&pool, &config, &clock).await {
                     Ok(0) => {}
-                    Ok(n) => tracing::info!(intents.purged = n, "purged finished intents"),
+                    Ok(n) => {
+                        metrics.purged.inc_by(n);
+                        tracing::info!(intents.purged = n, "purged finished intents");
+                    }
                     Err(e) => tracing::warn!(error.message = %e, "retention purge failed; will retry"),
                 }
             }

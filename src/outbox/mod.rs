@@ -203,6 +203,17 @@ pub enum FailOutcome {
     Unknown,
 }
 
+impl FailOutcome {
+    /// Lowercase name, as in SQL and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Retry => "retry",
+            Self::Permanent => "permanent",
+            Self::Unknown => "unknown",
+        }
+    }
+}
+
 /// One failure report.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Failure {

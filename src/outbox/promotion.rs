@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use super::notify::PendingSignal;
 use super::store::{self, PromotionReport, TenantScope};
 use super::{Clock, Result};
+use crate::metrics::Metrics;
 
 /// Rows per promotion statement.
 const BATCH: i64 = 1000;
@@ -43,6 +44,7 @@ pub async fn run_until_stopped(
     kick: Arc<Notify>,
     interval: Duration,
     pending: PendingSignal,
+    metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) {
     loop {
@@ -53,6 +55,7 @@ pub async fn run_until_stopped(
         }
         match promote_all(&pool, &clock).await {
             Ok(r) => {
+                metrics.record_promotion(&r);
                 if r.promoted > 0 {
                     // Local claimers need not wait for the NOTIFY round trip.
                     pending.bump();

@@ -133,6 +133,8 @@ pub struct TestApp {
     pub clock: Clock,
     pub settings: Settings,
     pub addr: std::net::SocketAddr,
+    /// The `/metrics` endpoint, when enabled.
+    pub metrics_addr: Option<std::net::SocketAddr>,
     /// URL of the outbox database (superuser), for producer connections.
     pub url: String,
     app: Option<Application>,
@@ -149,7 +151,11 @@ impl TestApp {
 
     /// A server on an existing, migrated database whose service role has its grants.
     pub async fn spawn_on(url: String, configure: impl FnOnce(&mut Settings)) -> Self {
-        let mut settings = Settings::default();
+        let mut settings = Settings {
+            // Many servers run at once: each gets its own metrics port.
+            metrics_addr: Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
+            ..Settings::default()
+        };
         configure(&mut settings);
         let pool = startup::connect(&url, 20).await.unwrap();
         let service_url = url.replacen("://postgres@", &format!("://{SERVICE_ROLE}@"), 1);
@@ -178,6 +184,7 @@ impl TestApp {
             clock,
             settings,
             addr: app.local_addr(),
+            metrics_addr: app.metrics_addr(),
             url,
             app: Some(app),
         }
@@ -227,6 +234,24 @@ impl TestApp {
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+
+    /// GET /metrics, the body as text.
+    pub async fn scrape(&self) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let addr = self.metrics_addr.expect("metrics enabled");
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let request = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+        response.split_once("\r\n\r\n").unwrap().1.to_owned()
+    }
+
+    /// Takes the application out, to stop it from another task.
+    pub fn take_application(&mut self) -> Application {
+        self.app.take().expect("running")
     }
 
     pub async fn stop(mut self) {

@@ -8,6 +8,7 @@ mod helpers;
 mod inspect;
 mod long_poll;
 mod maintenance;
+mod observability;
 mod reconcile;
 mod settle;
 mod tenancy;

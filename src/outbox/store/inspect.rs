@@ -165,3 +165,54 @@ pub async fn queue_stats(
         oldest_staged_at,
     })
 }
+
+/// Live queue depth across the transaction's tenants, for metrics: counts of non-final
+/// states (each read through its partial index, never the finished history) and ages.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueueDepth {
+    /// Counts by live state and region.
+    pub counts: Vec<StateCount>,
+    /// Seconds the oldest claimable PENDING intent has waited.
+    pub oldest_pending_age: Option<f64>,
+    /// Seconds the oldest STAGED intent has waited.
+    pub oldest_staged_age: Option<f64>,
+}
+
+/// Reads [`QueueDepth`].
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn queue_depth(conn: &mut PgConnection) -> Result<QueueDepth> {
+    let counts: Vec<StateCount> = sqlx::query_as(
+        r#"
+        SELECT 'pending'::outbox.intent_state AS state, region, count(*) AS count
+        FROM outbox.intent
+        WHERE state = 'pending'
+        GROUP BY region
+        UNION ALL
+        -- The same IN list as intent_tenant_state_idx's predicate, so that index serves it.
+        SELECT state, region, count(*) AS count
+        FROM outbox.intent
+        WHERE state IN ('needs_reconcile', 'dead_lettered', 'staged', 'leased', 'submitted')
+        GROUP BY state, region
+        "#,
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let (oldest_pending_age, oldest_staged_age): (Option<f64>, Option<f64>) = sqlx::query_as(
+        r#"
+        SELECT
+            (SELECT extract(epoch FROM now() - min(available_at))::float8 FROM outbox.intent
+             WHERE state = 'pending' AND available_at <= now()),
+            (SELECT extract(epoch FROM now() - min(created_at))::float8 FROM outbox.intent
+             WHERE state = 'staged')
+        "#,
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok(QueueDepth {
+        counts,
+        oldest_pending_age,
+        oldest_staged_age,
+    })
+}

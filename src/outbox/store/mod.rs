@@ -18,7 +18,10 @@ pub use access::{TenantScope, begin};
 pub use api_keys::{ApiKeyRecord, find_api_key, insert_api_key, list_api_keys, revoke_api_key};
 pub use claim::{ClaimParams, claim_intents, next_due_in};
 pub use enqueue::{EnqueueParams, insert_intents};
-pub use inspect::{ListParams, QueueStats, StateCount, get_intent, list_intents, queue_stats};
+pub use inspect::{
+    ListParams, QueueDepth, QueueStats, StateCount, get_intent, list_intents, queue_depth,
+    queue_stats,
+};
 pub use maintenance::{BackoffParams, purge_finished_intents, rescue_expired_leases};
 pub use reconcile::{ReconcileParams, ReconcileTarget, resolve_intents};
 pub use settle::{ack_intents, extend_leases, fail_intents, mark_intents_submitted};

@@ -9,9 +9,7 @@ use sqlx::PgExecutor;
 use uuid::Uuid;
 
 use super::{BackoffParams, millis};
-use crate::outbox::{
-    FailOutcome, Failure, IntentId, IntentState, ItemError, ItemResult, LeaseRef, Result,
-};
+use crate::outbox::{Failure, IntentId, IntentState, ItemError, ItemResult, LeaseRef, Result};
 
 /// The shared tail of every settle statement: joins the input with what the `changed` CTE
 /// updated and with the row as it was, in request order.
@@ -197,7 +195,7 @@ pub async fn fail_intents(
 ) -> Result<Vec<ItemResult>> {
     let ids: Vec<Uuid> = failures.iter().map(|f| f.lease.intent_id.0).collect();
     let lease_ids: Vec<Uuid> = failures.iter().map(|f| f.lease.lease_id.0).collect();
-    let outcomes: Vec<&str> = failures.iter().map(|f| outcome_name(f.outcome)).collect();
+    let outcomes: Vec<&str> = failures.iter().map(|f| f.outcome.as_str()).collect();
     let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
     let retry_after: Vec<Option<i64>> =
         failures.iter().map(|f| f.retry_after.map(millis)).collect();
@@ -255,12 +253,4 @@ pub async fn fail_intents(
             IntentState::Pending | IntentState::DeadLettered | IntentState::NeedsReconcile
         )
     }))
-}
-
-fn outcome_name(outcome: FailOutcome) -> &'static str {
-    match outcome {
-        FailOutcome::Retry => "retry",
-        FailOutcome::Permanent => "permanent",
-        FailOutcome::Unknown => "unknown",
-    }
 }

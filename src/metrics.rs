@@ -1,0 +1,451 @@
+//! Prometheus metrics: what happened (counters, fed by the RPC handlers and the sweeps),
+//! how the queue looks (gauges, refreshed from PostgreSQL), and RPC latency by method and
+//! code (a tower layer). Labels never carry tenant or intent ids: unbounded cardinality.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::outbox::IntentState;
+use crate::outbox::maintenance::SweepReport;
+use crate::outbox::store::{self, PromotionReport, TenantScope};
+
+/// Labels of RPC metrics.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RpcLabels {
+    /// gRPC method, e.g. `Claim`.
+    pub method: String,
+    /// gRPC status code name, e.g. `OK`, `NOT_FOUND`.
+    pub code: String,
+}
+
+/// Labels of per-method histograms.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MethodLabels {
+    /// gRPC method.
+    pub method: String,
+}
+
+/// Labels of queue-depth gauges.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DepthLabels {
+    /// Intent state, lowercase.
+    pub state: String,
+    /// Region ('' = any).
+    pub region: String,
+}
+
+/// Labels of outcome counters.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    /// `retry`, `permanent`, `unknown`; or the state a rescued lease went to.
+    pub outcome: String,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn latency_histogram() -> Histogram {
+    // 0.25 ms … ~8 s.
+    Histogram::new(exponential_buckets(0.000_25, 2.0, 16))
+}
+
+fn wait_histogram() -> Histogram {
+    // 1 ms … ~9 h: intents may wait long when no worker runs.
+    Histogram::new(exponential_buckets(0.001, 2.0, 25))
+}
+
+/// Every metric outboxd exports.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    /// RPCs by method and code.
+    pub rpc_requests: Family<RpcLabels, Counter>,
+    /// RPC latency by method.
+    pub rpc_duration: HistogramFamily<MethodLabels>,
+    /// Intents recorded (not counting deduplicated ones).
+    pub enqueued: Counter,
+    /// Intents leased by Claim.
+    pub claimed: Counter,
+    /// Time from claimable (`available_at`) to claimed.
+    pub enqueue_to_claim: HistogramFamily<MethodLabels>,
+    /// Intents acknowledged.
+    pub acked: Counter,
+    /// Fail reports by outcome.
+    pub failed: Family<OutcomeLabels, Counter>,
+    /// Intents dead-lettered (by Fail or by rescue).
+    pub dead_lettered: Counter,
+    /// Expired leases rescued, by the state they went to.
+    pub lease_expiries: Family<OutcomeLabels, Counter>,
+    /// Staged intents promoted after their producer committed.
+    pub promoted: Counter,
+    /// Staged intents discarded after their producer aborted.
+    pub discarded: Counter,
+    /// Finished intents purged.
+    pub purged: Counter,
+    /// Intents by state and region (live states only; finished ones are counters).
+    pub intents: Family<DepthLabels, Gauge>,
+    /// Seconds the oldest claimable PENDING intent has waited.
+    pub oldest_pending_age: Gauge<f64, AtomicU64>,
+    /// Seconds the oldest STAGED intent has waited for its producer transaction.
+    pub oldest_staged_age: Gauge<f64, AtomicU64>,
+    /// Intents awaiting an operator (NEEDS_RECONCILE + DEAD_LETTERED).
+    pub reconcile_backlog: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// A registry with every metric registered under the `outbox_` prefix.
+    pub fn new() -> Self {
+        let mut m = Self {
+            registry: Registry::with_prefix("outbox"),
+            rpc_requests: Family::default(),
+            rpc_duration: Family::new_with_constructor(latency_histogram),
+            enqueued: Counter::default(),
+            claimed: Counter::default(),
+            enqueue_to_claim: Family::new_with_constructor(wait_histogram),
+            acked: Counter::default(),
+            failed: Family::default(),
+            dead_lettered: Counter::default(),
+            lease_expiries: Family::default(),
+            promoted: Counter::default(),
+            discarded: Counter::default(),
+            purged: Counter::default(),
+            intents: Family::default(),
+            oldest_pending_age: Gauge::default(),
+            oldest_staged_age: Gauge::default(),
+            reconcile_backlog: Gauge::default(),
+        };
+        let r = &mut m.registry;
+        r.register(
+            "rpc_requests",
+            "gRPC requests by method and status code",
+            m.rpc_requests.clone(),
+        );
+        r.register(
+            "rpc_duration_seconds",
+            "gRPC request latency by method",
+            m.rpc_duration.clone(),
+        );
+        r.register(
+            "intents_enqueued",
+            "Intents recorded by Enqueue",
+            m.enqueued.clone(),
+        );
+        r.register(
+            "intents_claimed",
+            "Intents leased by Claim",
+            m.claimed.clone(),
+        );
+        r.register(
+            "enqueue_to_claim_seconds",
+            "Time from an intent becoming claimable to its claim",
+            m.enqueue_to_claim.clone(),
+        );
+        r.register("intents_acked", "Intents acknowledged", m.acked.clone());
+        r.register(
+            "intents_failed",
+            "Fail reports by outcome",
+            m.failed.clone(),
+        );
+        r.register(
+            "intents_dead_lettered",
+            "Intents dead-lettered",
+            m.dead_lettered.clone(),
+        );
+        r.register(
+            "lease_expiries",
+            "Expired leases rescued, by the state the intent went to",
+            m.lease_expiries.clone(),
+        );
+        r.register(
+            "intents_promoted",
+            "Staged intents whose producer committed",
+            m.promoted.clone(),
+        );
+        r.register(
+            "intents_discarded",
+            "Staged intents whose producer aborted",
+            m.discarded.clone(),
+        );
+        r.register(
+            "intents_purged",
+            "Finished intents deleted after retention",
+            m.purged.clone(),
+        );
+        r.register(
+            "intents",
+            "Intents by live state and region",
+            m.intents.clone(),
+        );
+        r.register(
+            "oldest_pending_age_seconds",
+            "Age of the oldest claimable pending intent",
+            m.oldest_pending_age.clone(),
+        );
+        r.register(
+            "oldest_staged_age_seconds",
+            "Age of the oldest staged intent (an open producer transaction)",
+            m.oldest_staged_age.clone(),
+        );
+        r.register(
+            "reconcile_backlog",
+            "Intents awaiting an operator decision",
+            m.reconcile_backlog.clone(),
+        );
+        m
+    }
+
+    /// The exposition text.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+
+    /// Counts what one pass of the sweeps did.
+    pub fn record_sweep(&self, r: &SweepReport) {
+        let expired = |to: &str, n: u64| {
+            self.lease_expiries
+                .get_or_create(&OutcomeLabels {
+                    outcome: to.to_owned(),
+                })
+                .inc_by(n);
+        };
+        expired("pending", r.requeued);
+        expired("dead_lettered", r.dead_lettered);
+        expired("needs_reconcile", r.needs_reconcile);
+        self.dead_lettered.inc_by(r.dead_lettered);
+        self.purged.inc_by(r.purged);
+    }
+
+    /// Counts what one promotion pass did.
+    pub fn record_promotion(&self, r: &PromotionReport) {
+        self.promoted.inc_by(r.promoted);
+        self.discarded.inc_by(r.discarded);
+    }
+
+    /// Refreshes the queue gauges from the database (across tenants).
+    ///
+    /// # Errors
+    /// [`crate::outbox::Error::Database`].
+    pub async fn refresh(&self, pool: &PgPool) -> crate::outbox::Result<()> {
+        let mut tx = store::begin(pool, &TenantScope::All).await?;
+        let depth = store::queue_depth(&mut tx).await?;
+        tx.commit().await?;
+        self.intents.clear();
+        let mut backlog = 0;
+        for d in &depth.counts {
+            self.intents
+                .get_or_create(&DepthLabels {
+                    state: d.state.as_str().to_owned(),
+                    region: d.region.clone(),
+                })
+                .set(d.count);
+            if d.state.awaits_decision() {
+                backlog += d.count;
+            }
+        }
+        self.reconcile_backlog.set(backlog);
+        self.oldest_pending_age
+            .set(depth.oldest_pending_age.unwrap_or(0.0));
+        self.oldest_staged_age
+            .set(depth.oldest_staged_age.unwrap_or(0.0));
+        Ok(())
+    }
+
+    /// Records claimed intents and how long each waited while claimable.
+    pub fn record_claimed(&self, waited: impl Iterator<Item = Duration>) {
+        let histogram = self.enqueue_to_claim.get_or_create(&MethodLabels {
+            method: "Claim".to_owned(),
+        });
+        for w in waited {
+            self.claimed.inc();
+            histogram.observe(w.as_secs_f64());
+        }
+    }
+
+    /// Counts per-item results that ended in `state`.
+    pub fn count_states<'a>(
+        states: impl Iterator<Item = &'a Option<IntentState>>,
+        state: IntentState,
+    ) -> u64 {
+        states.filter(|s| **s == Some(state)).count() as u64
+    }
+}
+
+/// Refreshes the gauges every `interval` until `shutdown`.
+pub async fn refresh_until_stopped(
+    metrics: Arc<Metrics>,
+    pool: PgPool,
+    interval: Duration,
+    shutdown: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => {
+                if let Err(e) = metrics.refresh(&pool).await {
+                    tracing::warn!(error.message = %e, "refreshing queue metrics failed");
+                }
+            }
+        }
+    }
+}
+
+/// Serves `GET /metrics` on `listener` until `shutdown`.
+pub async fn serve(
+    metrics: Arc<Metrics>,
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let metrics = metrics.clone();
+            async move {
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    )],
+                    metrics.encode(),
+                )
+            }
+        }),
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
+}
+
+/// Binds the metrics listener.
+///
+/// # Errors
+/// The address cannot be bound.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr).await
+}
+
+/// Tower layer counting and timing every gRPC request by method and status code.
+#[derive(Debug, Clone)]
+pub struct RpcMetricsLayer {
+    metrics: Arc<Metrics>,
+}
+
+impl RpcMetricsLayer {
+    /// A layer recording into `metrics`.
+    pub fn new(metrics: Arc<Metrics>) -> Self {
+        Self { metrics }
+    }
+}
+
+impl<S> tower::Layer<S> for RpcMetricsLayer {
+    type Service = RpcMetrics<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RpcMetrics {
+            inner,
+            metrics: self.metrics.clone(),
+        }
+    }
+}
+
+/// The service of [`RpcMetricsLayer`].
+#[derive(Debug, Clone)]
+pub struct RpcMetrics<S> {
+    inner: S,
+    metrics: Arc<Metrics>,
+}
+
+impl<S, B, R> tower::Service<http::Request<B>> for RpcMetrics<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<R>> + Send,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        // "/outbox.v1.OutboxService/Claim" → "Claim"; other services keep their full path.
+        let path = request.uri().path();
+        let method = path
+            .strip_prefix("/outbox.v1.OutboxService/")
+            .unwrap_or(path)
+            .to_owned();
+        let metrics = self.metrics.clone();
+        let started = Instant::now();
+        let response = self.inner.call(request);
+        Box::pin(async move {
+            let response = response.await?;
+            // Unary errors travel as trailers-only responses: the status is in the headers.
+            // Without one, the call succeeded (its OK arrives in the trailers).
+            let code = response
+                .headers()
+                .get("grpc-status")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<i32>().ok())
+                .map_or(tonic::Code::Ok, tonic::Code::from_i32);
+            metrics
+                .rpc_requests
+                .get_or_create(&RpcLabels {
+                    method: method.clone(),
+                    code: code_name(code).to_owned(),
+                })
+                .inc();
+            metrics
+                .rpc_duration
+                .get_or_create(&MethodLabels { method })
+                .observe(started.elapsed().as_secs_f64());
+            Ok(response)
+        })
+    }
+}
+
+fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
+    }
+}

@@ -690,7 +690,11 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
 
 async fn serve() -> anyhow::Result<()> {
     let settings = Settings::from_env()?;
-    telemetry::init(settings.log_format, &settings.log_filter);
+    let _telemetry = telemetry::init(
+        settings.log_format,
+        &settings.log_filter,
+        settings.otel_endpoint.as_deref(),
+    )?;
     let database = startup::prepare_database(&settings).await?;
     let pool = startup::connect(&database.service_url, settings.max_connections).await?;
     startup::verify_service_role(&pool).await?;
@@ -714,7 +718,7 @@ async fn stop_embedded(cluster: Option<crate::embedded::EmbeddedPostgres>) -> an
 
 async fn migrate() -> anyhow::Result<()> {
     let settings = Settings::from_env()?;
-    telemetry::init(settings.log_format, &settings.log_filter);
+    telemetry::install(settings.log_format, &settings.log_filter, None);
     if settings.database_url.is_none() {
         // The embedded cluster is migrated and given its service role as a server start does.
         let database = startup::prepare_database(&settings).await?;

@@ -55,6 +55,8 @@ pub struct Settings {
     pub shutdown_drain_delay: Duration,
     /// On shutdown, how long in-flight calls may take to finish before they are cut.
     pub shutdown_grace: Duration,
+    /// OTLP/gRPC endpoint spans are exported to; `None` exports nothing.
+    pub otel_endpoint: Option<String>,
 }
 
 /// PEM files for the gRPC listener.
@@ -170,6 +172,7 @@ impl Default for Settings {
             reflection: true,
             shutdown_drain_delay: Duration::ZERO,
             shutdown_grace: Duration::from_secs(30),
+            otel_endpoint: None,
         }
     }
 }
@@ -308,6 +311,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "OUTBOX_SHUTDOWN__GRACE",
         "then wait this long for in-flight calls before cutting them [30s]",
     ),
+    (
+        "OUTBOX_OTEL__ENDPOINT",
+        "OTLP/gRPC endpoint for traces, e.g. http://collector:4317 [unset: none]",
+    ),
     ("OUTBOX_LOG__FORMAT", "text or json [text]"),
     (
         "OUTBOX_LOG__FILTER",
@@ -374,6 +381,10 @@ impl Settings {
                 "OUTBOX_METRICS__LISTEN_ADDR" => parse(value).map(|v| s.metrics_addr = Some(v)),
                 "OUTBOX_METRICS__REFRESH_INTERVAL" => {
                     duration(value).map(|v| s.metrics_refresh_interval = v)
+                }
+                "OUTBOX_OTEL__ENDPOINT" => {
+                    s.otel_endpoint = (!value.is_empty()).then(|| value.to_owned());
+                    Ok(())
                 }
                 "OUTBOX_GRPC__REFLECTION" => parse(value).map(|v| s.reflection = v),
                 "OUTBOX_SHUTDOWN__DRAIN_DELAY" => {

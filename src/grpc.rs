@@ -11,6 +11,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tonic::{Code, Request, Response, Status};
 use tonic_types::{ErrorDetails, StatusExt};
+use tracing::Instrument;
 
 use crate::auth::{Authenticator, Caller, Permission, TENANT_HEADER};
 use crate::config::{Limits, Settings};
@@ -20,6 +21,7 @@ use crate::outbox::store::{self, BackoffParams, ClaimParams, TenantScope};
 use crate::outbox::{self, Clock, Error, FieldViolation, IntentId, IntentState, Reason};
 use crate::proto::v1::outbox_service_server::{OutboxService, OutboxServiceServer};
 use crate::proto::v1::{self};
+use crate::telemetry::{self, TRACEPARENT};
 use crate::validate;
 
 /// Domain of every `ErrorInfo` outboxd sends.
@@ -41,6 +43,55 @@ pub struct OutboxHandler {
 }
 
 impl OutboxHandler {
+    /// Enqueue inside its "send" span. Each intent carries the trace context it was produced
+    /// in (its own `traceparent` header, else this span's, else the caller's metadata), so
+    /// the worker's spans can link back to the producer's trace.
+    async fn enqueue_traced(
+        &self,
+        request: Request<v1::EnqueueRequest>,
+        remote_traceparent: Option<String>,
+    ) -> RpcResult<v1::EnqueueResponse> {
+        let (caller, scope) = self.access(&request, Permission::Produce).await?;
+        let tenant = scope
+            .single()
+            .ok_or_else(|| {
+                Error::InvalidArgument(vec![FieldViolation::new(
+                    TENANT_HEADER,
+                    "this API key acts for several tenants: name the one to enqueue for in the \
+                     x-outbox-tenant metadata",
+                )])
+            })?
+            .to_owned();
+        let (mut intents, token) = validate::enqueue(request.into_inner(), &self.limits)?;
+        for (i, intent) in intents.iter().enumerate() {
+            caller.require_region(&format!("intents[{i}].region"), &intent.region)?;
+        }
+        let span = tracing::Span::current();
+        span.record("messaging.batch.message_count", intents.len());
+        if let Some(tp) = telemetry::traceparent_of(&span).or(remote_traceparent) {
+            for intent in &mut intents {
+                intent
+                    .headers
+                    .entry(TRACEPARENT.to_owned())
+                    .or_insert_with(|| tp.clone());
+            }
+        }
+        let results = outbox::enqueue::enqueue(
+            &self.pool,
+            &self.cluster_id,
+            &tenant,
+            &intents,
+            token,
+            self.clock.now(),
+        )
+        .await?;
+        let recorded = results.iter().filter(|r| !r.deduplicated).count();
+        self.metrics.enqueued.inc_by(recorded as u64);
+        Ok(Response::new(v1::EnqueueResponse {
+            results: results.into_iter().map(Into::into).collect(),
+        }))
+    }
+
     /// Authenticates the caller, checks it holds `permission`, and returns the tenants
     /// this request acts for.
     async fn access<T>(
@@ -226,46 +277,63 @@ fn database_reason(e: &sqlx::Error) -> Reason {
 
 type RpcResult<T> = Result<Response<T>, Status>;
 
+/// `messaging.system` of every span (OpenTelemetry messaging conventions).
+const MESSAGING_SYSTEM: &str = "outboxd";
+
+/// Links the current settle span to the producers of the intents it settled.
+fn link_settled(results: &[outbox::ItemResult]) {
+    telemetry::link_to(
+        &tracing::Span::current(),
+        results.iter().filter_map(|r| r.traceparent.as_deref()),
+    );
+}
+
 #[tonic::async_trait]
 impl OutboxService for OutboxHandler {
-    #[tracing::instrument(skip_all, fields(rpc.method = "Enqueue", auth.key, intents.count), err)]
     async fn enqueue(
         &self,
         request: Request<v1::EnqueueRequest>,
     ) -> RpcResult<v1::EnqueueResponse> {
-        let (caller, scope) = self.access(&request, Permission::Produce).await?;
-        let tenant = scope
-            .single()
-            .ok_or_else(|| {
-                Error::InvalidArgument(vec![FieldViolation::new(
-                    TENANT_HEADER,
-                    "this API key acts for several tenants: name the one to enqueue for in the \
-                     x-outbox-tenant metadata",
-                )])
-            })?
-            .to_owned();
-        let (intents, token) = validate::enqueue(request.into_inner(), &self.limits)?;
-        for (i, intent) in intents.iter().enumerate() {
-            caller.require_region(&format!("intents[{i}].region"), &intent.region)?;
+        // Built by hand rather than with #[instrument]: the producer's trace context must
+        // become its parent before the span starts.
+        let span = tracing::info_span!(
+            "send",
+            otel.name = "send",
+            otel.kind = "producer",
+            messaging.system = MESSAGING_SYSTEM,
+            messaging.operation.type = "send",
+            messaging.batch.message_count = tracing::field::Empty,
+            rpc.method = "Enqueue",
+            auth.key = tracing::field::Empty,
+        );
+        let remote = request
+            .metadata()
+            .get(TRACEPARENT)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        if let Some(tp) = &remote {
+            telemetry::set_remote_parent(&span, tp);
         }
-        tracing::Span::current().record("intents.count", intents.len());
-        let results = outbox::enqueue::enqueue(
-            &self.pool,
-            &self.cluster_id,
-            &tenant,
-            &intents,
-            token,
-            self.clock.now(),
-        )
-        .await?;
-        let recorded = results.iter().filter(|r| !r.deduplicated).count();
-        self.metrics.enqueued.inc_by(recorded as u64);
-        Ok(Response::new(v1::EnqueueResponse {
-            results: results.into_iter().map(Into::into).collect(),
-        }))
+        self.enqueue_traced(request, remote)
+            .instrument(span)
+            .await
+            .inspect_err(|status| tracing::debug!(error = %status, "Enqueue refused"))
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "Claim", auth.key, claim.worker, intents.count), err)]
+    #[tracing::instrument(
+        skip_all,
+        fields(
+            otel.name = "receive",
+            otel.kind = "consumer",
+            messaging.system = MESSAGING_SYSTEM,
+            messaging.operation.type = "receive",
+            messaging.batch.message_count,
+            rpc.method = "Claim",
+            auth.key,
+            claim.worker,
+        ),
+        err
+    )]
     async fn claim(&self, request: Request<v1::ClaimRequest>) -> RpcResult<v1::ClaimResponse> {
         let (caller, scope) = self.access(&request, Permission::Consume).await?;
         let claim = validate::claim(request.into_inner(), &self.limits)?;
@@ -307,7 +375,14 @@ impl OutboxService for OutboxHandler {
                 _ = self.shutdown.cancelled() => {}
             }
         };
-        tracing::Span::current().record("intents.count", intents.len());
+        let span = tracing::Span::current();
+        span.record("messaging.batch.message_count", intents.len());
+        telemetry::link_to(
+            &span,
+            intents
+                .iter()
+                .filter_map(|i| i.headers.0.get(TRACEPARENT).map(String::as_str)),
+        );
         let now = self.clock.now().unwrap_or_else(chrono::Utc::now);
         self.metrics.record_claimed(
             intents
@@ -349,13 +424,19 @@ impl OutboxService for OutboxHandler {
         }))
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "Ack", auth.key), err)]
+    #[tracing::instrument(
+        skip_all,
+        fields(otel.name = "settle", otel.kind = "client", messaging.system = MESSAGING_SYSTEM,
+               messaging.operation.type = "settle", rpc.method = "Ack", auth.key),
+        err
+    )]
     async fn ack(&self, request: Request<v1::AckRequest>) -> RpcResult<v1::AckResponse> {
         let (_, scope) = self.access(&request, Permission::Consume).await?;
         let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
         let mut tx = store::begin(&self.pool, &scope).await?;
         let results = store::ack_intents(&mut *tx, &leases, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
+        link_settled(&results);
         let acked = results.iter().filter(|r| r.error.is_none()).count();
         self.metrics.acked.inc_by(acked as u64);
         Ok(Response::new(v1::AckResponse {
@@ -363,7 +444,12 @@ impl OutboxService for OutboxHandler {
         }))
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "Fail", auth.key), err)]
+    #[tracing::instrument(
+        skip_all,
+        fields(otel.name = "settle", otel.kind = "client", messaging.system = MESSAGING_SYSTEM,
+               messaging.operation.type = "settle", rpc.method = "Fail", auth.key),
+        err
+    )]
     async fn fail(&self, request: Request<v1::FailRequest>) -> RpcResult<v1::FailResponse> {
         let (_, scope) = self.access(&request, Permission::Consume).await?;
         let failures = validate::fail(request.into_inner(), &self.limits)?;
@@ -371,6 +457,7 @@ impl OutboxService for OutboxHandler {
         let results =
             store::fail_intents(&mut *tx, &failures, self.backoff, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
+        link_settled(&results);
         for (failure, result) in failures.iter().zip(&results) {
             if result.error.is_some() {
                 continue;

@@ -92,7 +92,7 @@ fn main() -> ExitCode {
     // CREATE/DROP DATABASE (each forces a checkpoint) are setup noise, not findings.
     let filter =
         std::env::var("OUTBOX_LOG__FILTER").unwrap_or_else(|_| "warn,sqlx::query=error".to_owned());
-    outboxd::telemetry::init(outboxd::config::LogFormat::Text, &filter);
+    outboxd::telemetry::install(outboxd::config::LogFormat::Text, &filter, None);
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -176,7 +176,9 @@ async fn txn_latency(
         anyhow::Ok(rows)
     }
     .await;
+    let load_at_end = load_average();
     let info = bench.info.clone();
+    let load_at_start = bench.load_at_start.clone();
     let resolve = bench.settings.txn_resolve_interval;
     let stopped = bench.stop().await;
     let rows = measured?;
@@ -184,6 +186,10 @@ async fn txn_latency(
 
     println!("## outboxd-bench txn-latency\n");
     println!("{info}");
+    // Other processes competing for the CPUs move these figures more than anything in
+    // outboxd does (each wake-up on the path can wait for a scheduler tick), so say how busy
+    // the machine was.
+    println!("load average (1 min): {load_at_start} at start, {load_at_end} at end");
     println!(
         "server: in-process outboxd, fallback sweep every {} ms; worker Claim long-polls \
          (max_intents 1), and the producer pauses {} ms before its COMMIT (or direct Enqueue) \
@@ -203,7 +209,7 @@ async fn txn_latency(
         "- **other database**: the same transaction on another database of the cluster, with \
          the plain-SQL token. outboxd cannot hear that database's NOTIFY, so promotion waits \
          for the fallback sweep: expect about half the sweep interval at p50 and about the \
-         whole interval at worst. The pause before its commit is randomised over one sweep \
+         whole interval at worst. The pause before its commit is spread evenly over one sweep \
          interval, so commits do not phase-lock with the sweep."
     );
     println!(
@@ -453,6 +459,7 @@ struct Bench {
     worker: Client,
     settings: Settings,
     info: String,
+    load_at_start: String,
 }
 
 impl Bench {
@@ -498,6 +505,7 @@ impl Bench {
             worker,
             settings,
             info,
+            load_at_start: load_average(),
         })
     }
 
@@ -604,6 +612,14 @@ impl Bench {
         );
         Ok(signed_ms(t0, t1))
     }
+}
+
+/// The 1-minute load average, or "?" where /proc/loadavg does not exist.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_owned))
+        .unwrap_or_else(|| "?".to_owned())
 }
 
 /// One line naming what the figures depend on: CPUs, PostgreSQL and its durability.

@@ -387,6 +387,8 @@ pub struct ItemResult {
     pub error: Option<ItemError>,
     /// New expiry (ExtendLease).
     pub lease_expires_at: Option<DateTime<Utc>>,
+    /// The producer's trace context stored with the intent, when the item applied.
+    pub traceparent: Option<String>,
 }
 
 /// One invalid field of a request.

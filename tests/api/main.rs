@@ -13,4 +13,5 @@ mod reconcile;
 mod settle;
 mod tenancy;
 mod tls;
+mod traces;
 mod two_phase;

@@ -158,6 +158,7 @@ pub async fn resolve_intents(
                 state: row.state,
                 error,
                 lease_expires_at: None,
+                traceparent: None,
             }
         })
         .collect())

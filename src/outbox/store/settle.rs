@@ -20,7 +20,8 @@ macro_rules! settle_report {
                changed.id IS NOT NULL AS applied,
                coalesce(changed.state, cur.state) AS state,
                coalesce(cur.lease_id = input.lease_id, false) AS lease_matches,
-               changed.lease_expires_at
+               changed.lease_expires_at,
+               changed.traceparent
         FROM input
         LEFT JOIN changed ON changed.id = input.id
         LEFT JOIN outbox.intent cur ON cur.id = input.id
@@ -36,6 +37,7 @@ struct SettleRow {
     state: Option<IntentState>,
     lease_matches: bool,
     lease_expires_at: Option<DateTime<Utc>>,
+    traceparent: Option<String>,
 }
 
 /// Turns statement rows into per-item results. An item that did not apply is still OK when
@@ -56,6 +58,7 @@ fn report(rows: Vec<SettleRow>, is_replay: impl Fn(IntentState) -> bool) -> Vec<
                 state: row.state,
                 error,
                 lease_expires_at: row.lease_expires_at,
+                traceparent: row.traceparent,
             }
         })
         .collect()
@@ -89,7 +92,7 @@ pub async fn extend_leases(
             WHERE i.id = input.id
               AND i.lease_id = input.lease_id
               AND i.state IN ('leased', 'submitted')
-            RETURNING i.id, i.state, i.lease_expires_at
+            RETURNING i.id, i.state, i.lease_expires_at, i.headers->>'traceparent' AS traceparent
         )
         "#,
         settle_report!()
@@ -126,7 +129,7 @@ pub async fn mark_intents_submitted(
             WHERE i.id = input.id
               AND i.lease_id = input.lease_id
               AND i.state = 'leased'
-            RETURNING i.id, i.state, i.lease_expires_at
+            RETURNING i.id, i.state, i.lease_expires_at, i.headers->>'traceparent' AS traceparent
         )
         "#,
         settle_report!()
@@ -167,7 +170,7 @@ pub async fn ack_intents(
             WHERE i.id = input.id
               AND i.lease_id = input.lease_id
               AND i.state IN ('leased', 'submitted', 'needs_reconcile')
-            RETURNING i.id, i.state, i.lease_expires_at
+            RETURNING i.id, i.state, i.lease_expires_at, i.headers->>'traceparent' AS traceparent
         )
         "#,
         settle_report!()
@@ -232,7 +235,7 @@ pub async fn fail_intents(
               AND i.lease_id = input.lease_id
               AND (i.state IN ('leased', 'submitted')
                    OR (i.state = 'needs_reconcile' AND input.outcome <> 'unknown'))
-            RETURNING i.id, i.state, i.lease_expires_at
+            RETURNING i.id, i.state, i.lease_expires_at, i.headers->>'traceparent' AS traceparent
         )
         "#,
         settle_report!()

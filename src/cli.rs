@@ -26,6 +26,10 @@ use crate::telemetry;
 #[derive(Debug, Parser)]
 #[command(version, after_help = variables_help())]
 pub struct Cli {
+    /// Set a configuration variable, overriding the environment: `--set LISTEN_ADDR=0.0.0.0:50051`
+    /// (the `OUTBOX_` prefix is optional). Repeatable.
+    #[arg(long = "set", value_name = "NAME=VALUE", global = true)]
+    pub overrides: Vec<String>,
     /// What to do (default: serve).
     #[command(subcommand)]
     pub command: Option<Command>,
@@ -358,7 +362,8 @@ pub fn run(cli: Cli) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(dispatch(cli.command.unwrap_or(Command::Serve))) {
+    let command = cli.command.unwrap_or(Command::Serve);
+    match runtime.block_on(dispatch(command, &cli.overrides)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -367,10 +372,28 @@ pub fn run(cli: Cli) -> ExitCode {
     }
 }
 
-async fn dispatch(command: Command) -> anyhow::Result<()> {
+/// Settings from the environment, then the `--set NAME=VALUE` flags on top.
+fn load_settings(overrides: &[String]) -> anyhow::Result<Settings> {
+    let mut vars: Vec<(String, String)> = std::env::vars().collect();
+    for o in overrides {
+        let (name, value) = o
+            .split_once('=')
+            .with_context(|| format!("--set {o:?}: expected NAME=VALUE"))?;
+        let name = if name.starts_with("OUTBOX_") {
+            name.to_owned()
+        } else {
+            format!("OUTBOX_{name}")
+        };
+        // Later pairs win: the flags override the environment.
+        vars.push((name, value.to_owned()));
+    }
+    Ok(Settings::from_vars(vars)?)
+}
+
+async fn dispatch(command: Command, overrides: &[String]) -> anyhow::Result<()> {
     match command {
-        Command::Serve => serve().await,
-        Command::Migrate => migrate().await,
+        Command::Serve => serve(load_settings(overrides)?).await,
+        Command::Migrate => migrate(load_settings(overrides)?).await,
         Command::Enqueue {
             kind,
             payload,
@@ -639,7 +662,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 .collect();
             print_results(&client, &results)
         }
-        Command::Keys { command } => keys(command).await,
+        Command::Keys { command } => keys(load_settings(overrides)?, command).await,
         Command::Stats { client } => {
             let stats = connect(&client)
                 .await?
@@ -688,8 +711,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
     }
 }
 
-async fn serve() -> anyhow::Result<()> {
-    let settings = Settings::from_env()?;
+async fn serve(settings: Settings) -> anyhow::Result<()> {
     let _telemetry = telemetry::init(
         settings.log_format,
         &settings.log_filter,
@@ -716,8 +738,7 @@ async fn stop_embedded(cluster: Option<crate::embedded::EmbeddedPostgres>) -> an
     Ok(())
 }
 
-async fn migrate() -> anyhow::Result<()> {
-    let settings = Settings::from_env()?;
+async fn migrate(settings: Settings) -> anyhow::Result<()> {
     telemetry::install(settings.log_format, &settings.log_filter, None);
     if settings.database_url.is_none() {
         // The embedded cluster is migrated and given its service role as a server start does.
@@ -734,8 +755,7 @@ async fn migrate() -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn keys(command: KeysCommand) -> anyhow::Result<()> {
-    let settings = Settings::from_env()?;
+async fn keys(settings: Settings, command: KeysCommand) -> anyhow::Result<()> {
     let (embedded, url) = startup::owner_database(&settings).await?;
     let pool = startup::connect(&url, 2).await?;
     let result = run_keys(&pool, command).await;

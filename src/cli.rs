@@ -11,7 +11,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 
 use crate::auth::{self, Permission};
 use crate::client::{self, Client, Credentials};
-use crate::outbox::store;
+use crate::outbox::{IntentState, store};
 
 use crate::config::{self, Settings};
 use crate::proto::{from_timestamp, v1};
@@ -218,9 +218,9 @@ pub struct LeaseArgs {
 pub enum IntentsCommand {
     /// List intents, oldest first.
     List {
-        /// Only these states (repeatable).
-        #[arg(long, value_enum)]
-        state: Vec<State>,
+        /// Only these states (repeatable), e.g. needs_reconcile.
+        #[arg(long, value_parser = parse_state)]
+        state: Vec<IntentState>,
         /// Only this kind.
         #[arg(long, default_value = "")]
         kind: String,
@@ -261,9 +261,9 @@ pub enum ReconcileCommand {
         /// Intents to resolve.
         #[arg(long = "id", conflicts_with = "state")]
         ids: Vec<String>,
-        /// Resolve every intent in these states (needs-reconcile, dead-lettered).
-        #[arg(long, value_enum)]
-        state: Vec<State>,
+        /// Resolve every intent in these states (needs_reconcile, dead_lettered).
+        #[arg(long, value_parser = parse_state)]
+        state: Vec<IntentState>,
         /// Filter: only this kind.
         #[arg(long, default_value = "")]
         kind: String,
@@ -309,40 +309,16 @@ pub enum DecisionArg {
     Dead,
 }
 
-/// Intent states.
-#[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum State {
-    /// STAGED
-    Staged,
-    /// PENDING
-    Pending,
-    /// LEASED
-    Leased,
-    /// SUBMITTED
-    Submitted,
-    /// DELIVERED
-    Delivered,
-    /// NEEDS_RECONCILE
-    NeedsReconcile,
-    /// DEAD_LETTERED
-    DeadLettered,
-    /// DISCARDED
-    Discarded,
-}
-
-impl From<State> for v1::IntentState {
-    fn from(s: State) -> Self {
-        match s {
-            State::Staged => Self::Staged,
-            State::Pending => Self::Pending,
-            State::Leased => Self::Leased,
-            State::Submitted => Self::Submitted,
-            State::Delivered => Self::Delivered,
-            State::NeedsReconcile => Self::NeedsReconcile,
-            State::DeadLettered => Self::DeadLettered,
-            State::Discarded => Self::Discarded,
-        }
-    }
+/// Parses a state name as the CLI shows it (`needs_reconcile` or `needs-reconcile`).
+fn parse_state(name: &str) -> Result<IntentState, String> {
+    let wanted = name.to_ascii_lowercase().replace('-', "_");
+    IntentState::ALL
+        .into_iter()
+        .find(|s| s.as_str() == wanted)
+        .ok_or_else(|| {
+            let names: Vec<&str> = IntentState::ALL.iter().map(|s| s.as_str()).collect();
+            format!("unknown state {name:?}; one of {}", names.join(", "))
+        })
 }
 
 fn variables_help() -> String {

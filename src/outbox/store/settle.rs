@@ -11,6 +11,17 @@ use uuid::Uuid;
 use super::{BackoffParams, millis};
 use crate::outbox::{Failure, IntentId, IntentState, ItemError, ItemResult, LeaseRef, Result};
 
+/// The leases of a batch, in request order: `$1` intent ids, `$2` lease ids.
+macro_rules! lease_input {
+    () => {
+        r#"
+        WITH input AS (
+            SELECT * FROM unnest($1::uuid[], $2::uuid[]) WITH ORDINALITY AS t(id, lease_id, ord)
+        ),
+        "#
+    };
+}
+
 /// The shared tail of every settle statement: joins the input with what the `changed` CTE
 /// updated and with the row as it was, in request order.
 macro_rules! settle_report {
@@ -80,10 +91,8 @@ pub async fn extend_leases(
 ) -> Result<Vec<ItemResult>> {
     let (ids, lease_ids) = split(leases);
     let rows = sqlx::query_as(concat!(
+        lease_input!(),
         r#"
-        WITH input AS (
-            SELECT * FROM unnest($1::uuid[], $2::uuid[]) WITH ORDINALITY AS t(id, lease_id, ord)
-        ),
         changed AS (
             UPDATE outbox.intent i
             SET lease_expires_at = coalesce($4::timestamptz, now()) + $3 * interval '1 ms',
@@ -117,10 +126,8 @@ pub async fn mark_intents_submitted(
 ) -> Result<Vec<ItemResult>> {
     let (ids, lease_ids) = split(leases);
     let rows = sqlx::query_as(concat!(
+        lease_input!(),
         r#"
-        WITH input AS (
-            SELECT * FROM unnest($1::uuid[], $2::uuid[]) WITH ORDINALITY AS t(id, lease_id, ord)
-        ),
         changed AS (
             UPDATE outbox.intent i
             SET state = 'submitted',
@@ -155,10 +162,8 @@ pub async fn ack_intents(
 ) -> Result<Vec<ItemResult>> {
     let (ids, lease_ids) = split(leases);
     let rows = sqlx::query_as(concat!(
+        lease_input!(),
         r#"
-        WITH input AS (
-            SELECT * FROM unnest($1::uuid[], $2::uuid[]) WITH ORDINALITY AS t(id, lease_id, ord)
-        ),
         changed AS (
             UPDATE outbox.intent i
             SET state = 'delivered',

@@ -626,6 +626,17 @@ mod tests {
     }
 
     #[test]
+    fn every_variable_is_documented_in_the_readme_table() {
+        let readme = include_str!("../README.md");
+        for (name, _) in VARIABLES {
+            assert!(
+                readme.contains(&format!("| `{name}` |")),
+                "{name} is missing from README.md"
+            );
+        }
+    }
+
+    #[test]
     fn defaults_hold_without_variables() {
         assert_eq!(
             Settings::from_vars(vars(&[("HOME", "/root")])).unwrap(),

@@ -716,8 +716,10 @@ async fn stop_embedded(cluster: Option<crate::embedded::EmbeddedPostgres>) -> an
 
 async fn migrate(settings: Settings) -> anyhow::Result<()> {
     telemetry::install(settings.log_format, &settings.log_filter, None);
-    if settings.database_url.is_none() {
-        // The embedded cluster is migrated and given its service role as a server start does.
+    let both_or_neither = settings.database_url.is_some() == settings.migration_url.is_some();
+    if both_or_neither {
+        // As a server start does: the embedded cluster, or the owner's URL, is migrated and
+        // the service role (of OUTBOX_DATABASE__URL) granted what it needs.
         let database = startup::prepare_database(&settings).await?;
         stop_embedded(database.embedded).await?;
     } else {

@@ -193,6 +193,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "PostgreSQL URL; unset starts the embedded cluster",
     ),
     (
+        "OUTBOX_DATABASE__MIGRATION_URL",
+        "the schema owner's URL: migrations and grants at start, `migrate`, `keys` [unset]",
+    ),
+    (
         "OUTBOX_DATABASE__MAX_CONNECTIONS",
         "connection pool size [16]",
     ),

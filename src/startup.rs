@@ -318,6 +318,11 @@ impl Application {
         health
             .set_serving::<OutboxServiceServer<OutboxHandler>>()
             .await;
+        background.push(tokio::spawn(watch_database(
+            pool.clone(),
+            health.clone(),
+            shutdown.clone(),
+        )));
         let auth = Arc::new(Authenticator::new(pool.clone(), settings.auth_cache_ttl));
         let handler = OutboxHandler::new(
             pool,
@@ -422,6 +427,44 @@ impl Application {
         shutdown_signal().await;
         tracing::info!("shutdown requested; draining");
         self.stop().await
+    }
+}
+
+/// How often readiness re-checks that the database answers and the service role may use it.
+const DATABASE_CHECK_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Keeps health in step with the database: NOT_SERVING while PostgreSQL is unreachable or
+/// the service role lacks its grants (every call would fail), SERVING again once it is
+/// back, until shutdown (which owns the status from then on).
+async fn watch_database(pool: PgPool, health: HealthReporter, shutdown: CancellationToken) {
+    let mut serving = true;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(DATABASE_CHECK_INTERVAL) => {}
+        }
+        let probe = store::probe(&pool).await;
+        if shutdown.is_cancelled() || probe.is_ok() == serving {
+            continue;
+        }
+        serving = probe.is_ok();
+        let status = match &probe {
+            Ok(()) => {
+                tracing::info!("database reachable again; serving");
+                tonic_health::ServingStatus::Serving
+            }
+            Err(e) => {
+                tracing::error!(error.message = %e, "database unusable; health NOT_SERVING");
+                tonic_health::ServingStatus::NotServing
+            }
+        };
+        health.set_service_status("", status).await;
+        health
+            .set_service_status(
+                <OutboxServiceServer<OutboxHandler> as tonic::server::NamedService>::NAME,
+                status,
+            )
+            .await;
     }
 }
 

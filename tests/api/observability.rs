@@ -124,3 +124,39 @@ async fn health_turns_not_serving_while_the_server_drains() {
     );
     stopping.await.unwrap().unwrap();
 }
+
+/// Polls the overall health status until it is `want`, with a deadline.
+async fn wait_for_health(
+    health: &mut HealthClient<tonic::transport::Channel>,
+    want: ServingStatus,
+) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let request = HealthCheckRequest {
+            service: String::new(),
+        };
+        if health.check(request).await.unwrap().into_inner().status == want as i32 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "health never became {want:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn readiness_follows_whether_the_service_role_can_use_the_database() {
+    let app = TestApp::spawn().await;
+    let mut health = HealthClient::new(app.client_channel().await);
+    wait_for_health(&mut health, ServingStatus::Serving).await;
+    let role = crate::helpers::SERVICE_ROLE;
+    sqlx::query(&format!("REVOKE SELECT ON outbox.intent FROM {role}"))
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    wait_for_health(&mut health, ServingStatus::NotServing).await;
+    sqlx::query(&format!("GRANT SELECT ON outbox.intent TO {role}"))
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    wait_for_health(&mut health, ServingStatus::Serving).await;
+}

@@ -216,3 +216,15 @@ pub async fn queue_depth(conn: &mut PgConnection) -> Result<QueueDepth> {
         oldest_staged_age,
     })
 }
+
+/// Succeeds when the database answers and the connecting role may read the outbox (the
+/// readiness check; `LIMIT 0` reads no row, so no tenant is needed).
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn probe(pool: &sqlx::PgPool) -> Result<()> {
+    sqlx::query("SELECT 1 FROM outbox.intent LIMIT 0")
+        .execute(pool)
+        .await?;
+    Ok(())
+}

@@ -19,7 +19,7 @@ pub use api_keys::{ApiKeyRecord, find_api_key, insert_api_key, list_api_keys, re
 pub use claim::{ClaimParams, claim_intents, next_due_in};
 pub use enqueue::{EnqueueParams, insert_intents};
 pub use inspect::{
-    ListParams, QueueDepth, QueueStats, StateCount, get_intent, list_intents, queue_depth,
+    ListParams, QueueDepth, QueueStats, StateCount, get_intent, list_intents, probe, queue_depth,
     queue_stats,
 };
 pub use maintenance::{BackoffParams, purge_finished_intents, rescue_expired_leases};

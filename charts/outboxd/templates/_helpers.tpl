@@ -1,0 +1,287 @@
+{{/* Chart name, or nameOverride; 63 characters at most (a DNS label). */}}
+{{- define "outbox.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Full name of the release's resources: fullnameOverride, else the release name when it
+already contains the chart name, else "<release>-<chart>".
+*/}}
+{{- define "outbox.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "<fullname>-<suffix>", still a valid 63-character name. */}}
+{{- define "outbox.suffixedName" -}}
+{{- $root := index . 0 }}
+{{- $suffix := index . 1 }}
+{{- printf "%s-%s" (include "outbox.fullname" $root | trunc (int (sub 62 (len $suffix))) | trimSuffix "-") $suffix }}
+{{- end }}
+
+{{- define "outbox.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Selector of the server pods. The component label keeps the migration Job's pod out of
+the Service, the PodDisruptionBudget and the Deployment.
+*/}}
+{{- define "outbox.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "outbox.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: server
+{{- end }}
+
+{{/* Labels of every server-side resource. */}}
+{{- define "outbox.labels" -}}
+helm.sh/chart: {{ include "outbox.chart" . }}
+{{ include "outbox.selectorLabels" . }}
+app.kubernetes.io/version: {{ include "outbox.tag" . | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: outboxd
+{{- end }}
+
+{{/* Labels of the migration Job and its pod: deliberately not the server's selector. */}}
+{{- define "outbox.migrateLabels" -}}
+helm.sh/chart: {{ include "outbox.chart" . }}
+app.kubernetes.io/name: {{ include "outbox.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: migrate
+app.kubernetes.io/version: {{ include "outbox.tag" . | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: outboxd
+{{- end }}
+
+{{/* Image tag: image.tag, else the chart's appVersion. */}}
+{{- define "outbox.tag" -}}
+{{- .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{/*
+Image reference. A digest pins the image ("repo@sha256:…", or "repo:tag@sha256:…" when a
+tag is also given, for readability); a malformed digest fails the render even when the
+schema is skipped (--skip-schema-validation), because a typo would otherwise surface
+only as an ImagePullBackOff.
+*/}}
+{{- define "outbox.image" -}}
+{{- $digest := .Values.image.digest | default "" }}
+{{- if $digest }}
+{{- if not (regexMatch "^sha256:[a-f0-9]{64}$" $digest) }}
+{{- fail (printf "image.digest %q is malformed: expected sha256: followed by 64 lowercase hex digits" $digest) }}
+{{- end }}
+{{- if .Values.image.tag }}
+{{- printf "%s:%s@%s" .Values.image.repository .Values.image.tag $digest }}
+{{- else }}
+{{- printf "%s@%s" .Values.image.repository $digest }}
+{{- end }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (include "outbox.tag" .) }}
+{{- end }}
+{{- end }}
+
+{{/* ServiceAccount of the server pods. */}}
+{{- define "outbox.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "outbox.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Secret holding the PostgreSQL URL (never created by the chart). */}}
+{{- define "outbox.databaseSecretName" -}}
+{{- .Values.database.existingSecret | default (include "outbox.suffixedName" (list . "database")) }}
+{{- end }}
+
+{{/* Secret holding the schema owner's URL (never created by the chart). */}}
+{{- define "outbox.migrationSecretName" -}}
+{{- .Values.database.migration.existingSecret | default (include "outbox.suffixedName" (list . "database-owner")) }}
+{{- end }}
+
+{{/* Secret holding the client CA (mTLS): its own, else the server certificate's. */}}
+{{- define "outbox.clientCASecretName" -}}
+{{- .Values.tls.clientCA.existingSecret | default .Values.tls.existingSecret }}
+{{- end }}
+
+{{/* Fails early on combinations the binary could not run with. */}}
+{{- define "outbox.validate" -}}
+{{- if and .Values.tls.enabled (not .Values.tls.existingSecret) }}
+{{- fail "tls.enabled needs tls.existingSecret (a kubernetes.io/tls Secret, e.g. from cert-manager)" }}
+{{- end }}
+{{- if and .Values.tls.clientCA.enabled (not .Values.tls.enabled) }}
+{{- fail "tls.clientCA.enabled needs tls.enabled" }}
+{{- end }}
+{{- if not (or .Values.tls.enabled .Values.tls.allowPlaintext) }}
+{{- fail "outboxd serves plaintext off loopback only when told to: set tls.enabled (with tls.existingSecret) or tls.allowPlaintext" }}
+{{- end }}
+{{- if le (int .Values.terminationGracePeriodSeconds) (add .Values.shutdown.drainDelaySeconds .Values.shutdown.graceSeconds) }}
+{{- fail "terminationGracePeriodSeconds must exceed shutdown.drainDelaySeconds + shutdown.graceSeconds, or the kubelet kills outboxd mid-drain" }}
+{{- end }}
+{{- if and .Values.serviceMonitor.enabled (not .Values.metrics.enabled) }}
+{{- fail "serviceMonitor.enabled needs metrics.enabled (there is nothing to scrape otherwise)" }}
+{{- end }}
+{{- if and .Values.metrics.enabled (eq (int .Values.metrics.port) (int .Values.containerPort)) }}
+{{- fail "metrics.port must differ from containerPort" }}
+{{- end }}
+{{- end }}
+
+{{/*
+Environment of every outboxd container (server, init and hook migrations): one
+configuration, so `outboxd migrate` accepts exactly what `outboxd serve` accepts.
+outboxd refuses to start on an unknown OUTBOX_* variable, so only set what it reads.
+Call with (dict "root" $ "migrate" true|false).
+*/}}
+{{- define "outbox.env" -}}
+{{- $root := .root }}
+{{- with $root -}}
+- name: OUTBOX_LISTEN_ADDR
+  value: {{ printf "%s:%d" .Values.listenHost (int .Values.containerPort) | quote }}
+- name: OUTBOX_DATABASE__URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "outbox.databaseSecretName" . }}
+      key: {{ .Values.database.existingSecretKey }}
+{{- /* The owner's URL goes where migrations run: the migration containers, or the server itself with mode none. */}}
+{{- if and .Values.database.migration.enabled (or $.migrate (eq .Values.migrations.mode "none")) }}
+- name: OUTBOX_DATABASE__MIGRATION_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "outbox.migrationSecretName" . }}
+      key: {{ .Values.database.migration.existingSecretKey }}
+{{- end }}
+{{- if not (kindIs "invalid" .Values.database.maxConnections) }}
+- name: OUTBOX_DATABASE__MAX_CONNECTIONS
+  value: {{ .Values.database.maxConnections | toString | quote }}
+{{- end }}
+- name: OUTBOX_LOG__FORMAT
+  value: {{ .Values.log.format | quote }}
+{{- with .Values.log.filter }}
+- name: OUTBOX_LOG__FILTER
+  value: {{ . | quote }}
+{{- end }}
+{{- if .Values.tls.enabled }}
+- name: OUTBOX_TLS__CERT_FILE
+  value: {{ printf "%s/%s" (trimSuffix "/" .Values.tls.mountPath) .Values.tls.certKey | quote }}
+- name: OUTBOX_TLS__KEY_FILE
+  value: {{ printf "%s/%s" (trimSuffix "/" .Values.tls.mountPath) .Values.tls.keyKey | quote }}
+{{- if .Values.tls.clientCA.enabled }}
+- name: OUTBOX_TLS__CLIENT_CA_FILE
+  value: {{ printf "%s/%s" (trimSuffix "/" .Values.tls.clientCA.mountPath) .Values.tls.clientCA.key | quote }}
+{{- end }}
+{{- else if .Values.tls.allowPlaintext }}
+- name: OUTBOX_ALLOW_PLAINTEXT
+  value: "true"
+{{- end }}
+- name: OUTBOX_METRICS__LISTEN_ADDR
+  value: {{ ternary (printf "%s:%d" .Values.listenHost (int .Values.metrics.port)) "" .Values.metrics.enabled | quote }}
+- name: OUTBOX_SHUTDOWN__DRAIN_DELAY
+  value: {{ printf "%ds" (int .Values.shutdown.drainDelaySeconds) | quote }}
+- name: OUTBOX_SHUTDOWN__GRACE
+  value: {{ printf "%ds" (int .Values.shutdown.graceSeconds) | quote }}
+{{- range .Values.env }}
+- name: {{ .name }}
+  value: {{ .value | toString | quote }}
+{{- end }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Mounts of every outboxd container: a writable /tmp, TLS material, extras. */}}
+{{- define "outbox.volumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: {{ .Values.tls.mountPath }}
+  readOnly: true
+{{- if .Values.tls.clientCA.enabled }}
+- name: tls-client-ca
+  mountPath: {{ .Values.tls.clientCA.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- with .Values.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes backing outbox.volumeMounts. */}}
+{{- define "outbox.volumes" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .Values.tmpSizeLimit }}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.tls.certKey }}
+        path: {{ .Values.tls.certKey }}
+      - key: {{ .Values.tls.keyKey }}
+        path: {{ .Values.tls.keyKey }}
+{{- if .Values.tls.clientCA.enabled }}
+- name: tls-client-ca
+  secret:
+    secretName: {{ include "outbox.clientCASecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.tls.clientCA.key }}
+        path: {{ .Values.tls.clientCA.key }}
+{{- end }}
+{{- end }}
+{{- with .Values.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* The `outboxd migrate` container, for the init container and the hook Job alike. */}}
+{{- define "outbox.migrateContainer" -}}
+- name: migrate
+  image: {{ include "outbox.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  args: ["migrate"]
+  env:
+    {{- include "outbox.env" (dict "root" . "migrate" true) | nindent 4 }}
+  {{- with .Values.migrations.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    {{- include "outbox.volumeMounts" . | nindent 4 }}
+{{- end }}
+
+{{/*
+A probe. Kubelet's gRPC probe speaks plaintext only, so with tls.enabled the probes fall
+back to a TCP connect on the gRPC port (outboxd has no plaintext health port yet).
+*/}}
+{{- define "outbox.probe" -}}
+{{- $root := index . 0 }}
+{{- $probe := index . 1 }}
+{{- if $root.Values.tls.enabled }}
+tcpSocket:
+  port: grpc
+{{- else }}
+grpc:
+  port: {{ $root.Values.containerPort }}
+  {{- with $probe.service }}
+  service: {{ . | quote }}
+  {{- end }}
+{{- end }}
+{{- toYaml (omit $probe "enabled" "service") | nindent 0 }}
+{{- end }}

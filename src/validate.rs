@@ -384,6 +384,16 @@ pub fn enqueue(
         None
     } else {
         match req.txn_token.parse::<TxnToken>() {
+            // PostgreSQL reserves 32-bit xids 0-2 (invalid, bootstrap, frozen): no
+            // transaction of a producer has one, and pg_xact_status would call them
+            // committed or forgotten.
+            Ok(t) if t.xid & 0xffff_ffff < 3 => {
+                c.fail(
+                    "txn_token",
+                    "names a reserved transaction id, never an open transaction's",
+                );
+                None
+            }
             Ok(t) => Some(t),
             Err(e) => {
                 c.fail("txn_token", e.to_string());

@@ -5,10 +5,12 @@
 mod claim;
 mod enqueue;
 mod helpers;
+mod hostile;
 mod inspect;
 mod long_poll;
 mod maintenance;
 mod observability;
+mod properties;
 mod reconcile;
 mod settle;
 mod tenancy;

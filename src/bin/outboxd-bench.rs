@@ -15,15 +15,18 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use clap::{Args, Parser, Subcommand};
+use outboxd::client::{Client, Credentials};
 use outboxd::config::Settings;
 use outboxd::embedded::{EmbeddedConfig, EmbeddedPostgres};
+use outboxd::outbox::store::{self, ApiKeyRecord};
 use outboxd::proto::v1;
-use outboxd::startup::{self, Application, Runtime};
+use outboxd::startup::{self, Application, EMBEDDED_SERVICE_ROLE, Runtime};
 use sqlx::{Connection, PgConnection, PgPool};
 use tonic::transport::Channel;
 use uuid::Uuid;
 
-type Client = v1::outbox_service_client::OutboxServiceClient<Channel>;
+/// The tenant the benchmark's keys act for.
+const TENANT: &str = "bench";
 
 /// Iterations run before measuring each scenario, so connection setup, prepared-statement
 /// caches and the first page faults do not land in the figures.
@@ -65,8 +68,11 @@ enum Command {
 #[derive(Debug, Args)]
 struct ClusterArgs {
     /// PostgreSQL cluster to run on: a URL to any database of it, for a role that may
-    /// CREATE DATABASE. The benchmark creates its own databases there and drops them at the
-    /// end. Unset: a private embedded cluster in a fresh temporary directory, removed after.
+    /// CREATE DATABASE and CREATE ROLE. The benchmark creates its own databases there and
+    /// drops them at the end; outboxd serves through the role `outboxd_service`, created if
+    /// missing, which must be able to log in without a password (as in the embedded
+    /// cluster). Unset: a private embedded cluster in a fresh temporary directory, removed
+    /// after.
     #[arg(long, value_name = "URL")]
     database_url: Option<String>,
 }
@@ -187,11 +193,12 @@ async fn txn_latency(
     println!("## outboxd-bench txn-latency\n");
     println!("{info}");
     // Other processes competing for the CPUs move these figures more than anything in
-    // outboxd does (each wake-up on the path can wait for a scheduler tick), so say how busy
-    // the machine was.
+    // outboxd does (every process or task woken on the path may have to wait for a CPU),
+    // so say how busy the machine was.
     println!("load average (1 min): {load_at_start} at start, {load_at_end} at end");
     println!(
-        "server: in-process outboxd, fallback sweep every {} ms; worker Claim long-polls \
+        "server: in-process outboxd as role {EMBEDDED_SERVICE_ROLE} (row-level security), \
+         API keys per producer and worker, fallback sweep every {} ms; worker Claim long-polls \
          (max_intents 1), and the producer pauses {} ms before its COMMIT (or direct Enqueue) \
          so that Claim is parked; {WARMUP} warm-up iterations per scenario not counted\n",
         resolve.as_millis(),
@@ -392,7 +399,7 @@ impl Cluster {
                 .as_ref()
                 .expect("running until dropped")
                 .url(database)),
-            Self::External { admin_url } => with_database(admin_url, database),
+            Self::External { admin_url } => with_login(admin_url, None, database),
         }
     }
 
@@ -424,8 +431,9 @@ impl Drop for Cluster {
     }
 }
 
-/// Replaces the database of a `postgres://` URL, keeping credentials, host and parameters.
-fn with_database(url: &str, database: &str) -> anyhow::Result<String> {
+/// Rewrites a `postgres://` URL for `database` and, when given, `user` (then without a
+/// password), keeping the host and the parameters.
+fn with_login(url: &str, user: Option<&str>, database: &str) -> anyhow::Result<String> {
     let (head, query) = match url.split_once('?') {
         Some((head, query)) => (head, Some(query)),
         None => (url, None),
@@ -434,7 +442,15 @@ fn with_database(url: &str, database: &str) -> anyhow::Result<String> {
     let path = head[authority..]
         .find('/')
         .map_or(head.len(), |i| authority + i);
-    let mut out = format!("{}/{database}", &head[..path]);
+    let (userinfo, host) = match head[authority..path].rsplit_once('@') {
+        Some((userinfo, host)) => (Some(userinfo), host),
+        None => (None, &head[authority..path]),
+    };
+    let login = user
+        .or(userinfo)
+        .map(|u| format!("{u}@"))
+        .unwrap_or_default();
+    let mut out = format!("{}{login}{host}/{database}", &head[..authority]);
     if let Some(query) = query {
         out.push('?');
         out.push_str(query);
@@ -484,15 +500,34 @@ impl Bench {
 
         let outbox_url = cluster.url(&outbox_db)?;
         let other_url = cluster.url(&other_db)?;
-        let pool = startup::connect(&outbox_url, settings.max_connections).await?;
-        startup::migrate(&pool).await?;
+        // Set up as `outboxd serve` sets up its embedded cluster (startup::prepare_database):
+        // migrate as the owner, then serve through a role that owns nothing, so row-level
+        // security and the per-transaction tenant settings are part of what is measured.
+        let owner = startup::connect(&outbox_url, 2).await?;
+        startup::migrate(&owner).await?;
+        startup::grant_service_role(&owner, EMBEDDED_SERVICE_ROLE, true).await?;
+        // Separate keys with the least scope each, as a producer and a worker would hold.
+        let producer_key = create_key(&owner, "bench-producer", "produce").await?;
+        let worker_key = create_key(&owner, "bench-worker", "consume").await?;
+        owner.close().await;
+        let service_url = with_login(&outbox_url, Some(EMBEDDED_SERVICE_ROLE), &outbox_db)?;
+        let pool = startup::connect(&service_url, settings.max_connections)
+            .await
+            .with_context(|| format!("cannot log in as {EMBEDDED_SERVICE_ROLE}"))?;
+        startup::verify_service_role(&pool).await?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let settings = Settings {
+            // Still recorded as in production, but served on a free port so the benchmark
+            // never collides with a running outboxd's.
+            metrics_addr: Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
+            ..settings
+        };
         // The production runtime: database clock, background sweeps, 2 s recheck.
         let server =
             Application::start(&settings, pool.clone(), listener, Runtime::default()).await?;
         let endpoint = format!("http://{}", server.local_addr());
-        let producer = Client::connect(endpoint.clone()).await?;
-        let worker = Client::connect(endpoint).await?;
+        let producer = connect_client(&endpoint, &producer_key).await?;
+        let worker = connect_client(&endpoint, &worker_key).await?;
         Ok(Self {
             server,
             pool,
@@ -614,6 +649,34 @@ impl Bench {
     }
 }
 
+/// An API key for [`TENANT`] with one scope; returns its secret.
+async fn create_key(owner: &PgPool, name: &str, scope: &str) -> anyhow::Result<String> {
+    let key = outboxd::auth::generate_key()?;
+    let record = ApiKeyRecord {
+        id: Uuid::now_v7(),
+        name: name.to_owned(),
+        prefix: key.prefix.clone(),
+        tenants: vec![TENANT.to_owned()],
+        all_tenants: false,
+        scopes: vec![scope.to_owned()],
+        regions: Vec::new(),
+        created_at: chrono::Utc::now(),
+        revoked_at: None,
+    };
+    store::insert_api_key(owner, &record, &key.hash).await?;
+    Ok(key.secret)
+}
+
+/// A client on its own connection (HTTP/2 multiplexes one, but a producer and a worker are
+/// separate processes) sending `key`.
+async fn connect_client(endpoint: &str, key: &str) -> anyhow::Result<Client> {
+    let channel = Channel::from_shared(endpoint.to_owned())?.connect().await?;
+    Ok(outboxd::client::client(
+        channel,
+        Credentials::new(Some(key), None)?,
+    ))
+}
+
 /// The 1-minute load average, or "?" where /proc/loadavg does not exist.
 fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
@@ -708,12 +771,14 @@ mod tests {
     }
 
     #[test]
-    fn database_is_replaced_keeping_parameters() {
-        let url = with_database("postgres://u:p@h:5432/app?sslmode=require", "b").unwrap();
+    fn login_is_replaced_keeping_host_and_parameters() {
+        let url = with_login("postgres://u:p@h:5432/app?sslmode=require", None, "b").unwrap();
         assert_eq!(url, "postgres://u:p@h:5432/b?sslmode=require");
         assert_eq!(
-            with_database("postgres://h", "b").unwrap(),
+            with_login("postgres://h", None, "b").unwrap(),
             "postgres://h/b"
         );
+        let url = with_login("postgres://u:p@h/app?x=1", Some("svc"), "b").unwrap();
+        assert_eq!(url, "postgres://svc@h/b?x=1");
     }
 }

@@ -1,0 +1,121 @@
+//! `outboxd keys`: API keys created, listed and revoked directly in the database, as the
+//! schema owner (the service role may read keys, never mint them).
+
+use serde_json::{Value, json};
+
+use super::KeysCommand;
+use crate::auth;
+use crate::config::Settings;
+use crate::outbox::store;
+use crate::startup;
+
+pub(super) async fn run(settings: Settings, command: KeysCommand) -> anyhow::Result<()> {
+    let (embedded, url) = startup::owner_database(&settings).await?;
+    let pool = startup::connect(&url, 2).await?;
+    let result = run_keys(&pool, command).await;
+    pool.close().await;
+    super::server::stop_embedded(embedded).await?;
+    result
+}
+
+async fn run_keys(pool: &sqlx::PgPool, command: KeysCommand) -> anyhow::Result<()> {
+    match command {
+        KeysCommand::Create {
+            name,
+            tenants,
+            all_tenants,
+            scopes,
+            regions,
+            json,
+        } => {
+            for tenant in &tenants {
+                anyhow::ensure!(
+                    crate::validate::is_name(tenant, 64),
+                    "tenant {tenant:?} must be 1-64 ASCII letters, digits or . _ - : /"
+                );
+            }
+            for region in &regions {
+                anyhow::ensure!(
+                    crate::validate::is_name(region, 64),
+                    "region {region:?} is not a valid name"
+                );
+            }
+            let key = auth::generate_key()?;
+            let record = store::ApiKeyRecord {
+                id: uuid::Uuid::now_v7(),
+                name,
+                prefix: key.prefix.clone(),
+                tenants,
+                all_tenants,
+                scopes,
+                regions,
+                created_at: chrono::Utc::now(),
+                revoked_at: None,
+            };
+            store::insert_api_key(pool, &record, &key.hash).await?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&json!({
+                        "id": record.id, "name": record.name, "api_key": key.secret,
+                    }))?
+                );
+            } else {
+                println!("{}", key.secret);
+                eprintln!(
+                    "created key {:?} ({}); the secret above is shown only once",
+                    record.name, record.id
+                );
+            }
+            Ok(())
+        }
+        KeysCommand::List { json } => {
+            let keys = store::list_api_keys(pool).await?;
+            if json {
+                let keys: Vec<Value> = keys
+                    .iter()
+                    .map(|k| {
+                        json!({
+                            "id": k.id, "name": k.name, "prefix": k.prefix, "tenants": k.tenants,
+                            "all_tenants": k.all_tenants, "scopes": k.scopes, "regions": k.regions,
+                            "created_at": k.created_at, "revoked_at": k.revoked_at,
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&keys)?);
+            } else {
+                println!(
+                    "{:<36}  {:<20} {:<14} {:<24} {:<28} STATUS",
+                    "ID", "NAME", "PREFIX", "TENANTS", "SCOPES"
+                );
+                for k in keys {
+                    let tenants = if k.all_tenants {
+                        "*".to_owned()
+                    } else {
+                        k.tenants.join(",")
+                    };
+                    let status = if k.revoked_at.is_some() {
+                        "revoked"
+                    } else {
+                        "active"
+                    };
+                    println!(
+                        "{:<36}  {:<20} {:<14} {:<24} {:<28} {status}",
+                        k.id,
+                        k.name,
+                        k.prefix,
+                        tenants,
+                        k.scopes.join(",")
+                    );
+                }
+            }
+            Ok(())
+        }
+        KeysCommand::Revoke { key } => {
+            let n = store::revoke_api_key(pool, &key).await?;
+            anyhow::ensure!(n > 0, "no active key with id or name {key:?}");
+            println!("revoked {n} key(s); servers stop accepting it within OUTBOX_AUTH__CACHE_TTL");
+            Ok(())
+        }
+    }
+}

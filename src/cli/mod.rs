@@ -1,0 +1,375 @@
+//! The command line: `serve` (default) and `migrate` run the service; the other commands
+//! are an operator and walkthrough client speaking gRPC to a running server.
+
+mod keys;
+mod operator;
+mod output;
+mod server;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::auth::Permission;
+use crate::outbox::IntentState;
+
+use crate::config::{self, Settings};
+
+/// outboxd: a transactional outbox over PostgreSQL, served over gRPC.
+///
+/// Without a command it serves. The server is configured by OUTBOX_* environment
+/// variables (see README.md); with no OUTBOX_DATABASE__URL it starts an embedded
+/// PostgreSQL cluster under .outboxd/pgdata.
+#[derive(Debug, Parser)]
+#[command(version, after_help = variables_help())]
+pub struct Cli {
+    /// Set a configuration variable, overriding the environment: `--set LISTEN_ADDR=0.0.0.0:50051`
+    /// (the `OUTBOX_` prefix is optional). Repeatable.
+    #[arg(long = "set", value_name = "NAME=VALUE", global = true)]
+    pub overrides: Vec<String>,
+    /// What to do (default: serve).
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+/// Client options shared by the operator commands.
+#[derive(Debug, Args, Clone)]
+pub struct ClientArgs {
+    /// Server address.
+    #[arg(
+        long,
+        env = "OUTBOX_SERVER",
+        default_value = "http://127.0.0.1:50051",
+        global = true
+    )]
+    pub server: String,
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// API key (`obx_…`; create one with `outboxd keys create`).
+    #[arg(long, env = "OUTBOX_API_KEY", hide_env_values = true, global = true)]
+    pub api_key: Option<String>,
+    /// Tenant to act for, when the key is bound to several.
+    #[arg(long, env = "OUTBOX_TENANT", global = true)]
+    pub tenant: Option<String>,
+    /// CA certificate (PEM) to trust for an https:// server.
+    #[arg(long, env = "OUTBOX_CA_FILE", global = true)]
+    pub ca_file: Option<std::path::PathBuf>,
+}
+
+/// Commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the gRPC server (the default).
+    Serve,
+    /// Apply database migrations and exit.
+    Migrate,
+    /// Record an intent (direct mode).
+    Enqueue {
+        /// Routing key.
+        #[arg(long)]
+        kind: String,
+        /// Payload text.
+        #[arg(long, default_value = "")]
+        payload: String,
+        /// Media type of the payload.
+        #[arg(long, default_value = "application/json")]
+        content_type: String,
+        /// Region ('' = any).
+        #[arg(long, default_value = "")]
+        region: String,
+        /// Idempotency key.
+        #[arg(long, default_value = "")]
+        key: String,
+        /// Claims allowed before dead-lettering (0 = server default).
+        #[arg(long, default_value_t = 0)]
+        max_attempts: i32,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Lease intents as a worker.
+    Claim {
+        /// Worker id.
+        #[arg(long, default_value = "cli")]
+        worker: String,
+        /// Worker region.
+        #[arg(long, default_value = "")]
+        region: String,
+        /// Only these kinds (repeatable).
+        #[arg(long)]
+        kind: Vec<String>,
+        /// Most intents.
+        #[arg(long, default_value_t = 10)]
+        max: i32,
+        /// Lease length, e.g. 30s.
+        #[arg(long, value_parser = config::duration)]
+        lease: Option<Duration>,
+        /// Long-poll up to this long, e.g. 5s.
+        #[arg(long, value_parser = config::duration)]
+        wait: Option<Duration>,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Tell outboxd a lease's external call is starting.
+    MarkSubmitted {
+        #[command(flatten)]
+        lease: LeaseArgs,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Report a lease's side effect as done.
+    Ack {
+        #[command(flatten)]
+        lease: LeaseArgs,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Report a lease's side effect as failed.
+    Fail {
+        #[command(flatten)]
+        lease: LeaseArgs,
+        /// What is known about the side effect.
+        #[arg(long, value_enum)]
+        outcome: Outcome,
+        /// What went wrong.
+        #[arg(long, default_value = "")]
+        error: String,
+        /// RETRY only: wait this long instead of the backoff, e.g. 10s.
+        #[arg(long, value_parser = config::duration)]
+        retry_after: Option<Duration>,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Inspect intents.
+    Intents {
+        #[command(subcommand)]
+        command: IntentsCommand,
+    },
+    /// List and resolve intents awaiting an operator (NEEDS_RECONCILE, DEAD_LETTERED).
+    Reconcile {
+        #[command(subcommand)]
+        command: ReconcileCommand,
+    },
+    /// Queue statistics.
+    Stats {
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Create, list and revoke API keys (connects to the database as the schema owner).
+    Keys {
+        #[command(subcommand)]
+        command: KeysCommand,
+    },
+}
+
+/// API key commands.
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// Create a key and print its secret (shown only this once).
+    Create {
+        /// Label, e.g. "billing-worker".
+        #[arg(long)]
+        name: String,
+        /// Tenant the key acts for (repeatable).
+        #[arg(long = "tenant", required_unless_present = "all_tenants")]
+        tenants: Vec<String>,
+        /// Act for every tenant (fleet workers, admins).
+        #[arg(long, conflicts_with = "tenants")]
+        all_tenants: bool,
+        /// Scope: produce, consume, operate, admin (repeatable).
+        #[arg(long = "scope", required = true, value_parser = clap::builder::PossibleValuesParser::new(Permission::NAMES))]
+        scopes: Vec<String>,
+        /// Limit the key to these regions (repeatable; default: any).
+        #[arg(long = "region")]
+        regions: Vec<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List keys (never their secrets).
+    List {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke a key by id or name.
+    Revoke {
+        /// Key id or name.
+        key: String,
+    },
+}
+
+/// A lease on the command line.
+#[derive(Debug, Args)]
+pub struct LeaseArgs {
+    /// Intent id.
+    #[arg(long)]
+    pub intent: String,
+    /// Lease id from claim.
+    #[arg(long)]
+    pub lease: String,
+}
+
+/// Intent inspection commands.
+#[derive(Debug, Subcommand)]
+pub enum IntentsCommand {
+    /// List intents, oldest first.
+    List {
+        /// Only these states (repeatable), e.g. needs_reconcile.
+        #[arg(long, value_parser = parse_state)]
+        state: Vec<IntentState>,
+        /// Only this kind.
+        #[arg(long, default_value = "")]
+        kind: String,
+        /// Only this region.
+        #[arg(long, default_value = "")]
+        region: String,
+        /// Most intents.
+        #[arg(long, default_value_t = 50)]
+        limit: i32,
+        /// Continue after this page token.
+        #[arg(long, default_value = "")]
+        page_token: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Show one intent with its payload and decisions.
+    Get {
+        /// Intent id.
+        id: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+/// Reconcile commands.
+#[derive(Debug, Subcommand)]
+pub enum ReconcileCommand {
+    /// List intents awaiting a decision.
+    List {
+        /// Most intents.
+        #[arg(long, default_value_t = 50)]
+        limit: i32,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Record a decision, by id (--id, repeatable) or by filter (--state ...).
+    Resolve {
+        /// Intents to resolve.
+        #[arg(long = "id", conflicts_with = "state")]
+        ids: Vec<String>,
+        /// Resolve every intent in these states (needs_reconcile, dead_lettered).
+        #[arg(long, value_parser = parse_state)]
+        state: Vec<IntentState>,
+        /// Filter: only this kind.
+        #[arg(long, default_value = "")]
+        kind: String,
+        /// Filter: only this region.
+        #[arg(long, default_value = "")]
+        region: String,
+        /// Filter: most intents in this call.
+        #[arg(long, default_value_t = 0)]
+        limit: i32,
+        /// The ruling.
+        #[arg(long, value_enum)]
+        decision: DecisionArg,
+        /// Who decides (defaults to $USER).
+        #[arg(long, env = "USER", default_value = "operator")]
+        actor: String,
+        /// Why (recorded).
+        #[arg(long)]
+        reason: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+/// Fail outcomes.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum Outcome {
+    /// Did not happen; retry.
+    Retry,
+    /// Did not happen; never will.
+    Permanent,
+    /// May have happened.
+    Unknown,
+}
+
+/// Operator decisions.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum DecisionArg {
+    /// It happened.
+    Delivered,
+    /// Deliver again.
+    Requeue,
+    /// Give up.
+    Dead,
+}
+
+/// Parses a state name as the CLI shows it (`needs_reconcile` or `needs-reconcile`).
+fn parse_state(name: &str) -> Result<IntentState, String> {
+    let wanted = name.to_ascii_lowercase().replace('-', "_");
+    IntentState::ALL
+        .into_iter()
+        .find(|s| s.as_str() == wanted)
+        .ok_or_else(|| {
+            let names: Vec<&str> = IntentState::ALL.iter().map(|s| s.as_str()).collect();
+            format!("unknown state {name:?}; one of {}", names.join(", "))
+        })
+}
+
+fn variables_help() -> String {
+    let mut help = String::from("Environment variables:\n");
+    for (name, what) in config::VARIABLES {
+        help.push_str(&format!("  {name:<38} {what}\n"));
+    }
+    help
+}
+
+/// Runs a parsed command line; the exit code reports success.
+pub fn run(cli: Cli) -> ExitCode {
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let command = cli.command.unwrap_or(Command::Serve);
+    match runtime.block_on(dispatch(command, &cli.overrides)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Settings from the environment, then the `--set NAME=VALUE` flags on top.
+fn load_settings(overrides: &[String]) -> anyhow::Result<Settings> {
+    let mut vars: Vec<(String, String)> = std::env::vars().collect();
+    for o in overrides {
+        let (name, value) = o
+            .split_once('=')
+            .with_context(|| format!("--set {o:?}: expected NAME=VALUE"))?;
+        let name = if name.starts_with("OUTBOX_") {
+            name.to_owned()
+        } else {
+            format!("OUTBOX_{name}")
+        };
+        // Later pairs win: the flags override the environment.
+        vars.push((name, value.to_owned()));
+    }
+    Ok(Settings::from_vars(vars)?)
+}
+
+async fn dispatch(command: Command, overrides: &[String]) -> anyhow::Result<()> {
+    match command {
+        Command::Serve => server::serve(load_settings(overrides)?).await,
+        Command::Migrate => server::migrate(load_settings(overrides)?).await,
+        Command::Keys { command } => keys::run(load_settings(overrides)?, command).await,
+        other => operator::run(other).await,
+    }
+}

@@ -1,0 +1,422 @@
+//! The operator and walkthrough commands: a gRPC client of a running server.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use serde_json::{Value, json};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig};
+
+use super::output::{
+    decision_name, intent_json, print, print_intent_detail, print_results, state_name, time,
+};
+use super::{
+    ClientArgs, Command, DecisionArg, IntentsCommand, LeaseArgs, Outcome, ReconcileCommand,
+};
+use crate::client::{self, Client, Credentials};
+use crate::proto::v1;
+
+/// Runs one operator command against the server.
+pub(super) async fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Enqueue {
+            kind,
+            payload,
+            content_type,
+            region,
+            key,
+            max_attempts,
+            client,
+        } => {
+            let response = connect(&client)
+                .await?
+                .enqueue(v1::EnqueueRequest {
+                    intents: vec![v1::NewIntent {
+                        kind,
+                        payload: payload.into_bytes(),
+                        content_type,
+                        region,
+                        idempotency_key: key,
+                        max_attempts,
+                        ..Default::default()
+                    }],
+                    txn_token: String::new(),
+                })
+                .await?
+                .into_inner();
+            print(
+                &client,
+                json!(response.results.iter().map(|r| json!({
+                "id": r.id, "state": state_name(r.state), "deduplicated": r.deduplicated,
+            })).collect::<Vec<_>>()),
+                || {
+                    for r in &response.results {
+                        let dedup = if r.deduplicated {
+                            " (deduplicated)"
+                        } else {
+                            ""
+                        };
+                        println!("{}  {}{dedup}", r.id, state_name(r.state));
+                    }
+                },
+            )
+        }
+        Command::Claim {
+            worker,
+            region,
+            kind,
+            max,
+            lease,
+            wait,
+            client,
+        } => {
+            let response = connect(&client)
+                .await?
+                .claim(v1::ClaimRequest {
+                    worker_id: worker,
+                    region,
+                    kinds: kind,
+                    max_intents: max,
+                    lease_duration: lease.map(duration),
+                    wait: wait.map(duration),
+                    request_id: String::new(),
+                })
+                .await?
+                .into_inner();
+            print(
+                &client,
+                json!(
+                    response
+                        .leases
+                        .iter()
+                        .map(|l| json!({
+                            "lease_id": l.lease_id, "attempt": l.attempt,
+                            "lease_expires_at": time(l.lease_expires_at.as_ref()),
+                            "intent": l.intent.as_ref().map(intent_json),
+                        }))
+                        .collect::<Vec<_>>()
+                ),
+                || {
+                    if response.leases.is_empty() {
+                        println!("no intents available");
+                    }
+                    for l in &response.leases {
+                        let i = l.intent.clone().unwrap_or_default();
+                        println!(
+                            "intent {}  lease {}  attempt {}  kind {}  payload {}",
+                            i.id,
+                            l.lease_id,
+                            l.attempt,
+                            i.kind,
+                            String::from_utf8_lossy(&i.payload)
+                        );
+                    }
+                },
+            )
+        }
+        Command::MarkSubmitted { lease, client } => {
+            let response = connect(&client)
+                .await?
+                .mark_submitted(v1::MarkSubmittedRequest {
+                    leases: vec![lease.into()],
+                })
+                .await?
+                .into_inner();
+            print_results(&client, &response.results)
+        }
+        Command::Ack { lease, client } => {
+            let response = connect(&client)
+                .await?
+                .ack(v1::AckRequest {
+                    leases: vec![lease.into()],
+                })
+                .await?
+                .into_inner();
+            print_results(&client, &response.results)
+        }
+        Command::Fail {
+            lease,
+            outcome,
+            error,
+            retry_after,
+            client,
+        } => {
+            let outcome = match outcome {
+                Outcome::Retry => v1::FailOutcome::Retry,
+                Outcome::Permanent => v1::FailOutcome::Permanent,
+                Outcome::Unknown => v1::FailOutcome::Unknown,
+            };
+            let response = connect(&client)
+                .await?
+                .fail(v1::FailRequest {
+                    failures: vec![v1::Failure {
+                        lease: Some(lease.into()),
+                        error,
+                        outcome: outcome as i32,
+                        retry_after: retry_after.map(duration),
+                    }],
+                })
+                .await?
+                .into_inner();
+            print_results(&client, &response.results)
+        }
+        Command::Intents {
+            command:
+                IntentsCommand::List {
+                    state,
+                    kind,
+                    region,
+                    limit,
+                    page_token,
+                    client,
+                },
+        } => {
+            list(
+                &client,
+                state
+                    .into_iter()
+                    .map(|s| v1::IntentState::from(s) as i32)
+                    .collect(),
+                kind,
+                region,
+                limit,
+                page_token,
+            )
+            .await
+        }
+        Command::Intents {
+            command: IntentsCommand::Get { id, client },
+        } => {
+            let response = connect(&client)
+                .await?
+                .get_intent(v1::GetIntentRequest { id })
+                .await?
+                .into_inner();
+            let intent = response.intent.unwrap_or_default();
+            let resolutions: Vec<Value> = response.resolutions.iter().map(|r| json!({
+                "decision": decision_name(r.decision), "from_state": state_name(r.from_state),
+                "actor": r.actor, "reason": r.reason, "resolved_at": time(r.resolved_at.as_ref()),
+            })).collect();
+            print(
+                &client,
+                json!({ "intent": intent_json(&intent), "resolutions": resolutions }),
+                || {
+                    print_intent_detail(&intent);
+                    for r in &response.resolutions {
+                        println!(
+                            "resolution:      {} (was {}) by {} at {}: {}",
+                            decision_name(r.decision),
+                            state_name(r.from_state),
+                            r.actor,
+                            time(r.resolved_at.as_ref()),
+                            r.reason
+                        );
+                    }
+                },
+            )
+        }
+        Command::Reconcile {
+            command: ReconcileCommand::List { limit, client },
+        } => {
+            let states = vec![
+                v1::IntentState::NeedsReconcile as i32,
+                v1::IntentState::DeadLettered as i32,
+            ];
+            list(
+                &client,
+                states,
+                String::new(),
+                String::new(),
+                limit,
+                String::new(),
+            )
+            .await
+        }
+        Command::Reconcile {
+            command:
+                ReconcileCommand::Resolve {
+                    ids,
+                    state,
+                    kind,
+                    region,
+                    limit,
+                    decision,
+                    actor,
+                    reason,
+                    client,
+                },
+        } => {
+            let target = if ids.is_empty() {
+                v1::reconcile_request::Target::Filter(v1::ReconcileFilter {
+                    states: state
+                        .into_iter()
+                        .map(|s| v1::IntentState::from(s) as i32)
+                        .collect(),
+                    kind,
+                    region,
+                    created_before: None,
+                })
+            } else {
+                v1::reconcile_request::Target::Ids(v1::ReconcileIds { ids })
+            };
+            let decision = match decision {
+                DecisionArg::Delivered => v1::Decision::Delivered,
+                DecisionArg::Requeue => v1::Decision::Requeue,
+                DecisionArg::Dead => v1::Decision::Dead,
+            };
+            let response = connect(&client)
+                .await?
+                .reconcile(v1::ReconcileRequest {
+                    target: Some(target),
+                    decision: decision as i32,
+                    actor,
+                    reason,
+                    limit,
+                })
+                .await?
+                .into_inner();
+            let results: Vec<v1::LeaseResult> = response
+                .results
+                .into_iter()
+                .map(|r| v1::LeaseResult {
+                    intent_id: r.intent_id,
+                    error: r.error,
+                    state: r.state,
+                    lease_expires_at: None,
+                })
+                .collect();
+            print_results(&client, &results)
+        }
+        Command::Stats { client } => {
+            let stats = connect(&client)
+                .await?
+                .get_queue_stats(v1::GetQueueStatsRequest {})
+                .await?
+                .into_inner();
+            let counts: Vec<Value> = stats
+                .counts
+                .iter()
+                .map(|c| {
+                    json!({
+                        "state": state_name(c.state), "region": c.region, "count": c.count,
+                    })
+                })
+                .collect();
+            print(
+                &client,
+                json!({
+                    "counts": counts,
+                    "oldest_pending_at": time(stats.oldest_pending_at.as_ref()),
+                    "oldest_staged_at": time(stats.oldest_staged_at.as_ref()),
+                    "reconcile_backlog": stats.reconcile_backlog,
+                }),
+                || {
+                    println!("{:<16} {:<12} {:>10}", "STATE", "REGION", "COUNT");
+                    for c in &stats.counts {
+                        let region = if c.region.is_empty() {
+                            "(any)"
+                        } else {
+                            &c.region
+                        };
+                        println!("{:<16} {:<12} {:>10}", state_name(c.state), region, c.count);
+                    }
+                    println!("reconcile backlog: {}", stats.reconcile_backlog);
+                    println!(
+                        "oldest claimable pending since: {}",
+                        time(stats.oldest_pending_at.as_ref())
+                    );
+                    println!(
+                        "oldest staged since: {}",
+                        time(stats.oldest_staged_at.as_ref())
+                    );
+                },
+            )
+        }
+        Command::Serve | Command::Migrate | Command::Keys { .. } => {
+            unreachable!("server and key commands are dispatched by cli::dispatch")
+        }
+    }
+}
+
+async fn connect(args: &ClientArgs) -> anyhow::Result<Client> {
+    let mut endpoint = Channel::from_shared(args.server.clone())
+        .with_context(|| format!("{:?} is not a server URL", args.server))?;
+    if let Some(ca) = &args.ca_file {
+        let pem = std::fs::read(ca).with_context(|| format!("cannot read {}", ca.display()))?;
+        endpoint = endpoint
+            .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)))?;
+    }
+    let channel = endpoint.connect().await.with_context(|| {
+        format!(
+            "cannot reach outboxd at {} (is `outboxd serve` running?)",
+            args.server
+        )
+    })?;
+    let credentials = Credentials::new(args.api_key.as_deref(), args.tenant.as_deref())?;
+    Ok(client::client(channel, credentials))
+}
+
+async fn list(
+    client: &ClientArgs,
+    states: Vec<i32>,
+    kind: String,
+    region: String,
+    limit: i32,
+    page_token: String,
+) -> anyhow::Result<()> {
+    let response = connect(client)
+        .await?
+        .list_intents(v1::ListIntentsRequest {
+            states,
+            kind,
+            region,
+            page_size: limit,
+            page_token,
+            include_payload: false,
+        })
+        .await?
+        .into_inner();
+    print(
+        client,
+        json!({
+            "intents": response.intents.iter().map(intent_json).collect::<Vec<_>>(),
+            "next_page_token": response.next_page_token,
+        }),
+        || {
+            println!(
+                "{:<36}  {:<16} {:<24} {:<8} {:>8}  LAST ERROR",
+                "ID", "STATE", "KIND", "REGION", "ATTEMPTS"
+            );
+            for i in &response.intents {
+                println!(
+                    "{:<36}  {:<16} {:<24} {:<8} {:>4}/{:<3}  {}",
+                    i.id,
+                    state_name(i.state),
+                    i.kind,
+                    i.region,
+                    i.attempts,
+                    i.max_attempts,
+                    i.last_error
+                );
+            }
+            if !response.next_page_token.is_empty() {
+                println!("more: --page-token {}", response.next_page_token);
+            }
+        },
+    )
+}
+
+impl From<LeaseArgs> for v1::LeaseRef {
+    fn from(l: LeaseArgs) -> Self {
+        Self {
+            intent_id: l.intent,
+            lease_id: l.lease,
+        }
+    }
+}
+
+fn duration(d: Duration) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}

@@ -1,0 +1,103 @@
+//! How the operator commands print: text a person can read, or JSON with `--json`.
+
+use serde_json::{Value, json};
+
+use super::ClientArgs;
+use crate::proto::{from_timestamp, v1};
+
+pub(super) fn print(args: &ClientArgs, value: Value, text: impl FnOnce()) -> anyhow::Result<()> {
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    } else {
+        text();
+    }
+    Ok(())
+}
+
+/// Prints per-item results; fails the command when any item failed, so scripts notice.
+pub(super) fn print_results(args: &ClientArgs, results: &[v1::LeaseResult]) -> anyhow::Result<()> {
+    print(args, json!(results.iter().map(|r| json!({
+        "intent_id": r.intent_id,
+        "state": state_name(r.state),
+        "error": r.error.as_ref().map(|e| json!({"code": e.code, "reason": e.reason, "message": e.message})),
+    })).collect::<Vec<_>>()), || {
+        for r in results {
+            match &r.error {
+                None => println!("{}  ok  now {}", r.intent_id, state_name(r.state)),
+                Some(e) => println!("{}  {}  {}", r.intent_id, e.reason, e.message),
+            }
+        }
+    })?;
+    let failed = results.iter().filter(|r| r.error.is_some()).count();
+    anyhow::ensure!(
+        failed == 0,
+        "{failed} of {} items were not applied",
+        results.len()
+    );
+    Ok(())
+}
+
+pub(super) fn print_intent_detail(i: &v1::Intent) {
+    println!("id:              {}", i.id);
+    println!("state:           {}", state_name(i.state));
+    println!("kind:            {}", i.kind);
+    println!(
+        "region:          {}",
+        if i.region.is_empty() {
+            "(any)"
+        } else {
+            &i.region
+        }
+    );
+    println!("attempts:        {}/{}", i.attempts, i.max_attempts);
+    println!("idempotency key: {}", i.idempotency_key);
+    println!("created at:      {}", time(i.created_at.as_ref()));
+    println!("available at:    {}", time(i.available_at.as_ref()));
+    println!("worker:          {}", i.worker_id);
+    println!("last error:      {}", i.last_error);
+    println!("content type:    {}", i.content_type);
+    println!("payload:         {}", String::from_utf8_lossy(&i.payload));
+}
+
+pub(super) fn intent_json(i: &v1::Intent) -> Value {
+    json!({
+        "id": i.id,
+        "state": state_name(i.state),
+        "kind": i.kind,
+        "region": i.region,
+        "payload": String::from_utf8_lossy(&i.payload),
+        "content_type": i.content_type,
+        "idempotency_key": i.idempotency_key,
+        "headers": i.headers,
+        "attempts": i.attempts,
+        "max_attempts": i.max_attempts,
+        "available_at": time(i.available_at.as_ref()),
+        "created_at": time(i.created_at.as_ref()),
+        "updated_at": time(i.updated_at.as_ref()),
+        "lease_expires_at": time(i.lease_expires_at.as_ref()),
+        "worker_id": i.worker_id,
+        "last_error": i.last_error,
+    })
+}
+
+pub(super) fn state_name(state: i32) -> String {
+    v1::IntentState::try_from(state)
+        .map(|s| {
+            s.as_str_name()
+                .trim_start_matches("INTENT_STATE_")
+                .to_owned()
+        })
+        .unwrap_or_else(|_| state.to_string())
+}
+
+pub(super) fn decision_name(decision: i32) -> String {
+    v1::Decision::try_from(decision)
+        .map(|d| d.as_str_name().trim_start_matches("DECISION_").to_owned())
+        .unwrap_or_else(|_| decision.to_string())
+}
+
+pub(super) fn time(t: Option<&prost_types::Timestamp>) -> String {
+    t.and_then(from_timestamp)
+        .map(|t| t.to_rfc3339())
+        .unwrap_or_else(|| "-".to_owned())
+}

@@ -1,0 +1,55 @@
+//! The commands that run outboxd itself: `serve` and `migrate`.
+
+use anyhow::Context;
+
+use crate::config::Settings;
+use crate::startup::{self, Application, Runtime};
+use crate::telemetry;
+
+pub(super) async fn serve(settings: Settings) -> anyhow::Result<()> {
+    let _telemetry = telemetry::init(
+        settings.log_format,
+        &settings.log_filter,
+        settings.otel_endpoint.as_deref(),
+    )?;
+    let database = startup::prepare_database(&settings).await?;
+    let pool = startup::connect(&database.service_url, settings.max_connections).await?;
+    startup::verify_service_role(&pool).await?;
+    let listener = tokio::net::TcpListener::bind(settings.listen_addr)
+        .await
+        .with_context(|| format!("cannot listen on {}", settings.listen_addr))?;
+    let app = Application::start(&settings, pool.clone(), listener, Runtime::default()).await?;
+    let served = app.run_until_stopped().await;
+    pool.close().await;
+    stop_embedded(database.embedded).await?;
+    served
+}
+
+pub(super) async fn stop_embedded(
+    cluster: Option<crate::embedded::EmbeddedPostgres>,
+) -> anyhow::Result<()> {
+    if let Some(mut cluster) = cluster {
+        tokio::task::spawn_blocking(move || cluster.stop()).await??;
+        tracing::info!("embedded PostgreSQL stopped");
+    }
+    Ok(())
+}
+
+pub(super) async fn migrate(settings: Settings) -> anyhow::Result<()> {
+    telemetry::install(settings.log_format, &settings.log_filter, None);
+    let both_or_neither = settings.database_url.is_some() == settings.migration_url.is_some();
+    if both_or_neither {
+        // As a server start does: the embedded cluster, or the owner's URL, is migrated and
+        // the service role (of OUTBOX_DATABASE__URL) granted what it needs.
+        let database = startup::prepare_database(&settings).await?;
+        stop_embedded(database.embedded).await?;
+    } else {
+        let (embedded, url) = startup::owner_database(&settings).await?;
+        let pool = startup::connect(&url, 2).await?;
+        startup::migrate(&pool).await?;
+        pool.close().await;
+        stop_embedded(embedded).await?;
+    }
+    println!("migrations applied");
+    Ok(())
+}

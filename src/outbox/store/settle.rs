@@ -9,7 +9,9 @@ use sqlx::PgExecutor;
 use uuid::Uuid;
 
 use super::{BackoffParams, millis};
-use crate::outbox::{Failure, IntentId, IntentState, ItemError, ItemResult, LeaseRef, Result};
+use crate::outbox::{
+    FailOutcome, Failure, IntentId, IntentState, ItemError, ItemResult, LeaseRef, Result,
+};
 
 /// The leases of a batch, in request order: `$1` intent ids, `$2` lease ids.
 macro_rules! lease_input {
@@ -54,14 +56,17 @@ struct SettleRow {
 /// Turns statement rows into per-item results. An item that did not apply is still OK when
 /// the intent carries the presented lease and already is where this call would have put it:
 /// the caller is replaying a call whose response it lost.
-fn report(rows: Vec<SettleRow>, is_replay: impl Fn(IntentState) -> bool) -> Vec<ItemResult> {
+/// `is_replay(i, state)` says whether item `i` finding the intent in `state` is where that
+/// item's call would have put it.
+fn report(rows: Vec<SettleRow>, is_replay: impl Fn(usize, IntentState) -> bool) -> Vec<ItemResult> {
     rows.into_iter()
-        .map(|row| {
+        .enumerate()
+        .map(|(i, row)| {
             let id = IntentId(row.id);
             let error = match row.state {
                 _ if row.applied => None,
                 None => Some(ItemError::not_found(id)),
-                Some(state) if row.lease_matches && is_replay(state) => None,
+                Some(state) if row.lease_matches && is_replay(i, state) => None,
                 Some(state) => Some(ItemError::lease_lost(id, state)),
             };
             ItemResult {
@@ -112,7 +117,7 @@ pub async fn extend_leases(
     .bind(now)
     .fetch_all(db)
     .await?;
-    Ok(report(rows, |_| false))
+    Ok(report(rows, |_, _| false))
 }
 
 /// Moves LEASED intents to SUBMITTED: from now on a lost outcome needs an operator.
@@ -146,7 +151,7 @@ pub async fn mark_intents_submitted(
     .bind(now)
     .fetch_all(db)
     .await?;
-    Ok(report(rows, |s| s == IntentState::Submitted))
+    Ok(report(rows, |_, s| s == IntentState::Submitted))
 }
 
 /// Marks intents DELIVERED. Accepted from the live lease (LEASED, SUBMITTED, even if
@@ -185,7 +190,7 @@ pub async fn ack_intents(
     .bind(now)
     .fetch_all(db)
     .await?;
-    Ok(report(rows, |s| s == IntentState::Delivered))
+    Ok(report(rows, |_, s| s == IntentState::Delivered))
 }
 
 /// Records failures. RETRY → PENDING after the backoff (or `retry_after`), or
@@ -255,10 +260,11 @@ pub async fn fail_intents(
     .bind(now)
     .fetch_all(db)
     .await?;
-    Ok(report(rows, |s| {
-        matches!(
-            s,
-            IntentState::Pending | IntentState::DeadLettered | IntentState::NeedsReconcile
-        )
+    // A replay must name the outcome that put the intent where it is: a contradicting
+    // report from the same lease (RETRY, then PERMANENT) is refused, not silently ignored.
+    Ok(report(rows, |i, s| match failures[i].outcome {
+        FailOutcome::Retry => matches!(s, IntentState::Pending | IntentState::DeadLettered),
+        FailOutcome::Permanent => s == IntentState::DeadLettered,
+        FailOutcome::Unknown => s == IntentState::NeedsReconcile,
     }))
 }

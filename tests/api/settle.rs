@@ -370,8 +370,14 @@ async fn a_fail_repeated_with_another_outcome_is_refused_not_taken_as_a_replay()
     let app = TestApp::spawn().await;
     let id = app.enqueue_one("job", "{}").await;
     let lease = app.claim_n("w", 1).await.remove(0);
-    assert_item_ok(&app.fail(&lease, FailOutcome::Retry).await, IntentState::Pending);
-    assert_item_ok(&app.fail(&lease, FailOutcome::Retry).await, IntentState::Pending);
+    assert_item_ok(
+        &app.fail(&lease, FailOutcome::Retry).await,
+        IntentState::Pending,
+    );
+    assert_item_ok(
+        &app.fail(&lease, FailOutcome::Retry).await,
+        IntentState::Pending,
+    );
     for contradiction in [FailOutcome::Permanent, FailOutcome::Unknown] {
         let result = app.fail(&lease, contradiction).await;
         assert_item_error(&result, Code::FailedPrecondition, "LEASE_LOST");

@@ -1,0 +1,14 @@
+-- Raw-SQL ceiling of Enqueue: one transaction inserting :batch PENDING intents (direct
+-- mode) into outbox.intent with the tenant scope set as src/outbox/store/access.rs does.
+-- Simpler than outboxd's statement (src/outbox/store/enqueue.rs): no idempotency keys, so
+-- no ON CONFLICT probe and no join back; ids are random UUIDs generated server-side.
+-- Variables: -D batch=N.
+BEGIN;
+SELECT set_config('outbox.tenants', 'bench', true), set_config('outbox.cross_tenant', 'off', true);
+INSERT INTO outbox.intent (id, tenant_id, kind, region, payload, content_type, headers,
+                           state, max_attempts, available_at, created_at, updated_at)
+SELECT gen_random_uuid(), 'bench', 'bench.throughput', '',
+       convert_to('{"n":' || g || ',"pad":"' || repeat('x', 48) || '"}', 'UTF8'),
+       'application/json', '{}', 'pending', 5, now(), now(), now()
+FROM generate_series(1, :batch) AS g;
+COMMIT;

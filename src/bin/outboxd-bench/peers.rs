@@ -1,0 +1,407 @@
+//! The peers of `all` on the same cluster: a raw-SQL ceiling with `pgbench -f` (the same
+//! claim and ack statements and batch sizes, no service in between), and graphile-worker
+//! and pg-boss through `bench/peer.js`. A peer that cannot run gets a "not run: reason"
+//! row, never a figure.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use serde::Deserialize;
+use sqlx::{Connection, PgConnection};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use crate::meter::{Cost, Meter};
+use crate::report::{Hist, Outcome, Row};
+use crate::suite::{AllArgs, analyze, burn_down_name};
+
+/// The sizes every system runs with.
+pub struct PeerSizes {
+    pub batched: u64,
+    pub single: u64,
+    pub batch_clients: usize,
+    pub single_clients: usize,
+    pub workers: usize,
+    pub claim_batch: u32,
+    pub analyze: bool,
+}
+
+/// Enqueue batch size of every system (outboxd's largest Enqueue).
+const ENQUEUE_BATCH: u64 = 1000;
+
+const RAW: &str = "raw SQL (pgbench)";
+
+/// The three throughput scenarios, in the order they run (the burn-down drains what the
+/// two enqueue scenarios left).
+fn scenarios(s: &PeerSizes) -> [(&'static str, String); 3] {
+    [
+        (
+            "enqueue-batch",
+            format!("enqueue, batches of {ENQUEUE_BATCH}"),
+        ),
+        (
+            "enqueue-single",
+            format!("enqueue, 1 per call, {} clients", s.single_clients),
+        ),
+        ("burn-down", burn_down_name(s.workers, s.claim_batch)),
+    ]
+}
+
+fn find_pgbench(explicit: Option<&Path>) -> Option<PathBuf> {
+    if let Some(p) = explicit {
+        return Some(p.to_owned());
+    }
+    let on_path = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|d| d.join("pgbench"));
+    let debian = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("bin/pgbench"));
+    on_path.chain(debian).find(|p| p.is_file())
+}
+
+/// The raw-SQL ceiling: enqueue (batched, one per transaction) and burn-down.
+pub async fn pgbench(
+    args: &AllArgs,
+    meter: &Meter,
+    url: &str,
+    database: &str,
+    sizes: &PeerSizes,
+    rows: &mut Vec<Row>,
+) {
+    let Some(bin) = find_pgbench(args.pgbench.as_deref()) else {
+        for (key, name) in scenarios(sizes) {
+            rows.push(Row::not_run(RAW, key, &name, "no pgbench binary found"));
+        }
+        return;
+    };
+    let scripts = args.bench_dir.join("pgbench");
+    for (key, name) in scenarios(sizes) {
+        let (script, batch, clients, total) = match key {
+            "enqueue-batch" => (
+                "enqueue.sql",
+                ENQUEUE_BATCH,
+                sizes.batch_clients,
+                sizes.batched,
+            ),
+            "enqueue-single" => ("enqueue.sql", 1, sizes.single_clients, sizes.single),
+            _ => (
+                "claim_ack.sql",
+                u64::from(sizes.claim_batch),
+                sizes.workers,
+                sizes.batched + sizes.single,
+            ),
+        };
+        eprintln!("outboxd-bench: pgbench {name}");
+        let run = async {
+            let pending_before = count(url, "pending").await?;
+            let burn_down = key == "burn-down";
+            if burn_down && sizes.analyze {
+                analyze(url).await?;
+            }
+            // Whole transactions per client; the burn-down sizes itself on what is pending,
+            // with one more round, whose claims come back empty, so that none is left.
+            let per_client = if burn_down {
+                pending_before.div_ceil(batch * clients as u64) + 1
+            } else {
+                total.div_ceil(batch * clients as u64)
+            };
+            let before = meter.begin(database).await?;
+            let t0 = Instant::now();
+            let (hist, cpu) =
+                run_pgbench(&bin, url, &scripts.join(script), clients, per_client, batch).await?;
+            let seconds = t0.elapsed().as_secs_f64();
+            let after = meter.end(database).await?;
+            let pending_after = count(url, "pending").await?;
+            let intents = if burn_down {
+                ensure!(
+                    pending_after == 0,
+                    "the burn-down left {pending_after} intents pending"
+                );
+                pending_before
+            } else {
+                pending_after - pending_before
+            };
+            anyhow::Ok(Row {
+                system: RAW.to_owned(),
+                key: key.to_owned(),
+                scenario: name.clone(),
+                intents,
+                seconds,
+                throughput: true,
+                latency: Some((
+                    if burn_down { "claim+ack" } else { "call" }.to_owned(),
+                    hist,
+                )),
+                cost: Some(before.cost_to(&after, cpu)),
+                outcome: Outcome::Ran,
+            })
+        };
+        rows.push(
+            run.await.unwrap_or_else(|e| {
+                Row::not_run(RAW, key, &name, format!("pgbench failed: {e:#}"))
+            }),
+        );
+    }
+}
+
+/// Intents in `state` in the raw-SQL database.
+async fn count(url: &str, state: &str) -> anyhow::Result<u64> {
+    let mut conn = PgConnection::connect(url).await?;
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.intent WHERE state::text = $1")
+        .bind(state)
+        .fetch_one(&mut conn)
+        .await?;
+    conn.close().await?;
+    Ok(n as u64)
+}
+
+/// Runs pgbench with per-transaction logging; returns the transaction latencies and the
+/// CPU seconds pgbench used (from wait4's rusage).
+async fn run_pgbench(
+    bin: &Path,
+    url: &str,
+    script: &Path,
+    clients: usize,
+    transactions: u64,
+    batch: u64,
+) -> anyhow::Result<(Hist, Option<f64>)> {
+    let logs = std::env::temp_dir().join(format!(
+        "outboxd-bench-pgbench-{}-{}",
+        std::process::id(),
+        uuid::Uuid::new_v4().simple()
+    ));
+    std::fs::create_dir_all(&logs)?;
+    let threads = if clients.is_multiple_of(2) { 2 } else { 1 };
+    let mut cmd = std::process::Command::new(bin);
+    cmd.args(["-n", "-M", "prepared", "-l", "--log-prefix"])
+        .arg(logs.join("tx"))
+        .arg("-c")
+        .arg(clients.to_string())
+        .arg("-j")
+        .arg(threads.to_string())
+        .arg("-t")
+        .arg(transactions.to_string())
+        .arg("-D")
+        .arg(format!("batch={batch}"))
+        .arg("-f")
+        .arg(script)
+        .arg(url)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let (status, output, cpu) = tokio::task::spawn_blocking(move || run_with_rusage(cmd))
+        .await?
+        .context("cannot run pgbench")?;
+    if !status.success() || output.contains("aborted") {
+        bail!("{status}: {}", output.trim());
+    }
+    let mut hist = Hist::new();
+    for entry in std::fs::read_dir(&logs)?.flatten() {
+        let text = std::fs::read_to_string(entry.path())?;
+        // client_id transaction_no time(µs) script_no time_epoch time_us
+        for line in text.lines() {
+            if let Some(us) = line.split_whitespace().nth(2).and_then(|f| f.parse().ok()) {
+                hist.record_us(us);
+            }
+        }
+    }
+    std::fs::remove_dir_all(&logs)?;
+    Ok((hist, Some(cpu)))
+}
+
+/// Runs `cmd` to completion, returning its status, stdout + stderr, and its CPU seconds.
+fn run_with_rusage(
+    mut cmd: std::process::Command,
+) -> anyhow::Result<(std::process::ExitStatus, String, f64)> {
+    use std::os::unix::process::ExitStatusExt;
+    let mut child = cmd.spawn()?;
+    let pid = child.id() as libc::pid_t;
+    let mut stderr = child.stderr.take().expect("piped");
+    let err_thread = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let mut out = String::new();
+    child
+        .stdout
+        .take()
+        .expect("piped")
+        .read_to_string(&mut out)?;
+    let err = err_thread.join().unwrap_or_default();
+    let mut status = 0;
+    // SAFETY: an all-zero rusage is a valid value, and wait4 writes only into it and
+    // `status`; `pid` is our own child, not yet waited for (std's Child never waits on
+    // its own, and is dropped without waiting).
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let reaped = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    ensure!(reaped == pid, "wait4: {}", std::io::Error::last_os_error());
+    let seconds = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    let cpu = seconds(usage.ru_utime) + seconds(usage.ru_stime);
+    Ok((
+        std::process::ExitStatus::from_raw(status),
+        format!("{out}{err}"),
+        cpu,
+    ))
+}
+
+/// What `bench/peer.js` prints at the end of a run.
+#[derive(Deserialize)]
+struct PeerResult {
+    n: u64,
+    seconds: f64,
+    cpu_seconds: f64,
+    latencies_us: Vec<u64>,
+}
+
+/// graphile-worker or pg-boss: the three scenarios through `bench/peer.js`.
+pub async fn node(
+    args: &AllArgs,
+    meter: &Meter,
+    system: &str,
+    url: &str,
+    database: &str,
+    sizes: &PeerSizes,
+    rows: &mut Vec<Row>,
+) {
+    let script = args.bench_dir.join("peer.js");
+    let missing = if !args.bench_dir.join("node_modules").join(system).is_dir() {
+        Some(format!(
+            "{system} not installed (npm ci --prefix {})",
+            args.bench_dir.display()
+        ))
+    } else if std::process::Command::new(&args.node)
+        .arg("--version")
+        .output()
+        .map(|o| !o.status.success())
+        .unwrap_or(true)
+    {
+        Some(format!("no Node.js at {}", args.node.display()))
+    } else {
+        None
+    };
+    let mut failed = None;
+    for (key, name) in scenarios(sizes) {
+        if let Some(why) = missing.as_ref().or(failed.as_ref()) {
+            rows.push(Row::not_run(system, key, &name, why.clone()));
+            continue;
+        }
+        let (n, clients, batch) = match key {
+            "enqueue-batch" => (sizes.batched, sizes.batch_clients, ENQUEUE_BATCH),
+            "enqueue-single" => (sizes.single, sizes.single_clients, 1),
+            _ => (
+                sizes.batched + sizes.single,
+                sizes.workers,
+                u64::from(sizes.claim_batch),
+            ),
+        };
+        eprintln!("outboxd-bench: {system} {name}");
+        let peer_args = PeerArgs {
+            node: &args.node,
+            script: &script,
+            system,
+            scenario: key,
+            url,
+            n,
+            clients,
+            batch,
+        };
+        if key == "burn-down"
+            && sizes.analyze
+            && let Err(e) = analyze(url).await
+        {
+            rows.push(Row::not_run(
+                system,
+                key,
+                &name,
+                format!("ANALYZE failed: {e:#}"),
+            ));
+            continue;
+        }
+        match run_peer(meter, database, &peer_args).await {
+            Ok((result, cost)) => {
+                let mut hist = Hist::new();
+                for us in &result.latencies_us {
+                    hist.record_us(*us);
+                }
+                let what = if key == "burn-down" {
+                    "claim+ack"
+                } else {
+                    "call"
+                };
+                rows.push(Row {
+                    system: system.to_owned(),
+                    key: key.to_owned(),
+                    scenario: name,
+                    intents: result.n,
+                    seconds: result.seconds,
+                    throughput: true,
+                    latency: (!result.latencies_us.is_empty()).then(|| (what.to_owned(), hist)),
+                    cost: Some(cost),
+                    outcome: Outcome::Ran,
+                });
+            }
+            Err(e) => {
+                // A later scenario depends on the earlier ones' intents: stop here.
+                let why = format!("{system} failed: {e:#}");
+                rows.push(Row::not_run(system, key, &name, why.clone()));
+                failed = Some("an earlier scenario failed".to_owned());
+            }
+        }
+    }
+}
+
+struct PeerArgs<'a> {
+    node: &'a Path,
+    script: &'a Path,
+    system: &'a str,
+    scenario: &'a str,
+    url: &'a str,
+    n: u64,
+    clients: usize,
+    batch: u64,
+}
+
+async fn run_peer(
+    meter: &Meter,
+    database: &str,
+    a: &PeerArgs<'_>,
+) -> anyhow::Result<(PeerResult, Cost)> {
+    let mut child = tokio::process::Command::new(a.node)
+        .arg(a.script)
+        .args([a.system, a.scenario, "--url", a.url])
+        .args(["--n", &a.n.to_string()])
+        .args(["--concurrency", &a.clients.to_string()])
+        .args(["--batch", &a.batch.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .context("cannot start node")?;
+    let mut lines = BufReader::new(child.stdout.take().expect("piped")).lines();
+    let mut next_line = async || -> anyhow::Result<String> {
+        tokio::time::timeout(Duration::from_secs(600), lines.next_line())
+            .await
+            .context("peer.js silent for 10 minutes")??
+            .context("peer.js exited early")
+    };
+    let ready = next_line().await?;
+    ensure!(ready.contains("\"ready\""), "peer.js said {ready:?}");
+    let before = meter.begin(database).await?;
+    let mut stdin = child.stdin.take().expect("piped");
+    stdin.write_all(b"go\n").await?;
+    stdin.flush().await?;
+    let result: PeerResult = serde_json::from_str(&next_line().await?).context("peer.js result")?;
+    let status = child.wait().await?;
+    ensure!(status.success(), "peer.js exited with {status}");
+    let after = meter.end(database).await?;
+    let cost = before.cost_to(&after, Some(result.cpu_seconds));
+    Ok((result, cost))
+}

@@ -1,0 +1,121 @@
+//! outboxd in a child process, so that its CPU is its own and not the load generator's:
+//! the bench binary re-runs itself with the hidden `serve-child` subcommand, which serves
+//! exactly as `outboxd serve` does (same `Application`, production runtime) on a free port,
+//! prints that port, and stops gracefully when its stdin closes.
+
+use std::io::Read;
+use std::net::SocketAddr;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use outboxd::config::Settings;
+use outboxd::startup::{self, Application, Runtime};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+use crate::meter;
+
+#[derive(Debug, Args)]
+pub struct ServeChildArgs {
+    /// URL of the service role on the (migrated) outbox database.
+    #[arg(long, value_name = "URL")]
+    pub service_url: String,
+    /// Set TCP_NODELAY on the listening socket, which Linux copies to every accepted one
+    /// (outboxd itself leaves Nagle on: see `AllArgs::tcp_nodelay`).
+    #[arg(long)]
+    pub tcp_nodelay: bool,
+}
+
+/// The child's side: serve until stdin reaches end of file.
+pub async fn serve_child(args: &ServeChildArgs, settings: Settings) -> anyhow::Result<()> {
+    let pool = startup::connect(&args.service_url, settings.max_connections).await?;
+    startup::verify_service_role(&pool).await?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    if args.tcp_nodelay {
+        set_nodelay(&listener)?;
+    }
+    let settings = Settings {
+        metrics_addr: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+        ..settings
+    };
+    let server = Application::start(&settings, pool.clone(), listener, Runtime::default()).await?;
+    println!("listening {}", server.local_addr());
+    tokio::task::spawn_blocking(|| {
+        let mut sink = Vec::new();
+        std::io::stdin().read_to_end(&mut sink)
+    })
+    .await??;
+    server.stop().await?;
+    pool.close().await;
+    Ok(())
+}
+
+fn set_nodelay(listener: &tokio::net::TcpListener) -> anyhow::Result<()> {
+    use std::os::fd::AsRawFd;
+    let on: libc::c_int = 1;
+    // SAFETY: a valid socket descriptor, and a pointer to an int of the size passed.
+    let rc = unsafe {
+        libc::setsockopt(
+            listener.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_NODELAY,
+            (&raw const on).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    anyhow::ensure!(rc == 0, "TCP_NODELAY: {}", std::io::Error::last_os_error());
+    Ok(())
+}
+
+/// The parent's handle on a serving child.
+pub struct ServerProcess {
+    child: Child,
+    pid: u32,
+    pub endpoint: String,
+}
+
+impl ServerProcess {
+    pub async fn spawn(service_url: &str, tcp_nodelay: bool) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe().context("cannot find the bench binary")?;
+        let mut child = Command::new(exe)
+            .args(["serve-child", "--service-url", service_url])
+            .args(tcp_nodelay.then_some("--tcp-nodelay"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .context("cannot start the outboxd child process")?;
+        let pid = child.id().context("child exited at once")?;
+        let stdout = child.stdout.take().expect("piped");
+        let mut lines = BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+            .await
+            .context("outboxd child did not start within 60 s")??;
+        let Some(addr) = line.as_deref().and_then(|l| l.strip_prefix("listening ")) else {
+            bail!("outboxd child said {line:?} instead of its address");
+        };
+        Ok(Self {
+            endpoint: format!("http://{addr}"),
+            child,
+            pid,
+        })
+    }
+
+    /// CPU seconds the server has used so far.
+    pub fn cpu(&self) -> Option<f64> {
+        meter::process_cpu(self.pid)
+    }
+
+    /// Graceful stop: close stdin, wait for the child to drain and exit.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        drop(self.child.stdin.take());
+        let status = tokio::time::timeout(Duration::from_secs(60), self.child.wait())
+            .await
+            .context("outboxd child did not stop within 60 s")??;
+        anyhow::ensure!(status.success(), "outboxd child exited with {status}");
+        Ok(())
+    }
+}

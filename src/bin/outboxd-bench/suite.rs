@@ -1,0 +1,973 @@
+//! `all`: the throughput and latency scenarios of issue 7 for outboxd (a child server
+//! process on a fresh outbox database) and for the peers on the same cluster, printed as
+//! one table. Implemented: 1 enqueue (batched; one intent per call from many clients),
+//! 2 burn-down, 4 enqueue → claim latency at fixed offered rates, 5 commit → claimable
+//! (the `txn-latency` measurement). Not yet: 3 steady state, 6 large history / pinned xmin.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use clap::Args;
+use outboxd::client::Client;
+use outboxd::config::Settings;
+use outboxd::proto::v1;
+use outboxd::startup::{self, EMBEDDED_SERVICE_ROLE};
+use sqlx::{Connection, PgConnection};
+use tokio::sync::Mutex;
+use tokio::task::JoinSet;
+use uuid::Uuid;
+
+use crate::harness::{
+    Bench, Cluster, ClusterArgs, connect_client, create_key, load_average, machine_info, with_login,
+};
+use crate::meter::Meter;
+use crate::peers::{self, PeerSizes};
+use crate::report::{Hist, Outcome, Row, print_rows};
+use crate::server::ServerProcess;
+use crate::txn_latency::{self, Producer, Scenario, WARMUP};
+
+/// Padding of every intent's JSON payload, the same for every system (bench/peer.js uses
+/// 48 too): `{"n":123,"pad":"xxx…"}` is about 70 bytes.
+pub const PAYLOAD_PAD: usize = 48;
+
+/// A single Enqueue, Claim or Ack carries at most this many items (the server's default
+/// `OUTBOX_LIMITS__MAX_BATCH`).
+const MAX_BATCH: usize = 1000;
+
+/// A rate is sustainable when this share of the offered intents was sent on time...
+const SUSTAINED_SHARE: f64 = 0.95;
+/// ...every one was claimed within this long after the last was sent...
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+/// ...and the p99 of enqueue → claim stayed below this.
+const SUSTAINED_P99_MS: f64 = 50.0;
+
+/// Most Enqueue calls in flight in the fixed-rate scenario before the producer counts
+/// itself as falling behind.
+const MAX_IN_FLIGHT: usize = 1024;
+
+#[derive(Debug, Args)]
+pub struct AllArgs {
+    /// Small N, seconds in all: the CI smoke run (figures printed, nothing asserted).
+    #[arg(long)]
+    pub smoke: bool,
+    /// Intents enqueued in batches of 1000 [200000; smoke 4000].
+    #[arg(long, value_name = "N")]
+    pub batched: Option<u64>,
+    /// Intents enqueued one per call [19200; smoke 1024].
+    #[arg(long, value_name = "N")]
+    pub single: Option<u64>,
+    /// Concurrent clients of the batched enqueue [4; smoke 2].
+    #[arg(long, value_name = "N")]
+    pub batch_clients: Option<usize>,
+    /// Concurrent clients of the one-per-call enqueue [64; smoke 16].
+    #[arg(long, value_name = "N")]
+    pub single_clients: Option<usize>,
+    /// Workers of the burn-down [4; smoke 2].
+    #[arg(long, value_name = "N")]
+    pub workers: Option<usize>,
+    /// Intents per Claim (and per Ack) in the burn-down, for every system.
+    #[arg(long, default_value_t = 100, value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub claim_batch: u32,
+    /// Seconds per offered rate in the enqueue → claim scenario [10; smoke 1].
+    #[arg(long, value_name = "S")]
+    pub rate_seconds: Option<f64>,
+    /// Finished (delivered) rows put in the table before the large-history scenario
+    /// [1000000; smoke 20000].
+    #[arg(long, value_name = "N")]
+    pub history: Option<u64>,
+    /// Seconds of the scenario run while an idle-in-transaction session pins xmin
+    /// [30; smoke 2].
+    #[arg(long, value_name = "S")]
+    pub pinned_seconds: Option<f64>,
+    /// Iterations of the commit → claimable scenarios [200; smoke 20].
+    #[arg(long, value_name = "N")]
+    pub txn_iterations: Option<usize>,
+    /// Run outboxd with TCP_NODELAY on its accepted connections. outboxd as shipped leaves
+    /// Nagle's algorithm on (tonic's `serve_with_incoming` does not set it), which stalls a
+    /// response queued behind an unacknowledged one on the same connection until the
+    /// client's delayed ACK (about 40 ms on Linux): back-to-back calls of one client pay it.
+    #[arg(long)]
+    pub tcp_nodelay: bool,
+    /// Do not ANALYZE before the burn-downs. By default every system's database is
+    /// analyzed right before its burn-down, so that each plans its claim on statistics that
+    /// know the backlog: without it, whether autovacuum has analyzed the freshly filled
+    /// table yet decides the plan (outboxd's claim then sorts the whole backlog per call).
+    #[arg(long)]
+    pub no_analyze: bool,
+    /// Skip graphile-worker, pg-boss and pgbench.
+    #[arg(long)]
+    pub no_peers: bool,
+    /// Folder of the peer harnesses (package.json, peer.js, pgbench/*.sql).
+    #[arg(long, value_name = "DIR", default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/bench"))]
+    pub bench_dir: PathBuf,
+    /// pgbench binary [pgbench on PATH, else /usr/lib/postgresql/*/bin/pgbench].
+    #[arg(long, value_name = "PATH")]
+    pub pgbench: Option<PathBuf>,
+    /// Node.js binary for the npm peers.
+    #[arg(long, value_name = "PATH", default_value = "node")]
+    pub node: PathBuf,
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
+}
+
+/// The sizes of one run, from the arguments and the mode.
+pub struct Sizes {
+    pub batched: u64,
+    pub single: u64,
+    pub batch_clients: usize,
+    pub single_clients: usize,
+    pub workers: usize,
+    pub claim_batch: u32,
+    rate_seconds: f64,
+    history: u64,
+    pinned_seconds: f64,
+    txn_iterations: usize,
+    /// Offered rates measured always, then (full runs) doubled from the last until one
+    /// is not sustainable.
+    rates: Vec<u32>,
+    search: bool,
+    pub analyze: bool,
+}
+
+impl Sizes {
+    fn of(a: &AllArgs) -> Self {
+        let s = a.smoke;
+        Self {
+            // Multiples of what the clients take per round, so that pgbench (whole
+            // transactions per client) enqueues exactly as many.
+            batched: a.batched.unwrap_or(if s { 4_000 } else { 200_000 }),
+            single: a.single.unwrap_or(if s { 1_024 } else { 19_200 }),
+            batch_clients: a.batch_clients.unwrap_or(if s { 2 } else { 4 }).max(1),
+            single_clients: a.single_clients.unwrap_or(if s { 16 } else { 64 }).max(1),
+            workers: a.workers.unwrap_or(if s { 2 } else { 4 }).max(1),
+            claim_batch: a.claim_batch,
+            rate_seconds: a.rate_seconds.unwrap_or(if s { 1.0 } else { 10.0 }),
+            history: a.history.unwrap_or(if s { 20_000 } else { 1_000_000 }),
+            pinned_seconds: a.pinned_seconds.unwrap_or(if s { 2.0 } else { 30.0 }),
+            txn_iterations: a.txn_iterations.unwrap_or(if s { 20 } else { 200 }).max(1),
+            rates: vec![100, 1000],
+            search: !s,
+            analyze: !a.no_analyze,
+        }
+    }
+}
+
+/// Where outboxd's scenarios run: a migrated database and keys for it.
+struct Target {
+    tcp_nodelay: bool,
+    owner_url: String,
+    database: String,
+    service_url: String,
+    producer_key: String,
+    worker_key: String,
+}
+
+pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyhow::Result<()> {
+    let sizes = Sizes::of(args);
+    let admin_url = cluster.admin_url()?;
+    let mut admin = PgConnection::connect(&admin_url)
+        .await
+        .context("cannot connect to the cluster")?;
+    let info = machine_info(&mut admin, cluster).await?;
+    let base = format!(
+        "outboxd_bench_{}",
+        &Uuid::new_v4().simple().to_string()[..12]
+    );
+    let meter = Meter::new(&admin_url).await?;
+    let load_at_start = load_average();
+    let started = Instant::now();
+
+    let mut rows = Vec::new();
+    let target = Target {
+        tcp_nodelay: args.tcp_nodelay,
+        ..prepare_outbox(cluster, &mut admin, &base).await?
+    };
+    eprintln!("outboxd-bench: outboxd scenarios on {}", target.database);
+    outboxd_throughput(&meter, &target, &sizes, &mut rows).await?;
+    outboxd_rates(&meter, &target, &sizes, &mut rows).await?;
+    history_and_pinned_xmin(cluster, &meter, &target, &sizes, &mut rows).await?;
+    commit_to_claimable(cluster, &settings, &sizes, &mut rows).await?;
+
+    if args.no_peers {
+        rows.push(Row::not_run("peers", "-", "all", "--no-peers"));
+    } else {
+        let peer_sizes = PeerSizes {
+            batched: sizes.batched,
+            single: sizes.single,
+            batch_clients: sizes.batch_clients,
+            single_clients: sizes.single_clients,
+            workers: sizes.workers,
+            claim_batch: sizes.claim_batch,
+            analyze: sizes.analyze,
+        };
+        // The raw-SQL ceiling runs on its own migrated outbox database, fresh as outboxd's.
+        let raw_db = format!("{base}_raw");
+        create_database(&mut admin, &raw_db).await?;
+        let raw_url = cluster.url(&raw_db)?;
+        let owner = startup::connect(&raw_url, 2).await?;
+        startup::migrate(&owner).await?;
+        owner.close().await;
+        peers::pgbench(args, &meter, &raw_url, &raw_db, &peer_sizes, &mut rows).await;
+        for system in ["graphile-worker", "pg-boss"] {
+            let db = format!("{base}_{}", system.replace('-', "_"));
+            create_database(&mut admin, &db).await?;
+            let url = cluster.url(&db)?;
+            peers::node(args, &meter, system, &url, &db, &peer_sizes, &mut rows).await;
+        }
+    }
+    let load_at_end = load_average();
+    if matches!(cluster, Cluster::External { .. }) {
+        for db in [
+            target.database.clone(),
+            format!("{base}_raw"),
+            format!("{base}_graphile_worker"),
+            format!("{base}_pg_boss"),
+        ] {
+            sqlx::query(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+                .execute(&mut admin)
+                .await?;
+        }
+    }
+    admin.close().await?;
+
+    println!(
+        "## outboxd-bench all{}\n",
+        if args.smoke { " --smoke" } else { "" }
+    );
+    println!("{info}");
+    println!(
+        "outboxd's gRPC sockets: {}",
+        if args.tcp_nodelay {
+            "TCP_NODELAY set by the bench (--tcp-nodelay), not as shipped"
+        } else {
+            "as shipped, Nagle on (run with --tcp-nodelay to compare)"
+        }
+    );
+    println!(
+        "load average (1 min): {load_at_start} at start, {load_at_end} at end; {:.0} s in all",
+        started.elapsed().as_secs_f64()
+    );
+    println!(
+        "statistics: {}\nsizes: {} intents batched ({} per call, {} clients), {} one per call ({} clients); \
+         burn-down of all of them by {} workers, {} per Claim and per Ack; {} s per offered \
+         rate; {} commit → claimable iterations\n",
+        if sizes.analyze {
+            "each database ANALYZEd right before its burn-down"
+        } else {
+            "not refreshed before the burn-downs (--no-analyze): autovacuum's timing decides"
+        },
+        sizes.batched,
+        MAX_BATCH,
+        sizes.batch_clients,
+        sizes.single,
+        sizes.single_clients,
+        sizes.workers,
+        sizes.claim_batch,
+        sizes.rate_seconds,
+        sizes.txn_iterations
+    );
+    print_rows(&rows);
+    println!();
+    print_notes();
+    Ok(())
+}
+
+fn print_notes() {
+    for note in [
+        "**outboxd** runs in a child process (`serve-child`: the same `Application` as \
+         `outboxd serve`, as the non-owner role with row-level security, API keys), a fresh \
+         one per section; the load generator is this process, over gRPC on loopback.",
+        "**raw SQL (pgbench)**: `bench/pgbench/*.sql` through `pgbench -M prepared` as a \
+         superuser, no service in between: the claim CTE of `claim.rs` and the ack statement \
+         of `settle.rs` in one transaction each, tenant settings as `access.rs`; enqueue is a \
+         plain INSERT … SELECT of the batch (no idempotency probe). Its latency is one pgbench \
+         transaction: enqueue one batch, or claim + ack one batch.",
+        "**graphile-worker, pg-boss**: `bench/peer.js` (versions pinned in \
+         `bench/package.json`), batched add (`addJobs`, `insert`) and one job per call \
+         (`addJob`, `send`); burn-down by graphile-worker's runner with a local queue of the \
+         claim batch and batched completion, and by pg-boss `fetch(batchSize)` + \
+         `complete(ids)` loops. graphile-worker's runner gives no per-batch latency.",
+        "**latency of**: `call` is one Enqueue (or add/insert/send) call; `claim+ack` one \
+         Claim of a batch plus its Ack; `enqueue OK → claim` the time from the producer's \
+         Enqueue returning to a long-polling worker's Claim returning the intent (negative \
+         samples, the worker first, count as 0); `COMMIT → claim` the two-phase token's \
+         latency as in `txn-latency`.",
+        "**× outboxd**: the row's throughput divided by outboxd's for the same scenario. \
+         **app CPU**: the outboxd server process (not the load generator), pgbench, or the \
+         Node process (library and load generator together). **PG CPU**: every process of \
+         the cluster. **commits**: `pg_stat_database.xact_commit` of the database (read-only transactions \
+         included); **write txns**: transaction ids assigned in the cluster, each a commit \
+         that flushes WAL; **WAL**: \
+         `pg_current_wal_lsn` difference (cluster-wide). Each section starts after a \
+         CHECKPOINT. Per 1k intents of the row.",
+    ] {
+        println!("- {note}");
+    }
+}
+
+/// ANALYZE every table of the database at `url` (see `AllArgs::no_analyze`).
+pub async fn analyze(url: &str) -> anyhow::Result<()> {
+    let mut conn = PgConnection::connect(url).await?;
+    sqlx::query("ANALYZE").execute(&mut conn).await?;
+    conn.close().await?;
+    Ok(())
+}
+
+async fn create_database(admin: &mut PgConnection, name: &str) -> anyhow::Result<()> {
+    // Generated names, not input: nothing to inject.
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&mut *admin)
+        .await
+        .with_context(|| format!("CREATE DATABASE {name}"))?;
+    Ok(())
+}
+
+/// A migrated outbox database with the service role and one producer and one worker key.
+async fn prepare_outbox(
+    cluster: &Cluster,
+    admin: &mut PgConnection,
+    base: &str,
+) -> anyhow::Result<Target> {
+    let database = base.to_owned();
+    create_database(admin, &database).await?;
+    let url = cluster.url(&database)?;
+    let owner = startup::connect(&url, 2).await?;
+    startup::migrate(&owner).await?;
+    startup::grant_service_role(&owner, EMBEDDED_SERVICE_ROLE, true).await?;
+    let producer_key = create_key(&owner, "bench-producer", "produce").await?;
+    let worker_key = create_key(&owner, "bench-worker", "consume").await?;
+    owner.close().await;
+    Ok(Target {
+        tcp_nodelay: false,
+        owner_url: url.clone(),
+        service_url: with_login(&url, Some(EMBEDDED_SERVICE_ROLE), &database)?,
+        database,
+        producer_key,
+        worker_key,
+    })
+}
+
+/// One measured section against a fresh outboxd child: its figures, cost and row.
+struct Section<'a> {
+    meter: &'a Meter,
+    target: &'a Target,
+    server: ServerProcess,
+    before: crate::meter::Snapshot,
+    cpu_before: Option<f64>,
+}
+
+impl<'a> Section<'a> {
+    async fn start(meter: &'a Meter, target: &'a Target) -> anyhow::Result<Self> {
+        let server = ServerProcess::spawn(&target.service_url, target.tcp_nodelay).await?;
+        let before = meter.begin(&target.database).await?;
+        let cpu_before = server.cpu();
+        Ok(Self {
+            meter,
+            target,
+            server,
+            before,
+            cpu_before,
+        })
+    }
+
+    fn endpoint(&self) -> &str {
+        &self.server.endpoint
+    }
+
+    /// Stops the server and returns the cost of the section.
+    async fn finish(self) -> anyhow::Result<crate::meter::Cost> {
+        let cpu = self.cpu_before.zip(self.server.cpu()).map(|(a, b)| b - a);
+        self.server.stop().await?;
+        let after = self.meter.end(&self.target.database).await?;
+        Ok(self.before.cost_to(&after, cpu))
+    }
+}
+
+fn new_intent(n: u64) -> v1::NewIntent {
+    v1::NewIntent {
+        kind: "bench.throughput".to_owned(),
+        payload: format!("{{\"n\":{n},\"pad\":\"{}\"}}", "x".repeat(PAYLOAD_PAD)).into_bytes(),
+        content_type: "application/json".to_owned(),
+        ..Default::default()
+    }
+}
+
+/// Scenarios 1 and 2: batched enqueue, one-per-call enqueue, then the burn-down of all.
+async fn outboxd_throughput(
+    meter: &Meter,
+    target: &Target,
+    sizes: &Sizes,
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<()> {
+    for (key, scenario, total, per_call, clients) in [
+        (
+            "enqueue-batch",
+            format!("enqueue, batches of {MAX_BATCH}"),
+            sizes.batched,
+            MAX_BATCH as u64,
+            sizes.batch_clients,
+        ),
+        (
+            "enqueue-single",
+            format!("enqueue, 1 per call, {} clients", sizes.single_clients),
+            sizes.single,
+            1,
+            sizes.single_clients,
+        ),
+    ] {
+        eprintln!("outboxd-bench: outboxd {scenario}");
+        let section = Section::start(meter, target).await?;
+        let t0 = Instant::now();
+        let hist = enqueue_closed_loop(
+            section.endpoint(),
+            &target.producer_key,
+            total,
+            per_call,
+            clients,
+        )
+        .await?;
+        let seconds = t0.elapsed().as_secs_f64();
+        let cost = section.finish().await?;
+        rows.push(Row {
+            system: "outboxd".to_owned(),
+            key: key.to_owned(),
+            scenario,
+            intents: total,
+            seconds,
+            throughput: true,
+            latency: Some(("call".to_owned(), hist)),
+            cost: Some(cost),
+            outcome: Outcome::Ran,
+        });
+    }
+
+    let total = sizes.batched + sizes.single;
+    if sizes.analyze {
+        analyze(&target.owner_url).await?;
+    }
+    eprintln!("outboxd-bench: outboxd burn-down of {total}");
+    let section = Section::start(meter, target).await?;
+    let t0 = Instant::now();
+    let (drained, hist) = burn_down(
+        section.endpoint(),
+        &target.worker_key,
+        total,
+        sizes.workers,
+        sizes.claim_batch,
+    )
+    .await?;
+    let seconds = t0.elapsed().as_secs_f64();
+    let cost = section.finish().await?;
+    ensure!(
+        drained == total,
+        "burn-down acked {drained} of {total} intents"
+    );
+    rows.push(Row {
+        system: "outboxd".to_owned(),
+        key: "burn-down".to_owned(),
+        scenario: burn_down_name(sizes.workers, sizes.claim_batch),
+        intents: drained,
+        seconds,
+        throughput: true,
+        latency: Some(("claim+ack".to_owned(), hist)),
+        cost: Some(cost),
+        outcome: Outcome::Ran,
+    });
+    Ok(())
+}
+
+pub fn burn_down_name(workers: usize, batch: u32) -> String {
+    format!("burn-down, {workers} workers, batch {batch}")
+}
+
+/// `total` intents in calls of `per_call`, from `clients` closed loops each on its own
+/// connection; returns the latency of the calls.
+async fn enqueue_closed_loop(
+    endpoint: &str,
+    key: &str,
+    total: u64,
+    per_call: u64,
+    clients: usize,
+) -> anyhow::Result<Hist> {
+    let next = Arc::new(AtomicU64::new(0));
+    let calls = total.div_ceil(per_call);
+    let mut tasks = JoinSet::new();
+    for _ in 0..clients {
+        let mut client = connect_client(endpoint, key).await?;
+        let next = Arc::clone(&next);
+        tasks.spawn(async move {
+            let mut hist = Hist::new();
+            loop {
+                let call = next.fetch_add(1, Ordering::Relaxed);
+                if call >= calls {
+                    return anyhow::Ok(hist);
+                }
+                let first = call * per_call;
+                let intents = (first..(first + per_call).min(total))
+                    .map(new_intent)
+                    .collect::<Vec<_>>();
+                let n = intents.len();
+                let t = Instant::now();
+                let results = client
+                    .enqueue(v1::EnqueueRequest {
+                        intents,
+                        txn_token: String::new(),
+                    })
+                    .await
+                    .context("Enqueue")?
+                    .into_inner()
+                    .results;
+                hist.record(t.elapsed());
+                ensure!(
+                    results.len() == n,
+                    "Enqueue answered {} results",
+                    results.len()
+                );
+            }
+        });
+    }
+    merge(tasks).await
+}
+
+async fn merge(mut tasks: JoinSet<anyhow::Result<Hist>>) -> anyhow::Result<Hist> {
+    let mut all = Hist::new();
+    while let Some(h) = tasks.join_next().await {
+        all.merge(&h??);
+    }
+    Ok(all)
+}
+
+fn lease_refs(leases: &[v1::Lease]) -> Vec<v1::LeaseRef> {
+    leases
+        .iter()
+        .map(|l| v1::LeaseRef {
+            intent_id: l.intent.as_ref().map(|i| i.id.clone()).unwrap_or_default(),
+            lease_id: l.lease_id.clone(),
+        })
+        .collect()
+}
+
+async fn ack(client: &mut Client, leases: &[v1::Lease]) -> anyhow::Result<()> {
+    let results = client
+        .ack(v1::AckRequest {
+            leases: lease_refs(leases),
+        })
+        .await
+        .context("Ack")?
+        .into_inner()
+        .results;
+    ensure!(
+        results.iter().all(|r| r.error.is_none()),
+        "Ack failed: {:?}",
+        results.iter().find(|r| r.error.is_some())
+    );
+    Ok(())
+}
+
+fn claim_request(worker: usize, max: u32, wait: Option<Duration>) -> v1::ClaimRequest {
+    v1::ClaimRequest {
+        worker_id: format!("bench-worker-{worker}"),
+        max_intents: max as i32,
+        wait: wait.map(|w| prost_types::Duration {
+            seconds: w.as_secs() as i64,
+            nanos: w.subsec_nanos() as i32,
+        }),
+        ..Default::default()
+    }
+}
+
+/// Scenario 2: `workers` loops of Claim(batch) + Ack until `total` intents are acked (or
+/// the queue has stayed empty for 10 s). Returns the acked count and the cycle latency.
+async fn burn_down(
+    endpoint: &str,
+    key: &str,
+    total: u64,
+    workers: usize,
+    batch: u32,
+) -> anyhow::Result<(u64, Hist)> {
+    let acked = Arc::new(AtomicU64::new(0));
+    let mut tasks = JoinSet::new();
+    for w in 0..workers {
+        let mut client = connect_client(endpoint, key).await?;
+        let acked = Arc::clone(&acked);
+        tasks.spawn(async move {
+            let mut hist = Hist::new();
+            let mut idle_since: Option<Instant> = None;
+            loop {
+                let t = Instant::now();
+                let leases = client
+                    .claim(claim_request(w, batch, None))
+                    .await
+                    .context("Claim")?
+                    .into_inner()
+                    .leases;
+                if leases.is_empty() {
+                    // Empty while others still hold the last leases: look again shortly.
+                    if acked.load(Ordering::Relaxed) >= total
+                        || idle_since.get_or_insert(t).elapsed() > Duration::from_secs(10)
+                    {
+                        return anyhow::Ok(hist);
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    continue;
+                }
+                idle_since = None;
+                ack(&mut client, &leases).await?;
+                hist.record(t.elapsed());
+                acked.fetch_add(leases.len() as u64, Ordering::Relaxed);
+            }
+        });
+    }
+    let hist = merge(tasks).await?;
+    Ok((acked.load(Ordering::Relaxed), hist))
+}
+
+/// What one offered rate gave.
+struct RateRun {
+    sent: u64,
+    claimed: u64,
+    seconds: f64,
+    behind: u64,
+    hist: Hist,
+}
+
+impl RateRun {
+    fn sustainable(&self, offered: u64) -> bool {
+        self.behind == 0
+            && self.sent as f64 >= SUSTAINED_SHARE * offered as f64
+            && self.claimed == self.sent
+            && self.hist.ms(0.99) <= SUSTAINED_P99_MS
+    }
+}
+
+/// Scenario 4 at the fixed rates, then (full runs) doubling from 2000/s until a rate is
+/// not sustainable; the highest sustainable one of the search gets its own row.
+async fn outboxd_rates(
+    meter: &Meter,
+    target: &Target,
+    sizes: &Sizes,
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<()> {
+    for &rate in &sizes.rates {
+        let (row, _) = rate_row(meter, target, sizes, rate, sizes.rate_seconds, "").await?;
+        rows.push(row);
+    }
+    if !sizes.search {
+        return Ok(());
+    }
+    let mut best = None;
+    let mut rate = 2000;
+    while rate <= 256_000 {
+        let (mut row, ok) = rate_row(meter, target, sizes, rate, sizes.rate_seconds, "").await?;
+        if !ok {
+            row.key = "rate-fail".to_owned();
+            rows.push(best.take().unwrap_or_else(|| {
+                Row::not_run(
+                    "outboxd",
+                    "rate-max",
+                    "highest sustainable rate",
+                    format!("{rate}/s was not sustained"),
+                )
+            }));
+            rows.push(row);
+            return Ok(());
+        }
+        row.key = "rate-max".to_owned();
+        row.scenario = format!("highest sustainable: {}", row.scenario);
+        best = Some(row);
+        rate *= 2;
+    }
+    rows.extend(best);
+    Ok(())
+}
+
+/// One offered rate on a fresh server: its row, and whether it was sustained.
+async fn rate_row(
+    meter: &Meter,
+    target: &Target,
+    sizes: &Sizes,
+    rate: u32,
+    seconds: f64,
+    context: &str,
+) -> anyhow::Result<(Row, bool)> {
+    eprintln!("outboxd-bench: outboxd enqueue → claim at {rate}/s{context}");
+    let section = Section::start(meter, target).await?;
+    let run = fixed_rate(
+        section.endpoint(),
+        target,
+        rate,
+        seconds,
+        sizes.workers.min(2),
+    )
+    .await?;
+    let cost = section.finish().await?;
+    let offered = (f64::from(rate) * seconds).round() as u64;
+    let ok = run.sustainable(offered);
+    let late = if run.behind > 0 {
+        format!(", {} sends dropped: {MAX_IN_FLIGHT} in flight", run.behind)
+    } else {
+        String::new()
+    };
+    let row = Row {
+        system: "outboxd".to_owned(),
+        key: format!("rate-{rate}"),
+        scenario: format!(
+            "enqueue → claim at {rate}/s offered{context} ({}{late})",
+            if ok { "sustained" } else { "NOT sustained" },
+        ),
+        intents: run.claimed,
+        seconds: run.seconds,
+        throughput: true,
+        latency: Some(("enqueue OK → claim".to_owned(), run.hist)),
+        cost: Some(cost),
+        outcome: Outcome::Ran,
+    };
+    Ok((row, ok))
+}
+
+/// Scenario 6: the 1000/s enqueue → claim run again with a large finished history in the
+/// table, then again while an idle-in-transaction session pins xmin (so no row version the
+/// run makes dead can be pruned or vacuumed): the claim must not fall off a cliff.
+async fn history_and_pinned_xmin(
+    cluster: &Cluster,
+    meter: &Meter,
+    target: &Target,
+    sizes: &Sizes,
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<()> {
+    let url = cluster.url(&target.database)?;
+    let mut owner = PgConnection::connect(&url).await?;
+    eprintln!(
+        "outboxd-bench: inserting {} finished intents",
+        sizes.history
+    );
+    sqlx::query(
+        r#"
+        INSERT INTO outbox.intent (id, tenant_id, kind, payload, content_type, state, attempts,
+                                   max_attempts, available_at, created_at, updated_at,
+                                   finished_at, lease_id, worker_id)
+        SELECT gen_random_uuid(), 'bench', 'bench.history',
+               convert_to('{"n":' || g || ',"pad":"' || repeat('x', 48) || '"}', 'UTF8'),
+               'application/json', 'delivered', 1, 5, t, t, t, t, gen_random_uuid(), 'history'
+        FROM generate_series(1, $1::bigint) AS g,
+             LATERAL (SELECT now() - interval '1 hour' AS t) AS at
+        "#,
+    )
+    .bind(sizes.history as i64)
+    .execute(&mut owner)
+    .await
+    .context("inserting the finished history")?;
+    // As autovacuum would have left a table that grew this way.
+    sqlx::query("VACUUM ANALYZE outbox.intent")
+        .execute(&mut owner)
+        .await?;
+    let history = format!(", {} finished rows", sizes.history);
+    owner.close().await?;
+    let (mut row, _) = rate_row(meter, target, sizes, 1000, sizes.rate_seconds, &history).await?;
+    row.key = "history".to_owned();
+    rows.push(row);
+
+    // A REPEATABLE READ snapshot taken and held: the session sits idle in transaction.
+    // Named, so that the meter does not wait for it to leave (see `Meter::quiesce`).
+    let options: sqlx::postgres::PgConnectOptions = url.parse()?;
+    let mut pin =
+        PgConnection::connect_with(&options.application_name(crate::meter::OWN_SESSIONS)).await?;
+    sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        .execute(&mut pin)
+        .await?;
+    sqlx::query("SELECT count(*) FROM outbox.intent WHERE false")
+        .execute(&mut pin)
+        .await?;
+    let context = format!("{history} + xmin pinned by an idle transaction");
+    let result = rate_row(meter, target, sizes, 1000, sizes.pinned_seconds, &context).await;
+    sqlx::query("ROLLBACK").execute(&mut pin).await?;
+    pin.close().await?;
+    let (mut row, _) = result?;
+    row.key = "pinned".to_owned();
+    rows.push(row);
+    Ok(())
+}
+
+/// Producers send one intent per Enqueue at `rate`/s (open loop: each send at its
+/// scheduled instant, whatever the previous answers) for `seconds`; `workers` long-poll
+/// Claim (up to 100) and ack in the background. Latency: Enqueue returned → Claim
+/// returned, joined by intent id.
+async fn fixed_rate(
+    endpoint: &str,
+    target: &Target,
+    rate: u32,
+    seconds: f64,
+    workers: usize,
+) -> anyhow::Result<RateRun> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let claimed: Arc<Mutex<Vec<(String, Instant)>>> = Arc::default();
+    let mut worker_tasks = JoinSet::new();
+    for w in 0..workers {
+        let mut client = connect_client(endpoint, &target.worker_key).await?;
+        let (stop, claimed) = (Arc::clone(&stop), Arc::clone(&claimed));
+        worker_tasks.spawn(async move {
+            let mut acks = JoinSet::new();
+            while !stop.load(Ordering::Relaxed) {
+                let leases = client
+                    .claim(claim_request(w, 100, Some(Duration::from_millis(200))))
+                    .await
+                    .context("Claim")?
+                    .into_inner()
+                    .leases;
+                let t = Instant::now();
+                if leases.is_empty() {
+                    continue;
+                }
+                claimed.lock().await.extend(
+                    leases
+                        .iter()
+                        .filter_map(|l| l.intent.as_ref().map(|i| (i.id.clone(), t))),
+                );
+                // Ack off the claim loop, so the next Claim is not delayed by it.
+                let mut c = client.clone();
+                acks.spawn(async move { ack(&mut c, &leases).await });
+            }
+            while let Some(r) = acks.join_next().await {
+                r??;
+            }
+            anyhow::Ok(())
+        });
+    }
+
+    let mut producers = Vec::new();
+    for _ in 0..8 {
+        producers.push(connect_client(endpoint, &target.producer_key).await?);
+    }
+    let offered = (f64::from(rate) * seconds).round() as u64;
+    let sent: Arc<Mutex<Vec<(String, Instant)>>> = Arc::default();
+    let in_flight = Arc::new(AtomicU64::new(0));
+    let mut behind = 0;
+    let mut sends = JoinSet::new();
+    let start = Instant::now();
+    let period = Duration::from_secs_f64(1.0 / f64::from(rate));
+    for k in 0..offered {
+        let due = start + period.mul_f64(k as f64);
+        tokio::time::sleep_until(due.into()).await;
+        if in_flight.load(Ordering::Relaxed) >= MAX_IN_FLIGHT as u64 {
+            behind += 1;
+            continue;
+        }
+        in_flight.fetch_add(1, Ordering::Relaxed);
+        let mut client = producers[k as usize % producers.len()].clone();
+        let (sent, in_flight) = (Arc::clone(&sent), Arc::clone(&in_flight));
+        sends.spawn(async move {
+            let result = client
+                .enqueue(v1::EnqueueRequest {
+                    intents: vec![new_intent(k)],
+                    txn_token: String::new(),
+                })
+                .await;
+            let t = Instant::now();
+            in_flight.fetch_sub(1, Ordering::Relaxed);
+            let id = result
+                .context("Enqueue")?
+                .into_inner()
+                .results
+                .first()
+                .map(|r| r.id.clone())
+                .context("Enqueue answered no result")?;
+            sent.lock().await.push((id, t));
+            anyhow::Ok(())
+        });
+    }
+    while let Some(r) = sends.join_next().await {
+        r??;
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let sent_count = sent.lock().await.len() as u64;
+    let deadline = Instant::now() + DRAIN_TIMEOUT;
+    while (claimed.lock().await.len() as u64) < sent_count && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    while let Some(r) = worker_tasks.join_next().await {
+        r??;
+    }
+    let claimed: HashMap<String, Instant> = std::mem::take(&mut *claimed.lock().await)
+        .into_iter()
+        .collect();
+    let mut hist = Hist::new();
+    let mut matched = 0;
+    for (id, t_ok) in sent.lock().await.iter() {
+        if let Some(t_claim) = claimed.get(id) {
+            hist.record_signed_ms(txn_latency::signed_ms(*t_ok, *t_claim));
+            matched += 1;
+        }
+    }
+    Ok(RateRun {
+        sent: sent_count,
+        claimed: matched,
+        seconds,
+        behind,
+        hist,
+    })
+}
+
+/// Scenario 5: the `txn-latency` measurement (in-process server, as that command runs
+/// it), same database and direct baseline, as rows of the table.
+async fn commit_to_claimable(
+    cluster: &Cluster,
+    settings: &Settings,
+    sizes: &Sizes,
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<()> {
+    let bench = Bench::start(cluster, settings.clone()).await?;
+    let settle = Duration::from_millis(10);
+    let measured = async {
+        for (key, name, producer, what) in [
+            (
+                "txn-same",
+                "commit → claimable, two-phase token, same database",
+                Producer::SameDatabase,
+                "COMMIT → claim",
+            ),
+            (
+                "txn-direct",
+                "enqueue → claim, direct, one at a time (baseline)",
+                Producer::Direct,
+                "enqueue OK → claim",
+            ),
+        ] {
+            eprintln!(
+                "outboxd-bench: outboxd {name} ({} + {WARMUP} warm-up)",
+                sizes.txn_iterations
+            );
+            let scenario = Scenario {
+                name,
+                producer,
+                iterations: sizes.txn_iterations,
+            };
+            let samples = txn_latency::measure_txn(&bench, &scenario, settle).await?;
+            let mut hist = Hist::new();
+            for s in &samples {
+                hist.record_signed_ms(*s);
+            }
+            rows.push(Row {
+                system: "outboxd".to_owned(),
+                key: key.to_owned(),
+                scenario: name.to_owned(),
+                intents: samples.len() as u64,
+                seconds: 0.0,
+                throughput: false,
+                latency: Some((what.to_owned(), hist)),
+                cost: None,
+                outcome: Outcome::Ran,
+            });
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    let stopped = bench.stop().await;
+    measured?;
+    stopped
+}

@@ -1,0 +1,313 @@
+//! The checks on hand-made journals: each fires on the violation it names, and only then.
+
+use uuid::Uuid;
+
+use super::*;
+use crate::cluster::IntentRow;
+use crate::faults::{FaultKind, FaultRecord};
+use crate::journal::{FailKind, LeaseSeen, Outcome};
+
+const SECOND: i64 = 1_000_000;
+const LEASE_MS: i64 = 2000;
+
+struct World {
+    snapshot: Snapshot,
+    observations: Observations,
+    faults: Vec<FaultRecord>,
+}
+
+impl World {
+    /// One committed order (id 1) with one intent, as the database has it at the end.
+    fn committed(state: &str, lease: Option<Uuid>) -> (Self, Uuid) {
+        let id = Uuid::now_v7();
+        let mut snapshot = Snapshot::default();
+        snapshot
+            .intents
+            .insert(id, row(id, state, Some("committed"), lease));
+        snapshot.committed_orders.insert(1, vec![id]);
+        let staged = Event::Staged {
+            t: 0,
+            order: 1,
+            xid: "42".into(),
+            intents: vec![id],
+            tries: 1,
+            deduplicated: 0,
+        };
+        let observations = Observations {
+            producers: vec![(
+                "p1.g1".into(),
+                vec![staged, Event::Committed { t: 1, order: 1 }],
+            )],
+            workers: vec![],
+        };
+        let world = Self {
+            snapshot,
+            observations,
+            faults: vec![],
+        };
+        (world, id)
+    }
+
+    fn worker(&mut self, name: &str, events: Vec<Event>) {
+        self.observations.workers.push((name.into(), events));
+    }
+
+    fn check(&self) -> Verdict {
+        check(&self.snapshot, &self.observations, &self.faults, &[])
+    }
+}
+
+fn row(id: Uuid, state: &str, xact: Option<&str>, lease: Option<Uuid>) -> IntentRow {
+    IntentRow {
+        id,
+        state: state.into(),
+        attempts: 1,
+        max_attempts: 8,
+        xact: xact.map(str::to_owned),
+        two_phase: xact.is_some(),
+        txn_xid: xact.map(|_| "42".to_owned()),
+        lease_id: lease,
+        last_error: None,
+    }
+}
+
+/// A claim at `at` (s) of `intent` with `attempt`, and the lease it returned.
+fn claim(intent: Uuid, attempt: i32, at: i64, kind: &str) -> (Event, Uuid) {
+    let lease = Uuid::new_v4();
+    let event = Event::Claimed {
+        t: at * SECOND,
+        request: Uuid::new_v4(),
+        duration_ms: LEASE_MS,
+        tries: 1,
+        errors: vec![],
+        last_try: at * SECOND,
+        leases: vec![LeaseSeen {
+            intent,
+            lease,
+            kind: kind.into(),
+            attempt,
+            expires: at * SECOND + LEASE_MS * 1000,
+            state: "INTENT_STATE_LEASED".into(),
+        }],
+    };
+    (event, lease)
+}
+
+fn performed(intent: Uuid, lease: Uuid, at: i64) -> Event {
+    Event::Performed {
+        t: at * SECOND,
+        intent,
+        lease,
+        attempt: 1,
+    }
+}
+
+fn acked(intent: Uuid, lease: Uuid, at: i64, result: Outcome) -> Event {
+    Event::Acked {
+        t: at * SECOND,
+        intent,
+        lease,
+        result,
+        tries: 1,
+        errors: vec![],
+        via: None,
+    }
+}
+
+fn guarantees(v: &Verdict) -> Vec<Guarantee> {
+    v.violations.iter().map(|x| x.guarantee).collect()
+}
+
+#[test]
+fn a_clean_delivery_breaks_nothing() {
+    let (mut world, id) = World::committed("delivered", None);
+    let (event, lease) = claim(id, 1, 10, "fault.email");
+    world.snapshot.intents.get_mut(&id).unwrap().lease_id = Some(lease);
+    world.worker(
+        "w1.g1",
+        vec![
+            event,
+            performed(id, lease, 10),
+            acked(id, lease, 10, Outcome::Ok),
+        ],
+    );
+    let v = world.check();
+    assert!(v.violations.is_empty(), "{:?}", v.violations);
+    assert_eq!(v.duplicate_total(), 0);
+}
+
+#[test]
+fn a_committed_intent_left_pending_is_lost() {
+    let (world, _) = World::committed("pending", None);
+    assert!(guarantees(&world.check()).contains(&Guarantee::NoneLost));
+}
+
+#[test]
+fn a_committed_intent_missing_from_the_table_is_lost() {
+    let (mut world, id) = World::committed("delivered", None);
+    world.snapshot.intents.remove(&id);
+    assert!(guarantees(&world.check()).contains(&Guarantee::NoneLost));
+}
+
+#[test]
+fn an_aborted_intent_that_was_claimed_is_a_violation() {
+    let (mut world, id) = World::committed("discarded", None);
+    world.snapshot.committed_orders.clear();
+    world.snapshot.intents.get_mut(&id).unwrap().xact = Some("aborted".into());
+    let (event, _) = claim(id, 1, 10, "fault.email");
+    world.worker("w1.g1", vec![event]);
+    assert!(guarantees(&world.check()).contains(&Guarantee::AbortedNeverClaimed));
+}
+
+#[test]
+fn a_lease_minted_while_another_is_live_is_a_violation() {
+    let (mut world, id) = World::committed("delivered", None);
+    let (first, _) = claim(id, 1, 10, "fault.email");
+    // Minted 1 s into a 2 s lease that nobody failed.
+    let (second, lease) = claim(id, 2, 11, "fault.email");
+    world.snapshot.intents.get_mut(&id).unwrap().lease_id = Some(lease);
+    world.worker("w1.g1", vec![first]);
+    world.worker(
+        "w2.g1",
+        vec![
+            second,
+            performed(id, lease, 11),
+            acked(id, lease, 11, Outcome::Ok),
+        ],
+    );
+    assert!(guarantees(&world.check()).contains(&Guarantee::NoOverlappingLeases));
+}
+
+#[test]
+fn a_lease_after_the_holders_fail_is_fine() {
+    let (mut world, id) = World::committed("delivered", None);
+    let (first, old) = claim(id, 1, 10, "fault.email");
+    let fail_sent = Event::FailSent {
+        t: 10 * SECOND + 100,
+        intent: id,
+        lease: old,
+        outcome: FailKind::Retry,
+    };
+    let (second, lease) = claim(id, 2, 11, "fault.email");
+    world.snapshot.intents.get_mut(&id).unwrap().lease_id = Some(lease);
+    world.worker("w1.g1", vec![first, fail_sent]);
+    world.worker(
+        "w2.g1",
+        vec![
+            second,
+            performed(id, lease, 11),
+            acked(id, lease, 11, Outcome::Ok),
+        ],
+    );
+    let v = world.check();
+    assert!(v.violations.is_empty(), "{:?}", v.violations);
+}
+
+#[test]
+fn an_accepted_ack_of_a_stale_lease_is_a_violation() {
+    let (mut world, id) = World::committed("delivered", None);
+    let (first, stale) = claim(id, 1, 10, "fault.email");
+    let (second, lease) = claim(id, 2, 13, "fault.email");
+    world.snapshot.intents.get_mut(&id).unwrap().lease_id = Some(lease);
+    // The first holder was stopped past its lease; its late Ack must be refused.
+    world.worker(
+        "w1.g1",
+        vec![
+            first,
+            performed(id, stale, 10),
+            acked(id, stale, 14, Outcome::Ok),
+        ],
+    );
+    world.worker(
+        "w2.g1",
+        vec![
+            second,
+            performed(id, lease, 13),
+            acked(id, lease, 13, Outcome::Ok),
+        ],
+    );
+    let v = world.check();
+    assert!(guarantees(&v).contains(&Guarantee::StaleSettleRejected));
+    assert_eq!(
+        v.duplicates.get("after an accepted Ack (violation)"),
+        Some(&1)
+    );
+}
+
+#[test]
+fn a_submitted_intent_handed_out_again_is_a_violation() {
+    let (mut world, id) = World::committed("delivered", None);
+    let (first, marked) = claim(id, 1, 10, "fault.payment");
+    let (second, lease) = claim(id, 2, 13, "fault.payment");
+    world.snapshot.intents.get_mut(&id).unwrap().lease_id = Some(lease);
+    let mark = Event::Marked {
+        t: 10 * SECOND,
+        intent: id,
+        lease: marked,
+        result: Outcome::Ok,
+        tries: 1,
+    };
+    world.worker("w1.g1", vec![first, mark]);
+    world.worker(
+        "w2.g1",
+        vec![
+            second,
+            performed(id, lease, 13),
+            acked(id, lease, 13, Outcome::Ok),
+        ],
+    );
+    assert!(guarantees(&world.check()).contains(&Guarantee::SubmittedNotReHanded));
+}
+
+#[test]
+fn a_duplicate_is_explained_by_a_kill_and_unexplained_without_one() {
+    let (mut world, id) = World::committed("delivered", None);
+    let (first, killed) = claim(id, 1, 10, "fault.email");
+    let (second, lease) = claim(id, 2, 13, "fault.email");
+    world.snapshot.intents.get_mut(&id).unwrap().lease_id = Some(lease);
+    world.worker("w1.g1", vec![first, performed(id, killed, 10)]);
+    world.worker(
+        "w2.g1",
+        vec![
+            second,
+            performed(id, lease, 13),
+            acked(id, lease, 13, Outcome::Ok),
+        ],
+    );
+    assert!(guarantees(&world.check()).contains(&Guarantee::DuplicatesExplained));
+    world.faults.push(FaultRecord {
+        kind: FaultKind::WorkerKill,
+        target: "w1.g1".into(),
+        start: 10 * SECOND + 5,
+        end: 10 * SECOND + 10,
+        detail: String::new(),
+    });
+    let v = world.check();
+    assert!(v.violations.is_empty(), "{:?}", v.violations);
+    assert_eq!(v.duplicate_total(), 1);
+}
+
+#[test]
+fn a_retried_ack_refused_though_its_lease_delivered_the_intent_is_a_violation() {
+    let (mut world, id) = World::committed("delivered", None);
+    let (event, lease) = claim(id, 1, 10, "fault.email");
+    world.snapshot.intents.get_mut(&id).unwrap().lease_id = Some(lease);
+    world.worker(
+        "w1.g1",
+        vec![
+            event,
+            performed(id, lease, 10),
+            acked(id, lease, 11, Outcome::LeaseLost),
+        ],
+    );
+    assert_eq!(
+        guarantees(&world.check()),
+        vec![Guarantee::HolderAckRefused]
+    );
+}
+
+#[test]
+fn delivered_without_a_side_effect_is_inconsistent() {
+    let (world, _) = World::committed("delivered", None);
+    assert!(guarantees(&world.check()).contains(&Guarantee::Consistency));
+}

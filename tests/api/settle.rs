@@ -8,7 +8,7 @@ use tonic::Code;
 
 use crate::helpers::{
     TestApp, assert_item_error, assert_item_ok, assert_status, duration, failure, id_of, intent,
-    secs,
+    lease_ref, secs,
 };
 
 #[tokio::test]
@@ -384,4 +384,127 @@ async fn a_fail_repeated_with_another_outcome_is_refused_not_taken_as_a_replay()
         assert_eq!(result.state(), IntentState::Pending);
     }
     assert_eq!(app.state(&id).await, IntentState::Pending);
+}
+
+/// Sends `call` twice at once while a row lock holds the intent, as a worker does that
+/// retries a call stuck behind a lock (or a frozen replica): both attempts queue on the
+/// lock, the first through applies, the other finds its work done. Both must answer OK.
+async fn call_twice_behind_a_row_lock<F, Fut>(app: &TestApp, id: &str, call: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = v1::LeaseResult> + Send + 'static,
+{
+    let mut locker = app.producer().await;
+    sqlx::raw_sql("BEGIN").execute(&mut locker).await.unwrap();
+    sqlx::query("SELECT 1 FROM outbox.intent WHERE id = $1::uuid FOR UPDATE")
+        .bind(id)
+        .execute(&mut locker)
+        .await
+        .unwrap();
+    let first = tokio::spawn(call());
+    wait_for_lock_waiters(app, 1).await;
+    let retry = tokio::spawn(call());
+    wait_for_lock_waiters(app, 2).await;
+    sqlx::raw_sql("COMMIT").execute(&mut locker).await.unwrap();
+    for (attempt, handle) in [("first attempt", first), ("retry", retry)] {
+        let result = handle.await.unwrap();
+        assert!(
+            result.error.is_none(),
+            "the {attempt} was refused: {:?}",
+            result.error
+        );
+    }
+}
+
+/// Waits (with a deadline) until `n` sessions of the test database wait on a lock.
+async fn wait_for_lock_waiters(app: &TestApp, n: i64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        if waiting >= n {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "only {waiting} of {n} calls reached the row lock"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn an_ack_retried_while_its_first_attempt_waits_on_a_row_lock_is_answered_as_a_replay() {
+    let app = TestApp::spawn().await;
+    let id = app.enqueue_one("job", "{}").await;
+    let lease = app.claim_n("w", 1).await.remove(0);
+    let client = app.client();
+    call_twice_behind_a_row_lock(&app, &id, || {
+        let mut client = client.clone();
+        let request = v1::AckRequest {
+            leases: vec![lease_ref(&lease)],
+        };
+        async move {
+            client
+                .ack(request)
+                .await
+                .unwrap()
+                .into_inner()
+                .results
+                .remove(0)
+        }
+    })
+    .await;
+    assert_eq!(app.state(&id).await, IntentState::Delivered);
+}
+
+#[tokio::test]
+async fn a_mark_submitted_retried_while_its_first_attempt_waits_on_a_row_lock_is_answered_as_a_replay()
+ {
+    let app = TestApp::spawn().await;
+    let id = app.enqueue_one("job", "{}").await;
+    let lease = app.claim_n("w", 1).await.remove(0);
+    let client = app.client();
+    call_twice_behind_a_row_lock(&app, &id, || {
+        let mut client = client.clone();
+        let request = v1::MarkSubmittedRequest {
+            leases: vec![lease_ref(&lease)],
+        };
+        async move {
+            let response = client.mark_submitted(request).await.unwrap();
+            response.into_inner().results.remove(0)
+        }
+    })
+    .await;
+    assert_eq!(app.state(&id).await, IntentState::Submitted);
+}
+
+#[tokio::test]
+async fn a_fail_retried_while_its_first_attempt_waits_on_a_row_lock_is_answered_as_a_replay() {
+    let app = TestApp::spawn().await;
+    let id = app.enqueue_one("job", "{}").await;
+    let lease = app.claim_n("w", 1).await.remove(0);
+    let client = app.client();
+    call_twice_behind_a_row_lock(&app, &id, || {
+        let mut client = client.clone();
+        let request = v1::FailRequest {
+            failures: vec![failure(&lease, FailOutcome::Permanent)],
+        };
+        async move {
+            client
+                .fail(request)
+                .await
+                .unwrap()
+                .into_inner()
+                .results
+                .remove(0)
+        }
+    })
+    .await;
+    assert_eq!(app.state(&id).await, IntentState::DeadLettered);
 }

@@ -1,11 +1,13 @@
 //! Lease-fenced transitions: ExtendLease, MarkSubmitted, Ack and Fail. Each is one
-//! statement over the whole batch that reports, per item, whether it applied and, if not,
-//! whether the intent exists and still carries the presented lease (lost-response replays).
+//! statement over the whole batch that reports, per item, whether it applied; the items
+//! that did not are then looked up afresh: does the intent exist, and does it still carry
+//! the presented lease (lost-response replays)?
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::PgExecutor;
+use sqlx::PgConnection;
 use uuid::Uuid;
 
 use super::{BackoffParams, millis};
@@ -24,64 +26,102 @@ macro_rules! lease_input {
     };
 }
 
-/// The shared tail of every settle statement: joins the input with what the `changed` CTE
-/// updated and with the row as it was, in request order.
+/// The shared tail of every settle statement: what the `changed` CTE updated, per input
+/// item, in request order.
 macro_rules! settle_report {
     () => {
         r#"
         SELECT input.id,
-               changed.id IS NOT NULL AS applied,
-               coalesce(changed.state, cur.state) AS state,
-               coalesce(cur.lease_id = input.lease_id, false) AS lease_matches,
+               changed.state,
                changed.lease_expires_at,
                changed.traceparent
         FROM input
         LEFT JOIN changed ON changed.id = input.id
-        LEFT JOIN outbox.intent cur ON cur.id = input.id
         ORDER BY input.ord
         "#
     };
 }
 
+/// One item as the settle statement left it: `state` is set only when it applied.
 #[derive(sqlx::FromRow)]
 struct SettleRow {
     id: Uuid,
-    applied: bool,
     state: Option<IntentState>,
-    lease_matches: bool,
     lease_expires_at: Option<DateTime<Utc>>,
     traceparent: Option<String>,
 }
 
 /// Turns statement rows into per-item results. An item that did not apply is still OK when
 /// the intent carries the presented lease and already is where this call would have put it:
-/// the caller is replaying a call whose response it lost.
-/// `is_replay(i, state)` says whether item `i` finding the intent in `state` is where that
-/// item's call would have put it.
-fn report(rows: Vec<SettleRow>, is_replay: impl Fn(usize, IntentState) -> bool) -> Vec<ItemResult> {
-    rows.into_iter()
+/// the caller is replaying a call whose response it lost. `is_replay(i, state)` says
+/// whether item `i` finding the intent in `state` is where that item's call would have put
+/// it.
+///
+/// The items that did not apply are read again in a statement of their own, not joined in
+/// the settle statement: that statement reads under the snapshot it started with, so a
+/// replay that waited on the row lock of its own first attempt would still see the intent
+/// as it was before that attempt committed, and answer LEASE_LOST to a call that succeeded.
+/// A new statement (READ COMMITTED) sees the committed outcome. The extra round trip is
+/// paid only when something did not apply.
+async fn report(
+    conn: &mut PgConnection,
+    leases: &[(Uuid, Uuid)],
+    rows: Vec<SettleRow>,
+    is_replay: impl Fn(usize, IntentState) -> bool,
+) -> Result<Vec<ItemResult>> {
+    let missed: Vec<Uuid> = rows
+        .iter()
+        .filter(|r| r.state.is_none())
+        .map(|r| r.id)
+        .collect();
+    let current: HashMap<Uuid, (IntentState, Option<Uuid>)> = if missed.is_empty() {
+        HashMap::new()
+    } else {
+        sqlx::query_as::<_, (Uuid, IntentState, Option<Uuid>)>(
+            "SELECT id, state, lease_id FROM outbox.intent WHERE id = ANY($1)",
+        )
+        .bind(&missed)
+        .fetch_all(&mut *conn)
+        .await?
+        .into_iter()
+        .map(|(id, state, lease_id)| (id, (state, lease_id)))
+        .collect()
+    };
+    Ok(rows
+        .into_iter()
+        .zip(leases)
         .enumerate()
-        .map(|(i, row)| {
+        .map(|(i, (row, &(_, presented)))| {
             let id = IntentId(row.id);
-            let error = match row.state {
-                _ if row.applied => None,
-                None => Some(ItemError::not_found(id)),
-                Some(state) if row.lease_matches && is_replay(i, state) => None,
-                Some(state) => Some(ItemError::lease_lost(id, state)),
+            let (state, error) = match (row.state, current.get(&row.id)) {
+                (Some(applied), _) => (Some(applied), None),
+                (None, None) => (None, Some(ItemError::not_found(id))),
+                (None, Some(&(state, lease_id))) => {
+                    let replay = lease_id == Some(presented) && is_replay(i, state);
+                    (
+                        Some(state),
+                        (!replay).then(|| ItemError::lease_lost(id, state)),
+                    )
+                }
             };
             ItemResult {
                 intent_id: id,
-                state: row.state,
+                state,
                 error,
                 lease_expires_at: row.lease_expires_at,
                 traceparent: row.traceparent,
             }
         })
-        .collect()
+        .collect())
 }
 
-fn split(leases: &[LeaseRef]) -> (Vec<Uuid>, Vec<Uuid>) {
-    leases.iter().map(|l| (l.intent_id.0, l.lease_id.0)).unzip()
+/// (intent id, lease id) of each item, in request order.
+fn pairs(leases: impl Iterator<Item = LeaseRef>) -> Vec<(Uuid, Uuid)> {
+    leases.map(|l| (l.intent_id.0, l.lease_id.0)).collect()
+}
+
+fn split(pairs: &[(Uuid, Uuid)]) -> (Vec<Uuid>, Vec<Uuid>) {
+    pairs.iter().copied().unzip()
 }
 
 /// Pushes the expiry of live (LEASED or SUBMITTED) leases to `now + lease_duration`.
@@ -89,12 +129,13 @@ fn split(leases: &[LeaseRef]) -> (Vec<Uuid>, Vec<Uuid>) {
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn extend_leases(
-    db: impl PgExecutor<'_>,
+    conn: &mut PgConnection,
     leases: &[LeaseRef],
     lease_duration: Duration,
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<ItemResult>> {
-    let (ids, lease_ids) = split(leases);
+    let pairs = pairs(leases.iter().copied());
+    let (ids, lease_ids) = split(&pairs);
     let rows = sqlx::query_as(concat!(
         lease_input!(),
         r#"
@@ -115,9 +156,9 @@ pub async fn extend_leases(
     .bind(&lease_ids)
     .bind(millis(lease_duration))
     .bind(now)
-    .fetch_all(db)
+    .fetch_all(&mut *conn)
     .await?;
-    Ok(report(rows, |_, _| false))
+    report(conn, &pairs, rows, |_, _| false).await
 }
 
 /// Moves LEASED intents to SUBMITTED: from now on a lost outcome needs an operator.
@@ -125,11 +166,12 @@ pub async fn extend_leases(
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn mark_intents_submitted(
-    db: impl PgExecutor<'_>,
+    conn: &mut PgConnection,
     leases: &[LeaseRef],
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<ItemResult>> {
-    let (ids, lease_ids) = split(leases);
+    let pairs = pairs(leases.iter().copied());
+    let (ids, lease_ids) = split(&pairs);
     let rows = sqlx::query_as(concat!(
         lease_input!(),
         r#"
@@ -149,9 +191,9 @@ pub async fn mark_intents_submitted(
     .bind(&ids)
     .bind(&lease_ids)
     .bind(now)
-    .fetch_all(db)
+    .fetch_all(&mut *conn)
     .await?;
-    Ok(report(rows, |_, s| s == IntentState::Submitted))
+    report(conn, &pairs, rows, |_, s| s == IntentState::Submitted).await
 }
 
 /// Marks intents DELIVERED. Accepted from the live lease (LEASED, SUBMITTED, even if
@@ -161,11 +203,12 @@ pub async fn mark_intents_submitted(
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn ack_intents(
-    db: impl PgExecutor<'_>,
+    conn: &mut PgConnection,
     leases: &[LeaseRef],
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<ItemResult>> {
-    let (ids, lease_ids) = split(leases);
+    let pairs = pairs(leases.iter().copied());
+    let (ids, lease_ids) = split(&pairs);
     let rows = sqlx::query_as(concat!(
         lease_input!(),
         r#"
@@ -188,9 +231,9 @@ pub async fn ack_intents(
     .bind(&ids)
     .bind(&lease_ids)
     .bind(now)
-    .fetch_all(db)
+    .fetch_all(&mut *conn)
     .await?;
-    Ok(report(rows, |_, s| s == IntentState::Delivered))
+    report(conn, &pairs, rows, |_, s| s == IntentState::Delivered).await
 }
 
 /// Records failures. RETRY → PENDING after the backoff (or `retry_after`), or
@@ -201,13 +244,13 @@ pub async fn ack_intents(
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn fail_intents(
-    db: impl PgExecutor<'_>,
+    conn: &mut PgConnection,
     failures: &[Failure],
     backoff: BackoffParams,
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<ItemResult>> {
-    let ids: Vec<Uuid> = failures.iter().map(|f| f.lease.intent_id.0).collect();
-    let lease_ids: Vec<Uuid> = failures.iter().map(|f| f.lease.lease_id.0).collect();
+    let pairs = pairs(failures.iter().map(|f| f.lease));
+    let (ids, lease_ids) = split(&pairs);
     let outcomes: Vec<&str> = failures.iter().map(|f| f.outcome.as_str()).collect();
     let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
     let retry_after: Vec<Option<i64>> =
@@ -258,13 +301,14 @@ pub async fn fail_intents(
     .bind(millis(backoff.base) as f64)
     .bind(millis(backoff.cap) as f64)
     .bind(now)
-    .fetch_all(db)
+    .fetch_all(&mut *conn)
     .await?;
     // A replay must name the outcome that put the intent where it is: a contradicting
     // report from the same lease (RETRY, then PERMANENT) is refused, not silently ignored.
-    Ok(report(rows, |i, s| match failures[i].outcome {
+    report(conn, &pairs, rows, |i, s| match failures[i].outcome {
         FailOutcome::Retry => matches!(s, IntentState::Pending | IntentState::DeadLettered),
         FailOutcome::Permanent => s == IntentState::DeadLettered,
         FailOutcome::Unknown => s == IntentState::NeedsReconcile,
-    }))
+    })
+    .await
 }

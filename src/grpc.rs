@@ -402,7 +402,7 @@ impl OutboxService for OutboxHandler {
         let (_, scope) = self.access(&request, Permission::Consume).await?;
         let (leases, duration) = validate::extend(request.get_ref(), &self.limits)?;
         let mut tx = store::begin(&self.pool, &scope).await?;
-        let results = store::extend_leases(&mut *tx, &leases, duration, self.clock.now()).await?;
+        let results = store::extend_leases(&mut tx, &leases, duration, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(v1::ExtendLeaseResponse {
             results: results.into_iter().map(Into::into).collect(),
@@ -417,7 +417,7 @@ impl OutboxService for OutboxHandler {
         let (_, scope) = self.access(&request, Permission::Consume).await?;
         let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
         let mut tx = store::begin(&self.pool, &scope).await?;
-        let results = store::mark_intents_submitted(&mut *tx, &leases, self.clock.now()).await?;
+        let results = store::mark_intents_submitted(&mut tx, &leases, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(v1::MarkSubmittedResponse {
             results: results.into_iter().map(Into::into).collect(),
@@ -434,7 +434,7 @@ impl OutboxService for OutboxHandler {
         let (_, scope) = self.access(&request, Permission::Consume).await?;
         let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
         let mut tx = store::begin(&self.pool, &scope).await?;
-        let results = store::ack_intents(&mut *tx, &leases, self.clock.now()).await?;
+        let results = store::ack_intents(&mut tx, &leases, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
         link_settled(&results);
         let acked = results.iter().filter(|r| r.error.is_none()).count();
@@ -455,7 +455,7 @@ impl OutboxService for OutboxHandler {
         let failures = validate::fail(request.into_inner(), &self.limits)?;
         let mut tx = store::begin(&self.pool, &scope).await?;
         let results =
-            store::fail_intents(&mut *tx, &failures, self.backoff, self.clock.now()).await?;
+            store::fail_intents(&mut tx, &failures, self.backoff, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
         link_settled(&results);
         for (failure, result) in failures.iter().zip(&results) {

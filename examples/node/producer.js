@@ -32,8 +32,14 @@ const definition = protoLoader.loadSync('outbox/v1/outbox.proto', {
 });
 const { OutboxService } = grpc.loadPackageDefinition(definition).outbox.v1;
 
-// Names the current transaction (and assigns it an id): 'v1.<system id>.<xid>'.
-const TOKEN_SQL = `SELECT 'v1.' || system_identifier || '.' || pg_current_xact_id() AS token
+// Names the current transaction (and assigns it an id):
+// 'v2.<system id>.<server incarnation>.<xid>'; the incarnation changes when PostgreSQL
+// recovers from a crash, which may hand the same xid to another transaction.
+const TOKEN_SQL = `SELECT 'v2.' || system_identifier || '.' ||
+                          (extract(epoch FROM least(pg_stat_get_bgwriter_stat_reset_time(),
+                                                    (SELECT stats_reset FROM pg_stat_archiver)))
+                           * 1000000)::bigint
+                          || '.' || pg_current_xact_id() AS token
                    FROM pg_control_system()`;
 
 // The API key (scope `produce`, from `outboxd keys create`) goes with every call.

@@ -15,7 +15,8 @@ use super::{Enqueued, Error, FieldViolation, NewIntent, Result};
 /// # Errors
 /// - [`Error::InvalidArgument`]: the token names another cluster or a transaction that
 ///   does not exist;
-/// - [`Error::TxnAborted`]: the producer's transaction already rolled back;
+/// - [`Error::TxnAborted`]: the producer's transaction already rolled back, or the server
+///   crashed (or was restored) since the token was taken, which ended that transaction;
 /// - [`Error::TxnFinished`]: it already committed, and this is not a replay of an enqueue
 ///   recorded before the commit (same idempotency keys and content);
 /// - [`Error::IdempotencyConflict`], [`Error::Database`].
@@ -27,6 +28,7 @@ pub async fn enqueue(
     token: Option<TxnToken>,
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<Enqueued>> {
+    let mut tx = store::begin(pool, &TenantScope::one(tenant_id)).await?;
     if let Some(token) = token {
         if token.system_identifier.to_string() != cluster_id {
             return Err(bad_token(format!(
@@ -35,7 +37,19 @@ pub async fn enqueue(
                 token.system_identifier
             )));
         }
-        match store::transaction_status(pool, token.xid).await? {
+        // Checked in the transaction that stages the intents (see store::check_token).
+        let check = store::check_token(&mut tx, token.xid).await?;
+        let same_life = check.incarnation == token.incarnation;
+        match check.status {
+            TxnStatus::InProgress | TxnStatus::Future | TxnStatus::Aborted if !same_life => {
+                return Err(Error::TxnAborted(format!(
+                    "PostgreSQL recovered from a crash (or a restore) after this token was \
+                     taken, which ended the producer transaction {}; its intents must not \
+                     exist (transaction ids are handed out again after a crash, so this id may \
+                     now name another transaction)",
+                    token.xid
+                )));
+            }
             TxnStatus::InProgress => {}
             TxnStatus::Future => {
                 return Err(bad_token(format!(
@@ -55,8 +69,11 @@ pub async fn enqueue(
                     token.xid
                 )));
             }
+            // A commit is trusted even from an earlier server life: intents recorded with
+            // the token were committed by an outboxd transaction whose id is higher than
+            // the producer's, so crash recovery, which resumes handing out ids above every
+            // id in the WAL, cannot have given the producer's id to anyone else.
             TxnStatus::Committed => {
-                let mut tx = store::begin(pool, &TenantScope::one(tenant_id)).await?;
                 return store::find_replay(&mut tx, token.xid, intents)
                     .await?
                     .ok_or_else(|| {
@@ -69,7 +86,6 @@ pub async fn enqueue(
             }
         }
     }
-    let mut tx = store::begin(pool, &TenantScope::one(tenant_id)).await?;
     let results = store::insert_intents(
         &mut tx,
         EnqueueParams {

@@ -1,54 +1,89 @@
-//! The two-phase token, `v1.<system_identifier>.<xid>`: names a PostgreSQL cluster and a
-//! transaction in it, so intents enqueued with it exist if and only if it commits.
+//! The two-phase token, `v2.<system_identifier>.<incarnation>.<xid>`: names a PostgreSQL
+//! cluster, the life of its server since the last crash recovery, and a transaction in it,
+//! so intents enqueued with it exist if and only if that transaction commits.
+//!
+//! The incarnation is there because PostgreSQL hands a transaction id out again after a
+//! crash when nothing it wrote reached disk: the xid alone could name a stranger's
+//! transaction (see migrations/…_token_names_server_incarnation.up.sql).
 
 use std::fmt;
 use std::str::FromStr;
+
+/// The SQL that makes a token from any database of the cluster: the same value
+/// `outbox.txn_token()` returns (without its commit notification), for producers whose
+/// tables live in another database. README and the examples quote it.
+pub const PLAIN_TOKEN_SQL: &str = "SELECT 'v2.' || system_identifier || '.' || \
+     (extract(epoch FROM least(pg_stat_get_bgwriter_stat_reset_time(), \
+     (SELECT stats_reset FROM pg_stat_archiver))) * 1000000)::bigint || '.' || \
+     pg_current_xact_id() FROM pg_control_system()";
 
 /// A parsed two-phase token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TxnToken {
     /// `system_identifier` of the producer's cluster (`pg_control_system()`).
     pub system_identifier: u64,
+    /// `outbox.server_incarnation()` when the token was taken.
+    pub incarnation: u64,
     /// Full 64-bit transaction id (`pg_current_xact_id()`).
     pub xid: u64,
 }
 
 /// Why a string is not a token.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "is not a two-phase token: expected v1.<system identifier>.<transaction id>, as \
-     returned by outbox.txn_token() or SELECT 'v1.' || system_identifier || '.' || \
-     pg_current_xact_id() FROM pg_control_system()"
-)]
-pub struct MalformedToken;
+pub enum TokenError {
+    /// Not a token at all.
+    #[error(
+        "is not a two-phase token: expected v2.<system identifier>.<server incarnation>.\
+         <transaction id>, as returned by outbox.txn_token() (or the plain SQL in the README \
+         for other databases)"
+    )]
+    Malformed,
+    /// A v1 token, which cannot tell a transaction id reused after a crash.
+    #[error(
+        "is a v1 token, which outboxd no longer accepts: after a PostgreSQL crash its \
+         transaction id can name another transaction. Take a v2 token with outbox.txn_token() \
+         (or the plain SQL in the README for other databases)"
+    )]
+    Retired,
+}
 
 impl FromStr for TxnToken {
-    type Err = MalformedToken;
+    type Err = TokenError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let mut parts = s.split('.');
-        let (Some("v1"), Some(system), Some(xid), None) =
-            (parts.next(), parts.next(), parts.next(), parts.next())
-        else {
-            return Err(MalformedToken);
-        };
-        let number = |p: &str| {
+        match parts.next() {
+            Some("v2") => {}
+            Some("v1") => return Err(TokenError::Retired),
+            _ => return Err(TokenError::Malformed),
+        }
+        let mut number = || {
+            let p = parts.next().ok_or(TokenError::Malformed)?;
             // u64::from_str accepts a leading '+'; a token never has one.
             if p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit()) {
-                return Err(MalformedToken);
+                return Err(TokenError::Malformed);
             }
-            p.parse::<u64>().map_err(|_| MalformedToken)
+            p.parse::<u64>().map_err(|_| TokenError::Malformed)
         };
-        Ok(Self {
-            system_identifier: number(system)?,
-            xid: number(xid)?,
-        })
+        let token = Self {
+            system_identifier: number()?,
+            incarnation: number()?,
+            xid: number()?,
+        };
+        match parts.next() {
+            None => Ok(token),
+            Some(_) => Err(TokenError::Malformed),
+        }
     }
 }
 
 impl fmt::Display for TxnToken {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "v1.{}.{}", self.system_identifier, self.xid)
+        write!(
+            f,
+            "v2.{}.{}.{}",
+            self.system_identifier, self.incarnation, self.xid
+        )
     }
 }
 
@@ -58,21 +93,36 @@ mod tests {
 
     #[test]
     fn a_token_round_trips_and_garbage_is_refused() {
-        let t: TxnToken = "v1.7312345678901234567.7421".parse().unwrap();
+        let t: TxnToken = "v2.7312345678901234567.1796025600123456.7421"
+            .parse()
+            .unwrap();
         assert_eq!(t.system_identifier, 7312345678901234567);
+        assert_eq!(t.incarnation, 1796025600123456);
         assert_eq!(t.xid, 7421);
-        assert_eq!(t.to_string(), "v1.7312345678901234567.7421");
+        assert_eq!(
+            t.to_string(),
+            "v2.7312345678901234567.1796025600123456.7421"
+        );
         for bad in [
             "",
-            "v1",
-            "v1.1",
+            "v2",
             "v2.1.2",
-            "v1.1.2.3",
-            "v1.a.2",
-            "v1.1.+2",
-            "v1.1.99999999999999999999",
+            "v3.1.2.3",
+            "v2.1.2.3.4",
+            "v2.a.2.3",
+            "v2.1.2.+3",
+            "v2.1..3",
+            "v2.1.2.99999999999999999999",
         ] {
-            assert!(bad.parse::<TxnToken>().is_err(), "{bad}");
+            assert_eq!(bad.parse::<TxnToken>(), Err(TokenError::Malformed), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_v1_token_is_refused_with_the_reason() {
+        assert_eq!(
+            "v1.7312345678901234567.7421".parse::<TxnToken>(),
+            Err(TokenError::Retired)
+        );
     }
 }

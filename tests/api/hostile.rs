@@ -305,6 +305,8 @@ struct Seed {
     committed_token: String,
     aborted_token: String,
     cluster_id: String,
+    /// `outbox.server_incarnation()`, the third part of a token.
+    incarnation: i64,
     produce_key: String,
     consume_key: String,
     eu_key: String,
@@ -381,6 +383,10 @@ async fn seed(app: &TestApp) -> Seed {
         committed_token,
         aborted_token,
         cluster_id,
+        incarnation: sqlx::query_scalar("SELECT outbox.server_incarnation()")
+            .fetch_one(&mut producer)
+            .await
+            .unwrap(),
         produce_key: app.key(&["acme"], &["produce"], &[]).await,
         consume_key: app.key(&["acme"], &["consume"], &[]).await,
         eu_key: app.key(&["acme"], &["produce"], &["eu"]).await,
@@ -822,7 +828,16 @@ async fn hostile_requests_get_their_status_and_change_nothing() {
         cases,
         "Enqueue: garbage txn_token",
         invalid("txn_token"),
-        async move { whole(a.client().enqueue(with_token("v1.abc.def".into())).await) }
+        async move { whole(a.client().enqueue(with_token("v2.abc.def.1".into())).await) }
+    );
+    case!(
+        cases,
+        "Enqueue: a v1 txn_token (retired: not crash-safe)",
+        invalid("txn_token"),
+        async move {
+            let token = format!("v1.{}.1000", s.cluster_id);
+            whole(a.client().enqueue(with_token(token)).await)
+        }
     );
     case!(
         cases,
@@ -832,7 +847,7 @@ async fn hostile_requests_get_their_status_and_change_nothing() {
             let other = s.cluster_id.parse::<u64>().unwrap().wrapping_add(1);
             whole(
                 a.client()
-                    .enqueue(with_token(format!("v1.{other}.1000")))
+                    .enqueue(with_token(format!("v2.{other}.{}.1000", s.incarnation)))
                     .await,
             )
         }
@@ -842,7 +857,12 @@ async fn hostile_requests_get_their_status_and_change_nothing() {
         "Enqueue: txn_token of a future transaction",
         invalid("txn_token"),
         async move {
-            let token = format!("v1.{}.{}", s.cluster_id, (1u64 << 40) + 1000);
+            let token = format!(
+                "v2.{}.{}.{}",
+                s.cluster_id,
+                s.incarnation,
+                (1u64 << 40) + 1000
+            );
             whole(a.client().enqueue(with_token(token)).await)
         }
     );
@@ -851,7 +871,7 @@ async fn hostile_requests_get_their_status_and_change_nothing() {
         "Enqueue: txn_token naming a reserved xid (epoch 256, xid 0)",
         invalid("txn_token"),
         async move {
-            let token = format!("v1.{}.{}", s.cluster_id, 1u64 << 40);
+            let token = format!("v2.{}.{}.{}", s.cluster_id, s.incarnation, 1u64 << 40);
             whole(a.client().enqueue(with_token(token)).await)
         }
     );
@@ -860,7 +880,7 @@ async fn hostile_requests_get_their_status_and_change_nothing() {
         "Enqueue: txn_token naming the frozen xid 2",
         invalid("txn_token"),
         async move {
-            let token = format!("v1.{}.2", s.cluster_id);
+            let token = format!("v2.{}.{}.2", s.cluster_id, s.incarnation);
             whole(a.client().enqueue(with_token(token)).await)
         }
     );

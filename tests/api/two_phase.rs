@@ -12,8 +12,7 @@ use crate::helpers::{
     TestApp, assert_status, claim_request, duration, id_of, intent, other_database,
 };
 
-const TOKEN_SQL: &str =
-    "SELECT 'v1.' || system_identifier || '.' || pg_current_xact_id() FROM pg_control_system()";
+use outboxd::outbox::token::PLAIN_TOKEN_SQL;
 
 async fn enqueue_in(
     app: &TestApp,
@@ -156,7 +155,7 @@ async fn a_producer_in_another_database_of_the_cluster_joins_with_plain_sql() {
         .execute(&mut *tx)
         .await
         .unwrap();
-    let token: String = sqlx::query_scalar(TOKEN_SQL)
+    let token: String = sqlx::query_scalar(PLAIN_TOKEN_SQL)
         .fetch_one(&mut *tx)
         .await
         .unwrap();
@@ -168,7 +167,7 @@ async fn a_producer_in_another_database_of_the_cluster_joins_with_plain_sql() {
     tx.commit().await.unwrap();
 
     let mut tx = producer.begin().await.unwrap();
-    let token: String = sqlx::query_scalar(TOKEN_SQL)
+    let token: String = sqlx::query_scalar(PLAIN_TOKEN_SQL)
         .fetch_one(&mut *tx)
         .await
         .unwrap();
@@ -280,7 +279,14 @@ async fn several_enqueues_with_one_token_all_join_the_transaction() {
 async fn tokens_that_name_no_open_transaction_of_this_cluster_are_refused() {
     let app = TestApp::spawn().await;
     let one = || vec![intent("k", "{}")];
-    for garbage in ["garbage", "v1.1", "v2.1.2", "v1.x.2", "v1.1.2.3"] {
+    for garbage in [
+        "garbage",
+        "v2.1",
+        "v2.1.2",
+        "v2.x.2.3",
+        "v2.1.2.3.4",
+        "v1.1.2",
+    ] {
         let status = enqueue_in(&app, garbage, one()).await.unwrap_err();
         assert_status(
             &status,
@@ -291,9 +297,10 @@ async fn tokens_that_name_no_open_transaction_of_this_cluster_are_refused() {
     }
     let mut producer = app.producer().await;
     let real = token_of(&mut producer).await; // autocommit: this transaction already committed
-    let (_, rest) = real.split_once('.').unwrap();
-    let (system, xid) = rest.split_once('.').unwrap();
-    let other_cluster = format!("v1.{}.{xid}", system.parse::<u64>().unwrap() ^ 1);
+    let [_, system, life, xid] = real.split('.').collect::<Vec<_>>()[..] else {
+        panic!("not a v2 token: {real}")
+    };
+    let other_cluster = format!("v2.{}.{life}.{xid}", system.parse::<u64>().unwrap() ^ 1);
     let status = enqueue_in(&app, &other_cluster, one()).await.unwrap_err();
     assert_status(
         &status,
@@ -301,7 +308,10 @@ async fn tokens_that_name_no_open_transaction_of_this_cluster_are_refused() {
         "INVALID_ARGUMENT",
         &["txn_token"],
     );
-    let future = format!("v1.{system}.{}", xid.parse::<u64>().unwrap() + 1_000_000);
+    let future = format!(
+        "v2.{system}.{life}.{}",
+        xid.parse::<u64>().unwrap() + 1_000_000
+    );
     let status = enqueue_in(&app, &future, one()).await.unwrap_err();
     assert_status(
         &status,
@@ -355,11 +365,11 @@ async fn replaying_an_enqueue_after_commit_returns_the_recorded_intents() {
     assert_eq!(count, 1);
 }
 
-#[tokio::test]
-async fn a_postgres_crash_discards_open_transactions_and_keeps_committed_intents() {
-    // Its own cluster: crashing the shared one would break every other test.
+/// A server on a PostgreSQL cluster of its own, for tests that crash it: crashing the
+/// shared one would break every other test.
+async fn app_on_own_cluster() -> (TestApp, EmbeddedPostgres) {
     let dir = std::env::temp_dir().join(format!("outboxd-crash-{}", uuid::Uuid::new_v4().simple()));
-    let mut cluster =
+    let cluster =
         tokio::task::spawn_blocking(move || EmbeddedPostgres::start(EmbeddedConfig::new(dir)))
             .await
             .unwrap()
@@ -371,7 +381,30 @@ async fn a_postgres_crash_discards_open_transactions_and_keeps_committed_intents
         .await
         .unwrap();
     pool.close().await;
-    let app = TestApp::spawn_on(url, |_| {}).await;
+    (TestApp::spawn_on(url, |_| {}).await, cluster)
+}
+
+/// `pg_ctl stop -m immediate`, then a start: crash recovery.
+async fn crash_and_restart(mut cluster: EmbeddedPostgres) -> EmbeddedPostgres {
+    tokio::task::spawn_blocking(move || {
+        cluster.crash().unwrap();
+        cluster.restart().unwrap();
+        cluster
+    })
+    .await
+    .unwrap()
+}
+
+async fn stop_own_cluster(app: TestApp, mut cluster: EmbeddedPostgres) {
+    app.stop().await;
+    tokio::task::spawn_blocking(move || cluster.stop().unwrap())
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_postgres_crash_discards_open_transactions_and_keeps_committed_intents() {
+    let (app, cluster) = app_on_own_cluster().await;
 
     let committed_direct = app.enqueue_one("direct", "{}").await;
     let mut producer = app.producer().await;
@@ -392,13 +425,7 @@ async fn a_postgres_crash_discards_open_transactions_and_keeps_committed_intents
         .id
         .clone();
 
-    let mut cluster = tokio::task::spawn_blocking(move || {
-        cluster.crash().unwrap();
-        cluster.restart().unwrap();
-        cluster
-    })
-    .await
-    .unwrap();
+    let cluster = crash_and_restart(cluster).await;
     drop(open_tx);
     drop(open);
 
@@ -410,10 +437,68 @@ async fn a_postgres_crash_discards_open_transactions_and_keeps_committed_intents
     let mut expected = vec![committed_direct, committed_staged];
     expected.sort();
     assert_eq!(claimed, expected);
-    app.stop().await;
-    tokio::task::spawn_blocking(move || cluster.stop().unwrap())
+    stop_own_cluster(app, cluster).await;
+}
+
+#[tokio::test]
+async fn a_token_from_before_a_postgres_crash_is_refused_though_its_xid_now_names_another_transaction()
+ {
+    let (app, cluster) = app_on_own_cluster().await;
+    // The producer takes its token (assigning its xid, which nothing writes to disk)...
+    let mut producer = app.producer().await;
+    sqlx::raw_sql("BEGIN").execute(&mut producer).await.unwrap();
+    let token = token_of(&mut producer).await;
+    let xid: u64 = token.rsplit('.').next().unwrap().parse().unwrap();
+    // ...and PostgreSQL crashes before its Enqueue gets through.
+    let cluster = crash_and_restart(cluster).await;
+    drop(producer);
+
+    // Crash recovery hands the producer's xid out again, here to a stranger.
+    let mut stranger = app.producer().await;
+    let next: u64 =
+        sqlx::query_scalar("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint")
+            .fetch_one(&mut stranger)
+            .await
+            .map(|n: i64| n as u64)
+            .unwrap();
+    assert!(
+        next <= xid,
+        "xid {xid} reached the disk before the crash (next xid {next}): the reuse this test \
+         needs did not happen"
+    );
+    for _ in next..xid {
+        sqlx::query("SELECT pg_current_xact_id()")
+            .execute(&mut stranger)
+            .await
+            .unwrap();
+    }
+    sqlx::raw_sql("BEGIN").execute(&mut stranger).await.unwrap();
+    let stranger_xid: String = sqlx::query_scalar("SELECT pg_current_xact_id()::text")
+        .fetch_one(&mut stranger)
         .await
         .unwrap();
+    assert_eq!(stranger_xid, xid.to_string());
+
+    // The producer's Enqueue, retried now, must not join the stranger's transaction.
+    let status = enqueue_in(&app, &token, vec![intent("of.the.dead", "{}")])
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::Aborted, "TXN_ABORTED", &[]);
+    assert!(
+        status.message().contains("crash"),
+        "the reason names the crash: {}",
+        status.message()
+    );
+    sqlx::raw_sql("COMMIT")
+        .execute(&mut stranger)
+        .await
+        .unwrap();
+    assert_eq!(
+        app.snapshot().await,
+        Vec::<String>::new(),
+        "nothing was stored"
+    );
+    stop_own_cluster(app, cluster).await;
 }
 
 #[tokio::test]

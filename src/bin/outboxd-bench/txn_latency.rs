@@ -25,10 +25,8 @@ pub const CLAIM_WAIT: Duration = Duration::from_secs(5);
 /// Producer token from the outbox database: NOTIFYs outboxd when the transaction commits.
 const OUTBOX_TOKEN_SQL: &str = "SELECT outbox.txn_token()";
 
-/// Producer token from any database of the cluster, without the outbox schema (see the
-/// migration defining `outbox.txn_token()`).
-const PLAIN_TOKEN_SQL: &str = "SELECT 'v1.' || system_identifier || '.' || pg_current_xact_id() \
-                               FROM pg_control_system()";
+/// Producer token from any database of the cluster, without the outbox schema.
+use outboxd::outbox::token::PLAIN_TOKEN_SQL;
 
 #[derive(Debug, Args)]
 pub struct TxnLatencyArgs {

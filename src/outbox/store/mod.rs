@@ -26,8 +26,8 @@ pub use maintenance::{BackoffParams, purge_finished_intents, rescue_expired_leas
 pub use reconcile::{ReconcileParams, ReconcileTarget, resolve_intents};
 pub use settle::{ack_intents, extend_leases, fail_intents, mark_intents_submitted};
 pub use staged::{
-    PromotionReport, TxnStatus, cluster_identifier, find_replay, promote_staged_intents,
-    transaction_status,
+    PromotionReport, TokenCheck, TxnStatus, check_token, cluster_identifier, find_replay,
+    promote_staged_intents,
 };
 
 /// The NOTIFY channel that wakes long-polling claimers when intents become claimable.

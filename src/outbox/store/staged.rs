@@ -19,8 +19,18 @@ pub enum TxnStatus {
     Aborted,
     /// Too old for the commit log to remember.
     Forgotten,
-    /// Not assigned yet: the token was made up.
+    /// Not assigned yet: the token was made up, or its id was lost in a crash.
     Future,
+}
+
+/// What a token's transaction looks like from here: its status, and the server's current
+/// incarnation (`outbox.server_incarnation()`) to compare with the token's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenCheck {
+    /// Status of the transaction id, as this server life knows it.
+    pub status: TxnStatus,
+    /// The incarnation of the server now.
+    pub incarnation: u64,
 }
 
 /// The cluster's `system_identifier`, which every token must carry.
@@ -34,27 +44,30 @@ pub async fn cluster_identifier(db: impl PgExecutor<'_>) -> Result<String> {
     Ok(id)
 }
 
-/// Status of transaction `xid` (a full 64-bit id, as `pg_current_xact_id()` gives).
+/// Status of transaction `xid` (a full 64-bit id, as `pg_current_xact_id()` gives) and the
+/// server's incarnation, in one statement. Run it in the transaction that then stages the
+/// intents: if the server crashes in between, that transaction dies with it, so intents are
+/// never staged in a server life other than the one checked.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
-pub async fn transaction_status(db: impl PgExecutor<'_>, xid: u64) -> Result<TxnStatus> {
-    let status: std::result::Result<Option<String>, sqlx::Error> =
-        sqlx::query_scalar("SELECT pg_xact_status($1::text::xid8)")
+pub async fn check_token(conn: &mut PgConnection, xid: u64) -> Result<TokenCheck> {
+    let (status, incarnation): (String, i64) =
+        sqlx::query_as("SELECT outbox.xact_status($1::text::xid8), outbox.server_incarnation()")
             .bind(xid.to_string())
-            .fetch_one(db)
-            .await;
-    match status {
-        Ok(Some(s)) if s == "in progress" => Ok(TxnStatus::InProgress),
-        Ok(Some(s)) if s == "committed" => Ok(TxnStatus::Committed),
-        Ok(Some(_)) => Ok(TxnStatus::Aborted),
-        Ok(None) => Ok(TxnStatus::Forgotten),
-        // 22023: "transaction ID … is in the future".
-        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("22023") => {
-            Ok(TxnStatus::Future)
-        }
-        Err(e) => Err(e.into()),
-    }
+            .fetch_one(conn)
+            .await?;
+    let status = match status.as_str() {
+        "in progress" => TxnStatus::InProgress,
+        "committed" => TxnStatus::Committed,
+        "future" => TxnStatus::Future,
+        "forgotten" => TxnStatus::Forgotten,
+        _ => TxnStatus::Aborted,
+    };
+    Ok(TokenCheck {
+        status,
+        incarnation: incarnation as u64,
+    })
 }
 
 /// When transaction `xid` already committed, an Enqueue naming it is accepted only as a

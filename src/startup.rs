@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{Connection, PgPool};
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
@@ -44,6 +44,19 @@ pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<PgPool> 
     PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(5))
+        // A connection is pinged before use only when it sat idle for over a second (as
+        // pgxpool does): pinging on every acquire is one more round trip per call, a good
+        // part of a call's cost under load. A connection that broke anyway is found by the
+        // BEGIN every call starts with, which store::begin retries on another connection.
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for > Duration::from_secs(1) {
+                    conn.ping().await?;
+                }
+                Ok(true)
+            })
+        })
         .connect_with(options)
         .await
         .context("cannot connect to PostgreSQL")

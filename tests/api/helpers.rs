@@ -157,7 +157,13 @@ impl TestApp {
             ..Settings::default()
         };
         configure(&mut settings);
-        let pool = startup::connect(&url, 20).await.unwrap();
+        // The test's own connections ping before every use (sqlx's default), unlike the
+        // server's: tests that restart PostgreSQL must not trip on a dead connection.
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(20)
+            .connect(&url)
+            .await
+            .unwrap();
         let service_url = url.replacen("://postgres@", &format!("://{SERVICE_ROLE}@"), 1);
         let service_pool = startup::connect(&service_url, 20).await.unwrap();
         startup::verify_service_role(&service_pool).await.unwrap();

@@ -5,7 +5,7 @@ use sqlx::PgConnection;
 use sqlx::types::Json;
 use uuid::Uuid;
 
-use super::{PENDING_CHANNEL, millis};
+use super::millis;
 use crate::outbox::{Enqueued, Error, IntentId, IntentState, NewIntent, Result, Schedule};
 
 /// Inputs of [`insert_intents`].
@@ -26,7 +26,6 @@ pub struct EnqueueParams<'a> {
 struct InsertRow {
     new_id: Uuid,
     inserted: bool,
-    claimable_now: bool,
     existing_id: Option<Uuid>,
     existing_state: Option<IntentState>,
     existing_txn: Option<String>,
@@ -111,11 +110,10 @@ pub async fn insert_intents(
             ON CONFLICT (tenant_id, idempotency_key)
                 WHERE idempotency_key IS NOT NULL AND state <> 'discarded'
             DO NOTHING
-            RETURNING id, state = 'pending' AND available_at <= created_at AS claimable_now
+            RETURNING id
         )
         SELECT input.id AS new_id,
                inserted.id IS NOT NULL AS inserted,
-               coalesce(inserted.claimable_now, false) AS claimable_now,
                existing.id AS existing_id,
                existing.state AS existing_state,
                existing.txn_xid::text AS existing_txn,
@@ -147,10 +145,8 @@ pub async fn insert_intents(
     .await?;
 
     let mut results = Vec::with_capacity(n);
-    let mut notify = false;
     for (row, intent) in rows.into_iter().zip(params.intents) {
         if row.inserted {
-            notify |= row.claimable_now;
             results.push(Enqueued {
                 id: IntentId(row.new_id),
                 state: if params.txn_xid.is_some() {
@@ -196,12 +192,6 @@ pub async fn insert_intents(
         });
     }
 
-    if notify {
-        sqlx::query("SELECT pg_notify($1, '')")
-            .bind(PENDING_CHANNEL)
-            .execute(&mut *conn)
-            .await?;
-    }
     Ok(results)
 }
 

@@ -14,7 +14,7 @@ mod reconcile;
 mod settle;
 mod staged;
 
-pub use access::{TenantScope, begin};
+pub use access::{AlsoAtBegin, TenantScope, begin, begin_with};
 pub use api_keys::{ApiKeyRecord, find_api_key, insert_api_key, list_api_keys, revoke_api_key};
 pub use claim::{ClaimParams, claim_intents, next_due_in};
 pub use enqueue::{EnqueueParams, insert_intents};
@@ -32,6 +32,9 @@ pub use staged::{
 
 /// The NOTIFY channel that wakes long-polling claimers when intents become claimable.
 pub const PENDING_CHANNEL: &str = "outbox_intent_pending";
+
+/// `NOTIFY` on [`PENDING_CHANNEL`], as a statement of its own.
+const NOTIFY_PENDING: &str = "NOTIFY outbox_intent_pending";
 
 /// The NOTIFY channel `outbox.txn_token()` uses; delivered only when a producer commits.
 pub const TXN_COMMITTED_CHANNEL: &str = "outbox_txn_committed";

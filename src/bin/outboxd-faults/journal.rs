@@ -129,8 +129,9 @@ pub enum Event {
         result: Outcome,
         tries: u32,
     },
-    /// Worker: an ExtendLease attempt is about to be sent (logged per attempt, since any of
-    /// them may have moved the expiry).
+    /// Worker: an ExtendLease attempt is about to be sent, one line per attempt (for the
+    /// record: the checker trusts only an extension the server answered OK, since an
+    /// unanswered attempt may as well have been refused).
     ExtendSent {
         t: i64,
         intent: Uuid,

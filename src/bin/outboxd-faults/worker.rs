@@ -275,7 +275,7 @@ impl Worker {
         let called = self
             .rpc
             .call(CALL_BUDGET, |mut client| {
-                // Logged per attempt: any attempt whose response was lost may have applied.
+                // Logged per attempt, so the journal shows every try a lost response caused.
                 journal.log(&Event::ExtendSent {
                     t: now_us(),
                     intent: lease.intent,

@@ -221,8 +221,20 @@ pub fn clock(us: i64) -> String {
         .unwrap_or_else(|| us.to_string())
 }
 
-fn is_final_ok(state: &str) -> bool {
-    matches!(state, "delivered" | "dead_lettered" | "needs_reconcile")
+/// Whether a committed intent ended where the guarantee allows. A live state (the drain
+/// did not finish) is not "lost": the run fails on the drain instead, and the report
+/// counts those intents as still live.
+fn not_lost(state: &str) -> bool {
+    matches!(
+        state,
+        "delivered"
+            | "dead_lettered"
+            | "needs_reconcile"
+            | "staged"
+            | "pending"
+            | "leased"
+            | "submitted"
+    )
 }
 
 /// Runs every check.
@@ -249,8 +261,11 @@ fn count_retry(v: &mut Verdict, rpc: &'static str, tries: u32) {
     }
 }
 
+/// Counts errors by `Code/REASON` (the prefix of `rpc::describe`), also when wrapped in
+/// "no answer after N tries: …".
 fn count_errors(v: &mut Verdict, errors: &[String]) {
     for e in errors {
+        let e = e.split_once("tries: ").map_or(e.as_str(), |(_, last)| last);
         let key = e.split(':').next().unwrap_or(e).to_owned();
         *v.counts.transient_errors.entry(key).or_default() += 1;
     }

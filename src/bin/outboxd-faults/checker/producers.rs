@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 
 use uuid::Uuid;
 
-use super::{Guarantee, Observations, Verdict, count_retry, is_final_ok};
+use super::{Guarantee, Observations, Verdict, count_retry, not_lost};
 use crate::cluster::Snapshot;
 use crate::journal::Event;
 
@@ -122,7 +122,7 @@ pub(super) fn check_producers(
                 Some(*id),
                 "enqueue acknowledged (or its transaction committed) but the intent does not exist",
             ),
-            Some(row) if !is_final_ok(&row.state) => v.violate(
+            Some(row) if !not_lost(&row.state) => v.violate(
                 Guarantee::NoneLost,
                 Some(*id),
                 format!(
@@ -137,7 +137,7 @@ pub(super) fn check_producers(
     for row in snapshot.intents.values() {
         if !row.two_phase {
             v.counts.direct += 1;
-            if !is_final_ok(&row.state) && !must_deliver.contains(&row.id) {
+            if !not_lost(&row.state) && !must_deliver.contains(&row.id) {
                 v.violate(
                     Guarantee::NoneLost,
                     Some(row.id),
@@ -158,7 +158,7 @@ pub(super) fn check_producers(
                         "its producer transaction committed, but did not link it (unknown intent)",
                     );
                 }
-                if !is_final_ok(&row.state) && !must_deliver.contains(&row.id) {
+                if !not_lost(&row.state) && !must_deliver.contains(&row.id) {
                     v.violate(
                         Guarantee::NoneLost,
                         Some(row.id),

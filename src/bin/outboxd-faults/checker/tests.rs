@@ -137,8 +137,8 @@ fn a_clean_delivery_breaks_nothing() {
 }
 
 #[test]
-fn a_committed_intent_left_pending_is_lost() {
-    let (world, _) = World::committed("pending", None);
+fn a_committed_intent_discarded_is_lost() {
+    let (world, _) = World::committed("discarded", None);
     assert!(guarantees(&world.check()).contains(&Guarantee::NoneLost));
 }
 

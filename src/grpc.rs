@@ -76,6 +76,7 @@ impl OutboxHandler {
                     .or_insert_with(|| tp.clone());
             }
         }
+        let direct = token.is_none();
         let results = outbox::enqueue::enqueue(
             &self.pool,
             &self.cluster_id,
@@ -86,6 +87,11 @@ impl OutboxHandler {
         )
         .await?;
         let recorded = results.iter().filter(|r| !r.deduplicated).count();
+        // Committed: wake claimers (delayed intents too, so a claimer's sleep is cut to the
+        // earliest due). Staged intents are announced by their promotion.
+        if direct && recorded > 0 {
+            self.pending.announce();
+        }
         self.metrics.enqueued.inc_by(recorded as u64);
         Ok(Response::new(v1::EnqueueResponse {
             results: results.into_iter().map(Into::into).collect(),
@@ -438,7 +444,7 @@ impl OutboxService for OutboxHandler {
         let results = store::ack_intents(&mut tx, &leases, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
         link_settled(&results);
-        let acked = results.iter().filter(|r| r.error.is_none()).count();
+        let acked = results.iter().filter(|r| r.applied).count();
         self.metrics.acked.inc_by(acked as u64);
         Ok(Response::new(v1::AckResponse {
             results: results.into_iter().map(Into::into).collect(),
@@ -460,7 +466,7 @@ impl OutboxService for OutboxHandler {
         tx.commit().await.map_err(Error::from)?;
         link_settled(&results);
         for (failure, result) in failures.iter().zip(&results) {
-            if result.error.is_some() {
+            if !result.applied {
                 continue;
             }
             let outcome = OutcomeLabels {

@@ -506,6 +506,11 @@ fn spawn_background(
             txn_committed.clone(),
             shutdown.clone(),
         )),
+        tokio::spawn(
+            pending
+                .clone()
+                .announce_until_stopped(pool.clone(), shutdown.clone()),
+        ),
         tokio::spawn(promotion::run_until_stopped(
             pool.clone(),
             runtime.clock.clone(),

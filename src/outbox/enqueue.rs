@@ -4,7 +4,7 @@
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
-use super::store::{self, AlsoAtBegin, EnqueueParams, TenantScope, TxnStatus};
+use super::store::{self, EnqueueParams, TenantScope, TxnStatus};
 use super::token::TxnToken;
 use super::{Enqueued, Error, FieldViolation, NewIntent, Result};
 
@@ -28,15 +28,7 @@ pub async fn enqueue(
     token: Option<TxnToken>,
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<Enqueued>> {
-    // Direct intents wake long-polling claimers when this commits (also delayed ones: a
-    // claimer then sleeps until the earliest is due); staged ones are announced by their
-    // promotion.
-    let also: &[AlsoAtBegin] = if token.is_none() {
-        &[AlsoAtBegin::NotifyPending]
-    } else {
-        &[]
-    };
-    let mut tx = store::begin_with(pool, &TenantScope::one(tenant_id), also).await?;
+    let mut tx = store::begin(pool, &TenantScope::one(tenant_id)).await?;
     if let Some(token) = token {
         if token.system_identifier.to_string() != cluster_id {
             return Err(bad_token(format!(

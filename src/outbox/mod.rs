@@ -385,6 +385,9 @@ pub struct ItemResult {
     pub state: Option<IntentState>,
     /// Set when not applied.
     pub error: Option<ItemError>,
+    /// This call made the transition: false for errors and for replays of a call whose
+    /// response was lost (OK, but counted once, by the call that applied).
+    pub applied: bool,
     /// New expiry (ExtendLease).
     pub lease_expires_at: Option<DateTime<Utc>>,
     /// The producer's trace context stored with the intent, when the item applied.

@@ -1,8 +1,15 @@
 //! Wakes long-polling claimers and the staged-intent promoter. One LISTEN connection per
-//! server turns committed NOTIFYs into wake-ups: on the pending channel (sent by enqueue,
-//! promotion, rescue and requeue) a watch counter that claimers wait on instead of polling;
-//! on the txn channel (sent by `outbox.txn_token()`, delivered only if the producer
-//! commits) a kick to the promoter.
+//! server turns committed NOTIFYs into wake-ups: on the pending channel (sent by
+//! promotion, rescue, requeue, and other replicas' enqueues) a watch counter that claimers
+//! wait on instead of polling; on the txn channel (sent by `outbox.txn_token()`, delivered
+//! only if the producer commits) a kick to the promoter.
+//!
+//! An enqueue does not NOTIFY in its own transaction: PostgreSQL commits notifying
+//! transactions one at a time (the notify queue lock is held across the commit), which cost
+//! one-per-call enqueues ~3× their throughput. Instead the server wakes its own claimers at
+//! once after the commit, and [`PendingSignal::announce_until_stopped`] tells the other
+//! replicas with a NOTIFY of its own, at most one in flight, so a burst of enqueues costs a
+//! NOTIFY or two.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,18 +19,24 @@ use sqlx::postgres::PgListener;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::store::{PENDING_CHANNEL, TXN_COMMITTED_CHANNEL};
+use super::store::{self, PENDING_CHANNEL, TXN_COMMITTED_CHANNEL};
 
 /// A counter bumped whenever intents may have become claimable.
 #[derive(Debug, Clone)]
 pub struct PendingSignal {
     tx: watch::Sender<u64>,
+    /// Asks the announcer for a NOTIFY to the other replicas.
+    announce: Arc<Notify>,
+    /// This server's payload on the pending channel, so it skips its own announcements.
+    replica: Arc<str>,
 }
 
 impl Default for PendingSignal {
     fn default() -> Self {
         Self {
             tx: watch::Sender::new(0),
+            announce: Arc::new(Notify::new()),
+            replica: uuid::Uuid::new_v4().to_string().into(),
         }
     }
 }
@@ -37,6 +50,28 @@ impl PendingSignal {
     /// Wakes every waiting claimer.
     pub fn bump(&self) {
         self.tx.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Intents became claimable through this server (committed already): wakes its own
+    /// claimers now and has the announcer tell the other replicas.
+    pub fn announce(&self) {
+        self.bump();
+        self.announce.notify_one();
+    }
+
+    /// Sends a NOTIFY on the pending channel for each [`Self::announce`], coalesced: the
+    /// announcements made while one NOTIFY is in flight are covered by the next one.
+    pub async fn announce_until_stopped(self, pool: PgPool, shutdown: CancellationToken) {
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = self.announce.notified() => {}
+            }
+            if let Err(e) = store::announce_pending(&pool, &self.replica).await {
+                // The other replicas' claimers still look again within their recheck.
+                tracing::warn!(error.message = %e, "cannot announce new intents to other replicas");
+            }
+        }
     }
 
     /// Listens until `shutdown`, bumping on each pending notification and kicking
@@ -75,6 +110,8 @@ impl PendingSignal {
                     _ = shutdown.cancelled() => return,
                     received = listener.try_recv() => match received {
                         Ok(Some(n)) if n.channel() == TXN_COMMITTED_CHANNEL => txn_committed.notify_one(),
+                        // Our own announcement: our claimers were woken before it was sent.
+                        Ok(Some(n)) if n.payload() == &*self.replica => {}
                         Ok(Some(_)) => self.bump(),
                         Ok(None) => {
                             self.bump();

@@ -1,6 +1,6 @@
-//! Long-polling Claim: woken by the NOTIFY of a committed enqueue (the test server never
-//! re-checks on a timer, so only the notification can wake it), and answering empty when
-//! the wait elapses.
+//! Long-polling Claim: woken by a committed enqueue, on the same server or on another
+//! replica (through its NOTIFY; the test servers never re-check on a timer, so only the
+//! wake-up can end the wait), and answering empty when the wait elapses.
 
 use std::time::{Duration, Instant};
 
@@ -29,6 +29,25 @@ async fn a_waiting_claim_is_woken_by_an_enqueue() {
     );
     assert_eq!(id_of(&leases[0]), id);
     eprintln!("long-poll woke after {waited:?} (includes the wait before the enqueue)");
+}
+
+#[tokio::test]
+async fn a_waiting_claim_on_another_replica_is_woken_by_an_enqueue() {
+    let producer_side = TestApp::spawn().await;
+    let worker_side = TestApp::spawn_on(producer_side.url.clone(), |_| {}).await;
+    let mut request = claim_request("w", 10);
+    request.wait = Some(duration(Duration::from_secs(60)));
+    let mut client = worker_side.client();
+    let waiter = tokio::spawn(async move { client.claim(request).await });
+    wait_until_claim_is_waiting(&worker_side).await;
+    let id = producer_side.enqueue_one("job", "{}").await;
+    let leases = waiter.await.unwrap().unwrap().into_inner().leases;
+    assert_eq!(
+        leases.len(),
+        1,
+        "woken by the other replica's announcement, not by the 60 s deadline"
+    );
+    assert_eq!(id_of(&leases[0]), id);
 }
 
 #[tokio::test]

@@ -36,6 +36,10 @@ async fn metrics_show_the_queue_and_the_traffic_of_a_known_workload() {
     app.ack(&[&leases[0]]).await;
     app.fail(&leases[1], FailOutcome::Unknown).await;
     app.fail(&leases[2], FailOutcome::Permanent).await;
+    // Replays of calls whose response was lost: answered OK, counted once.
+    assert!(app.ack(&[&leases[0]]).await[0].error.is_none());
+    let replay = app.fail(&leases[2], FailOutcome::Permanent).await;
+    assert!(replay.error.is_none());
     let missing = outboxd::proto::v1::GetIntentRequest {
         id: uuid::Uuid::new_v4().to_string(),
     };
@@ -66,7 +70,7 @@ async fn metrics_show_the_queue_and_the_traffic_of_a_known_workload() {
             r#"outbox_rpc_requests_total{method="Enqueue",code="OK"}"#,
             1.0,
         ),
-        (r#"outbox_rpc_requests_total{method="Fail",code="OK"}"#, 2.0),
+        (r#"outbox_rpc_requests_total{method="Fail",code="OK"}"#, 3.0),
         (
             r#"outbox_rpc_requests_total{method="GetIntent",code="NOT_FOUND"}"#,
             1.0,

@@ -22,10 +22,6 @@ pub struct ServeChildArgs {
     /// URL of the service role on the (migrated) outbox database.
     #[arg(long, value_name = "URL")]
     pub service_url: String,
-    /// Set TCP_NODELAY on the listening socket, which Linux copies to every accepted one
-    /// (outboxd itself leaves Nagle on: see `AllArgs::tcp_nodelay`).
-    #[arg(long)]
-    pub tcp_nodelay: bool,
 }
 
 /// The child's side: serve until stdin reaches end of file.
@@ -33,9 +29,6 @@ pub async fn serve_child(args: &ServeChildArgs, settings: Settings) -> anyhow::R
     let pool = startup::connect(&args.service_url, settings.max_connections).await?;
     startup::verify_service_role(&pool).await?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    if args.tcp_nodelay {
-        set_nodelay(&listener)?;
-    }
     let settings = Settings {
         metrics_addr: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
         ..settings
@@ -52,23 +45,6 @@ pub async fn serve_child(args: &ServeChildArgs, settings: Settings) -> anyhow::R
     Ok(())
 }
 
-fn set_nodelay(listener: &tokio::net::TcpListener) -> anyhow::Result<()> {
-    use std::os::fd::AsRawFd;
-    let on: libc::c_int = 1;
-    // SAFETY: a valid socket descriptor, and a pointer to an int of the size passed.
-    let rc = unsafe {
-        libc::setsockopt(
-            listener.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_NODELAY,
-            (&raw const on).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    anyhow::ensure!(rc == 0, "TCP_NODELAY: {}", std::io::Error::last_os_error());
-    Ok(())
-}
-
 /// The parent's handle on a serving child.
 pub struct ServerProcess {
     child: Child,
@@ -77,11 +53,10 @@ pub struct ServerProcess {
 }
 
 impl ServerProcess {
-    pub async fn spawn(service_url: &str, tcp_nodelay: bool) -> anyhow::Result<Self> {
+    pub async fn spawn(service_url: &str) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("cannot find the bench binary")?;
         let mut child = Command::new(exe)
             .args(["serve-child", "--service-url", service_url])
-            .args(tcp_nodelay.then_some("--tcp-nodelay"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

@@ -87,16 +87,10 @@ pub struct AllArgs {
     /// Iterations of the commit → claimable scenarios [200; smoke 20].
     #[arg(long, value_name = "N")]
     pub txn_iterations: Option<usize>,
-    /// Run outboxd with TCP_NODELAY on its accepted connections. outboxd as shipped leaves
-    /// Nagle's algorithm on (tonic's `serve_with_incoming` does not set it), which stalls a
-    /// response queued behind an unacknowledged one on the same connection until the
-    /// client's delayed ACK (about 40 ms on Linux): back-to-back calls of one client pay it.
-    #[arg(long)]
-    pub tcp_nodelay: bool,
     /// Do not ANALYZE before the burn-downs. By default every system's database is
     /// analyzed right before its burn-down, so that each plans its claim on statistics that
     /// know the backlog: without it, whether autovacuum has analyzed the freshly filled
-    /// table yet decides the plan (outboxd's claim then sorts the whole backlog per call).
+    /// table yet may decide a peer's plan (outboxd forces its ordered index walk).
     #[arg(long)]
     pub no_analyze: bool,
     /// Skip graphile-worker, pg-boss and pgbench.
@@ -159,7 +153,6 @@ impl Sizes {
 
 /// Where outboxd's scenarios run: a migrated database and keys for it.
 struct Target {
-    tcp_nodelay: bool,
     owner_url: String,
     database: String,
     service_url: String,
@@ -183,10 +176,7 @@ pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyho
     let started = Instant::now();
 
     let mut rows = Vec::new();
-    let target = Target {
-        tcp_nodelay: args.tcp_nodelay,
-        ..prepare_outbox(cluster, &mut admin, &base).await?
-    };
+    let target = prepare_outbox(cluster, &mut admin, &base).await?;
     eprintln!("outboxd-bench: outboxd scenarios on {}", target.database);
     outboxd_throughput(&meter, &target, &sizes, &mut rows).await?;
     outboxd_rates(&meter, &target, &sizes, &mut rows).await?;
@@ -240,14 +230,6 @@ pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyho
         if args.smoke { " --smoke" } else { "" }
     );
     println!("{info}");
-    println!(
-        "outboxd's gRPC sockets: {}",
-        if args.tcp_nodelay {
-            "TCP_NODELAY set by the bench (--tcp-nodelay), not as shipped"
-        } else {
-            "as shipped, Nagle on (run with --tcp-nodelay to compare)"
-        }
-    );
     println!(
         "load average (1 min): {load_at_start} at start, {load_at_end} at end; {:.0} s in all",
         started.elapsed().as_secs_f64()
@@ -343,7 +325,6 @@ async fn prepare_outbox(
     let worker_key = create_key(&owner, "bench-worker", "consume").await?;
     owner.close().await;
     Ok(Target {
-        tcp_nodelay: false,
         owner_url: url.clone(),
         service_url: with_login(&url, Some(EMBEDDED_SERVICE_ROLE), &database)?,
         database,
@@ -363,7 +344,7 @@ struct Section<'a> {
 
 impl<'a> Section<'a> {
     async fn start(meter: &'a Meter, target: &'a Target) -> anyhow::Result<Self> {
-        let server = ServerProcess::spawn(&target.service_url, target.tcp_nodelay).await?;
+        let server = ServerProcess::spawn(&target.service_url).await?;
         let before = meter.begin(&target.database).await?;
         let cpu_before = server.cpu();
         Ok(Self {

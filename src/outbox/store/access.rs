@@ -33,9 +33,6 @@ impl TenantScope {
 /// A statement that rides along with BEGIN, in the same round trip.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AlsoAtBegin {
-    /// Wake long-polling claimers when this transaction commits (a transactional NOTIFY;
-    /// a spurious one, e.g. after an enqueue that was all duplicates, only costs a look).
-    NotifyPending,
     /// Plan claims as an ordered walk of the claimable index. Without this, a backlog that
     /// grew since the last ANALYZE gets a bitmap scan and a sort of the whole backlog per
     /// claim (~110 ms at 200k pending), whatever LIMIT it asked for.
@@ -45,7 +42,6 @@ pub enum AlsoAtBegin {
 impl AlsoAtBegin {
     fn statements(self) -> &'static [&'static str] {
         match self {
-            Self::NotifyPending => &[super::NOTIFY_PENDING],
             Self::OrderedClaimPlan => &[
                 "SET LOCAL enable_bitmapscan = off",
                 "SET LOCAL enable_seqscan = off",
@@ -144,18 +140,5 @@ fn is_dead_connection(e: &sqlx::Error) -> bool {
             matches!(db.code().as_deref(), Some("57P01" | "57P02" | "57P03"))
         }
         _ => false,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_pending_notification_names_the_channel_listeners_use() {
-        assert_eq!(
-            AlsoAtBegin::NotifyPending.statements(),
-            [format!("NOTIFY {}", super::super::PENDING_CHANNEL)]
-        );
     }
 }

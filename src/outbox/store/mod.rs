@@ -33,8 +33,23 @@ pub use staged::{
 /// The NOTIFY channel that wakes long-polling claimers when intents become claimable.
 pub const PENDING_CHANNEL: &str = "outbox_intent_pending";
 
-/// `NOTIFY` on [`PENDING_CHANNEL`], as a statement of its own.
-const NOTIFY_PENDING: &str = "NOTIFY outbox_intent_pending";
+/// Tells every server listening on [`PENDING_CHANNEL`] that intents became claimable,
+/// with `from` as the payload (the sender skips its own). Its own short transaction: see
+/// `crate::outbox::notify` for why not the enqueue's.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn announce_pending(
+    db: impl sqlx::PgExecutor<'_>,
+    from: &str,
+) -> crate::outbox::Result<()> {
+    sqlx::query("SELECT pg_notify($1, $2)")
+        .bind(PENDING_CHANNEL)
+        .bind(from)
+        .execute(db)
+        .await?;
+    Ok(())
+}
 
 /// The NOTIFY channel `outbox.txn_token()` uses; delivered only when a producer commits.
 pub const TXN_COMMITTED_CHANNEL: &str = "outbox_txn_committed";

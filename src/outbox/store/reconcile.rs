@@ -155,6 +155,7 @@ pub async fn resolve_intents(
             };
             ItemResult {
                 intent_id: id,
+                applied: error.is_none(),
                 state: row.state,
                 error,
                 lease_expires_at: None,

@@ -106,6 +106,7 @@ async fn report(
             };
             ItemResult {
                 intent_id: id,
+                applied: row.state.is_some(),
                 state,
                 error,
                 lease_expires_at: row.lease_expires_at,

@@ -17,7 +17,8 @@ use crate::auth::{Authenticator, Caller, Permission, TENANT_HEADER};
 use crate::config::{Limits, Settings};
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::outbox::notify::PendingSignal;
-use crate::outbox::store::{self, AlsoAtBegin, BackoffParams, ClaimParams, TenantScope};
+use crate::outbox::store::AlsoAtBegin::OrderedClaimPlan;
+use crate::outbox::store::{self, BackoffParams, ClaimParams, TenantScope};
 use crate::outbox::{self, Clock, Error, FieldViolation, IntentId, IntentState, Reason};
 use crate::proto::v1::outbox_service_server::{OutboxService, OutboxServiceServer};
 use crate::proto::v1::{self};
@@ -363,8 +364,7 @@ impl OutboxService for OutboxHandler {
                 now: self.clock.now(),
                 ..params
             };
-            let mut tx =
-                store::begin_with(&self.pool, &scope, &[AlsoAtBegin::OrderedClaimPlan]).await?;
+            let mut tx = store::begin_with(&self.pool, &scope, &[OrderedClaimPlan]).await?;
             let intents = store::claim_intents(&mut tx, params).await?;
             if !intents.is_empty() || Instant::now() >= deadline || self.shutdown.is_cancelled() {
                 tx.commit().await.map_err(Error::from)?;

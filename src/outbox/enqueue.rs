@@ -4,7 +4,7 @@
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
-use super::store::{self, EnqueueParams, TenantScope, TxnStatus};
+use super::store::{self, AlsoAtBegin, EnqueueParams, TenantScope, TxnStatus};
 use super::token::TxnToken;
 use super::{Enqueued, Error, FieldViolation, NewIntent, Result};
 
@@ -28,7 +28,8 @@ pub async fn enqueue(
     token: Option<TxnToken>,
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<Enqueued>> {
-    let mut tx = store::begin(pool, &TenantScope::one(tenant_id)).await?;
+    let scope = TenantScope::one(tenant_id);
+    let mut tx = store::begin_with(pool, &scope, &[AlsoAtBegin::GenericPlans]).await?;
     if let Some(token) = token {
         if token.system_identifier.to_string() != cluster_id {
             return Err(bad_token(format!(

@@ -33,6 +33,11 @@ impl TenantScope {
 /// A statement that rides along with BEGIN, in the same round trip.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AlsoAtBegin {
+    /// Reuse one plan per statement and connection instead of planning every execution:
+    /// the hot statements' best plan does not depend on their parameters, and planning
+    /// them (row-level security policies included) was a large share of PostgreSQL's CPU
+    /// per call.
+    GenericPlans,
     /// Plan claims as an ordered walk of the claimable index. Without this, a backlog that
     /// grew since the last ANALYZE gets a bitmap scan and a sort of the whole backlog per
     /// claim (~110 ms at 200k pending), whatever LIMIT it asked for.
@@ -42,6 +47,7 @@ pub enum AlsoAtBegin {
 impl AlsoAtBegin {
     fn statements(self) -> &'static [&'static str] {
         match self {
+            Self::GenericPlans => &["SET LOCAL plan_cache_mode = force_generic_plan"],
             Self::OrderedClaimPlan => &[
                 "SET LOCAL enable_bitmapscan = off",
                 "SET LOCAL enable_seqscan = off",

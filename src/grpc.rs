@@ -357,6 +357,9 @@ impl OutboxService for OutboxHandler {
         };
         let deadline = Instant::now() + claim.wait;
         let mut woken = self.pending.subscribe();
+        let turn = self
+            .pending
+            .turn(format!("{scope:?} {:?} {:?}", claim.region, claim.kinds));
         let intents = loop {
             // Mark the signal seen before looking, so a commit landing in between still wakes us.
             woken.borrow_and_update();
@@ -368,6 +371,10 @@ impl OutboxService for OutboxHandler {
             let intents = store::claim_intents(&mut tx, params).await?;
             if !intents.is_empty() || Instant::now() >= deadline || self.shutdown.is_cancelled() {
                 tx.commit().await.map_err(Error::from)?;
+                if intents.len() == params.max_intents as usize {
+                    // There may be more: the next waiting claimer of the group looks too.
+                    turn.notify_one();
+                }
                 break intents;
             }
             let due = store::next_due_in(&mut *tx, &params).await?;
@@ -378,6 +385,7 @@ impl OutboxService for OutboxHandler {
             }
             tokio::select! {
                 _ = woken.changed() => {}
+                _ = turn.notified() => {}
                 _ = tokio::time::sleep_until(until) => {}
                 _ = self.shutdown.cancelled() => {}
             }

@@ -11,7 +11,8 @@
 //! replicas with a NOTIFY of its own, at most one in flight, so a burst of enqueues costs a
 //! NOTIFY or two.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use sqlx::PgPool;
@@ -21,10 +22,17 @@ use tokio_util::sync::CancellationToken;
 
 use super::store::{self, PENDING_CHANNEL, TXN_COMMITTED_CHANNEL};
 
-/// A counter bumped whenever intents may have become claimable.
+/// Wakes claimers when intents may have become claimable: all of them (a counter bumped
+/// on notifications from PostgreSQL), or, for this server's own enqueues, one waiting
+/// claimer per group of claimers with the same tenants and filters (their "turn"). Waking
+/// every waiting worker for each intent cost a claim transaction per worker per intent,
+/// all but one empty: most of the database's work at a steady trickle. A claimer that
+/// fills its batch passes the turn on, so a burst still reaches as many as it needs.
 #[derive(Debug, Clone)]
 pub struct PendingSignal {
     tx: watch::Sender<u64>,
+    /// Claimer groups (by tenants and filters) and the turn they wait on.
+    turns: Arc<Mutex<HashMap<String, Weak<Notify>>>>,
     /// Asks the announcer for a NOTIFY to the other replicas.
     announce: Arc<Notify>,
     /// This server's payload on the pending channel, so it skips its own announcements.
@@ -35,6 +43,7 @@ impl Default for PendingSignal {
     fn default() -> Self {
         Self {
             tx: watch::Sender::new(0),
+            turns: Arc::default(),
             announce: Arc::new(Notify::new()),
             replica: uuid::Uuid::new_v4().to_string().into(),
         }
@@ -52,10 +61,28 @@ impl PendingSignal {
         self.tx.send_modify(|n| *n = n.wrapping_add(1));
     }
 
-    /// Intents became claimable through this server (committed already): wakes its own
-    /// claimers now and has the announcer tell the other replicas.
+    /// The turn claimers of `group` (their tenants and filters, as a string) wait on.
+    /// Kept while one of them holds it.
+    pub fn turn(&self, group: String) -> Arc<Notify> {
+        let mut turns = self.turns.lock().unwrap_or_else(PoisonError::into_inner);
+        turns.retain(|_, turn| turn.strong_count() > 0);
+        if let Some(turn) = turns.get(&group).and_then(Weak::upgrade) {
+            return turn;
+        }
+        let turn = Arc::new(Notify::new());
+        turns.insert(group, Arc::downgrade(&turn));
+        turn
+    }
+
+    /// Intents became claimable through this server (committed already): wakes one waiting
+    /// claimer of each group now (or the next to wait, if none is waiting) and has the
+    /// announcer tell the other replicas.
     pub fn announce(&self) {
-        self.bump();
+        let turns = self.turns.lock().unwrap_or_else(PoisonError::into_inner);
+        for turn in turns.values().filter_map(Weak::upgrade) {
+            turn.notify_one();
+        }
+        drop(turns);
         self.announce.notify_one();
     }
 
@@ -110,7 +137,7 @@ impl PendingSignal {
                     _ = shutdown.cancelled() => return,
                     received = listener.try_recv() => match received {
                         Ok(Some(n)) if n.channel() == TXN_COMMITTED_CHANNEL => txn_committed.notify_one(),
-                        // Our own announcement: our claimers were woken before it was sent.
+                        // Our own announcement: our claimers had their turn before it was sent.
                         Ok(Some(n)) if n.payload() == &*self.replica => {}
                         Ok(Some(_)) => self.bump(),
                         Ok(None) => {

@@ -51,6 +51,56 @@ async fn a_waiting_claim_on_another_replica_is_woken_by_an_enqueue() {
 }
 
 #[tokio::test]
+async fn a_burst_reaches_every_waiting_claimer_it_needs_one_passing_the_turn_to_the_next() {
+    let app = TestApp::spawn().await;
+    let waiters: Vec<_> = (0..3)
+        .map(|i| {
+            let mut request = claim_request(&format!("w{i}"), 1);
+            request.wait = Some(duration(Duration::from_secs(60)));
+            let mut client = app.client();
+            tokio::spawn(async move { client.claim(request).await.unwrap().into_inner().leases })
+        })
+        .collect();
+    wait_until_claim_is_waiting(&app).await;
+    let mut enqueued = app.enqueue_n("job", 3).await;
+    let mut claimed = Vec::new();
+    for waiter in waiters {
+        let leases = waiter.await.unwrap();
+        assert_eq!(leases.len(), 1, "each claimer woken with one intent");
+        claimed.push(id_of(&leases[0]).to_owned());
+    }
+    claimed.sort();
+    enqueued.sort();
+    assert_eq!(claimed, enqueued);
+}
+
+#[tokio::test]
+async fn claimers_with_other_filters_are_not_left_waiting_by_one_that_found_nothing() {
+    let app = TestApp::spawn().await;
+    let waiter = |kind: &str| {
+        let mut request = claim_request(kind, 10);
+        request.kinds = vec![kind.to_owned()];
+        request.wait = Some(duration(Duration::from_secs(60)));
+        let mut client = app.client();
+        tokio::spawn(async move { client.claim(request).await.unwrap().into_inner().leases })
+    };
+    let (emails, sms) = (waiter("email"), waiter("sms"));
+    wait_until_claim_is_waiting(&app).await;
+    let text = app.enqueue_one("sms", "{}").await;
+    let leases = sms.await.unwrap();
+    assert_eq!(leases.len(), 1);
+    assert_eq!(id_of(&leases[0]), text);
+    assert!(
+        !emails.is_finished(),
+        "the email claimer had nothing to take"
+    );
+    let mail = app.enqueue_one("email", "{}").await;
+    let leases = emails.await.unwrap();
+    assert_eq!(leases.len(), 1);
+    assert_eq!(id_of(&leases[0]), mail);
+}
+
+#[tokio::test]
 async fn a_waiting_claim_answers_empty_when_the_wait_elapses() {
     let app = TestApp::spawn().await;
     let mut request = claim_request("w", 10);

@@ -34,20 +34,23 @@ pub use staged::{
 pub const PENDING_CHANNEL: &str = "outbox_intent_pending";
 
 /// Tells every server listening on [`PENDING_CHANNEL`] that intents became claimable,
-/// with `from` as the payload (the sender skips its own). Its own short transaction: see
-/// `crate::outbox::notify` for why not the enqueue's.
+/// with `from` as the payload (the sender skips its own). Its own short transaction (see
+/// `crate::outbox::notify` for why not the enqueue's), committed without waiting for the
+/// disk: a NOTIFY needs a transaction id, hence a commit record, but nothing in it needs to
+/// survive a crash.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
-pub async fn announce_pending(
-    db: impl sqlx::PgExecutor<'_>,
-    from: &str,
-) -> crate::outbox::Result<()> {
+pub async fn announce_pending(pool: &sqlx::PgPool, from: &str) -> crate::outbox::Result<()> {
+    let mut tx = pool
+        .begin_with("BEGIN; SET LOCAL synchronous_commit = off")
+        .await?;
     sqlx::query("SELECT pg_notify($1, $2)")
         .bind(PENDING_CHANNEL)
         .bind(from)
-        .execute(db)
+        .execute(&mut *tx)
         .await?;
+    tx.commit().await?;
     Ok(())
 }
 

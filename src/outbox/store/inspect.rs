@@ -190,10 +190,16 @@ pub async fn queue_depth(conn: &mut PgConnection) -> Result<QueueDepth> {
         WHERE state = 'pending'
         GROUP BY region
         UNION ALL
-        -- The same IN list as intent_tenant_state_idx's predicate, so that index serves it.
+        -- Each IN list is a partial index's predicate, so that index serves it
+        -- (intent_lease_expires_at_idx, intent_tenant_state_idx).
         SELECT state, region, count(*) AS count
         FROM outbox.intent
-        WHERE state IN ('needs_reconcile', 'dead_lettered', 'staged', 'leased', 'submitted')
+        WHERE state IN ('leased', 'submitted')
+        GROUP BY state, region
+        UNION ALL
+        SELECT state, region, count(*) AS count
+        FROM outbox.intent
+        WHERE state IN ('needs_reconcile', 'dead_lettered', 'staged')
         GROUP BY state, region
         "#,
     )

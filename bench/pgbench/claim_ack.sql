@@ -1,12 +1,15 @@
 -- Raw-SQL ceiling of the burn-down: one Claim and one Ack as outboxd runs them, with no
 -- service in between. Each is its own transaction that first sets the tenant scope exactly
--- as src/outbox/store/access.rs does; the claim is the CTE of src/outbox/store/claim.rs
+-- as src/outbox/store/access.rs does (the claim also with its plan settings, AlsoAtBegin);
+-- the claim is the CTE of src/outbox/store/claim.rs
 -- (lease_next, no kind or region filter, 30 s lease) and the ack the statement of
 -- ack_intents in src/outbox/store/settle.rs. Differences, on purpose: the claimed rows are
 -- aggregated into two arrays server-side (pgbench's \gset takes one row), so payloads are
 -- not shipped to the client. Variables: -D batch=N.
 BEGIN;
 SELECT set_config('outbox.tenants', 'bench', true), set_config('outbox.cross_tenant', 'off', true);
+SET LOCAL enable_bitmapscan = off;
+SET LOCAL enable_seqscan = off;
 WITH next AS (
     SELECT id
     FROM outbox.intent
@@ -52,13 +55,10 @@ changed AS (
     RETURNING i.id, i.state, i.lease_expires_at, i.headers->>'traceparent' AS traceparent
 )
 SELECT input.id,
-       changed.id IS NOT NULL AS applied,
-       coalesce(changed.state, cur.state) AS state,
-       coalesce(cur.lease_id = input.lease_id, false) AS lease_matches,
+       changed.state,
        changed.lease_expires_at,
        changed.traceparent
 FROM input
 LEFT JOIN changed ON changed.id = input.id
-LEFT JOIN outbox.intent cur ON cur.id = input.id
 ORDER BY input.ord;
 COMMIT;

@@ -47,6 +47,7 @@ fn cluster() -> &'static Cluster {
                 _embedded: None,
             },
             Err(_) => {
+                remove_clusters_of_finished_runs();
                 let dir = std::env::temp_dir()
                     .join(format!("outboxd-test-{}", std::process::id()))
                     .join("pgdata");
@@ -93,6 +94,28 @@ fn cluster() -> &'static Cluster {
         .expect("create the template database");
         cluster
     })
+}
+
+/// Deletes the cluster directories earlier test processes left in the temp dir (a cluster
+/// lives as long as its process, whose exit stops PostgreSQL but cannot delete the
+/// directory: GBs per run once every test's database is in it).
+fn remove_clusters_of_finished_runs() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("outboxd-test-"))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 fn base_of(url: &str) -> String {

@@ -397,9 +397,12 @@ async fn crash_and_restart(mut cluster: EmbeddedPostgres) -> EmbeddedPostgres {
 
 async fn stop_own_cluster(app: TestApp, mut cluster: EmbeddedPostgres) {
     app.stop().await;
-    tokio::task::spawn_blocking(move || cluster.stop().unwrap())
-        .await
-        .unwrap();
+    tokio::task::spawn_blocking(move || {
+        cluster.stop().unwrap();
+        let _ = std::fs::remove_dir_all(cluster.data_dir());
+    })
+    .await
+    .unwrap();
 }
 
 #[tokio::test]

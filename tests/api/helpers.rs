@@ -562,3 +562,43 @@ pub fn assert_item_ok(result: &v1::LeaseResult, state: v1::IntentState) {
     assert!(result.error.is_none(), "{result:?}");
     assert_eq!(result.state(), state, "{result:?}");
 }
+
+/// Tenant `globex`'s world, beside the default key's `acme`: a pending intent, a leased one (with its lease) and one awaiting a decision.
+pub struct OtherTenant {
+    pub pending: String,
+    pub leased: v1::Lease,
+    pub waiting: String,
+}
+
+pub async fn populate_globex(app: &TestApp) -> OtherTenant {
+    let key = app.key(&["globex"], &["produce", "consume"], &[]).await;
+    let mut b = app.client_with(Some(&key), None).await;
+    let ids: Vec<String> = b
+        .enqueue(v1::EnqueueRequest {
+            intents: vec![intent("b", "1"), intent("b", "2"), intent("b", "3")],
+            txn_token: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    let leases = b
+        .claim(claim_request("b-worker", 2))
+        .await
+        .unwrap()
+        .into_inner()
+        .leases;
+    b.fail(v1::FailRequest {
+        failures: vec![failure(&leases[1], v1::FailOutcome::Unknown)],
+    })
+    .await
+    .unwrap();
+    OtherTenant {
+        pending: ids[2].clone(),
+        leased: leases[0].clone(),
+        waiting: id_of(&leases[1]).to_owned(),
+    }
+}

@@ -21,7 +21,9 @@ use tonic::{Code, Status};
 use tonic_types::StatusExt;
 use uuid::Uuid;
 
-use crate::helpers::{TestApp, claim_request, create_key, duration, id_of, intent, lease_ref};
+use crate::helpers::{
+    TestApp, claim_request, create_key, duration, id_of, intent, lease_ref, populate_globex,
+};
 
 /// Smaller than the default 16 MiB so the oversized-message case sends little.
 const MAX_MESSAGE_BYTES: usize = 2 * 1024 * 1024;
@@ -319,31 +321,7 @@ async fn seed(app: &TestApp) -> Seed {
     app.enqueue_n("seed", 3).await;
     let acme_lease = app.claim_n("seed-worker", 1).await.remove(0);
 
-    let globex = app.key(&["globex"], &["produce", "consume"], &[]).await;
-    let mut g = app.client_with(Some(&globex), None).await;
-    let ids: Vec<String> = g
-        .enqueue(v1::EnqueueRequest {
-            intents: vec![intent("g", "1"), intent("g", "2"), intent("g", "3")],
-            txn_token: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .results
-        .into_iter()
-        .map(|r| r.id)
-        .collect();
-    let leases = g
-        .claim(claim_request("g-worker", 2))
-        .await
-        .unwrap()
-        .into_inner()
-        .leases;
-    g.fail(v1::FailRequest {
-        failures: vec![crate::helpers::failure(&leases[1], FailOutcome::Unknown)],
-    })
-    .await
-    .unwrap();
+    let globex = populate_globex(app).await;
 
     let mut producer = app.producer().await;
     let token = |committed: bool| {
@@ -377,9 +355,9 @@ async fn seed(app: &TestApp) -> Seed {
         .unwrap();
     Seed {
         acme_lease,
-        globex_pending: ids[2].clone(),
-        globex_lease: leases[0].clone(),
-        globex_waiting: id_of(&leases[1]).to_owned(),
+        globex_pending: globex.pending,
+        globex_lease: globex.leased,
+        globex_waiting: globex.waiting,
         committed_token,
         aborted_token,
         cluster_id,

@@ -9,48 +9,8 @@ use tonic::Code;
 
 use crate::helpers::{
     SERVICE_ROLE, TestApp, assert_item_error, assert_status, claim_request, duration, id_of,
-    intent, lease_ref,
+    intent, lease_ref, populate_globex,
 };
-
-/// Tenant B's world: a pending intent, a leased one (with its lease) and one awaiting a decision.
-struct Other {
-    pending: String,
-    leased: v1::Lease,
-    waiting: String,
-}
-
-async fn populate_globex(app: &TestApp) -> Other {
-    let key = app.key(&["globex"], &["produce", "consume"], &[]).await;
-    let mut b = app.client_with(Some(&key), None).await;
-    let ids: Vec<String> = b
-        .enqueue(v1::EnqueueRequest {
-            intents: vec![intent("b", "1"), intent("b", "2"), intent("b", "3")],
-            txn_token: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .results
-        .into_iter()
-        .map(|r| r.id)
-        .collect();
-    let leases = b
-        .claim(claim_request("b-worker", 2))
-        .await
-        .unwrap()
-        .into_inner()
-        .leases;
-    b.fail(v1::FailRequest {
-        failures: vec![crate::helpers::failure(&leases[1], FailOutcome::Unknown)],
-    })
-    .await
-    .unwrap();
-    Other {
-        pending: ids[2].clone(),
-        leased: leases[0].clone(),
-        waiting: id_of(&leases[1]).to_owned(),
-    }
-}
 
 #[tokio::test]
 async fn no_rpc_lets_a_tenant_read_or_change_another_tenants_intents() {

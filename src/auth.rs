@@ -183,6 +183,35 @@ pub fn generate_key() -> std::result::Result<NewKey, getrandom::Error> {
     })
 }
 
+/// Mints a key named `name` for `tenants` (`None`: every tenant) with `scopes` and
+/// `regions` (empty: any), stores its hash through `owner` (the schema owner), and returns
+/// what was stored and the secret, which exists nowhere else.
+///
+/// # Errors
+/// The random source failed, or the key could not be stored.
+pub async fn issue_key(
+    owner: &PgPool,
+    name: &str,
+    tenants: Option<Vec<String>>,
+    scopes: Vec<String>,
+    regions: Vec<String>,
+) -> anyhow::Result<(ApiKeyRecord, String)> {
+    let key = generate_key()?;
+    let record = ApiKeyRecord {
+        id: uuid::Uuid::now_v7(),
+        name: name.to_owned(),
+        prefix: key.prefix.clone(),
+        all_tenants: tenants.is_none(),
+        tenants: tenants.unwrap_or_default(),
+        scopes,
+        regions,
+        created_at: chrono::Utc::now(),
+        revoked_at: None,
+    };
+    store::insert_api_key(owner, &record, &key.hash).await?;
+    Ok((record, key.secret))
+}
+
 /// SHA-256 of a key.
 pub fn hash_key(secret: &str) -> [u8; 32] {
     Sha256::digest(secret.as_bytes()).into()

@@ -40,28 +40,17 @@ async fn run_keys(pool: &sqlx::PgPool, command: KeysCommand) -> anyhow::Result<(
                     "region {region:?} is not a valid name"
                 );
             }
-            let key = auth::generate_key()?;
-            let record = store::ApiKeyRecord {
-                id: uuid::Uuid::now_v7(),
-                name,
-                prefix: key.prefix.clone(),
-                tenants,
-                all_tenants,
-                scopes,
-                regions,
-                created_at: chrono::Utc::now(),
-                revoked_at: None,
-            };
-            store::insert_api_key(pool, &record, &key.hash).await?;
+            let tenants = (!all_tenants).then_some(tenants);
+            let (record, secret) = auth::issue_key(pool, &name, tenants, scopes, regions).await?;
             if json {
                 println!(
                     "{}",
                     serde_json::to_string_pretty(&json!({
-                        "id": record.id, "name": record.name, "api_key": key.secret,
+                        "id": record.id, "name": record.name, "api_key": secret,
                     }))?
                 );
             } else {
-                println!("{}", key.secret);
+                println!("{secret}");
                 eprintln!(
                     "created key {:?} ({}); the secret above is shown only once",
                     record.name, record.id

@@ -449,27 +449,12 @@ pub async fn create_key(
     scopes: &[&str],
     regions: &[&str],
 ) -> String {
-    let key = outboxd::auth::generate_key().unwrap();
-    let all = tenants == ["*"];
-    let record = outboxd::outbox::store::ApiKeyRecord {
-        id: Uuid::now_v7(),
-        name: name.to_owned(),
-        prefix: key.prefix.clone(),
-        tenants: if all {
-            vec![]
-        } else {
-            tenants.iter().map(|t| t.to_string()).collect()
-        },
-        all_tenants: all,
-        scopes: scopes.iter().map(|s| s.to_string()).collect(),
-        regions: regions.iter().map(|r| r.to_string()).collect(),
-        created_at: Utc::now(),
-        revoked_at: None,
-    };
-    outboxd::outbox::store::insert_api_key(pool, &record, &key.hash)
+    let owned = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let tenants = (tenants != ["*"]).then(|| owned(tenants));
+    let (_, secret) = outboxd::auth::issue_key(pool, name, tenants, owned(scopes), owned(regions))
         .await
         .unwrap();
-    key.secret
+    secret
 }
 
 pub fn intent(kind: &str, payload: &str) -> v1::NewIntent {

@@ -9,7 +9,6 @@ use clap::Args;
 use outboxd::client::{Client, Credentials};
 use outboxd::config::Settings;
 use outboxd::embedded::{EmbeddedConfig, EmbeddedPostgres};
-use outboxd::outbox::store::{self, ApiKeyRecord};
 use outboxd::proto::v1;
 use outboxd::startup::{self, Application, EMBEDDED_SERVICE_ROLE, Runtime};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -336,20 +335,10 @@ impl Bench {
 
 /// An API key for [`TENANT`] with one scope; returns its secret.
 pub async fn create_key(owner: &PgPool, name: &str, scope: &str) -> anyhow::Result<String> {
-    let key = outboxd::auth::generate_key()?;
-    let record = ApiKeyRecord {
-        id: Uuid::now_v7(),
-        name: name.to_owned(),
-        prefix: key.prefix.clone(),
-        tenants: vec![TENANT.to_owned()],
-        all_tenants: false,
-        scopes: vec![scope.to_owned()],
-        regions: Vec::new(),
-        created_at: chrono::Utc::now(),
-        revoked_at: None,
-    };
-    store::insert_api_key(owner, &record, &key.hash).await?;
-    Ok(key.secret)
+    let tenants = Some(vec![TENANT.to_owned()]);
+    let (_, secret) =
+        outboxd::auth::issue_key(owner, name, tenants, vec![scope.to_owned()], vec![]).await?;
+    Ok(secret)
 }
 
 /// A client on its own connection (HTTP/2 multiplexes one, but a producer and a worker are

@@ -9,9 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use anyhow::Context;
-use chrono::Utc;
 use outboxd::embedded::{EmbeddedConfig, EmbeddedPostgres};
-use outboxd::outbox::store::{ApiKeyRecord, insert_api_key};
 use outboxd::startup;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -304,18 +302,8 @@ impl Cluster {
 }
 
 async fn create_key(pool: &PgPool, name: &str, scope: &str) -> anyhow::Result<String> {
-    let key = outboxd::auth::generate_key()?;
-    let record = ApiKeyRecord {
-        id: Uuid::now_v7(),
-        name: name.to_owned(),
-        prefix: key.prefix.clone(),
-        tenants: vec![TENANT.to_owned()],
-        all_tenants: false,
-        scopes: vec![scope.to_owned()],
-        regions: vec![],
-        created_at: Utc::now(),
-        revoked_at: None,
-    };
-    insert_api_key(pool, &record, &key.hash).await?;
-    Ok(key.secret)
+    let tenants = Some(vec![TENANT.to_owned()]);
+    let (_, secret) =
+        outboxd::auth::issue_key(pool, name, tenants, vec![scope.to_owned()], vec![]).await?;
+    Ok(secret)
 }

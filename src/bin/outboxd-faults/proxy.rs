@@ -142,13 +142,20 @@ async fn accept_loop(
             lock(&conns).insert(id, conn.clone());
             let (client_read, client_write) = client.into_split();
             let (server_read, server_write) = server.into_split();
-            let upward = tokio::spawn(client_to_server(
+            let upward = tokio::spawn(pump(
                 client_read,
                 server_write,
+                Direction::Requests,
                 conn.clone(),
                 stats.clone(),
             ));
-            let downward = tokio::spawn(server_to_client(server_read, client_write, conn, stats));
+            let downward = tokio::spawn(pump(
+                server_read,
+                client_write,
+                Direction::Responses,
+                conn,
+                stats,
+            ));
             let _ = tokio::join!(upward, downward);
             lock(&conns).remove(&id);
         });
@@ -159,32 +166,19 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-async fn client_to_server(
-    mut from: OwnedReadHalf,
-    mut to: OwnedWriteHalf,
-    conn: Arc<Conn>,
-    stats: Arc<ProxyStats>,
-) {
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = tokio::select! {
-            _ = conn.close.cancelled() => break,
-            read = from.read(&mut buf) => match read {
-                Ok(0) | Err(_) => break,
-                Ok(n) => n,
-            },
-        };
-        start_dropping_if_armed(&conn, &stats);
-        if to.write_all(&buf[..n]).await.is_err() {
-            break;
-        }
-    }
-    finish(&conn, to.as_ref());
+/// Which way bytes flow: only responses (server to client) are ever dropped.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    Requests,
+    Responses,
 }
 
-async fn server_to_client(
+/// Copies `from` to `to` until either side closes or the connection is reset; any traffic
+/// starts an armed drop window, and while it is open responses are swallowed.
+async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
+    direction: Direction,
     conn: Arc<Conn>,
     stats: Arc<ProxyStats>,
 ) {
@@ -198,7 +192,7 @@ async fn server_to_client(
             },
         };
         start_dropping_if_armed(&conn, &stats);
-        if matches!(*lock(&conn.arm), Arm::Dropping) {
+        if direction == Direction::Responses && matches!(*lock(&conn.arm), Arm::Dropping) {
             stats.bytes_dropped.fetch_add(n as u64, Ordering::Relaxed);
             continue;
         }

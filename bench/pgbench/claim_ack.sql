@@ -1,7 +1,7 @@
 -- Raw-SQL ceiling of the burn-down: one Claim and one Ack as outboxd runs them, with no
 -- service in between. Each is its own transaction that first sets the tenant scope exactly
--- as src/outbox/store/access.rs does (the claim also with its plan settings, AlsoAtBegin);
--- the claim is the CTE of src/outbox/store/claim.rs
+-- as src/outbox/store/access.rs does (with the plan settings of AlsoAtBegin, as the server runs each);
+-- the claim is the statement of src/outbox/store/claim.rs
 -- (lease_next, no kind or region filter, 30 s lease) and the ack the statement of
 -- ack_intents in src/outbox/store/settle.rs. Differences, on purpose: the claimed rows are
 -- aggregated into two arrays server-side (pgbench's \gset takes one row), so payloads are
@@ -10,17 +10,8 @@ BEGIN;
 SELECT set_config('outbox.tenants', 'bench', true), set_config('outbox.cross_tenant', 'off', true);
 SET LOCAL enable_bitmapscan = off;
 SET LOCAL enable_seqscan = off;
-WITH next AS (
-    SELECT id
-    FROM outbox.intent
-    WHERE state = 'pending'
-      AND available_at <= coalesce(NULL::timestamptz, now())
-      AND ('' = '' OR region = '' OR region = '')
-      AND (cardinality('{}'::text[]) = 0 OR kind = ANY('{}'::text[]))
-    ORDER BY available_at, id
-    LIMIT :batch
-    FOR UPDATE SKIP LOCKED
-), claimed AS (
+SET LOCAL plan_cache_mode = force_generic_plan;
+WITH claimed AS (
     UPDATE outbox.intent i
     SET state = 'leased',
         attempts = i.attempts + 1,
@@ -29,8 +20,18 @@ WITH next AS (
         worker_id = 'pgbench',
         claim_request_id = NULL,
         updated_at = coalesce(NULL::timestamptz, now())
-    FROM next
-    WHERE i.id = next.id
+    WHERE i.ctid = ANY (ARRAY(
+            SELECT ctid
+            FROM outbox.intent
+            WHERE state = 'pending'
+              AND available_at <= coalesce(NULL::timestamptz, now())
+              AND ('' = '' OR region = '' OR region = '')
+              AND (cardinality('{}'::text[]) = 0 OR kind = ANY('{}'::text[]))
+            ORDER BY available_at, id
+            LIMIT :batch
+            FOR UPDATE SKIP LOCKED
+        ))
+      AND i.state = 'pending'
     RETURNING i.id, i.lease_id
 )
 SELECT coalesce(array_agg(id), '{}')::text AS ids, coalesce(array_agg(lease_id), '{}')::text AS leases
@@ -38,6 +39,7 @@ FROM claimed \gset
 COMMIT;
 BEGIN;
 SELECT set_config('outbox.tenants', 'bench', true), set_config('outbox.cross_tenant', 'off', true);
+SET LOCAL plan_cache_mode = force_generic_plan;
 WITH input AS (
     SELECT * FROM unnest(CAST(:ids AS uuid[]), CAST(:leases AS uuid[])) WITH ORDINALITY AS t(id, lease_id, ord)
 ),

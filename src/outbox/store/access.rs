@@ -34,10 +34,10 @@ impl TenantScope {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AlsoAtBegin {
     /// Reuse one plan per statement and connection instead of planning every execution:
-    /// enqueue's best plan does not depend on its parameters, and planning it (row-level
-    /// security policy included) was half of PostgreSQL's CPU per one-intent call. Not
-    /// for claims and settles: their generic plans cannot see how many ids a batch holds
-    /// and join it to the table wholesale (burn-down fell from 39k to 22k/s).
+    /// planning (row-level security policy included) cost about as much PostgreSQL CPU as
+    /// running a statement. Only for statements whose best plan does not depend on their
+    /// parameters: enqueue, settles (a batch of ids walks the primary key whatever its
+    /// size), and the claim, shaped so (see `claim.rs`) and with [`Self::OrderedClaimPlan`].
     GenericPlans,
     /// Plan claims as an ordered walk of the claimable index. Without this, a backlog that
     /// grew since the last ANALYZE gets a bitmap scan and a sort of the whole backlog per

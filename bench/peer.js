@@ -2,13 +2,19 @@
 // the database given, and prints one JSON line with the figures. The Rust harness reads it,
 // and measures PostgreSQL (CPU, commits, WAL) itself around the measured section.
 //
-//   node peer.js <graphile-worker|pg-boss> <enqueue-batch|enqueue-single|burn-down> \
-//       --url URL --n N [--concurrency C] [--batch B]
+//   node peer.js <graphile-worker|pg-boss> <enqueue-batch|enqueue-single|burn-down|rate> \
+//       --url URL --n N [--concurrency C] [--batch B] [--rate R]
+//
+// `rate` is the fixed-rate scenario: N jobs sent one per call at R/s (open loop) while C
+// workers of the library's own kind (graphile-worker's runner, pg-boss `work`) take them;
+// the latency is from the send returning to the handler starting.
 //
 // Protocol on stdout, one JSON object per line:
 //   {"ready":true}  after setup (schema migrations, queue creation, connection pools);
 //                   the harness takes its "before" snapshot, then writes a line to stdin;
-//   {"n":…, "seconds":…, "cpu_seconds":…, "latencies_us":[…]}  at the end of the run.
+//   {"n":…, "seconds":…, "cpu_seconds":…, "latencies_us":[…]}  at the end of the run
+//                   (`rate` adds "sent" and "behind", the sends dropped while
+//                   MAX_IN_FLIGHT were unanswered).
 // `cpu_seconds` is this process's user + system CPU over the measured section only (module
 // loading and migrations are setup, not work per intent).
 "use strict";
@@ -66,6 +72,79 @@ async function closedLoop(count, concurrency, fn) {
   return latencies;
 }
 
+const MAX_IN_FLIGHT = 1024; // as the Rust harness's fixed-rate producer
+// How long the workers get to take what was sent, after the last send (as DRAIN_TIMEOUT).
+const DRAIN_MS = 5000;
+
+const nowNs = () => Number(process.hrtime.bigint());
+const sleepMs = (ms) => new Promise((r) => setTimeout(r, ms));
+
+// Sends job i at start + i/rate, whatever earlier sends are doing (open loop), and
+// records when each send returned; a send due while MAX_IN_FLIGHT are unanswered is
+// dropped and counted as behind.
+async function openLoop(n, rate, send) {
+  const okAt = new Array(n).fill(null);
+  const pending = [];
+  let inFlight = 0;
+  let behind = 0;
+  const t0 = nowNs();
+  for (let i = 0; i < n; i++) {
+    const wait = (t0 + (i * 1e9) / rate - nowNs()) / 1e6;
+    if (wait >= 1) await sleepMs(wait);
+    if (inFlight >= MAX_IN_FLIGHT) {
+      behind += 1;
+      continue;
+    }
+    inFlight += 1;
+    pending.push(
+      send(i).then(() => {
+        okAt[i] = nowNs();
+        inFlight -= 1;
+      }),
+    );
+  }
+  await Promise.all(pending);
+  return { okAt, behind, seconds: (nowNs() - t0) / 1e9 };
+}
+
+// The fixed-rate scenario around a library: `startWorkers(onJob)` starts its workers, which
+// call onJob(n) as each handler starts; `send(n)` enqueues job n. Waits until every sent
+// job was taken (or DRAIN_MS passed), then joins send and take times by n.
+async function fixedRate(opts, startWorkers, send, stopWorkers) {
+  const takenAt = new Array(opts.n).fill(null);
+  let taken = 0;
+  await startWorkers((n) => {
+    if (takenAt[n] === null) {
+      takenAt[n] = nowNs();
+      taken += 1;
+    }
+  });
+  emit({ ready: true });
+  await waitForGo();
+  const start = process.cpuUsage();
+  const { okAt, behind, seconds } = await openLoop(opts.n, opts.rate, send);
+  const sent = okAt.filter((t) => t !== null).length;
+  const deadline = Date.now() + DRAIN_MS;
+  while (taken < sent && Date.now() < deadline) await sleepMs(5);
+  await stopWorkers();
+  const cpu = process.cpuUsage(start);
+  const latencies = [];
+  for (let i = 0; i < opts.n; i++) {
+    if (okAt[i] !== null && takenAt[i] !== null) {
+      // A handler that started before its send returned counts as 0, as in Rust.
+      latencies.push(Math.max(0, Math.round((takenAt[i] - okAt[i]) / 1000)));
+    }
+  }
+  return {
+    n: latencies.length,
+    sent,
+    behind,
+    seconds,
+    cpu_seconds: (cpu.user + cpu.system) / 1e6,
+    latencies_us: latencies,
+  };
+}
+
 // --- graphile-worker ----------------------------------------------------------------------
 
 async function graphile(opts) {
@@ -73,6 +152,28 @@ async function graphile(opts) {
   const utils = await makeWorkerUtils({ connectionString: opts.url });
   await utils.migrate();
   const maxPool = Math.max(opts.concurrency + 2, 10);
+  if (opts.scenario === "rate") {
+    // The runner as documented for low latency: LISTEN/NOTIFY wakes it on every new job.
+    let runner;
+    const result = await fixedRate(
+      opts,
+      async (onJob) => {
+        runner = await run({
+          connectionString: opts.url,
+          concurrency: opts.concurrency,
+          maxPoolSize: maxPool,
+          noHandleSignals: true,
+          pollInterval: 1000,
+          taskList: { [QUEUE]: async (job) => onJob(job.n) }, // job: the payload
+          logger: quietLogger(),
+        });
+      },
+      (i) => utils.addJob(QUEUE, payload(i)),
+      () => runner.stop(),
+    );
+    await utils.release();
+    return result;
+  }
   if (opts.scenario === "burn-down") {
     // The runner claims through its local queue in batches of `batch` and completes in
     // batches (the library's documented batching knobs), with `concurrency` job slots.
@@ -159,6 +260,25 @@ async function pgboss(opts) {
   boss.on("error", (e) => process.stderr.write(`pg-boss: ${e.message}\n`));
   await boss.start();
   await boss.createQueue(QUEUE);
+  if (opts.scenario === "rate") {
+    // pg-boss workers poll (it has no LISTEN/NOTIFY): each fetches up to `batch` jobs (as
+    // outboxd's workers claim up to 100) and waits the shortest interval pg-boss allows,
+    // 0.5 s, before its next fetch.
+    const result = await fixedRate(
+      opts,
+      async (onJob) => {
+        for (let w = 0; w < opts.concurrency; w++) {
+          await boss.work(QUEUE, { pollingIntervalSeconds: 0.5, batchSize: opts.batch }, async (jobs) => {
+            for (const job of jobs) onJob(job.data.n);
+          });
+        }
+      },
+      (i) => boss.send(QUEUE, payload(i)),
+      () => boss.offWork(QUEUE),
+    );
+    await boss.stop({ graceful: false, close: true, wait: true });
+    return result;
+  }
   emit({ ready: true });
   await waitForGo();
   const start = process.cpuUsage();

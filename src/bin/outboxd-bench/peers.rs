@@ -15,7 +15,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use crate::meter::{Cost, Meter};
 use crate::report::{Hist, Outcome, Row};
-use crate::suite::{AllArgs, analyze, burn_down_name};
+use crate::suite::{AllArgs, RATE_CLAIM_MAX, RateRun, analyze, burn_down_name};
 
 /// The sizes every system runs with.
 pub struct PeerSizes {
@@ -26,6 +26,10 @@ pub struct PeerSizes {
     pub workers: usize,
     pub claim_batch: u32,
     pub analyze: bool,
+    /// Offered rates of the fixed-rate scenario, seconds per rate, and its workers.
+    pub rates: Vec<u32>,
+    pub rate_seconds: f64,
+    pub rate_workers: usize,
 }
 
 /// Enqueue batch size of every system (outboxd's largest Enqueue).
@@ -258,9 +262,15 @@ struct PeerResult {
     seconds: f64,
     cpu_seconds: f64,
     latencies_us: Vec<u64>,
+    /// Fixed-rate scenario: jobs sent, and sends dropped for too many in flight.
+    #[serde(default)]
+    sent: u64,
+    #[serde(default)]
+    behind: u64,
 }
 
-/// graphile-worker or pg-boss: the three scenarios through `bench/peer.js`.
+/// graphile-worker or pg-boss: the three throughput scenarios, then the fixed rates,
+/// through `bench/peer.js`.
 pub async fn node(
     args: &AllArgs,
     meter: &Meter,
@@ -311,6 +321,7 @@ pub async fn node(
             n,
             clients,
             batch,
+            rate: 0,
         };
         if key == "burn-down"
             && sizes.analyze
@@ -355,6 +366,49 @@ pub async fn node(
             }
         }
     }
+    // The fixed rates run on the queue the burn-down emptied, whatever it gave.
+    for &rate in &sizes.rates {
+        let key = format!("rate-{rate}");
+        let name = format!("enqueue → claim at {rate}/s offered");
+        if let Some(why) = &missing {
+            rows.push(Row::not_run(system, &key, &name, why.clone()));
+            continue;
+        }
+        eprintln!("outboxd-bench: {system} {name}");
+        let peer_args = PeerArgs {
+            node: &args.node,
+            script: &script,
+            system,
+            scenario: "rate",
+            url,
+            n: (f64::from(rate) * sizes.rate_seconds).round() as u64,
+            clients: sizes.rate_workers,
+            batch: u64::from(RATE_CLAIM_MAX),
+            rate,
+        };
+        match run_peer(meter, database, &peer_args).await {
+            Ok((result, cost)) => {
+                let mut hist = Hist::new();
+                for us in &result.latencies_us {
+                    hist.record_us(*us);
+                }
+                let run = RateRun {
+                    sent: result.sent,
+                    claimed: result.n,
+                    seconds: result.seconds,
+                    behind: result.behind,
+                    hist,
+                };
+                rows.push(run.row(system, rate, sizes.rate_seconds, "", cost).0);
+            }
+            Err(e) => rows.push(Row::not_run(
+                system,
+                &key,
+                &name,
+                format!("{system} failed: {e:#}"),
+            )),
+        }
+    }
 }
 
 struct PeerArgs<'a> {
@@ -366,6 +420,8 @@ struct PeerArgs<'a> {
     n: u64,
     clients: usize,
     batch: u64,
+    /// Offered jobs per second of the `rate` scenario (0 for the others).
+    rate: u32,
 }
 
 async fn run_peer(
@@ -379,6 +435,7 @@ async fn run_peer(
         .args(["--n", &a.n.to_string()])
         .args(["--concurrency", &a.clients.to_string()])
         .args(["--batch", &a.batch.to_string()])
+        .args(["--rate", &a.rate.to_string()])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

@@ -24,7 +24,7 @@ use uuid::Uuid;
 use crate::harness::{
     Bench, Cluster, ClusterArgs, connect_client, create_key, load_average, machine_info, with_login,
 };
-use crate::meter::Meter;
+use crate::meter::{Cost, Meter};
 use crate::peers::{self, PeerSizes};
 use crate::report::{Hist, Outcome, Row, print_rows};
 use crate::server::ServerProcess;
@@ -44,6 +44,9 @@ const SUSTAINED_SHARE: f64 = 0.95;
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 /// ...and the p99 of enqueue → claim stayed below this.
 const SUSTAINED_P99_MS: f64 = 50.0;
+
+/// Most intents per Claim of the fixed-rate workers (and per fetch of the peers' workers).
+pub const RATE_CLAIM_MAX: u32 = 100;
 
 /// Most Enqueue calls in flight in the fixed-rate scenario before the producer counts
 /// itself as falling behind.
@@ -96,6 +99,11 @@ pub struct AllArgs {
     /// Skip graphile-worker, pg-boss and pgbench.
     #[arg(long)]
     pub no_peers: bool,
+    /// Run only these sections (comma-separated; default all): `throughput` (enqueue and
+    /// burn-down), `rates` (enqueue → claim at fixed rates), `history` (1M rows, pinned
+    /// xmin), `token` (commit → claimable), `peers`. For iterating on one scenario.
+    #[arg(long, value_enum, value_delimiter = ',', value_name = "SECTION")]
+    pub only: Vec<SectionName>,
     /// Folder of the peer harnesses (package.json, peer.js, pgbench/*.sql).
     #[arg(long, value_name = "DIR", default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/bench"))]
     pub bench_dir: PathBuf,
@@ -107,6 +115,22 @@ pub struct AllArgs {
     pub node: PathBuf,
     #[command(flatten)]
     pub cluster: ClusterArgs,
+}
+
+/// A part of `all` that `--only` can select.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SectionName {
+    Throughput,
+    Rates,
+    History,
+    Token,
+    Peers,
+}
+
+impl AllArgs {
+    fn runs(&self, section: SectionName) -> bool {
+        self.only.is_empty() || self.only.contains(&section)
+    }
 }
 
 /// The sizes of one run, from the arguments and the mode.
@@ -151,6 +175,13 @@ impl Sizes {
     }
 }
 
+impl Sizes {
+    /// Workers of the fixed-rate scenarios, for every system.
+    fn rate_workers(&self) -> usize {
+        self.workers.min(2)
+    }
+}
+
 /// Where outboxd's scenarios run: a migrated database and keys for it.
 struct Target {
     owner_url: String,
@@ -178,14 +209,22 @@ pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyho
     let mut rows = Vec::new();
     let target = prepare_outbox(cluster, &mut admin, &base).await?;
     eprintln!("outboxd-bench: outboxd scenarios on {}", target.database);
-    outboxd_throughput(&meter, &target, &sizes, &mut rows).await?;
-    outboxd_rates(&meter, &target, &sizes, &mut rows).await?;
-    history_and_pinned_xmin(cluster, &meter, &target, &sizes, &mut rows).await?;
-    commit_to_claimable(cluster, &settings, &sizes, &mut rows).await?;
+    if args.runs(SectionName::Throughput) {
+        outboxd_throughput(&meter, &target, &sizes, &mut rows).await?;
+    }
+    if args.runs(SectionName::Rates) {
+        outboxd_rates(&meter, &target, &sizes, &mut rows).await?;
+    }
+    if args.runs(SectionName::History) {
+        history_and_pinned_xmin(cluster, &meter, &target, &sizes, &mut rows).await?;
+    }
+    if args.runs(SectionName::Token) {
+        commit_to_claimable(cluster, &settings, &sizes, &mut rows).await?;
+    }
 
     if args.no_peers {
         rows.push(Row::not_run("peers", "-", "all", "--no-peers"));
-    } else {
+    } else if args.runs(SectionName::Peers) {
         let peer_sizes = PeerSizes {
             batched: sizes.batched,
             single: sizes.single,
@@ -194,6 +233,9 @@ pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyho
             workers: sizes.workers,
             claim_batch: sizes.claim_batch,
             analyze: sizes.analyze,
+            rates: sizes.rates.clone(),
+            rate_seconds: sizes.rate_seconds,
+            rate_workers: sizes.rate_workers(),
         };
         // The raw-SQL ceiling runs on its own migrated outbox database, fresh as outboxd's.
         let raw_db = format!("{base}_raw");
@@ -618,12 +660,12 @@ async fn burn_down(
 }
 
 /// What one offered rate gave.
-struct RateRun {
-    sent: u64,
-    claimed: u64,
-    seconds: f64,
-    behind: u64,
-    hist: Hist,
+pub struct RateRun {
+    pub sent: u64,
+    pub claimed: u64,
+    pub seconds: f64,
+    pub behind: u64,
+    pub hist: Hist,
 }
 
 impl RateRun {
@@ -632,6 +674,40 @@ impl RateRun {
             && self.sent as f64 >= SUSTAINED_SHARE * offered as f64
             && self.claimed == self.sent
             && self.hist.ms(0.99) <= SUSTAINED_P99_MS
+    }
+
+    /// The table row of `system` at `rate`/s for `seconds` (`context` says what else was
+    /// going on), and whether the rate was sustained; the same judgement for every system.
+    pub fn row(
+        self,
+        system: &str,
+        rate: u32,
+        seconds: f64,
+        context: &str,
+        cost: Cost,
+    ) -> (Row, bool) {
+        let offered = (f64::from(rate) * seconds).round() as u64;
+        let ok = self.sustainable(offered);
+        let late = if self.behind > 0 {
+            format!(", {} sends dropped: {MAX_IN_FLIGHT} in flight", self.behind)
+        } else {
+            String::new()
+        };
+        let row = Row {
+            system: system.to_owned(),
+            key: format!("rate-{rate}"),
+            scenario: format!(
+                "enqueue → claim at {rate}/s offered{context} ({}{late})",
+                if ok { "sustained" } else { "NOT sustained" },
+            ),
+            intents: self.claimed,
+            seconds: self.seconds,
+            throughput: true,
+            latency: Some(("enqueue OK → claim".to_owned(), self.hist)),
+            cost: Some(cost),
+            outcome: Outcome::Ran,
+        };
+        (row, ok)
     }
 }
 
@@ -695,32 +771,11 @@ async fn rate_row(
         target,
         rate,
         seconds,
-        sizes.workers.min(2),
+        sizes.rate_workers(),
     )
     .await?;
     let cost = section.finish().await?;
-    let offered = (f64::from(rate) * seconds).round() as u64;
-    let ok = run.sustainable(offered);
-    let late = if run.behind > 0 {
-        format!(", {} sends dropped: {MAX_IN_FLIGHT} in flight", run.behind)
-    } else {
-        String::new()
-    };
-    let row = Row {
-        system: "outboxd".to_owned(),
-        key: format!("rate-{rate}"),
-        scenario: format!(
-            "enqueue → claim at {rate}/s offered{context} ({}{late})",
-            if ok { "sustained" } else { "NOT sustained" },
-        ),
-        intents: run.claimed,
-        seconds: run.seconds,
-        throughput: true,
-        latency: Some(("enqueue OK → claim".to_owned(), run.hist)),
-        cost: Some(cost),
-        outcome: Outcome::Ran,
-    };
-    Ok((row, ok))
+    Ok(run.row("outboxd", rate, seconds, context, cost))
 }
 
 /// Scenario 6: the 1000/s enqueue → claim run again with a large finished history in the
@@ -807,7 +862,11 @@ async fn fixed_rate(
             let mut acks = JoinSet::new();
             while !stop.load(Ordering::Relaxed) {
                 let leases = client
-                    .claim(claim_request(w, 100, Some(Duration::from_millis(200))))
+                    .claim(claim_request(
+                        w,
+                        RATE_CLAIM_MAX,
+                        Some(Duration::from_millis(200)),
+                    ))
                     .await
                     .context("Claim")?
                     .into_inner()

@@ -16,6 +16,7 @@ use tracing::Instrument;
 use crate::auth::{Authenticator, Caller, Permission, TENANT_HEADER};
 use crate::config::{Limits, Settings};
 use crate::metrics::{Metrics, OutcomeLabels};
+use crate::outbox::enqueue::DirectEnqueues;
 use crate::outbox::notify::PendingSignal;
 use crate::outbox::store::AlsoAtBegin::{GenericPlans, OrderedClaimPlan};
 use crate::outbox::store::{self, BackoffParams, ClaimParams, TenantScope};
@@ -41,6 +42,7 @@ pub struct OutboxHandler {
     shutdown: CancellationToken,
     long_poll_recheck: Duration,
     metrics: Arc<Metrics>,
+    direct_enqueues: Arc<DirectEnqueues>,
 }
 
 impl OutboxHandler {
@@ -80,9 +82,10 @@ impl OutboxHandler {
         let direct = token.is_none();
         let results = outbox::enqueue::enqueue(
             &self.pool,
+            &self.direct_enqueues,
             &self.cluster_id,
             &tenant,
-            &intents,
+            intents,
             token,
             self.clock.now(),
         )
@@ -135,11 +138,13 @@ impl OutboxHandler {
             shutdown,
             long_poll_recheck: Duration::from_secs(2),
             metrics: Arc::default(),
+            direct_enqueues: Arc::new(DirectEnqueues::new(&Metrics::default())),
         }
     }
 
     /// Records into `metrics` (by default into a private registry nobody reads).
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.direct_enqueues = Arc::new(DirectEnqueues::new(&metrics));
         self.metrics = metrics;
         self
     }

@@ -77,6 +77,11 @@ pub struct Metrics {
     pub rpc_duration: HistogramFamily<MethodLabels>,
     /// Intents recorded (not counting deduplicated ones).
     pub enqueued: Counter,
+    /// Transactions of direct-mode Enqueue calls, each carrying one call or several
+    /// (group commit: calls per transaction = calls / this).
+    pub enqueue_transactions: Counter,
+    /// Direct-mode Enqueue calls waiting for the transaction in flight to join the next.
+    pub enqueue_calls_waiting: Gauge,
     /// Intents leased by Claim.
     pub claimed: Counter,
     /// Time from claimable (`available_at`) to claimed.
@@ -119,6 +124,8 @@ impl Metrics {
             rpc_requests: Family::default(),
             rpc_duration: Family::new_with_constructor(latency_histogram),
             enqueued: Counter::default(),
+            enqueue_transactions: Counter::default(),
+            enqueue_calls_waiting: Gauge::default(),
             claimed: Counter::default(),
             enqueue_to_claim: Family::new_with_constructor(wait_histogram),
             acked: Counter::default(),
@@ -148,6 +155,16 @@ impl Metrics {
             "intents_enqueued",
             "Intents recorded by Enqueue",
             m.enqueued.clone(),
+        );
+        r.register(
+            "enqueue_transactions",
+            "Transactions of direct-mode Enqueue calls (several calls share one under load)",
+            m.enqueue_transactions.clone(),
+        );
+        r.register(
+            "enqueue_calls_waiting",
+            "Direct-mode Enqueue calls waiting to share the next transaction",
+            m.enqueue_calls_waiting.clone(),
         );
         r.register(
             "intents_claimed",

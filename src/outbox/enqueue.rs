@@ -1,16 +1,116 @@
 //! Enqueue, direct or joined to a producer's transaction through the two-phase token: the
 //! rules of shared/DESIGN.md ("The two-phase token") applied before anything is written.
 
+use std::collections::HashSet;
+use std::sync::Arc;
+
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
+use crate::metrics::Metrics;
+
+use prometheus_client::metrics::counter::Counter;
+
+use super::group_commit::GroupCommit;
 use super::store::{self, AlsoAtBegin, EnqueueParams, TenantScope, TxnStatus};
 use super::token::TxnToken;
 use super::{Enqueued, Error, FieldViolation, NewIntent, Result};
 
+/// Most intents one shared direct-mode transaction takes (the default Enqueue batch limit).
+const MAX_GROUPED_INTENTS: usize = 1000;
+
+/// Direct-mode calls with more intents than this run in a transaction of their own, at
+/// once: their commit is already shared by many intents, and making them wait for another
+/// call's transaction would only serialise a tenant's large batches.
+const MAX_GROUPED_CALL: usize = 100;
+
+/// Calls grouped by tenant and test clock; each call is its intents, answered with theirs.
+type Groups = GroupCommit<(String, Option<DateTime<Utc>>), Vec<NewIntent>, Vec<Enqueued>, Error>;
+
+/// Direct-mode Enqueue calls of one tenant (and one test clock) that arrive while another
+/// is committing share the next transaction: one commit, one WAL flush for all of them.
+/// Two-phase calls never share one: each checks its own producer transaction.
+#[derive(Debug)]
+pub struct DirectEnqueues {
+    groups: Groups,
+    transactions: Counter,
+}
+
+impl DirectEnqueues {
+    /// Counting its transactions and waiting calls into `metrics`.
+    pub fn new(metrics: &Metrics) -> Self {
+        Self {
+            groups: GroupCommit::new(
+                fits_shared_transaction,
+                metrics.enqueue_calls_waiting.clone(),
+            ),
+            transactions: metrics.enqueue_transactions.clone(),
+        }
+    }
+}
+
+/// A call joins a shared transaction while the intents stay within one Enqueue's limit and
+/// share no idempotency key with the calls already in it: keys are unique within one
+/// insert, and two calls racing on a key are answered as if they ran one after the other.
+#[allow(clippy::ptr_arg)] // the shape GroupCommit asks of `fits`, with calls as Vec
+fn fits_shared_transaction(batch: &[Arc<Vec<NewIntent>>], call: &Vec<NewIntent>) -> bool {
+    let count: usize = batch.iter().map(|c| c.len()).sum();
+    if count + call.len() > MAX_GROUPED_INTENTS {
+        return false;
+    }
+    let keys: HashSet<&str> = batch
+        .iter()
+        .flat_map(|c| c.iter())
+        .filter_map(|i| i.idempotency_key.as_deref())
+        .collect();
+    call.iter()
+        .filter_map(|i| i.idempotency_key.as_deref())
+        .all(|k| !keys.contains(k))
+}
+
+/// Inserts the intents of several direct-mode calls in one transaction; the results of
+/// each call, in order, after the commit.
+async fn insert_direct(
+    pool: &PgPool,
+    tenant_id: &str,
+    calls: &[Arc<Vec<NewIntent>>],
+    now: Option<DateTime<Utc>>,
+) -> Result<Vec<Vec<Enqueued>>> {
+    let scope = TenantScope::one(tenant_id);
+    let mut tx = store::begin_with(pool, &scope, &[AlsoAtBegin::GenericPlans]).await?;
+    let flat;
+    let intents: &[NewIntent] = match calls {
+        [one] => one,
+        _ => {
+            flat = calls
+                .iter()
+                .flat_map(|c| c.iter().cloned())
+                .collect::<Vec<_>>();
+            &flat
+        }
+    };
+    let mut results = store::insert_intents(
+        &mut tx,
+        EnqueueParams {
+            tenant_id,
+            intents,
+            txn_xid: None,
+            now,
+        },
+    )
+    .await?
+    .into_iter();
+    tx.commit().await?;
+    Ok(calls
+        .iter()
+        .map(|c| results.by_ref().take(c.len()).collect())
+        .collect())
+}
+
 /// Records `intents` for `tenant_id` (in a transaction scoped to it): PENDING at once
-/// without a token; STAGED until the producer's transaction finishes with one. Returns
-/// only after outboxd's own commit.
+/// without a token (in a transaction it may share with other direct calls of the tenant,
+/// see [`DirectEnqueues`]); STAGED until the producer's transaction finishes with one.
+/// Returns only after outboxd's own commit.
 ///
 /// # Errors
 /// - [`Error::InvalidArgument`]: the token names another cluster or a transaction that
@@ -22,77 +122,97 @@ use super::{Enqueued, Error, FieldViolation, NewIntent, Result};
 /// - [`Error::IdempotencyConflict`], [`Error::Database`].
 pub async fn enqueue(
     pool: &PgPool,
+    direct: &DirectEnqueues,
     cluster_id: &str,
     tenant_id: &str,
-    intents: &[NewIntent],
+    intents: Vec<NewIntent>,
     token: Option<TxnToken>,
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<Enqueued>> {
+    let Some(token) = token else {
+        if intents.len() > MAX_GROUPED_CALL {
+            let mut results = insert_direct(pool, tenant_id, &[Arc::new(intents)], now).await?;
+            direct.transactions.inc();
+            return Ok(results.pop().unwrap_or_default());
+        }
+        let (pool, tenant) = (pool.clone(), tenant_id.to_owned());
+        let transactions = direct.transactions.clone();
+        let run = move |calls: Vec<Arc<Vec<NewIntent>>>| {
+            let (pool, tenant, transactions) = (pool.clone(), tenant.clone(), transactions.clone());
+            async move {
+                let results = insert_direct(&pool, &tenant, &calls, now).await?;
+                transactions.inc();
+                Ok(results)
+            }
+        };
+        return direct
+            .groups
+            .submit((tenant_id.to_owned(), now), intents, run)
+            .await;
+    };
     let scope = TenantScope::one(tenant_id);
     let mut tx = store::begin_with(pool, &scope, &[AlsoAtBegin::GenericPlans]).await?;
-    if let Some(token) = token {
-        if token.system_identifier.to_string() != cluster_id {
-            return Err(bad_token(format!(
-                "names the PostgreSQL cluster {}, but outboxd stores intents in cluster \
-                 {cluster_id}; the producer's transaction and the outbox must share one cluster",
-                token.system_identifier
+    if token.system_identifier.to_string() != cluster_id {
+        return Err(bad_token(format!(
+            "names the PostgreSQL cluster {}, but outboxd stores intents in cluster \
+             {cluster_id}; the producer's transaction and the outbox must share one cluster",
+            token.system_identifier
+        )));
+    }
+    // Checked in the transaction that stages the intents (see store::check_token).
+    let check = store::check_token(&mut tx, token.xid).await?;
+    let same_life = check.incarnation == token.incarnation;
+    match check.status {
+        TxnStatus::InProgress | TxnStatus::Future | TxnStatus::Aborted if !same_life => {
+            return Err(Error::TxnAborted(format!(
+                "PostgreSQL recovered from a crash (or a restore) after this token was \
+                 taken, which ended the producer transaction {}; its intents must not \
+                 exist (transaction ids are handed out again after a crash, so this id may \
+                 now name another transaction)",
+                token.xid
             )));
         }
-        // Checked in the transaction that stages the intents (see store::check_token).
-        let check = store::check_token(&mut tx, token.xid).await?;
-        let same_life = check.incarnation == token.incarnation;
-        match check.status {
-            TxnStatus::InProgress | TxnStatus::Future | TxnStatus::Aborted if !same_life => {
-                return Err(Error::TxnAborted(format!(
-                    "PostgreSQL recovered from a crash (or a restore) after this token was \
-                     taken, which ended the producer transaction {}; its intents must not \
-                     exist (transaction ids are handed out again after a crash, so this id may \
-                     now name another transaction)",
-                    token.xid
-                )));
-            }
-            TxnStatus::InProgress => {}
-            TxnStatus::Future => {
-                return Err(bad_token(format!(
-                    "names transaction {}, which does not exist yet",
-                    token.xid
-                )));
-            }
-            TxnStatus::Aborted => {
-                return Err(Error::TxnAborted(format!(
-                    "the producer transaction {} already rolled back; its intents must not exist",
-                    token.xid
-                )));
-            }
-            TxnStatus::Forgotten => {
-                return Err(Error::TxnFinished(format!(
-                    "the producer transaction {} is too old to look up; enqueue inside an open transaction",
-                    token.xid
-                )));
-            }
-            // A commit is trusted even from an earlier server life: intents recorded with
-            // the token were committed by an outboxd transaction whose id is higher than
-            // the producer's, so crash recovery, which resumes handing out ids above every
-            // id in the WAL, cannot have given the producer's id to anyone else.
-            TxnStatus::Committed => {
-                return store::find_replay(&mut tx, token.xid, intents)
-                    .await?
-                    .ok_or_else(|| {
-                        Error::TxnFinished(format!(
-                            "the producer transaction {} already committed; enqueue must happen \
-                             before COMMIT (only a replay with the same idempotency keys is accepted)",
-                            token.xid
-                        ))
-                    });
-            }
+        TxnStatus::InProgress => {}
+        TxnStatus::Future => {
+            return Err(bad_token(format!(
+                "names transaction {}, which does not exist yet",
+                token.xid
+            )));
+        }
+        TxnStatus::Aborted => {
+            return Err(Error::TxnAborted(format!(
+                "the producer transaction {} already rolled back; its intents must not exist",
+                token.xid
+            )));
+        }
+        TxnStatus::Forgotten => {
+            return Err(Error::TxnFinished(format!(
+                "the producer transaction {} is too old to look up; enqueue inside an open transaction",
+                token.xid
+            )));
+        }
+        // A commit is trusted even from an earlier server life: intents recorded with
+        // the token were committed by an outboxd transaction whose id is higher than
+        // the producer's, so crash recovery, which resumes handing out ids above every
+        // id in the WAL, cannot have given the producer's id to anyone else.
+        TxnStatus::Committed => {
+            return store::find_replay(&mut tx, token.xid, &intents)
+                .await?
+                .ok_or_else(|| {
+                    Error::TxnFinished(format!(
+                        "the producer transaction {} already committed; enqueue must happen \
+                         before COMMIT (only a replay with the same idempotency keys is accepted)",
+                        token.xid
+                    ))
+                });
         }
     }
     let results = store::insert_intents(
         &mut tx,
         EnqueueParams {
             tenant_id,
-            intents,
-            txn_xid: token.map(|t| t.xid),
+            intents: &intents,
+            txn_xid: Some(token.xid),
             now,
         },
     )

@@ -3,6 +3,7 @@
 
 pub mod clock;
 pub mod enqueue;
+pub mod group_commit;
 pub mod maintenance;
 pub mod notify;
 pub mod promotion;

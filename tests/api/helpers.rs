@@ -265,6 +265,44 @@ impl TestApp {
         }
     }
 
+    /// Waits (with a deadline) until `n` sessions of the test database wait on a lock.
+    pub async fn wait_for_lock_waiters(&self, n: i64) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&self.pool)
+            .await
+            .unwrap();
+            if waiting >= n {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "only {waiting} of {n} calls reached the lock"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Waits (with a deadline) until the metrics page has the line `line`.
+    pub async fn wait_for_metric(&self, line: &str) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let text = self.scrape().await;
+            if text.lines().any(|l| l == line) {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no {line:?} in the metrics:\n{text}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// GET /metrics, the body as text.
     pub async fn scrape(&self) -> String {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -4,6 +4,7 @@
 
 mod claim;
 mod enqueue;
+mod group_commit;
 mod helpers;
 mod hostile;
 mod inspect;

@@ -402,9 +402,9 @@ where
         .await
         .unwrap();
     let first = tokio::spawn(call());
-    wait_for_lock_waiters(app, 1).await;
+    app.wait_for_lock_waiters(1).await;
     let retry = tokio::spawn(call());
-    wait_for_lock_waiters(app, 2).await;
+    app.wait_for_lock_waiters(2).await;
     sqlx::raw_sql("COMMIT").execute(&mut locker).await.unwrap();
     for (attempt, handle) in [("first attempt", first), ("retry", retry)] {
         let result = handle.await.unwrap();
@@ -413,28 +413,6 @@ where
             "the {attempt} was refused: {:?}",
             result.error
         );
-    }
-}
-
-/// Waits (with a deadline) until `n` sessions of the test database wait on a lock.
-async fn wait_for_lock_waiters(app: &TestApp, n: i64) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity \
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-        if waiting >= n {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "only {waiting} of {n} calls reached the row lock"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 

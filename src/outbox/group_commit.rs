@@ -1,0 +1,329 @@
+//! Group commit: calls that arrive while another call of the same group is in its
+//! transaction wait for it and then run together, in one transaction, so that PostgreSQL
+//! commits (and flushes its WAL) once for all of them instead of once each.
+//!
+//! A call that finds its group idle runs at once, alone: nothing waits on a timer, so a
+//! quiet server answers as fast as without grouping. Each caller still gets its own answer,
+//! only after the shared transaction has committed. When the shared transaction fails, every
+//! call in it runs again alone, so one bad call (an idempotency conflict, say) fails only
+//! itself and never its neighbours.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::hash::Hash;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::sync::oneshot;
+
+/// A call waiting for its turn, with where to send its answer.
+struct Waiter<I, O, E> {
+    item: Arc<I>,
+    answer: oneshot::Sender<Result<O, E>>,
+}
+
+/// The groups with a transaction in flight, and the calls waiting behind it.
+type Groups<K, I, O, E> = Arc<Mutex<HashMap<K, Vec<Waiter<I, O, E>>>>>;
+
+/// Groups concurrent calls by key `K`. `fits(batch, item)` says whether `item` may join a
+/// batch that already holds `batch` (a size limit, no shared idempotency key, …).
+pub struct GroupCommit<K, I, O, E> {
+    groups: Groups<K, I, O, E>,
+    fits: fn(&[Arc<I>], &I) -> bool,
+    waiting: Gauge,
+}
+
+impl<K, I, O, E> std::fmt::Debug for GroupCommit<K, I, O, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let busy = lock(&self.groups).len();
+        f.debug_struct("GroupCommit")
+            .field("busy_groups", &busy)
+            .finish()
+    }
+}
+
+impl<K, I, O, E> GroupCommit<K, I, O, E>
+where
+    K: Hash + Eq + Clone + Send + 'static,
+    I: Send + Sync + 'static,
+    O: Send + 'static,
+    E: From<sqlx::Error> + Send + 'static,
+{
+    /// A grouper whose batches take items while `fits` allows; `waiting` counts the calls
+    /// waiting for their group's transaction in flight.
+    pub fn new(fits: fn(&[Arc<I>], &I) -> bool, waiting: Gauge) -> Self {
+        Self {
+            groups: Arc::default(),
+            fits,
+            waiting,
+        }
+    }
+
+    /// Runs `item` through `run`, in a batch with the calls of group `key` that are
+    /// waiting when its turn comes. `run(items)` must do all of them in one transaction and
+    /// return one output per item, in order, only after the commit.
+    ///
+    /// The batch runs in a task of its own, so a caller that goes away (a cancelled RPC)
+    /// does not cancel the calls it was carrying.
+    ///
+    /// # Errors
+    /// What `run` answered for this item alone, or `sqlx::Error::WorkerCrashed` if the
+    /// task running its batch panicked.
+    pub async fn submit<F, Fut>(&self, key: K, item: I, run: F) -> Result<O, E>
+    where
+        F: Fn(Vec<Arc<I>>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Vec<O>, E>> + Send + 'static,
+    {
+        let (answer, answered) = oneshot::channel();
+        let waiter = Waiter {
+            item: Arc::new(item),
+            answer,
+        };
+        let first = {
+            let mut groups = lock(&self.groups);
+            match groups.get_mut(&key) {
+                Some(waiting) => {
+                    waiting.push(waiter);
+                    self.waiting.inc();
+                    None
+                }
+                None => {
+                    groups.insert(key.clone(), Vec::new());
+                    Some(waiter)
+                }
+            }
+        };
+        if let Some(first) = first {
+            tokio::spawn(drive(
+                Arc::clone(&self.groups),
+                key,
+                vec![first],
+                self.fits,
+                self.waiting.clone(),
+                run,
+            ));
+        }
+        answered
+            .await
+            .unwrap_or_else(|_| Err(sqlx::Error::WorkerCrashed.into()))
+    }
+}
+
+/// Runs `batch`, then batches of whoever waited meanwhile, until the group is idle.
+async fn drive<K, I, O, E, F, Fut>(
+    groups: Groups<K, I, O, E>,
+    key: K,
+    mut batch: Vec<Waiter<I, O, E>>,
+    fits: fn(&[Arc<I>], &I) -> bool,
+    waiting_gauge: Gauge,
+    run: F,
+) where
+    K: Hash + Eq,
+    E: From<sqlx::Error>,
+    F: Fn(Vec<Arc<I>>) -> Fut,
+    Fut: Future<Output = Result<Vec<O>, E>>,
+{
+    loop {
+        run_batch(batch, &run).await;
+        let mut groups = lock(&groups);
+        let Some(waiting) = groups.get_mut(&key).filter(|w| !w.is_empty()) else {
+            groups.remove(&key);
+            return;
+        };
+        batch = take_batch(waiting, fits);
+        waiting_gauge.dec_by(batch.len() as i64);
+    }
+}
+
+/// The waiting calls that go next: in arrival order, each that fits the batch so far.
+fn take_batch<I, O, E>(
+    waiting: &mut Vec<Waiter<I, O, E>>,
+    fits: fn(&[Arc<I>], &I) -> bool,
+) -> Vec<Waiter<I, O, E>> {
+    let mut items: Vec<Arc<I>> = Vec::new();
+    let mut batch = Vec::new();
+    let mut later = Vec::new();
+    for waiter in waiting.drain(..) {
+        if items.is_empty() || fits(&items, &waiter.item) {
+            items.push(Arc::clone(&waiter.item));
+            batch.push(waiter);
+        } else {
+            later.push(waiter);
+        }
+    }
+    *waiting = later;
+    batch
+}
+
+/// One transaction for the whole batch; on failure, one for each of its calls.
+async fn run_batch<I, O, E, F, Fut>(batch: Vec<Waiter<I, O, E>>, run: &F)
+where
+    E: From<sqlx::Error>,
+    F: Fn(Vec<Arc<I>>) -> Fut,
+    Fut: Future<Output = Result<Vec<O>, E>>,
+{
+    if batch.len() > 1 {
+        let items = batch.iter().map(|w| Arc::clone(&w.item)).collect();
+        if let Ok(outputs) = run(items).await
+            && outputs.len() == batch.len()
+        {
+            for (waiter, output) in batch.into_iter().zip(outputs) {
+                // A caller that went away no longer wants its answer; its work is done.
+                let _ = waiter.answer.send(Ok(output));
+            }
+            return;
+        }
+    }
+    for waiter in batch {
+        let alone = run(vec![Arc::clone(&waiter.item)]).await.and_then(|mut o| {
+            o.pop()
+                .ok_or_else(|| sqlx::Error::Protocol("a batch of one gave no answer".into()).into())
+        });
+        let _ = waiter.answer.send(alone);
+    }
+}
+
+/// The map stays consistent whatever panicked while holding it (each critical section is
+/// a single insert, push or removal).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::sync::Notify;
+
+    type Grouper = GroupCommit<&'static str, u32, u32, sqlx::Error>;
+
+    fn at_most_three(batch: &[Arc<u32>], _: &u32) -> bool {
+        batch.len() < 3
+    }
+
+    #[tokio::test]
+    async fn calls_arriving_during_a_transaction_run_together_in_the_next_one() {
+        let grouper = Arc::new(Grouper::new(at_most_three, Gauge::default()));
+        let gate = Arc::new(Notify::new());
+        let batches: Arc<Mutex<Vec<Vec<u32>>>> = Arc::default();
+        let run = {
+            let (gate, batches) = (Arc::clone(&gate), Arc::clone(&batches));
+            move |items: Vec<Arc<u32>>| {
+                let (gate, batches) = (Arc::clone(&gate), Arc::clone(&batches));
+                async move {
+                    let values: Vec<u32> = items.iter().map(|i| **i).collect();
+                    let first = lock(&batches).is_empty();
+                    lock(&batches).push(values.clone());
+                    if first {
+                        // The first transaction stays open until every other call queued.
+                        gate.notified().await;
+                    }
+                    Ok(values.iter().map(|v| v * 10).collect())
+                }
+            }
+        };
+        let first = tokio::spawn({
+            let (g, run) = (Arc::clone(&grouper), run.clone());
+            async move { g.submit("t", 1, run).await }
+        });
+        while lock(&batches).is_empty() {
+            tokio::task::yield_now().await;
+        }
+        let mut rest = Vec::new();
+        for v in 2..=5 {
+            let (g, run) = (Arc::clone(&grouper), run.clone());
+            rest.push(tokio::spawn(async move { g.submit("t", v, run).await }));
+        }
+        while lock(&grouper.groups).get("t").map_or(0, Vec::len) < 4 {
+            tokio::task::yield_now().await;
+        }
+        gate.notify_one();
+        assert_eq!(first.await.unwrap().unwrap(), 10);
+        for (v, call) in (2..=5).zip(rest) {
+            assert_eq!(call.await.unwrap().unwrap(), v * 10);
+        }
+        assert_eq!(
+            *lock(&batches),
+            vec![vec![1], vec![2, 3, 4], vec![5]],
+            "the first runs alone, then up to three of those that waited, then the rest"
+        );
+        assert!(lock(&grouper.groups).is_empty(), "the group ends idle");
+    }
+
+    #[tokio::test]
+    async fn a_failing_batch_runs_each_call_alone_so_only_the_bad_one_fails() {
+        let grouper = Arc::new(Grouper::new(at_most_three, Gauge::default()));
+        let gate = Arc::new(Notify::new());
+        let runs = Arc::new(AtomicUsize::new(0));
+        let run = {
+            let (gate, runs) = (Arc::clone(&gate), Arc::clone(&runs));
+            move |items: Vec<Arc<u32>>| {
+                let (gate, runs) = (Arc::clone(&gate), Arc::clone(&runs));
+                async move {
+                    if runs.fetch_add(1, Ordering::SeqCst) == 0 {
+                        gate.notified().await;
+                    }
+                    if items.iter().any(|i| **i == 13) {
+                        return Err(sqlx::Error::RowNotFound);
+                    }
+                    Ok(items.iter().map(|i| **i).collect())
+                }
+            }
+        };
+        let first = tokio::spawn({
+            let (g, run) = (Arc::clone(&grouper), run.clone());
+            async move { g.submit("t", 1, run).await }
+        });
+        while runs.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        let mut rest = Vec::new();
+        for v in [12, 13, 14] {
+            let (g, run) = (Arc::clone(&grouper), run.clone());
+            rest.push((v, tokio::spawn(async move { g.submit("t", v, run).await })));
+        }
+        while lock(&grouper.groups).get("t").map_or(0, Vec::len) < 3 {
+            tokio::task::yield_now().await;
+        }
+        gate.notify_one();
+        assert_eq!(first.await.unwrap().unwrap(), 1);
+        for (v, call) in rest {
+            let answer = call.await.unwrap();
+            if v == 13 {
+                assert!(matches!(answer, Err(sqlx::Error::RowNotFound)));
+            } else {
+                assert_eq!(answer.unwrap(), v);
+            }
+        }
+        // 1 alone, the failed batch of three, then each of the three alone.
+        assert_eq!(runs.load(Ordering::SeqCst), 5);
+    }
+
+    #[tokio::test]
+    async fn groups_of_other_keys_do_not_wait_for_each_other() {
+        let grouper = Arc::new(Grouper::new(at_most_three, Gauge::default()));
+        let gate = Arc::new(Notify::new());
+        let run_blocked = {
+            let gate = Arc::clone(&gate);
+            move |items: Vec<Arc<u32>>| {
+                let gate = Arc::clone(&gate);
+                async move {
+                    gate.notified().await;
+                    Ok(items.iter().map(|i| **i).collect())
+                }
+            }
+        };
+        let blocked = tokio::spawn({
+            let g = Arc::clone(&grouper);
+            async move { g.submit("a", 1, run_blocked).await }
+        });
+        let other = grouper
+            .submit("b", 2, |items: Vec<Arc<u32>>| async move {
+                Ok(items.iter().map(|i| **i).collect())
+            })
+            .await;
+        assert_eq!(other.unwrap(), 2);
+        gate.notify_one();
+        assert_eq!(blocked.await.unwrap().unwrap(), 1);
+    }
+}

@@ -18,7 +18,7 @@ use crate::config::{Limits, Settings};
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::outbox::enqueue::DirectEnqueues;
 use crate::outbox::notify::PendingSignal;
-use crate::outbox::store::AlsoAtBegin::{GenericPlans, OrderedClaimPlan};
+use crate::outbox::store::AlsoAtBegin::{GenericPlans, IndexPlans};
 use crate::outbox::store::{self, BackoffParams, ClaimParams, TenantScope};
 use crate::outbox::{self, Clock, Error, FieldViolation, IntentId, IntentState, Reason};
 use crate::proto::v1::outbox_service_server::{OutboxService, OutboxServiceServer};
@@ -372,8 +372,7 @@ impl OutboxService for OutboxHandler {
                 now: self.clock.now(),
                 ..params
             };
-            let mut tx =
-                store::begin_with(&self.pool, &scope, &[OrderedClaimPlan, GenericPlans]).await?;
+            let mut tx = store::begin_with(&self.pool, &scope, &[IndexPlans, GenericPlans]).await?;
             let intents = store::claim_intents(&mut tx, params).await?;
             if !intents.is_empty() || Instant::now() >= deadline || self.shutdown.is_cancelled() {
                 tx.commit().await.map_err(Error::from)?;
@@ -422,7 +421,7 @@ impl OutboxService for OutboxHandler {
     ) -> RpcResult<v1::ExtendLeaseResponse> {
         let (_, scope) = self.access(&request, Permission::Consume).await?;
         let (leases, duration) = validate::extend(request.get_ref(), &self.limits)?;
-        let mut tx = store::begin_with(&self.pool, &scope, &[GenericPlans]).await?;
+        let mut tx = store::begin(&self.pool, &scope).await?;
         let results = store::extend_leases(&mut tx, &leases, duration, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(v1::ExtendLeaseResponse {
@@ -437,7 +436,7 @@ impl OutboxService for OutboxHandler {
     ) -> RpcResult<v1::MarkSubmittedResponse> {
         let (_, scope) = self.access(&request, Permission::Consume).await?;
         let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
-        let mut tx = store::begin_with(&self.pool, &scope, &[GenericPlans]).await?;
+        let mut tx = store::begin(&self.pool, &scope).await?;
         let results = store::mark_intents_submitted(&mut tx, &leases, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(v1::MarkSubmittedResponse {
@@ -454,7 +453,7 @@ impl OutboxService for OutboxHandler {
     async fn ack(&self, request: Request<v1::AckRequest>) -> RpcResult<v1::AckResponse> {
         let (_, scope) = self.access(&request, Permission::Consume).await?;
         let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
-        let mut tx = store::begin_with(&self.pool, &scope, &[GenericPlans]).await?;
+        let mut tx = store::begin(&self.pool, &scope).await?;
         let results = store::ack_intents(&mut tx, &leases, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
         link_settled(&results);
@@ -474,7 +473,7 @@ impl OutboxService for OutboxHandler {
     async fn fail(&self, request: Request<v1::FailRequest>) -> RpcResult<v1::FailResponse> {
         let (_, scope) = self.access(&request, Permission::Consume).await?;
         let failures = validate::fail(request.into_inner(), &self.limits)?;
-        let mut tx = store::begin_with(&self.pool, &scope, &[GenericPlans]).await?;
+        let mut tx = store::begin(&self.pool, &scope).await?;
         let results =
             store::fail_intents(&mut tx, &failures, self.backoff, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;

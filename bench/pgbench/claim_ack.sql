@@ -8,9 +8,9 @@
 -- not shipped to the client. Variables: -D batch=N.
 BEGIN;
 SELECT set_config('outbox.tenants', 'bench', true), set_config('outbox.cross_tenant', 'off', true);
-SET LOCAL enable_bitmapscan = off;
-SET LOCAL enable_seqscan = off;
 SET LOCAL plan_cache_mode = force_generic_plan;
+SET LOCAL enable_seqscan = off;
+SET LOCAL enable_bitmapscan = off;
 WITH claimed AS (
     UPDATE outbox.intent i
     SET state = 'leased',
@@ -31,7 +31,6 @@ WITH claimed AS (
             LIMIT :batch
             FOR UPDATE SKIP LOCKED
         ))
-      AND i.state = 'pending'
     RETURNING i.id, i.lease_id
 )
 SELECT coalesce(array_agg(id), '{}')::text AS ids, coalesce(array_agg(lease_id), '{}')::text AS leases
@@ -40,6 +39,8 @@ COMMIT;
 BEGIN;
 SELECT set_config('outbox.tenants', 'bench', true), set_config('outbox.cross_tenant', 'off', true);
 SET LOCAL plan_cache_mode = force_generic_plan;
+SET LOCAL enable_seqscan = off;
+SET LOCAL enable_bitmapscan = off;
 WITH input AS (
     SELECT * FROM unnest(CAST(:ids AS uuid[]), CAST(:leases AS uuid[])) WITH ORDINALITY AS t(id, lease_id, ord)
 ),

@@ -77,7 +77,12 @@ async fn insert_direct(
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<Vec<Enqueued>>> {
     let scope = TenantScope::one(tenant_id);
-    let mut tx = store::begin_with(pool, &scope, &[AlsoAtBegin::GenericPlans]).await?;
+    let mut tx = store::begin_with(
+        pool,
+        &scope,
+        &[AlsoAtBegin::IndexPlans, AlsoAtBegin::GenericPlans],
+    )
+    .await?;
     let flat;
     let intents: &[NewIntent] = match calls {
         [one] => one,
@@ -151,7 +156,12 @@ pub async fn enqueue(
             .await;
     };
     let scope = TenantScope::one(tenant_id);
-    let mut tx = store::begin_with(pool, &scope, &[AlsoAtBegin::GenericPlans]).await?;
+    let mut tx = store::begin_with(
+        pool,
+        &scope,
+        &[AlsoAtBegin::IndexPlans, AlsoAtBegin::GenericPlans],
+    )
+    .await?;
     if token.system_identifier.to_string() != cluster_id {
         return Err(bad_token(format!(
             "names the PostgreSQL cluster {}, but outboxd stores intents in cluster \

@@ -8,7 +8,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use super::store::{self, BackoffParams, TenantScope};
+use super::store::{self, AlsoAtBegin, BackoffParams, TenantScope};
 use super::{Clock, IntentState, Result};
 use crate::metrics::Metrics;
 
@@ -63,7 +63,7 @@ pub async fn rescue_all(
 ) -> Result<SweepReport> {
     let mut report = SweepReport::default();
     loop {
-        let mut tx = store::begin(pool, &TenantScope::All).await?;
+        let mut tx = store::begin_with(pool, &TenantScope::All, &[AlsoAtBegin::IndexPlans]).await?;
         let states =
             store::rescue_expired_leases(&mut *tx, config.backoff, config.batch_size, clock.now())
                 .await?;
@@ -96,7 +96,7 @@ pub async fn rescue_all(
 pub async fn purge_all(pool: &PgPool, config: &MaintenanceConfig, clock: &Clock) -> Result<u64> {
     let mut purged = 0;
     loop {
-        let mut tx = store::begin(pool, &TenantScope::All).await?;
+        let mut tx = store::begin_with(pool, &TenantScope::All, &[AlsoAtBegin::IndexPlans]).await?;
         let n = store::purge_finished_intents(
             &mut *tx,
             config.retention,

@@ -11,7 +11,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::notify::PendingSignal;
-use super::store::{self, PromotionReport, TenantScope};
+use super::store::{self, AlsoAtBegin, PromotionReport, TenantScope};
 use super::{Clock, Result};
 use crate::metrics::Metrics;
 
@@ -25,7 +25,7 @@ const BATCH: i64 = 1000;
 pub async fn promote_all(pool: &PgPool, clock: &Clock) -> Result<PromotionReport> {
     let mut total = PromotionReport::default();
     loop {
-        let mut tx = store::begin(pool, &TenantScope::All).await?;
+        let mut tx = store::begin_with(pool, &TenantScope::All, &[AlsoAtBegin::IndexPlans]).await?;
         let r = store::promote_staged_intents(&mut *tx, BATCH, clock.now()).await?;
         tx.commit().await?;
         total.promoted += r.promoted;

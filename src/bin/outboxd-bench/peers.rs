@@ -13,6 +13,8 @@ use serde::Deserialize;
 use sqlx::{Connection, PgConnection};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
+use outboxd::outbox::store::{self, AlsoAtBegin};
+
 use crate::meter::{Cost, Meter};
 use crate::report::{Hist, Outcome, Row};
 use crate::suite::{AllArgs, RATE_CLAIM_MAX, RateRun, analyze, burn_down_name};
@@ -95,7 +97,7 @@ pub async fn pgbench(
             ),
             "enqueue-single" => ("enqueue.sql", 1, sizes.single_clients, sizes.single),
             _ => (
-                "claim_ack.sql",
+                CLAIM_ACK_SCRIPT,
                 u64::from(sizes.claim_batch),
                 sizes.workers,
                 sizes.batched + sizes.single,
@@ -117,8 +119,17 @@ pub async fn pgbench(
             };
             let before = meter.begin(database).await?;
             let t0 = Instant::now();
-            let (hist, cpu) =
-                run_pgbench(&bin, url, &scripts.join(script), clients, per_client, batch).await?;
+            let script = if script == CLAIM_ACK_SCRIPT {
+                let path = std::env::temp_dir().join(format!(
+                    "outboxd-bench-claim-ack-{}.sql",
+                    std::process::id()
+                ));
+                std::fs::write(&path, claim_ack_script())?;
+                path
+            } else {
+                scripts.join(script)
+            };
+            let (hist, cpu) = run_pgbench(&bin, url, &script, clients, per_client, batch).await?;
             let seconds = t0.elapsed().as_secs_f64();
             let after = meter.end(database).await?;
             let pending_after = count(url, "pending").await?;
@@ -152,6 +163,59 @@ pub async fn pgbench(
             }),
         );
     }
+}
+
+/// Name of the burn-down script, which is generated (see [`claim_ack_script`]).
+const CLAIM_ACK_SCRIPT: &str = "claim_ack.sql";
+
+/// The raw-SQL ceiling of the burn-down: one Claim and one Ack as the server runs them,
+/// built from the store's own statements so that the two cannot drift apart. Each is its
+/// own transaction, begun as the server begins it for the tenant `bench` (the claim with
+/// its plan settings); no kind or region filter, a 30 s lease. One difference, on purpose:
+/// the claimed rows are aggregated into two arrays (pgbench's `\gset` takes one row), so
+/// payloads are not shipped to the client. Variables: `-D batch=N`.
+fn claim_ack_script() -> String {
+    let begin_claim = store::begin_statement(
+        "bench",
+        "off",
+        &[AlsoAtBegin::IndexPlans, AlsoAtBegin::GenericPlans],
+    );
+    let claim = bind_literals(
+        store::CLAIM_UPDATE,
+        &["'pgbench'", "''", "'{}'", ":batch", "30000", "NULL", "NULL"],
+    );
+    let begin_ack = store::begin_statement("bench", "off", &[]);
+    let ack = bind_literals(store::ACK, &["(:ids)", "(:leases)", "NULL"]);
+    format!(
+        "{begin_claim};\n\
+         WITH claimed AS ({claim} RETURNING i.id, i.lease_id)\n\
+         SELECT coalesce(array_agg(id), '{{}}')::text AS ids, \
+         coalesce(array_agg(lease_id), '{{}}')::text AS leases FROM claimed \\gset\n\
+         COMMIT;\n\
+         {begin_ack};\n\
+         {};\n\
+         COMMIT;\n",
+        ack.trim_end()
+    )
+}
+
+/// `sql` with each placeholder `$n` replaced by `values[n - 1]`.
+fn bind_literals(sql: &str, values: &[&str]) -> String {
+    let mut out = String::with_capacity(sql.len());
+    let mut rest = sql;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let digits = rest[at + 1..]
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len() - at - 1);
+        match rest[at + 1..at + 1 + digits].parse::<usize>() {
+            Ok(n) if (1..=values.len()).contains(&n) => out.push_str(values[n - 1]),
+            _ => out.push_str(&rest[at..at + 1 + digits]),
+        }
+        rest = &rest[at + 1 + digits..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Intents in `state` in the raw-SQL database.
@@ -461,4 +525,29 @@ async fn run_peer(
     let after = meter.end(database).await?;
     let cost = before.cost_to(&after, Some(result.cpu_seconds));
     Ok((result, cost))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placeholders_are_replaced_by_number_not_by_prefix() {
+        assert_eq!(
+            bind_literals(
+                "a = $1 AND b = $10 AND c = $2::int AND d = '$'",
+                &["x", "y", "", "", "", "", "", "", "", "z"]
+            ),
+            "a = x AND b = z AND c = y::int AND d = '$'"
+        );
+    }
+
+    #[test]
+    fn the_burn_down_script_runs_the_store_statements_with_every_placeholder_bound() {
+        let script = claim_ack_script();
+        assert!(!script.contains("$1") && !script.contains("$7"), "{script}");
+        assert!(script.contains("FOR UPDATE SKIP LOCKED"), "{script}");
+        assert!(script.contains("SET state = 'delivered'"), "{script}");
+        assert!(script.contains("\\gset"), "{script}");
+    }
 }

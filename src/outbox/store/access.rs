@@ -94,18 +94,10 @@ pub async fn begin_with(
     };
     // Collected: an iterator adapter held across an await trips the Send check of the
     // handlers' futures.
-    let also: Vec<&'static str> = also.iter().flat_map(|a| a.statements()).copied().collect();
     if plain {
-        let mut sql = format!(
-            "BEGIN; SELECT set_config('outbox.tenants', '{tenants}', true), \
-             set_config('outbox.cross_tenant', '{cross}', true)"
-        );
-        for statement in &also {
-            sql.push_str("; ");
-            sql.push_str(statement);
-        }
-        return begin_on_live_connection(pool, Some(sql)).await;
+        return begin_on_live_connection(pool, Some(begin_statement(&tenants, cross, also))).await;
     }
+    let also: Vec<&'static str> = also.iter().flat_map(|a| a.statements()).copied().collect();
     let mut tx = begin_on_live_connection(pool, None).await?;
     sqlx::query(
         "SELECT set_config('outbox.tenants', $1, true), set_config('outbox.cross_tenant', $2, true)",
@@ -118,6 +110,21 @@ pub async fn begin_with(
         sqlx::query(statement).execute(&mut *tx).await?;
     }
     Ok(tx)
+}
+
+/// The one simple query that begins a transaction for `tenants` (comma-separated, plain
+/// names only: they are spliced in) or, with `cross` = "on", for every tenant, with `also`.
+/// Public for the benchmark's raw-SQL ceiling, which runs exactly what the server runs.
+pub fn begin_statement(tenants: &str, cross: &str, also: &[AlsoAtBegin]) -> String {
+    let mut sql = format!(
+        "BEGIN; SELECT set_config('outbox.tenants', '{tenants}', true), \
+         set_config('outbox.cross_tenant', '{cross}', true)"
+    );
+    for statement in also.iter().flat_map(|a| a.statements()) {
+        sql.push_str("; ");
+        sql.push_str(statement);
+    }
+    sql
 }
 
 /// Begins a transaction (with `statement`, or a plain BEGIN), on another connection when

@@ -60,21 +60,10 @@ pub async fn claim_intents(
     Ok(intents)
 }
 
-/// The claim statement. Its shape keeps one plan good for every batch size and table
-/// size, so it can be planned once per connection (see `AlsoAtBegin::GenericPlans`):
-/// - the rows to lease are picked in an `ARRAY(…)` subquery, not a CTE joined back: a join
-///   is planned for a guessed LIMIT (a tenth of the table), and a merge join over the whole
-///   primary key was the generic plan of that shape;
-/// - they are found again by `ctid`, a direct tuple fetch instead of a primary-key lookup.
-///
-/// The transition is guarded by the subquery: `FOR UPDATE` locks only rows that are
-/// PENDING (rechecked on the newest version of each), and nobody can change a locked row
-/// before this statement's UPDATE. A row whose locked version is newer than the
-/// statement's snapshot is not visible at that `ctid` and is left alone. No `state` test is
-/// repeated on the outer UPDATE on purpose: it would match the claimable index's
-/// predicate, and a generic plan made on a small table walked that whole index per claim.
-async fn lease_next(conn: &mut PgConnection, params: &ClaimParams<'_>) -> Result<Vec<Intent>> {
-    let intents = sqlx::query_as(concat!(
+/// The claim's UPDATE without its RETURNING list: `$1` worker, `$2` region, `$3` kinds,
+/// `$4` most intents, `$5` lease milliseconds, `$6` request id, `$7` now (or NULL).
+macro_rules! claim_update {
+    () => {
         r#"
         UPDATE outbox.intent i
         SET state = 'leased',
@@ -95,7 +84,30 @@ async fn lease_next(conn: &mut PgConnection, params: &ClaimParams<'_>) -> Result
                 LIMIT $4
                 FOR UPDATE SKIP LOCKED
             ))
-        RETURNING "#,
+        "#
+    };
+}
+
+/// [`claim_update!`], for the benchmark's raw-SQL ceiling (the same statement, no service).
+pub const CLAIM_UPDATE: &str = claim_update!();
+
+/// The claim statement. Its shape keeps one plan good for every batch size and table
+/// size, so it can be planned once per connection (see `AlsoAtBegin::GenericPlans`):
+/// - the rows to lease are picked in an `ARRAY(…)` subquery, not a CTE joined back: a join
+///   is planned for a guessed LIMIT (a tenth of the table), and a merge join over the whole
+///   primary key was the generic plan of that shape;
+/// - they are found again by `ctid`, a direct tuple fetch instead of a primary-key lookup.
+///
+/// The transition is guarded by the subquery: `FOR UPDATE` locks only rows that are
+/// PENDING (rechecked on the newest version of each), and nobody can change a locked row
+/// before this statement's UPDATE. A row whose locked version is newer than the
+/// statement's snapshot is not visible at that `ctid` and is left alone. No `state` test is
+/// repeated on the outer UPDATE on purpose: it would match the claimable index's
+/// predicate, and a generic plan made on a small table walked that whole index per claim.
+async fn lease_next(conn: &mut PgConnection, params: &ClaimParams<'_>) -> Result<Vec<Intent>> {
+    let intents = sqlx::query_as(concat!(
+        claim_update!(),
+        " RETURNING ",
         intent_columns!("i")
     ))
     .bind(params.worker_id)

@@ -191,10 +191,14 @@ pub async fn queue_depth(conn: &mut PgConnection) -> Result<QueueDepth> {
         GROUP BY region
         UNION ALL
         -- Each IN list is a partial index's predicate, so that index serves it
-        -- (intent_lease_expires_at_idx, intent_tenant_state_idx).
+        -- (intent_lease_expires_at_idx, intent_tenant_state_idx). Under row-level security
+        -- the planner scans a partial index only for a condition on one of its columns,
+        -- hence the lease test (always true of a live lease, see its CHECK): without it,
+        -- this count read the whole table (0.9 s per refresh at 1M finished rows).
         SELECT state, region, count(*) AS count
         FROM outbox.intent
         WHERE state IN ('leased', 'submitted')
+          AND lease_expires_at IS NOT NULL
         GROUP BY state, region
         UNION ALL
         SELECT state, region, count(*) AS count

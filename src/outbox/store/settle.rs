@@ -197,6 +197,28 @@ pub async fn mark_intents_submitted(
     report(conn, &pairs, rows, |_, s| s == IntentState::Submitted).await
 }
 
+/// The Ack statement: `$1` intent ids, `$2` lease ids, `$3` now (or NULL). Public for the
+/// benchmark's raw-SQL ceiling.
+pub const ACK: &str = concat!(
+    lease_input!(),
+    r#"
+    changed AS (
+        UPDATE outbox.intent i
+        SET state = 'delivered',
+            lease_expires_at = NULL,
+            claim_request_id = NULL,
+            finished_at = coalesce($3::timestamptz, now()),
+            updated_at = coalesce($3::timestamptz, now())
+        FROM input
+        WHERE i.id = input.id
+          AND i.lease_id = input.lease_id
+          AND i.state IN ('leased', 'submitted', 'needs_reconcile')
+        RETURNING i.id, i.state, i.lease_expires_at, i.headers->>'traceparent' AS traceparent
+    )
+    "#,
+    settle_report!()
+);
+
 /// Marks intents DELIVERED. Accepted from the live lease (LEASED, SUBMITTED, even if
 /// expired but not yet rescued) and from the last lease of a NEEDS_RECONCILE intent: the
 /// worker has learned the outcome, and no other worker was given the intent meanwhile.
@@ -210,30 +232,12 @@ pub async fn ack_intents(
 ) -> Result<Vec<ItemResult>> {
     let pairs = pairs(leases.iter().copied());
     let (ids, lease_ids) = split(&pairs);
-    let rows = sqlx::query_as(concat!(
-        lease_input!(),
-        r#"
-        changed AS (
-            UPDATE outbox.intent i
-            SET state = 'delivered',
-                lease_expires_at = NULL,
-                claim_request_id = NULL,
-                finished_at = coalesce($3::timestamptz, now()),
-                updated_at = coalesce($3::timestamptz, now())
-            FROM input
-            WHERE i.id = input.id
-              AND i.lease_id = input.lease_id
-              AND i.state IN ('leased', 'submitted', 'needs_reconcile')
-            RETURNING i.id, i.state, i.lease_expires_at, i.headers->>'traceparent' AS traceparent
-        )
-        "#,
-        settle_report!()
-    ))
-    .bind(&ids)
-    .bind(&lease_ids)
-    .bind(now)
-    .fetch_all(&mut *conn)
-    .await?;
+    let rows = sqlx::query_as(ACK)
+        .bind(&ids)
+        .bind(&lease_ids)
+        .bind(now)
+        .fetch_all(&mut *conn)
+        .await?;
     report(conn, &pairs, rows, |_, s| s == IntentState::Delivered).await
 }
 

@@ -1,8 +1,10 @@
 //! `all`: the throughput and latency scenarios of issue 7 for outboxd (a child server
 //! process on a fresh outbox database) and for the peers on the same cluster, printed as
-//! one table. Implemented: 1 enqueue (batched; one intent per call from many clients),
-//! 2 burn-down, 4 enqueue → claim latency at fixed offered rates, 5 commit → claimable
-//! (the `txn-latency` measurement). Not yet: 3 steady state, 6 large history / pinned xmin.
+//! one table: 1 enqueue (batched; one intent per call from many clients), 2 burn-down,
+//! 3/4 producers and workers together at fixed offered rates (enqueue → claim latency,
+//! and the highest sustainable rate), 5 commit → claimable (the `txn-latency`
+//! measurement), 6 the fixed rate over a large finished history and with xmin pinned.
+//! Peers run 1, 2 and 3/4 (pgbench 1 and 2).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -307,16 +309,20 @@ fn print_notes() {
         "**outboxd** runs in a child process (`serve-child`: the same `Application` as \
          `outboxd serve`, as the non-owner role with row-level security, API keys), a fresh \
          one per section; the load generator is this process, over gRPC on loopback.",
-        "**raw SQL (pgbench)**: `bench/pgbench/*.sql` through `pgbench -M prepared` as a \
-         superuser, no service in between: the claim CTE of `claim.rs` and the ack statement \
-         of `settle.rs` in one transaction each, tenant settings as `access.rs`; enqueue is a \
-         plain INSERT … SELECT of the batch (no idempotency probe). Its latency is one pgbench \
-         transaction: enqueue one batch, or claim + ack one batch.",
+        "**raw SQL (pgbench)**: `pgbench -M prepared` as a superuser, no service in between: \
+         the burn-down runs the store's own claim and ack statements (`CLAIM_UPDATE`, `ACK`), \
+         one transaction each begun as the server begins them; enqueue is \
+         `bench/pgbench/enqueue.sql`, a plain INSERT … SELECT of the batch (no idempotency \
+         probe). Its latency is one pgbench transaction: enqueue one batch, or claim + ack one \
+         batch.",
         "**graphile-worker, pg-boss**: `bench/peer.js` (versions pinned in \
          `bench/package.json`), batched add (`addJobs`, `insert`) and one job per call \
          (`addJob`, `send`); burn-down by graphile-worker's runner with a local queue of the \
          claim batch and batched completion, and by pg-boss `fetch(batchSize)` + \
-         `complete(ids)` loops. graphile-worker's runner gives no per-batch latency.",
+         `complete(ids)` loops; the fixed rates with each library's own workers (as many as \
+         outboxd's): graphile-worker's runner woken by LISTEN/NOTIFY, pg-boss `work()` \
+         polling at its shortest interval (0.5 s), up to 100 jobs per fetch. \
+         graphile-worker's runner gives no per-batch latency.",
         "**latency of**: `call` is one Enqueue (or add/insert/send) call; `claim+ack` one \
          Claim of a batch plus its Ack; `enqueue OK → claim` the time from the producer's \
          Enqueue returning to a long-polling worker's Claim returning the intent (negative \

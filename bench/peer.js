@@ -3,7 +3,7 @@
 // and measures PostgreSQL (CPU, commits, WAL) itself around the measured section.
 //
 //   node peer.js <graphile-worker|pg-boss> <enqueue-batch|enqueue-single|burn-down|rate> \
-//       --url URL --n N [--concurrency C] [--batch B] [--rate R]
+//       --url URL --n N [--concurrency C] [--batch B] [--rate R] [--local-queue N]
 //
 // `rate` is the fixed-rate scenario: N jobs sent one per call at R/s (open loop) while C
 // workers of the library's own kind (graphile-worker's runner, pg-boss `work`) take them;
@@ -153,7 +153,8 @@ async function graphile(opts) {
   await utils.migrate();
   const maxPool = Math.max(opts.concurrency + 2, 10);
   if (opts.scenario === "rate") {
-    // The runner as documented for low latency: LISTEN/NOTIFY wakes it on every new job.
+    // The runner woken by LISTEN/NOTIFY on every new job; with --local-queue N, fetching up
+    // to N jobs at a time into its local queue (and completing in batches).
     let runner;
     const result = await fixedRate(
       opts,
@@ -165,6 +166,9 @@ async function graphile(opts) {
           noHandleSignals: true,
           pollInterval: 1000,
           taskList: { [QUEUE]: async (job) => onJob(job.n) }, // job: the payload
+          preset: opts["local-queue"]
+            ? { worker: { localQueue: { size: opts["local-queue"] }, completeJobBatchDelay: 0 } }
+            : undefined,
           logger: quietLogger(),
         });
       },

@@ -386,6 +386,7 @@ pub async fn node(
             clients,
             batch,
             rate: 0,
+            local_queue: 0,
         };
         if key == "burn-down"
             && sizes.analyze
@@ -431,46 +432,59 @@ pub async fn node(
         }
     }
     // The fixed rates run on the queue the burn-down emptied, whatever it gave.
-    for &rate in &sizes.rates {
-        let key = format!("rate-{rate}");
-        let name = format!("enqueue → claim at {rate}/s offered");
-        if let Some(why) = &missing {
-            rows.push(Row::not_run(system, &key, &name, why.clone()));
-            continue;
-        }
-        eprintln!("outboxd-bench: {system} {name}");
-        let peer_args = PeerArgs {
-            node: &args.node,
-            script: &script,
-            system,
-            scenario: "rate",
-            url,
-            n: (f64::from(rate) * sizes.rate_seconds).round() as u64,
-            clients: sizes.rate_workers,
-            batch: u64::from(RATE_CLAIM_MAX),
-            rate,
-        };
-        match run_peer(meter, database, &peer_args).await {
-            Ok((result, cost)) => {
-                let mut hist = Hist::new();
-                for us in &result.latencies_us {
-                    hist.record_us(*us);
-                }
-                let run = RateRun {
-                    sent: result.sent,
-                    claimed: result.n,
-                    seconds: result.seconds,
-                    behind: result.behind,
-                    hist,
-                };
-                rows.push(run.row(system, rate, sizes.rate_seconds, "", cost).0);
+    // graphile-worker runs them twice, as its two documented ways to run: jobs fetched one
+    // at a time on each LISTEN/NOTIFY wake-up (its lowest latency), and through its local
+    // queue (fetched in batches, as outboxd's workers claim them): neither is best at both
+    // rates.
+    let local_queue = format!("{system}, local queue {RATE_CLAIM_MAX}");
+    let variants: &[(&str, u64)] = if system == "graphile-worker" {
+        &[(system, 0), (&local_queue, u64::from(RATE_CLAIM_MAX))]
+    } else {
+        &[(system, 0)]
+    };
+    for &(label, local_queue) in variants {
+        for &rate in &sizes.rates {
+            let key = format!("rate-{rate}");
+            let name = format!("enqueue → claim at {rate}/s offered");
+            if let Some(why) = &missing {
+                rows.push(Row::not_run(label, &key, &name, why.clone()));
+                continue;
             }
-            Err(e) => rows.push(Row::not_run(
+            eprintln!("outboxd-bench: {label} {name}");
+            let peer_args = PeerArgs {
+                node: &args.node,
+                script: &script,
                 system,
-                &key,
-                &name,
-                format!("{system} failed: {e:#}"),
-            )),
+                scenario: "rate",
+                url,
+                n: (f64::from(rate) * sizes.rate_seconds).round() as u64,
+                clients: sizes.rate_workers,
+                batch: u64::from(RATE_CLAIM_MAX),
+                rate,
+                local_queue,
+            };
+            match run_peer(meter, database, &peer_args).await {
+                Ok((result, cost)) => {
+                    let mut hist = Hist::new();
+                    for us in &result.latencies_us {
+                        hist.record_us(*us);
+                    }
+                    let run = RateRun {
+                        sent: result.sent,
+                        claimed: result.n,
+                        seconds: result.seconds,
+                        behind: result.behind,
+                        hist,
+                    };
+                    rows.push(run.row(label, rate, sizes.rate_seconds, "", cost).0);
+                }
+                Err(e) => rows.push(Row::not_run(
+                    label,
+                    &key,
+                    &name,
+                    format!("{label} failed: {e:#}"),
+                )),
+            }
         }
     }
 }
@@ -486,6 +500,8 @@ struct PeerArgs<'a> {
     batch: u64,
     /// Offered jobs per second of the `rate` scenario (0 for the others).
     rate: u32,
+    /// graphile-worker's local queue size in the `rate` scenario (0: none).
+    local_queue: u64,
 }
 
 async fn run_peer(
@@ -500,6 +516,7 @@ async fn run_peer(
         .args(["--concurrency", &a.clients.to_string()])
         .args(["--batch", &a.batch.to_string()])
         .args(["--rate", &a.rate.to_string()])
+        .args(["--local-queue", &a.local_queue.to_string()])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

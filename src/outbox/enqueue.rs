@@ -5,16 +5,14 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use sqlx::PgPool;
-
-use crate::metrics::Metrics;
-
 use prometheus_client::metrics::counter::Counter;
+use sqlx::PgPool;
 
 use super::group_commit::GroupCommit;
 use super::store::{self, AlsoAtBegin, EnqueueParams, TenantScope, TxnStatus};
 use super::token::TxnToken;
 use super::{Enqueued, Error, FieldViolation, NewIntent, Result};
+use crate::metrics::Metrics;
 
 /// Most intents one shared direct-mode transaction takes (the default Enqueue batch limit).
 const MAX_GROUPED_INTENTS: usize = 1000;
@@ -68,6 +66,21 @@ fn fits_shared_transaction(batch: &[Arc<Vec<NewIntent>>], call: &Vec<NewIntent>)
         .all(|k| !keys.contains(k))
 }
 
+/// A transaction for `tenant_id`'s enqueue: its statements are planned once per
+/// connection (see `AlsoAtBegin::GenericPlans`).
+async fn begin_enqueue(
+    pool: &PgPool,
+    tenant_id: &str,
+) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+    let scope = TenantScope::one(tenant_id);
+    store::begin_with(
+        pool,
+        &scope,
+        &[AlsoAtBegin::IndexPlans, AlsoAtBegin::GenericPlans],
+    )
+    .await
+}
+
 /// Inserts the intents of several direct-mode calls in one transaction; the results of
 /// each call, in order, after the commit.
 async fn insert_direct(
@@ -76,13 +89,7 @@ async fn insert_direct(
     calls: &[Arc<Vec<NewIntent>>],
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<Vec<Enqueued>>> {
-    let scope = TenantScope::one(tenant_id);
-    let mut tx = store::begin_with(
-        pool,
-        &scope,
-        &[AlsoAtBegin::IndexPlans, AlsoAtBegin::GenericPlans],
-    )
-    .await?;
+    let mut tx = begin_enqueue(pool, tenant_id).await?;
     let flat;
     let intents: &[NewIntent] = match calls {
         [one] => one,
@@ -155,13 +162,7 @@ pub async fn enqueue(
             .submit((tenant_id.to_owned(), now), intents, run)
             .await;
     };
-    let scope = TenantScope::one(tenant_id);
-    let mut tx = store::begin_with(
-        pool,
-        &scope,
-        &[AlsoAtBegin::IndexPlans, AlsoAtBegin::GenericPlans],
-    )
-    .await?;
+    let mut tx = begin_enqueue(pool, tenant_id).await?;
     if token.system_identifier.to_string() != cluster_id {
         return Err(bad_token(format!(
             "names the PostgreSQL cluster {}, but outboxd stores intents in cluster \

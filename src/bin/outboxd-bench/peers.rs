@@ -13,7 +13,7 @@ use serde::Deserialize;
 use sqlx::{Connection, PgConnection};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
-use outboxd::outbox::store::{self, AlsoAtBegin};
+use outboxd::outbox::store::{self, AlsoAtBegin, TenantScope};
 
 use crate::meter::{Cost, Meter};
 use crate::report::{Hist, Outcome, Row};
@@ -175,16 +175,17 @@ const CLAIM_ACK_SCRIPT: &str = "claim_ack.sql";
 /// the claimed rows are aggregated into two arrays (pgbench's `\gset` takes one row), so
 /// payloads are not shipped to the client. Variables: `-D batch=N`.
 fn claim_ack_script() -> String {
+    let bench = TenantScope::one("bench");
     let begin_claim = store::begin_statement(
-        "bench",
-        "off",
+        &bench,
         &[AlsoAtBegin::IndexPlans, AlsoAtBegin::GenericPlans],
-    );
+    )
+    .expect("a plain tenant name");
     let claim = bind_literals(
         store::CLAIM_UPDATE,
         &["'pgbench'", "''", "'{}'", ":batch", "30000", "NULL", "NULL"],
     );
-    let begin_ack = store::begin_statement("bench", "off", &[]);
+    let begin_ack = store::begin_statement(&bench, &[]).expect("a plain tenant name");
     let ack = bind_literals(store::ACK, &["(:ids)", "(:leases)", "NULL"]);
     format!(
         "{begin_claim};\n\

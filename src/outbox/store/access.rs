@@ -84,19 +84,12 @@ pub async fn begin_with(
     scope: &TenantScope,
     also: &[AlsoAtBegin],
 ) -> Result<Transaction<'static, Postgres>> {
-    let (tenants, cross) = match scope {
-        TenantScope::Tenants(t) => (t.join(","), "off"),
-        TenantScope::All => (String::new(), "on"),
-    };
-    let plain = match scope {
-        TenantScope::Tenants(t) => t.iter().all(|t| crate::validate::is_name(t, 64)),
-        TenantScope::All => true,
-    };
+    if let Some(sql) = begin_statement(scope, also) {
+        return begin_on_live_connection(pool, Some(sql)).await;
+    }
+    let (tenants, cross) = scope_settings(scope);
     // Collected: an iterator adapter held across an await trips the Send check of the
     // handlers' futures.
-    if plain {
-        return begin_on_live_connection(pool, Some(begin_statement(&tenants, cross, also))).await;
-    }
     let also: Vec<&'static str> = also.iter().flat_map(|a| a.statements()).copied().collect();
     let mut tx = begin_on_live_connection(pool, None).await?;
     sqlx::query(
@@ -112,10 +105,25 @@ pub async fn begin_with(
     Ok(tx)
 }
 
-/// The one simple query that begins a transaction for `tenants` (comma-separated, plain
-/// names only: they are spliced in) or, with `cross` = "on", for every tenant, with `also`.
-/// Public for the benchmark's raw-SQL ceiling, which runs exactly what the server runs.
-pub fn begin_statement(tenants: &str, cross: &str, also: &[AlsoAtBegin]) -> String {
+/// The values of `outbox.tenants` and `outbox.cross_tenant` for `scope`.
+fn scope_settings(scope: &TenantScope) -> (String, &'static str) {
+    match scope {
+        TenantScope::Tenants(t) => (t.join(","), "off"),
+        TenantScope::All => (String::new(), "on"),
+    }
+}
+
+/// The one simple query that begins a transaction for `scope` with `also`, or `None` when
+/// a tenant name is not a plain name (letters, digits, `. _ - : /`) and so must not be
+/// spliced into SQL. Public for the benchmark's raw-SQL ceiling, which runs exactly what
+/// the server runs.
+pub fn begin_statement(scope: &TenantScope, also: &[AlsoAtBegin]) -> Option<String> {
+    if let TenantScope::Tenants(t) = scope
+        && !t.iter().all(|t| crate::validate::is_name(t, 64))
+    {
+        return None;
+    }
+    let (tenants, cross) = scope_settings(scope);
     let mut sql = format!(
         "BEGIN; SELECT set_config('outbox.tenants', '{tenants}', true), \
          set_config('outbox.cross_tenant', '{cross}', true)"
@@ -124,7 +132,7 @@ pub fn begin_statement(tenants: &str, cross: &str, also: &[AlsoAtBegin]) -> Stri
         sql.push_str("; ");
         sql.push_str(statement);
     }
-    sql
+    Some(sql)
 }
 
 /// Begins a transaction (with `statement`, or a plain BEGIN), on another connection when

@@ -81,10 +81,11 @@ async fn begin_enqueue(
     .await
 }
 
-/// Inserts the intents of several direct-mode calls in one transaction; the results of
-/// each call, in order, after the commit.
+/// Inserts the intents of several direct-mode calls in one transaction, counted in
+/// `transactions` once committed; the results of each call, in order.
 async fn insert_direct(
     pool: &PgPool,
+    transactions: &Counter,
     tenant_id: &str,
     calls: &[Arc<Vec<NewIntent>>],
     now: Option<DateTime<Utc>>,
@@ -113,6 +114,7 @@ async fn insert_direct(
     .await?
     .into_iter();
     tx.commit().await?;
+    transactions.inc();
     Ok(calls
         .iter()
         .map(|c| results.by_ref().take(c.len()).collect())
@@ -143,19 +145,15 @@ pub async fn enqueue(
 ) -> Result<Vec<Enqueued>> {
     let Some(token) = token else {
         if intents.len() > MAX_GROUPED_CALL {
-            let mut results = insert_direct(pool, tenant_id, &[Arc::new(intents)], now).await?;
-            direct.transactions.inc();
-            return Ok(results.pop().unwrap_or_default());
+            let calls = [Arc::new(intents)];
+            let results = insert_direct(pool, &direct.transactions, tenant_id, &calls, now).await?;
+            return Ok(results.into_iter().next().unwrap_or_default());
         }
         let (pool, tenant) = (pool.clone(), tenant_id.to_owned());
         let transactions = direct.transactions.clone();
         let run = move |calls: Vec<Arc<Vec<NewIntent>>>| {
             let (pool, tenant, transactions) = (pool.clone(), tenant.clone(), transactions.clone());
-            async move {
-                let results = insert_direct(&pool, &tenant, &calls, now).await?;
-                transactions.inc();
-                Ok(results)
-            }
+            async move { insert_direct(&pool, &transactions, &tenant, &calls, now).await }
         };
         return direct
             .groups

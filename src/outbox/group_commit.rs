@@ -201,6 +201,26 @@ mod tests {
         batch.len() < 3
     }
 
+    fn waiting(grouper: &Grouper, key: &str) -> usize {
+        lock(&grouper.groups).get(key).map_or(0, Vec::len)
+    }
+
+    /// Yields until `condition` holds; a grouper that never gets there fails the test
+    /// after ten seconds instead of hanging it.
+    async fn until(what: &str, condition: impl Fn() -> bool) {
+        let wait = async {
+            while !condition() {
+                tokio::task::yield_now().await;
+            }
+        };
+        if tokio::time::timeout(std::time::Duration::from_secs(10), wait)
+            .await
+            .is_err()
+        {
+            panic!("still waiting after 10 s for {what}");
+        }
+    }
+
     #[tokio::test]
     async fn calls_arriving_during_a_transaction_run_together_in_the_next_one() {
         let grouper = Arc::new(Grouper::new(at_most_three, Gauge::default()));
@@ -226,17 +246,13 @@ mod tests {
             let (g, run) = (Arc::clone(&grouper), run.clone());
             async move { g.submit("t", 1, run).await }
         });
-        while lock(&batches).is_empty() {
-            tokio::task::yield_now().await;
-        }
+        until("the first batch to start", || !lock(&batches).is_empty()).await;
         let mut rest = Vec::new();
         for v in 2..=5 {
             let (g, run) = (Arc::clone(&grouper), run.clone());
             rest.push(tokio::spawn(async move { g.submit("t", v, run).await }));
         }
-        while lock(&grouper.groups).get("t").map_or(0, Vec::len) < 4 {
-            tokio::task::yield_now().await;
-        }
+        until("four calls to wait", || waiting(&grouper, "t") >= 4).await;
         gate.notify_one();
         assert_eq!(first.await.unwrap().unwrap(), 10);
         for (v, call) in (2..=5).zip(rest) {
@@ -274,17 +290,13 @@ mod tests {
             let (g, run) = (Arc::clone(&grouper), run.clone());
             async move { g.submit("t", 1, run).await }
         });
-        while runs.load(Ordering::SeqCst) == 0 {
-            tokio::task::yield_now().await;
-        }
+        until("the first run to start", || runs.load(Ordering::SeqCst) > 0).await;
         let mut rest = Vec::new();
         for v in [12, 13, 14] {
             let (g, run) = (Arc::clone(&grouper), run.clone());
             rest.push((v, tokio::spawn(async move { g.submit("t", v, run).await })));
         }
-        while lock(&grouper.groups).get("t").map_or(0, Vec::len) < 3 {
-            tokio::task::yield_now().await;
-        }
+        until("three calls to wait", || waiting(&grouper, "t") >= 3).await;
         gate.notify_one();
         assert_eq!(first.await.unwrap().unwrap(), 1);
         for (v, call) in rest {

@@ -17,22 +17,7 @@ use outboxd::outbox::store::{self, AlsoAtBegin, TenantScope};
 
 use crate::meter::{Cost, Meter};
 use crate::report::{Hist, Outcome, Row};
-use crate::suite::{AllArgs, RATE_CLAIM_MAX, RateRun, analyze, burn_down_name};
-
-/// The sizes every system runs with.
-pub struct PeerSizes {
-    pub batched: u64,
-    pub single: u64,
-    pub batch_clients: usize,
-    pub single_clients: usize,
-    pub workers: usize,
-    pub claim_batch: u32,
-    pub analyze: bool,
-    /// Offered rates of the fixed-rate scenario, seconds per rate, and its workers.
-    pub rates: Vec<u32>,
-    pub rate_seconds: f64,
-    pub rate_workers: usize,
-}
+use crate::suite::{AllArgs, RATE_CLAIM_MAX, RateRun, Sizes, analyze, burn_down_name};
 
 /// Enqueue batch size of every system (outboxd's largest Enqueue).
 const ENQUEUE_BATCH: u64 = 1000;
@@ -41,7 +26,7 @@ const RAW: &str = "raw SQL (pgbench)";
 
 /// The three throughput scenarios, in the order they run (the burn-down drains what the
 /// two enqueue scenarios left).
-fn scenarios(s: &PeerSizes) -> [(&'static str, String); 3] {
+fn scenarios(s: &Sizes) -> [(&'static str, String); 3] {
     [
         (
             "enqueue-batch",
@@ -77,7 +62,7 @@ pub async fn pgbench(
     meter: &Meter,
     url: &str,
     database: &str,
-    sizes: &PeerSizes,
+    sizes: &Sizes,
     rows: &mut Vec<Row>,
 ) {
     let Some(bin) = find_pgbench(args.pgbench.as_deref()) else {
@@ -342,7 +327,7 @@ pub async fn node(
     system: &str,
     url: &str,
     database: &str,
-    sizes: &PeerSizes,
+    sizes: &Sizes,
     rows: &mut Vec<Row>,
 ) {
     let script = args.bench_dir.join("peer.js");
@@ -459,7 +444,7 @@ pub async fn node(
                 scenario: "rate",
                 url,
                 n: (f64::from(rate) * sizes.rate_seconds).round() as u64,
-                clients: sizes.rate_workers,
+                clients: sizes.rate_workers(),
                 batch: u64::from(RATE_CLAIM_MAX),
                 rate,
                 local_queue,

@@ -27,7 +27,7 @@ use crate::harness::{
     Bench, Cluster, ClusterArgs, connect_client, create_key, load_average, machine_info, with_login,
 };
 use crate::meter::{Cost, Meter};
-use crate::peers::{self, PeerSizes};
+use crate::peers;
 use crate::report::{Hist, Outcome, Row, print_rows};
 use crate::server::ServerProcess;
 use crate::txn_latency::{self, Producer, Scenario, WARMUP};
@@ -143,13 +143,13 @@ pub struct Sizes {
     pub single_clients: usize,
     pub workers: usize,
     pub claim_batch: u32,
-    rate_seconds: f64,
+    pub rate_seconds: f64,
     history: u64,
     pinned_seconds: f64,
     txn_iterations: usize,
     /// Offered rates measured always, then (full runs) doubled from the last until one
     /// is not sustainable.
-    rates: Vec<u32>,
+    pub rates: Vec<u32>,
     search: bool,
     pub analyze: bool,
 }
@@ -179,7 +179,7 @@ impl Sizes {
 
 impl Sizes {
     /// Workers of the fixed-rate scenarios, for every system.
-    fn rate_workers(&self) -> usize {
+    pub fn rate_workers(&self) -> usize {
         self.workers.min(2)
     }
 }
@@ -227,18 +227,6 @@ pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyho
     if args.no_peers {
         rows.push(Row::not_run("peers", "-", "all", "--no-peers"));
     } else if args.runs(SectionName::Peers) {
-        let peer_sizes = PeerSizes {
-            batched: sizes.batched,
-            single: sizes.single,
-            batch_clients: sizes.batch_clients,
-            single_clients: sizes.single_clients,
-            workers: sizes.workers,
-            claim_batch: sizes.claim_batch,
-            analyze: sizes.analyze,
-            rates: sizes.rates.clone(),
-            rate_seconds: sizes.rate_seconds,
-            rate_workers: sizes.rate_workers(),
-        };
         // The raw-SQL ceiling runs on its own migrated outbox database, fresh as outboxd's.
         let raw_db = format!("{base}_raw");
         create_database(&mut admin, &raw_db).await?;
@@ -246,12 +234,12 @@ pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyho
         let owner = startup::connect(&raw_url, 2).await?;
         startup::migrate(&owner).await?;
         owner.close().await;
-        peers::pgbench(args, &meter, &raw_url, &raw_db, &peer_sizes, &mut rows).await;
+        peers::pgbench(args, &meter, &raw_url, &raw_db, &sizes, &mut rows).await;
         for system in ["graphile-worker", "pg-boss"] {
             let db = format!("{base}_{}", system.replace('-', "_"));
             create_database(&mut admin, &db).await?;
             let url = cluster.url(&db)?;
-            peers::node(args, &meter, system, &url, &db, &peer_sizes, &mut rows).await;
+            peers::node(args, &meter, system, &url, &db, &sizes, &mut rows).await;
         }
     }
     let load_at_end = load_average();

@@ -421,7 +421,7 @@ impl OutboxService for OutboxHandler {
     ) -> RpcResult<v1::ExtendLeaseResponse> {
         let (_, scope) = self.access(&request, Permission::Consume).await?;
         let (leases, duration) = validate::extend(request.get_ref(), &self.limits)?;
-        let mut tx = store::begin(&self.pool, &scope).await?;
+        let mut tx = store::begin_with(&self.pool, &scope, &[IndexPlans]).await?;
         let results = store::extend_leases(&mut tx, &leases, duration, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(v1::ExtendLeaseResponse {
@@ -436,7 +436,7 @@ impl OutboxService for OutboxHandler {
     ) -> RpcResult<v1::MarkSubmittedResponse> {
         let (_, scope) = self.access(&request, Permission::Consume).await?;
         let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
-        let mut tx = store::begin(&self.pool, &scope).await?;
+        let mut tx = store::begin_with(&self.pool, &scope, &[IndexPlans]).await?;
         let results = store::mark_intents_submitted(&mut tx, &leases, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(v1::MarkSubmittedResponse {
@@ -453,7 +453,7 @@ impl OutboxService for OutboxHandler {
     async fn ack(&self, request: Request<v1::AckRequest>) -> RpcResult<v1::AckResponse> {
         let (_, scope) = self.access(&request, Permission::Consume).await?;
         let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
-        let mut tx = store::begin(&self.pool, &scope).await?;
+        let mut tx = store::begin_with(&self.pool, &scope, &[IndexPlans]).await?;
         let results = store::ack_intents(&mut tx, &leases, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
         link_settled(&results);
@@ -473,7 +473,7 @@ impl OutboxService for OutboxHandler {
     async fn fail(&self, request: Request<v1::FailRequest>) -> RpcResult<v1::FailResponse> {
         let (_, scope) = self.access(&request, Permission::Consume).await?;
         let failures = validate::fail(request.into_inner(), &self.limits)?;
-        let mut tx = store::begin(&self.pool, &scope).await?;
+        let mut tx = store::begin_with(&self.pool, &scope, &[IndexPlans]).await?;
         let results =
             store::fail_intents(&mut tx, &failures, self.backoff, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;

@@ -81,6 +81,12 @@ pub struct AllArgs {
     /// Seconds per offered rate in the enqueue → claim scenario [10; smoke 1].
     #[arg(long, value_name = "S")]
     pub rate_seconds: Option<f64>,
+    /// Offered rates of the enqueue → claim scenario, per second, comma-separated: exactly
+    /// these, for every system [100,1000, then (not smoke) outboxd alone doubling from
+    /// 2000 until a rate is not sustained].
+    #[arg(long, value_name = "LIST", value_delimiter = ',',
+          value_parser = clap::value_parser!(u32).range(1..=256_000))]
+    pub rates: Vec<u32>,
     /// Finished (delivered) rows put in the table before the large-history scenario
     /// [1000000; smoke 20000].
     #[arg(long, value_name = "N")]
@@ -170,8 +176,12 @@ impl Sizes {
             history: a.history.unwrap_or(if s { 20_000 } else { 1_000_000 }),
             pinned_seconds: a.pinned_seconds.unwrap_or(if s { 2.0 } else { 30.0 }),
             txn_iterations: a.txn_iterations.unwrap_or(if s { 20 } else { 200 }).max(1),
-            rates: vec![100, 1000],
-            search: !s,
+            rates: if a.rates.is_empty() {
+                vec![100, 1000]
+            } else {
+                a.rates.clone()
+            },
+            search: !s && a.rates.is_empty(),
             analyze: !a.no_analyze,
         }
     }

@@ -18,7 +18,7 @@ use crate::config::{Limits, Settings};
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::outbox::enqueue::DirectEnqueues;
 use crate::outbox::notify::PendingSignal;
-use crate::outbox::store::AlsoAtBegin::{GenericPlans, IndexPlans};
+use crate::outbox::store::AlsoAtBegin::IndexPlans;
 use crate::outbox::store::{self, BackoffParams, ClaimParams, TenantScope};
 use crate::outbox::{self, Clock, Error, FieldViolation, IntentId, IntentState, Reason};
 use crate::proto::v1::outbox_service_server::{OutboxService, OutboxServiceServer};
@@ -372,18 +372,15 @@ impl OutboxService for OutboxHandler {
                 now: self.clock.now(),
                 ..params
             };
-            let mut tx = store::begin_with(&self.pool, &scope, &[IndexPlans, GenericPlans]).await?;
-            let intents = store::claim_intents(&mut tx, params).await?;
+            let intents = store::claim_intents(&self.pool, &scope, params).await?;
             if !intents.is_empty() || Instant::now() >= deadline || self.shutdown.is_cancelled() {
-                tx.commit().await.map_err(Error::from)?;
                 if intents.len() == params.max_intents as usize {
                     // There may be more: the next waiting claimer of the group looks too.
                     turn.notify_one();
                 }
                 break intents;
             }
-            let due = store::next_due_in(&mut *tx, &params).await?;
-            tx.commit().await.map_err(Error::from)?;
+            let due = store::next_due_in(&self.pool, &scope, &params).await?;
             let mut until = deadline.min(Instant::now() + self.long_poll_recheck);
             if let Some(due) = due {
                 until = until.min(Instant::now() + due);
@@ -453,9 +450,7 @@ impl OutboxService for OutboxHandler {
     async fn ack(&self, request: Request<v1::AckRequest>) -> RpcResult<v1::AckResponse> {
         let (_, scope) = self.access(&request, Permission::Consume).await?;
         let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
-        let mut tx = store::begin_with(&self.pool, &scope, &[IndexPlans]).await?;
-        let results = store::ack_intents(&mut tx, &leases, self.clock.now()).await?;
-        tx.commit().await.map_err(Error::from)?;
+        let results = store::ack_intents(&self.pool, &scope, &leases, self.clock.now()).await?;
         link_settled(&results);
         let acked = results.iter().filter(|r| r.applied).count();
         self.metrics.acked.inc_by(acked as u64);

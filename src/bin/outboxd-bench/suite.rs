@@ -308,8 +308,9 @@ fn print_notes() {
          `outboxd serve`, as the non-owner role with row-level security, API keys), a fresh \
          one per section; the load generator is this process, over gRPC on loopback.",
         "**raw SQL (pgbench)**: `pgbench -M prepared` as a superuser, no service in between: \
-         the burn-down runs the store's own claim and ack statements (`CLAIM_UPDATE`, `ACK`), \
-         one transaction each begun as the server begins them; enqueue is \
+         the burn-down makes the store's own claim and ack calls (`CLAIM_CALL`, `ACK_CALL`: \
+         the functions `outbox.claim` and `outbox.ack`), one statement each as the server \
+         makes them; enqueue is \
          `bench/pgbench/enqueue.sql`, a plain INSERT … SELECT of the batch (no idempotency \
          probe). Its latency is one pgbench transaction: enqueue one batch, or claim + ack one \
          batch.",

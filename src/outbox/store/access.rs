@@ -2,6 +2,8 @@
 //! a transaction that first sets `outbox.tenants` (or, for explicitly cross-tenant work,
 //! `outbox.cross_tenant`); the row-level security policies of the outbox tables read them.
 
+use std::future::Future;
+
 use sqlx::{PgPool, Postgres, Transaction};
 
 use crate::outbox::Result;
@@ -36,10 +38,10 @@ pub enum AlsoAtBegin {
     /// Reuse one plan per statement and connection instead of planning every execution:
     /// planning (the row-level security policy included) cost about as much PostgreSQL
     /// CPU as running a statement. Only for statements whose best plan depends neither on
-    /// their parameters nor on the table's size: enqueue, and the claim, shaped for it (see
-    /// `claim.rs`); always with [`Self::IndexPlans`]. Not for settles: joined to a batch
-    /// of ids, a plan made on a small table is a merge join over the whole primary key,
-    /// and it stays until autovacuum next analyzes the table.
+    /// their parameters nor on the table's size (enqueue; the claim and ack functions set
+    /// the same for themselves); always with [`Self::IndexPlans`]. Not for the settles run
+    /// here: joined to a batch of ids, a plan made on a small table is a merge join over
+    /// the whole primary key, and it stays until autovacuum next analyzes the table.
     GenericPlans,
     /// Plan with index scans only. A backlog or a table that grew since the last ANALYZE
     /// otherwise gets a bitmap scan and a sort of the whole backlog per claim (~110 ms at
@@ -108,7 +110,7 @@ pub async fn begin_with(
 }
 
 /// The values of `outbox.tenants` and `outbox.cross_tenant` for `scope`.
-fn scope_settings(scope: &TenantScope) -> (String, &'static str) {
+pub(super) fn scope_settings(scope: &TenantScope) -> (String, &'static str) {
     match scope {
         TenantScope::Tenants(t) => (t.join(","), "off"),
         TenantScope::All => (String::new(), "on"),
@@ -117,9 +119,8 @@ fn scope_settings(scope: &TenantScope) -> (String, &'static str) {
 
 /// The one simple query that begins a transaction for `scope` with `also`, or `None` when
 /// a tenant name is not a plain name (letters, digits, `. _ - : /`) and so must not be
-/// spliced into SQL. Public for the benchmark's raw-SQL ceiling, which runs exactly what
-/// the server runs.
-pub fn begin_statement(scope: &TenantScope, also: &[AlsoAtBegin]) -> Option<String> {
+/// spliced into SQL.
+fn begin_statement(scope: &TenantScope, also: &[AlsoAtBegin]) -> Option<String> {
     if let TenantScope::Tenants(t) = scope
         && !t.iter().all(|t| crate::validate::is_name(t, 64))
     {
@@ -137,23 +138,37 @@ pub fn begin_statement(scope: &TenantScope, also: &[AlsoAtBegin]) -> Option<Stri
     Some(sql)
 }
 
-/// Begins a transaction (with `statement`, or a plain BEGIN), on another connection when
-/// the pool hands out one that died while idle (PostgreSQL restarted, or terminated it):
-/// nothing was done on it yet, so trying again is safe. Bounded by the pool size, since
-/// after a restart every idle connection may be dead.
+/// Begins a transaction (with `statement`, or a plain BEGIN); see [`on_live_connection`].
 async fn begin_on_live_connection(
     pool: &PgPool,
     statement: Option<String>,
 ) -> Result<Transaction<'static, Postgres>> {
-    let mut tries = pool.options().get_max_connections() + 1;
-    loop {
-        let begun = match &statement {
+    let begun = on_live_connection(pool, || async {
+        match &statement {
             Some(sql) => pool.begin_with(sql.clone()).await,
             None => pool.begin().await,
-        };
-        match begun {
+        }
+    })
+    .await?;
+    Ok(begun)
+}
+
+/// Runs `call`, the first round trip on a connection from `pool`, again (on another
+/// connection) when it failed because the pool handed out one that died while idle
+/// (PostgreSQL restarted, or terminated it). Bounded by the pool size, since after a
+/// restart every idle connection may be dead. A BEGIN that failed so did nothing; a call
+/// that is a whole transaction may have committed just before the connection died, and its
+/// caller says why running it again is safe.
+pub(super) async fn on_live_connection<T, F, Fut>(pool: &PgPool, mut call: F) -> sqlx::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = sqlx::Result<T>>,
+{
+    let mut tries = pool.options().get_max_connections() + 1;
+    loop {
+        match call().await {
             Err(e) if tries > 1 && is_dead_connection(&e) => tries -= 1,
-            begun => return Ok(begun?),
+            done => return done,
         }
     }
 }

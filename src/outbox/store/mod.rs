@@ -14,9 +14,9 @@ mod reconcile;
 mod settle;
 mod staged;
 
-pub use access::{AlsoAtBegin, TenantScope, begin, begin_statement, begin_with};
+pub use access::{AlsoAtBegin, TenantScope, begin, begin_with};
 pub use api_keys::{ApiKeyRecord, find_api_key, insert_api_key, list_api_keys, revoke_api_key};
-pub use claim::{CLAIM_UPDATE, ClaimParams, claim_intents, next_due_in};
+pub use claim::{CLAIM_CALL, ClaimParams, claim_intents, next_due_in};
 pub use enqueue::{EnqueueParams, insert_intents};
 pub use inspect::{
     ListParams, QueueDepth, QueueStats, StateCount, get_intent, list_intents, probe, queue_depth,
@@ -24,7 +24,7 @@ pub use inspect::{
 };
 pub use maintenance::{BackoffParams, purge_finished_intents, rescue_expired_leases};
 pub use reconcile::{ReconcileParams, ReconcileTarget, resolve_intents};
-pub use settle::{ACK, ack_intents, extend_leases, fail_intents, mark_intents_submitted};
+pub use settle::{ACK_CALL, ack_intents, extend_leases, fail_intents, mark_intents_submitted};
 pub use staged::{
     PromotionReport, TokenCheck, TxnStatus, check_token, cluster_identifier, find_replay,
     promote_staged_intents,

@@ -7,9 +7,10 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::PgConnection;
+use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
+use super::access::{TenantScope, begin, on_live_connection, scope_settings};
 use super::{BackoffParams, millis};
 use crate::outbox::{
     FailOutcome, Failure, IntentId, IntentState, ItemError, ItemResult, LeaseRef, Result,
@@ -43,12 +44,24 @@ macro_rules! settle_report {
 }
 
 /// One item as the settle statement left it: `state` is set only when it applied.
-#[derive(sqlx::FromRow)]
+#[derive(sqlx::FromRow, Clone)]
 struct SettleRow {
     id: Uuid,
     state: Option<IntentState>,
     lease_expires_at: Option<DateTime<Utc>>,
     traceparent: Option<String>,
+}
+
+impl SettleRow {
+    /// An item that did not apply.
+    fn missed(id: Uuid) -> Self {
+        Self {
+            id,
+            state: None,
+            lease_expires_at: None,
+            traceparent: None,
+        }
+    }
 }
 
 /// Turns statement rows into per-item results. An item that did not apply is still OK when
@@ -69,26 +82,45 @@ async fn report(
     rows: Vec<SettleRow>,
     is_replay: impl Fn(usize, IntentState) -> bool,
 ) -> Result<Vec<ItemResult>> {
+    let current = current_of_missed(conn, &rows).await?;
+    Ok(item_results(leases, rows, &current, is_replay))
+}
+
+/// The state and lease of each intent whose item did not apply, read afresh (see
+/// [`report`]); no round trip when every item applied.
+async fn current_of_missed(
+    conn: &mut PgConnection,
+    rows: &[SettleRow],
+) -> Result<HashMap<Uuid, (IntentState, Option<Uuid>)>> {
     let missed: Vec<Uuid> = rows
         .iter()
         .filter(|r| r.state.is_none())
         .map(|r| r.id)
         .collect();
-    let current: HashMap<Uuid, (IntentState, Option<Uuid>)> = if missed.is_empty() {
-        HashMap::new()
-    } else {
-        sqlx::query_as::<_, (Uuid, IntentState, Option<Uuid>)>(
-            "SELECT id, state, lease_id FROM outbox.intent WHERE id = ANY($1)",
-        )
-        .bind(&missed)
-        .fetch_all(&mut *conn)
-        .await?
+    if missed.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let current = sqlx::query_as::<_, (Uuid, IntentState, Option<Uuid>)>(
+        "SELECT id, state, lease_id FROM outbox.intent WHERE id = ANY($1)",
+    )
+    .bind(&missed)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(current
         .into_iter()
         .map(|(id, state, lease_id)| (id, (state, lease_id)))
-        .collect()
-    };
-    Ok(rows
-        .into_iter()
+        .collect())
+}
+
+/// Per-item results from the statement's `rows` and, for items that did not apply, the
+/// `current` state of their intents.
+fn item_results(
+    leases: &[(Uuid, Uuid)],
+    rows: Vec<SettleRow>,
+    current: &HashMap<Uuid, (IntentState, Option<Uuid>)>,
+    is_replay: impl Fn(usize, IntentState) -> bool,
+) -> Vec<ItemResult> {
+    rows.into_iter()
         .zip(leases)
         .enumerate()
         .map(|(i, (row, &(_, presented)))| {
@@ -113,7 +145,7 @@ async fn report(
                 traceparent: row.traceparent,
             }
         })
-        .collect())
+        .collect()
 }
 
 /// (intent id, lease id) of each item, in request order.
@@ -197,48 +229,68 @@ pub async fn mark_intents_submitted(
     report(conn, &pairs, rows, |_, s| s == IntentState::Submitted).await
 }
 
-/// The Ack statement: `$1` intent ids, `$2` lease ids, `$3` now (or NULL). Public for the
-/// benchmark's raw-SQL ceiling.
-pub const ACK: &str = concat!(
-    lease_input!(),
-    r#"
-    changed AS (
-        UPDATE outbox.intent i
-        SET state = 'delivered',
-            lease_expires_at = NULL,
-            claim_request_id = NULL,
-            finished_at = coalesce($3::timestamptz, now()),
-            updated_at = coalesce($3::timestamptz, now())
-        FROM input
-        WHERE i.id = input.id
-          AND i.lease_id = input.lease_id
-          AND i.state IN ('leased', 'submitted', 'needs_reconcile')
-        RETURNING i.id, i.state, i.lease_expires_at, i.headers->>'traceparent' AS traceparent
-    )
-    "#,
-    settle_report!()
-);
+/// The Ack function's call: `$1` tenants, `$2` cross-tenant, `$3` intent ids, `$4` lease
+/// ids, `$5` now (or NULL).
+macro_rules! ack_call {
+    () => {
+        "outbox.ack($1, $2, $3, $4, $5)"
+    };
+}
+
+/// [`ack_call!`], for the benchmark's raw-SQL ceiling (the same call, no service).
+pub const ACK_CALL: &str = ack_call!();
 
 /// Marks intents DELIVERED. Accepted from the live lease (LEASED, SUBMITTED, even if
 /// expired but not yet rescued) and from the last lease of a NEEDS_RECONCILE intent: the
 /// worker has learned the outcome, and no other worker was given the intent meanwhile.
 ///
+/// One round trip: `outbox.ack` runs in its own transaction, committed before this
+/// returns; only items that did not apply cost another (see [`report`]).
+///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn ack_intents(
-    conn: &mut PgConnection,
+    pool: &PgPool,
+    scope: &TenantScope,
     leases: &[LeaseRef],
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<ItemResult>> {
     let pairs = pairs(leases.iter().copied());
     let (ids, lease_ids) = split(&pairs);
-    let rows = sqlx::query_as(ACK)
-        .bind(&ids)
-        .bind(&lease_ids)
-        .bind(now)
-        .fetch_all(&mut *conn)
-        .await?;
-    report(conn, &pairs, rows, |_, s| s == IntentState::Delivered).await
+    let (tenants, cross) = scope_settings(scope);
+    // Run again when the connection turns out dead: had the lost call committed, the
+    // retry is a replay, answered as such.
+    let changed: Vec<SettleRow> = on_live_connection(pool, || {
+        sqlx::query_as(concat!("SELECT * FROM ", ack_call!()))
+            .bind(&tenants)
+            .bind(cross)
+            .bind(&ids)
+            .bind(&lease_ids)
+            .bind(now)
+            .fetch_all(pool)
+    })
+    .await?;
+    let changed: HashMap<Uuid, SettleRow> = changed.into_iter().map(|r| (r.id, r)).collect();
+    let rows: Vec<SettleRow> = ids
+        .iter()
+        .map(|id| {
+            changed
+                .get(id)
+                .cloned()
+                .unwrap_or_else(|| SettleRow::missed(*id))
+        })
+        .collect();
+    let current = if rows.iter().all(|r| r.state.is_some()) {
+        HashMap::new()
+    } else {
+        let mut tx = begin(pool, scope).await?;
+        let current = current_of_missed(&mut tx, &rows).await?;
+        tx.commit().await?;
+        current
+    };
+    Ok(item_results(&pairs, rows, &current, |_, s| {
+        s == IntentState::Delivered
+    }))
 }
 
 /// Records failures. RETRY → PENDING after the backoff (or `retry_after`), or

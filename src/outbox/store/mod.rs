@@ -37,20 +37,17 @@ pub const PENDING_CHANNEL: &str = "outbox_intent_pending";
 /// with `from` as the payload (the sender skips its own). Its own short transaction (see
 /// `crate::outbox::notify` for why not the enqueue's), committed without waiting for the
 /// disk: a NOTIFY needs a transaction id, hence a commit record, but nothing in it needs to
-/// survive a crash.
+/// survive a crash. One round trip: one statement in its own implicit transaction, whose
+/// transaction-local setting is still in force when it commits.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn announce_pending(pool: &sqlx::PgPool, from: &str) -> crate::outbox::Result<()> {
-    let mut tx = pool
-        .begin_with("BEGIN; SET LOCAL synchronous_commit = off")
-        .await?;
-    sqlx::query("SELECT pg_notify($1, $2)")
+    sqlx::query("SELECT set_config('synchronous_commit', 'off', true), pg_notify($1, $2)")
         .bind(PENDING_CHANNEL)
         .bind(from)
-        .execute(&mut *tx)
+        .execute(pool)
         .await?;
-    tx.commit().await?;
     Ok(())
 }
 

@@ -30,7 +30,10 @@ use crate::proto::{FILE_DESCRIPTOR_SET, v1::outbox_service_server::OutboxService
 pub const EMBEDDED_DATABASE: &str = "outbox";
 
 /// Opens a pool. Commits are durable: `synchronous_commit` is forced on for every session,
-/// whatever the server default, because an OK must mean the intent survives a crash.
+/// whatever the server default, because an OK must mean the intent survives a crash. JIT
+/// compilation is off: outboxd's statements are short, and a plan whose cost is inflated
+/// by the index-only settings (`AlsoAtBegin::IndexPlans`) was JIT-compiled on every run
+/// (20 ms per lease-rescue sweep, 36 ms per metrics refresh, measured).
 ///
 /// # Errors
 /// A malformed URL or an unreachable database.
@@ -39,7 +42,7 @@ pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<PgPool> 
         .parse()
         .context("OUTBOX_DATABASE__URL is not a valid PostgreSQL URL")?;
     let options = options
-        .options([("synchronous_commit", "on")])
+        .options([("synchronous_commit", "on"), ("jit", "off")])
         .application_name("outboxd");
     PgPoolOptions::new()
         .max_connections(max_connections)

@@ -366,8 +366,10 @@ impl OutboxService for OutboxHandler {
             .pending
             .turn(format!("{scope:?} {:?} {:?}", claim.region, claim.kinds));
         let intents = loop {
-            // Mark the signal seen before looking, so a commit landing in between still wakes us.
+            // Mark the signal and the turns seen before looking, so a commit landing in
+            // between still wakes us.
             woken.borrow_and_update();
+            let mark = turn.mark();
             let params = ClaimParams {
                 now: self.clock.now(),
                 ..params
@@ -376,7 +378,7 @@ impl OutboxService for OutboxHandler {
             if !intents.is_empty() || Instant::now() >= deadline || self.shutdown.is_cancelled() {
                 if intents.len() == params.max_intents as usize {
                     // There may be more: the next waiting claimer of the group looks too.
-                    turn.notify_one();
+                    turn.pass();
                 }
                 break intents;
             }
@@ -387,7 +389,7 @@ impl OutboxService for OutboxHandler {
             }
             tokio::select! {
                 _ = woken.changed() => {}
-                _ = turn.notified() => {}
+                _ = turn.given_since(mark) => {}
                 _ = tokio::time::sleep_until(until) => {}
                 _ = self.shutdown.cancelled() => {}
             }

@@ -12,6 +12,7 @@
 //! NOTIFY or two.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
@@ -33,6 +34,8 @@ pub struct PendingSignal {
     tx: watch::Sender<u64>,
     /// Claimer groups (by tenants and filters) and the turn they wait on.
     turns: Arc<Mutex<HashMap<String, Weak<Notify>>>>,
+    /// Turns given so far (announcements and passes), to tell a fresh turn from a stale one.
+    turns_given: Arc<AtomicU64>,
     /// Asks the announcer for a NOTIFY to the other replicas.
     announce: Arc<Notify>,
     /// This server's payload on the pending channel, so it skips its own announcements.
@@ -44,9 +47,52 @@ impl Default for PendingSignal {
         Self {
             tx: watch::Sender::new(0),
             turns: Arc::default(),
+            turns_given: Arc::default(),
             announce: Arc::new(Notify::new()),
             replica: uuid::Uuid::new_v4().to_string().into(),
         }
+    }
+}
+
+/// The turn of one group of claimers. A turn given while none of them waits is kept for
+/// the next to wait; most such turns are stale: given (for intents committed) before that
+/// claimer's last look, which already saw those intents. A claimer notes [`Self::mark`]
+/// before it looks and then waits in [`Self::given_since`], which lets stale turns go:
+/// each one had cost an empty claim and a due-time lookup. The count is shared by all
+/// groups: a turn given to another group lets a stale one through, at worst one more look.
+#[derive(Debug)]
+pub struct Turn {
+    notify: Arc<Notify>,
+    given: Arc<AtomicU64>,
+}
+
+/// How many turns had been given when a claimer began to look.
+#[derive(Debug, Clone, Copy)]
+pub struct Mark(u64);
+
+impl Turn {
+    /// Notes the turns given so far; take it before looking.
+    pub fn mark(&self) -> Mark {
+        Mark(self.given.load(Ordering::SeqCst))
+    }
+
+    /// Returns once this group is given a turn that came after `mark`. A turn given while
+    /// the claimer looked counts (its intents may have been committed after the look's
+    /// snapshot); one given before `mark` is dropped.
+    pub async fn given_since(&self, mark: Mark) {
+        loop {
+            self.notify.notified().await;
+            if self.given.load(Ordering::SeqCst) != mark.0 {
+                return;
+            }
+        }
+    }
+
+    /// Passes the turn to the next waiting claimer of the group: there may be more (the
+    /// last look filled its batch).
+    pub fn pass(&self) {
+        self.given.fetch_add(1, Ordering::SeqCst);
+        self.notify.notify_one();
     }
 }
 
@@ -63,21 +109,28 @@ impl PendingSignal {
 
     /// The turn claimers of `group` (their tenants and filters, as a string) wait on.
     /// Kept while one of them holds it.
-    pub fn turn(&self, group: String) -> Arc<Notify> {
+    pub fn turn(&self, group: String) -> Turn {
         let mut turns = self.turns.lock().unwrap_or_else(PoisonError::into_inner);
         turns.retain(|_, turn| turn.strong_count() > 0);
-        if let Some(turn) = turns.get(&group).and_then(Weak::upgrade) {
-            return turn;
+        let notify = match turns.get(&group).and_then(Weak::upgrade) {
+            Some(notify) => notify,
+            None => {
+                let notify = Arc::new(Notify::new());
+                turns.insert(group, Arc::downgrade(&notify));
+                notify
+            }
+        };
+        Turn {
+            notify,
+            given: Arc::clone(&self.turns_given),
         }
-        let turn = Arc::new(Notify::new());
-        turns.insert(group, Arc::downgrade(&turn));
-        turn
     }
 
     /// Intents became claimable through this server (committed already): wakes one waiting
     /// claimer of each group now (or the next to wait, if none is waiting) and has the
     /// announcer tell the other replicas.
     pub fn announce(&self) {
+        self.turns_given.fetch_add(1, Ordering::SeqCst);
         let turns = self.turns.lock().unwrap_or_else(PoisonError::into_inner);
         for turn in turns.values().filter_map(Weak::upgrade) {
             turn.notify_one();
@@ -152,5 +205,46 @@ impl PendingSignal {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use futures::FutureExt;
+
+    use super::*;
+
+    /// Whether a claimer waiting since `mark` would be woken now (one poll, no timing).
+    fn woken_now(turn: &Turn, mark: Mark) -> bool {
+        turn.given_since(mark).now_or_never().is_some()
+    }
+
+    #[test]
+    fn a_turn_given_before_the_claimer_looked_is_dropped_as_stale() {
+        let pending = PendingSignal::default();
+        let turn = pending.turn("g".into());
+        pending.announce();
+        let mark = turn.mark();
+        assert!(!woken_now(&turn, mark));
+        pending.announce();
+        assert!(woken_now(&turn, mark));
+    }
+
+    #[test]
+    fn a_turn_given_while_the_claimer_looked_wakes_it_when_it_waits() {
+        let pending = PendingSignal::default();
+        let turn = pending.turn("g".into());
+        let mark = turn.mark();
+        pending.announce();
+        assert!(woken_now(&turn, mark));
+    }
+
+    #[test]
+    fn a_passed_turn_wakes_the_next_claimer_of_the_group() {
+        let pending = PendingSignal::default();
+        let (first, next) = (pending.turn("g".into()), pending.turn("g".into()));
+        let mark = next.mark();
+        first.pass();
+        assert!(woken_now(&next, mark));
     }
 }

@@ -374,7 +374,10 @@ impl OutboxService for OutboxHandler {
                 now: self.clock.now(),
                 ..params
             };
-            let intents = store::claim_intents(&self.pool, &scope, params).await?;
+            let store::Claimed {
+                intents,
+                next_due_in,
+            } = store::claim_intents(&self.pool, &scope, params).await?;
             if !intents.is_empty() || Instant::now() >= deadline || self.shutdown.is_cancelled() {
                 if intents.len() == params.max_intents as usize {
                     // There may be more: the next waiting claimer of the group looks too.
@@ -382,9 +385,8 @@ impl OutboxService for OutboxHandler {
                 }
                 break intents;
             }
-            let due = store::next_due_in(&self.pool, &scope, &params).await?;
             let mut until = deadline.min(Instant::now() + self.long_poll_recheck);
-            if let Some(due) = due {
+            if let Some(due) = next_due_in {
                 until = until.min(Instant::now() + due);
             }
             tokio::select! {

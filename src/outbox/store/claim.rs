@@ -4,7 +4,9 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::PgPool;
+use sqlx::postgres::PgRow;
+use sqlx::{FromRow, PgPool, Row};
+use uuid::Uuid;
 
 use super::access::{TenantScope, on_live_connection, scope_settings};
 use super::{intent_columns, millis};
@@ -41,12 +43,26 @@ macro_rules! claim_call {
 /// [`claim_call!`], for the benchmark's raw-SQL ceiling (the same call, no service).
 pub const CLAIM_CALL: &str = claim_call!();
 
+/// What one look of a claim found.
+#[derive(Debug)]
+pub struct Claimed {
+    /// The leased intents, oldest `available_at` first.
+    pub intents: Vec<Intent>,
+    /// When it leased none: how long until the next PENDING intent matching the filters
+    /// becomes due, if one is scheduled in the future, so that a long-polling claimer can
+    /// sleep exactly that long.
+    pub next_due_in: Option<Duration>,
+}
+
 /// Leases up to `max_intents` claimable intents of `scope`, oldest `available_at` first,
 /// minting a fresh lease id for each and counting the attempt. With a `request_id` that
 /// already leased intents for this worker, returns those live leases instead of leasing
-/// more. One round trip: `outbox.claim` runs in its own transaction, committed before this
-/// returns (the statement and why it is shaped so: migration
-/// `20261201000007_claim_and_ack_in_one_round_trip`).
+/// more. When it leases none, the same statement looks up when the next one is due (a
+/// Claim call's first look usually finds nothing: the previous call took everything).
+///
+/// One round trip: `outbox.claim` (and `outbox.next_due_in`) run in the statement's own
+/// transaction, committed before this returns (the statements and why they are shaped so:
+/// migration `20261201000007_claim_and_ack_in_one_round_trip`).
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
@@ -54,18 +70,25 @@ pub async fn claim_intents(
     pool: &PgPool,
     scope: &TenantScope,
     params: ClaimParams<'_>,
-) -> Result<Vec<Intent>> {
+) -> Result<Claimed> {
     let (tenants, cross) = scope_settings(scope);
     // Run again when the connection turns out dead. Had the lost call run after all, its
     // leases, never handed to anyone, expire back to PENDING like a crashed worker's (as
     // when the reply to a COMMIT is lost), and a retry with the same request id gets them.
-    let mut intents: Vec<Intent> = on_live_connection(pool, || {
-        sqlx::query_as(concat!(
-            "SELECT ",
-            intent_columns!("i"),
-            " FROM ",
+    let rows: Vec<PgRow> = on_live_connection(pool, || {
+        // One row per leased intent, or a single row of NULLs with the due time.
+        sqlx::query(concat!(
+            "WITH leased AS MATERIALIZED (SELECT * FROM ",
             claim_call!(),
-            " i"
+            ") SELECT ",
+            intent_columns!("i"),
+            r#", due.seconds AS next_due_in
+            FROM (VALUES (1)) AS one (x)
+            LEFT JOIN leased i ON true
+            LEFT JOIN LATERAL (
+                SELECT outbox.next_due_in($1, $2, $4, $5, $9) AS seconds
+                WHERE NOT EXISTS (SELECT 1 FROM leased)
+            ) due ON true"#
         ))
         .bind(&tenants)
         .bind(cross)
@@ -79,31 +102,17 @@ pub async fn claim_intents(
         .fetch_all(pool)
     })
     .await?;
-    intents.sort_by_key(|i| (i.available_at, i.id));
-    Ok(intents)
-}
-
-/// How long until the next PENDING intent of `scope` matching the claim's filters becomes
-/// due, if one is scheduled in the future; lets a long-polling claimer sleep exactly that
-/// long. One round trip (`outbox.next_due_in`).
-///
-/// # Errors
-/// [`crate::outbox::Error::Database`].
-pub async fn next_due_in(
-    pool: &PgPool,
-    scope: &TenantScope,
-    params: &ClaimParams<'_>,
-) -> Result<Option<Duration>> {
-    let (tenants, cross) = scope_settings(scope);
-    let seconds: Option<f64> = on_live_connection(pool, || {
-        sqlx::query_scalar("SELECT outbox.next_due_in($1, $2, $3, $4, $5)")
-            .bind(&tenants)
-            .bind(cross)
-            .bind(params.region)
-            .bind(params.kinds)
-            .bind(params.now)
-            .fetch_one(pool)
-    })
-    .await?;
-    Ok(seconds.map(|s| Duration::from_secs_f64(s.max(0.0))))
+    let mut claimed = Claimed {
+        intents: Vec::with_capacity(rows.len()),
+        next_due_in: None,
+    };
+    for row in rows {
+        if row.try_get::<Option<Uuid>, _>("id")?.is_some() {
+            claimed.intents.push(Intent::from_row(&row)?);
+        } else if let Some(seconds) = row.try_get::<Option<f64>, _>("next_due_in")? {
+            claimed.next_due_in = Some(Duration::from_secs_f64(seconds.max(0.0)));
+        }
+    }
+    claimed.intents.sort_by_key(|i| (i.available_at, i.id));
+    Ok(claimed)
 }

@@ -4,7 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use crate::helpers::{TestApp, claim_request, duration, id_of};
+use outboxd::proto::v1;
+
+use crate::helpers::{TestApp, claim_request, duration, id_of, intent};
 
 #[tokio::test]
 async fn a_waiting_claim_is_woken_by_an_enqueue() {
@@ -21,7 +23,7 @@ async fn a_waiting_claim_is_woken_by_an_enqueue() {
     // LISTEN connection is open.
     wait_until_claim_is_waiting(&app).await;
     let id = app.enqueue_one("job", "{}").await;
-    let (leases, waited) = waiter.await.unwrap();
+    let (leases, waited) = woken(waiter).await;
     assert_eq!(
         leases.len(),
         1,
@@ -41,7 +43,7 @@ async fn a_waiting_claim_on_another_replica_is_woken_by_an_enqueue() {
     let waiter = tokio::spawn(async move { client.claim(request).await });
     wait_until_claim_is_waiting(&worker_side).await;
     let id = producer_side.enqueue_one("job", "{}").await;
-    let leases = waiter.await.unwrap().unwrap().into_inner().leases;
+    let leases = woken(waiter).await.unwrap().into_inner().leases;
     assert_eq!(
         leases.len(),
         1,
@@ -65,7 +67,7 @@ async fn a_burst_reaches_every_waiting_claimer_it_needs_one_passing_the_turn_to_
     let mut enqueued = app.enqueue_n("job", 3).await;
     let mut claimed = Vec::new();
     for waiter in waiters {
-        let leases = waiter.await.unwrap();
+        let leases = woken(waiter).await;
         assert_eq!(leases.len(), 1, "each claimer woken with one intent");
         claimed.push(id_of(&leases[0]).to_owned());
     }
@@ -87,7 +89,7 @@ async fn claimers_with_other_filters_are_not_left_waiting_by_one_that_found_noth
     let (emails, sms) = (waiter("email"), waiter("sms"));
     wait_until_claim_is_waiting(&app).await;
     let text = app.enqueue_one("sms", "{}").await;
-    let leases = sms.await.unwrap();
+    let leases = woken(sms).await;
     assert_eq!(leases.len(), 1);
     assert_eq!(id_of(&leases[0]), text);
     assert!(
@@ -95,9 +97,34 @@ async fn claimers_with_other_filters_are_not_left_waiting_by_one_that_found_noth
         "the email claimer had nothing to take"
     );
     let mail = app.enqueue_one("email", "{}").await;
-    let leases = emails.await.unwrap();
+    let leases = woken(emails).await;
     assert_eq!(leases.len(), 1);
     assert_eq!(id_of(&leases[0]), mail);
+}
+
+#[tokio::test]
+async fn a_waiting_claim_looks_again_when_the_next_delayed_intent_falls_due() {
+    let app = TestApp::spawn().await;
+    let mut delayed = intent("reminder", "{}");
+    delayed.schedule = Some(v1::new_intent::Schedule::Delay(duration(
+        Duration::from_millis(200),
+    )));
+    let id = app.enqueue(vec![delayed]).await.unwrap()[0].id.clone();
+    let mut request = claim_request("w", 10);
+    request.wait = Some(duration(Duration::from_secs(60)));
+    let mut client = app.client();
+    let waiter = tokio::spawn(async move { client.claim(request).await });
+    // The first look found it not yet due (test time stands still); by the look its due
+    // time brings, it is. Nothing else wakes the claim: no enqueue, no timed re-check.
+    wait_until_claim_is_waiting(&app).await;
+    app.advance(Duration::from_secs(1));
+    let leases = woken(waiter).await.unwrap().into_inner().leases;
+    assert_eq!(
+        leases.len(),
+        1,
+        "woken at the intent's due time, not by the 60 s deadline"
+    );
+    assert_eq!(id_of(&leases[0]), id);
 }
 
 #[tokio::test]
@@ -122,6 +149,16 @@ async fn stopping_the_server_answers_waiting_claims() {
     app.stop().await;
     let leases = waiter.await.unwrap().unwrap().into_inner().leases;
     assert!(leases.is_empty());
+}
+
+/// The answer of a claim that waits up to 60 s, which must come well before then: at its
+/// deadline a claim looks once more and would find the intent too, so only an answer
+/// within half the wait shows that something woke it.
+async fn woken<T>(waiter: tokio::task::JoinHandle<T>) -> T {
+    tokio::time::timeout(Duration::from_secs(30), waiter)
+        .await
+        .expect("the claim was not woken: it would have answered only at its 60 s deadline")
+        .unwrap()
 }
 
 /// Waits (with a deadline) until the server holds a LISTEN connection and no query is

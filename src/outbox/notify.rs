@@ -58,7 +58,7 @@ impl Default for PendingSignal {
 /// the next to wait; most such turns are stale: given (for intents committed) before that
 /// claimer's last look, which already saw those intents. A claimer notes [`Self::mark`]
 /// before it looks and then waits in [`Self::given_since`], which lets stale turns go:
-/// each one had cost an empty claim and a due-time lookup. The count is shared by all
+/// each one had cost an empty claim, a round trip. The count is shared by all
 /// groups: a turn given to another group lets a stale one through, at worst one more look.
 #[derive(Debug)]
 pub struct Turn {

@@ -69,6 +69,8 @@ pub async fn pgbench(
         for (key, name) in scenarios(sizes) {
             rows.push(Row::not_run(RAW, key, &name, "no pgbench binary found"));
         }
+        let name = burn_down_name(sizes.workers, sizes.claim_batch);
+        rows.push(Row::not_run(MINIMAL, "burn-down", &name, "no pgbench binary found"));
         return;
     };
     let scripts = args.bench_dir.join("pgbench");
@@ -148,6 +150,87 @@ pub async fn pgbench(
             }),
         );
     }
+    let name = burn_down_name(sizes.workers, sizes.claim_batch);
+    eprintln!("outboxd-bench: pgbench {name}, minimal queue");
+    let script = scripts.join("minimal_queue.sql");
+    rows.push(
+        minimal_queue(&bin, meter, url, database, sizes, &script, &name)
+            .await
+            .unwrap_or_else(|e| {
+                Row::not_run(MINIMAL, "burn-down", &name, format!("pgbench failed: {e:#}"))
+            }),
+    );
+}
+
+const MINIMAL: &str = "raw SQL (pgbench), minimal queue: delete on ack, no history";
+
+/// The issue's reference loop on this machine, in the raw-SQL database: as many jobs as
+/// outboxd's burn-down drains, in a graphile-style table (`bench/pgbench/minimal_queue.sql`
+/// says what it leaves out), claimed in batches and deleted. Not a ceiling of outboxd's
+/// statements: it tells how this machine compares with the one the issue's reference
+/// figures came from.
+async fn minimal_queue(
+    bin: &Path,
+    meter: &Meter,
+    url: &str,
+    database: &str,
+    sizes: &Sizes,
+    script: &Path,
+    name: &str,
+) -> anyhow::Result<Row> {
+    let jobs = sizes.batched + sizes.single;
+    let batch = u64::from(sizes.claim_batch);
+    let mut conn = PgConnection::connect(url).await?;
+    for statement in [
+        "DROP SCHEMA IF EXISTS minimal CASCADE",
+        "CREATE SCHEMA minimal",
+        "CREATE TABLE minimal.job (
+            id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            payload bytea NOT NULL,
+            run_at timestamptz NOT NULL DEFAULT now(),
+            attempts int NOT NULL DEFAULT 0,
+            locked_at timestamptz,
+            locked_by text
+        )",
+        "CREATE INDEX job_ready_idx ON minimal.job (run_at, id) WHERE locked_at IS NULL",
+    ] {
+        sqlx::query(statement).execute(&mut conn).await?;
+    }
+    // The payload of the other scenarios (bench/pgbench/enqueue.sql).
+    sqlx::query(
+        "INSERT INTO minimal.job (payload) \
+         SELECT convert_to('{\"n\":' || g || ',\"pad\":\"' || repeat('x', 48) || '\"}', 'UTF8') \
+         FROM generate_series(1, $1) AS g",
+    )
+    .bind(jobs as i64)
+    .execute(&mut conn)
+    .await?;
+    sqlx::query("ANALYZE minimal.job").execute(&mut conn).await?;
+    let per_client = jobs.div_ceil(batch * sizes.workers as u64) + 1;
+    let before = meter.begin(database).await?;
+    let t0 = Instant::now();
+    let (hist, cpu) = run_pgbench(bin, url, script, sizes.workers, per_client, batch).await?;
+    let seconds = t0.elapsed().as_secs_f64();
+    let after = meter.end(database).await?;
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM minimal.job")
+        .fetch_one(&mut conn)
+        .await?;
+    ensure!(left == 0, "the minimal queue left {left} jobs");
+    sqlx::query("DROP SCHEMA minimal CASCADE")
+        .execute(&mut conn)
+        .await?;
+    conn.close().await?;
+    Ok(Row {
+        system: MINIMAL.to_owned(),
+        key: "burn-down".to_owned(),
+        scenario: name.to_owned(),
+        intents: jobs,
+        seconds,
+        throughput: true,
+        latency: Some(("claim+ack".to_owned(), hist)),
+        cost: Some(before.cost_to(&after, cpu)),
+        outcome: Outcome::Ran,
+    })
 }
 
 /// Name of the burn-down script, which is generated (see [`claim_ack_script`]).

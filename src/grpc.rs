@@ -16,6 +16,7 @@ use tracing::Instrument;
 use crate::auth::{Authenticator, Caller, Permission, TENANT_HEADER};
 use crate::config::{Limits, Settings};
 use crate::metrics::{Metrics, OutcomeLabels};
+use crate::outbox::claim_floor::ClaimFloors;
 use crate::outbox::enqueue::DirectEnqueues;
 use crate::outbox::notify::PendingSignal;
 use crate::outbox::store::AlsoAtBegin::IndexPlans;
@@ -43,6 +44,7 @@ pub struct OutboxHandler {
     long_poll_recheck: Duration,
     metrics: Arc<Metrics>,
     direct_enqueues: Arc<DirectEnqueues>,
+    claim_floors: Arc<ClaimFloors>,
 }
 
 impl OutboxHandler {
@@ -139,6 +141,7 @@ impl OutboxHandler {
             long_poll_recheck: Duration::from_secs(2),
             metrics: Arc::default(),
             direct_enqueues: Arc::new(DirectEnqueues::new(&Metrics::default())),
+            claim_floors: Arc::default(),
         }
     }
 
@@ -359,25 +362,37 @@ impl OutboxService for OutboxHandler {
             lease_duration: claim.lease_duration,
             request_id: claim.request_id.as_deref(),
             now: self.clock.now(),
+            look_back_to: None,
         };
         let deadline = Instant::now() + claim.wait;
         let mut woken = self.pending.subscribe();
-        let turn = self
-            .pending
-            .turn(format!("{scope:?} {:?} {:?}", claim.region, claim.kinds));
+        let group = format!("{scope:?} {:?} {:?}", claim.region, claim.kinds);
+        let turn = self.pending.turn(group.clone());
+        // A look after a wait that no wake-up ended (a recheck, the due time, the deadline)
+        // is of the whole queue: a waiting claimer finds intents behind the floor by then.
+        let mut whole_look = false;
         let intents = loop {
             // Mark the signal and the turns seen before looking, so a commit landing in
             // between still wakes us.
             woken.borrow_and_update();
             let mark = turn.mark();
+            let look_from = if whole_look {
+                None
+            } else {
+                self.claim_floors.look_from(&group, Instant::now())
+            };
             let params = ClaimParams {
                 now: self.clock.now(),
+                look_back_to: look_from,
                 ..params
             };
             let store::Claimed {
                 intents,
                 next_due_in,
             } = store::claim_intents(&self.pool, &scope, params).await?;
+            let newest = intents.iter().map(|i| i.available_at).max();
+            self.claim_floors
+                .record(&group, look_from, newest, Instant::now());
             if !intents.is_empty() || Instant::now() >= deadline || self.shutdown.is_cancelled() {
                 if intents.len() == params.max_intents as usize {
                     // There may be more: the next waiting claimer of the group looks too.
@@ -389,12 +404,12 @@ impl OutboxService for OutboxHandler {
             if let Some(due) = next_due_in {
                 until = until.min(Instant::now() + due);
             }
-            tokio::select! {
-                _ = woken.changed() => {}
-                _ = turn.given_since(mark) => {}
-                _ = tokio::time::sleep_until(until) => {}
-                _ = self.shutdown.cancelled() => {}
-            }
+            whole_look = tokio::select! {
+                _ = woken.changed() => false,
+                _ = turn.given_since(mark) => false,
+                () = tokio::time::sleep_until(until) => true,
+                () = self.shutdown.cancelled() => false,
+            };
         };
         let span = tracing::Span::current();
         span.record("messaging.batch.message_count", intents.len());

@@ -1,6 +1,7 @@
 //! The outbox domain: intents, their states and leases, and the errors of its operations.
 //! Wire types never reach this module; `crate::proto` converts at the edge.
 
+pub mod claim_floor;
 pub mod clock;
 pub mod enqueue;
 pub mod group_commit;

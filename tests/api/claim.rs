@@ -228,3 +228,44 @@ async fn concurrent_claimers_get_disjoint_batches_and_every_intent_is_delivered_
             .unwrap();
     assert_eq!(attempts, vec![1]);
 }
+
+#[tokio::test]
+async fn an_intent_that_becomes_claimable_behind_the_newest_one_claimed_is_still_claimed() {
+    // Claims look from a floor just behind the newest intent their group took; an intent
+    // available long before it (here an available_at in the past) is found by a later
+    // look at the whole queue.
+    let app = TestApp::spawn().await;
+    let first = app.enqueue_one("job", "{}").await;
+    let leases = app.claim_n("w", 10).await;
+    assert_eq!(
+        leases.iter().map(id_of).collect::<Vec<_>>(),
+        vec![first.as_str()]
+    );
+
+    let an_hour_ago = app.clock.now().unwrap() - chrono::Duration::hours(1);
+    let mut old = intent("job", "{}");
+    old.schedule = Some(v1::new_intent::Schedule::AvailableAt(
+        prost_types::Timestamp {
+            seconds: an_hour_ago.timestamp(),
+            nanos: 0,
+        },
+    ));
+    let old = app.enqueue(vec![old]).await.unwrap()[0].id.clone();
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let leases = app.claim_n("w", 10).await;
+        if !leases.is_empty() {
+            assert_eq!(
+                leases.iter().map(id_of).collect::<Vec<_>>(),
+                vec![old.as_str()]
+            );
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the intent behind the floor was not claimed within 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

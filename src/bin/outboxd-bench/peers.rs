@@ -70,7 +70,12 @@ pub async fn pgbench(
             rows.push(Row::not_run(RAW, key, &name, "no pgbench binary found"));
         }
         let name = burn_down_name(sizes.workers, sizes.claim_batch);
-        rows.push(Row::not_run(MINIMAL, "burn-down", &name, "no pgbench binary found"));
+        rows.push(Row::not_run(
+            MINIMAL,
+            "burn-down",
+            &name,
+            "no pgbench binary found",
+        ));
         return;
     };
     let scripts = args.bench_dir.join("pgbench");
@@ -157,7 +162,12 @@ pub async fn pgbench(
         minimal_queue(&bin, meter, url, database, sizes, &script, &name)
             .await
             .unwrap_or_else(|e| {
-                Row::not_run(MINIMAL, "burn-down", &name, format!("pgbench failed: {e:#}"))
+                Row::not_run(
+                    MINIMAL,
+                    "burn-down",
+                    &name,
+                    format!("pgbench failed: {e:#}"),
+                )
             }),
     );
 }
@@ -205,7 +215,9 @@ async fn minimal_queue(
     .bind(jobs as i64)
     .execute(&mut conn)
     .await?;
-    sqlx::query("ANALYZE minimal.job").execute(&mut conn).await?;
+    sqlx::query("ANALYZE minimal.job")
+        .execute(&mut conn)
+        .await?;
     let per_client = jobs.div_ceil(batch * sizes.workers as u64) + 1;
     let before = meter.begin(database).await?;
     let t0 = Instant::now();
@@ -238,7 +250,8 @@ const CLAIM_ACK_SCRIPT: &str = "claim_ack.sql";
 
 /// The raw-SQL ceiling of the burn-down: one Claim and one Ack as the server runs them,
 /// built from the store's own calls so that the two cannot drift apart: each one statement
-/// in its own transaction, for the tenant `bench`; no kind or region filter, a 30 s lease.
+/// in its own transaction, for the tenant `bench`; no kind or region filter, a 30 s lease,
+/// no floor (every claim looks at the whole queue; see `outboxd::outbox::claim_floor`).
 /// One difference, on purpose: the claimed rows are aggregated into two arrays (pgbench's
 /// `\gset` takes one row), so payloads are not shipped to the client. Variables:
 /// `-D batch=N`.
@@ -253,6 +266,7 @@ fn claim_ack_script() -> String {
             "'{}'",
             ":batch",
             "30000",
+            "NULL",
             "NULL",
             "NULL",
         ],
@@ -632,7 +646,7 @@ mod tests {
     fn the_burn_down_script_makes_the_store_calls_with_every_placeholder_bound() {
         let script = claim_ack_script();
         assert!(!script.contains('$'), "{script}");
-        assert!(script.contains("FROM outbox.claim('bench', 'off', 'pgbench', '', '{}', :batch, 30000, NULL, NULL) \\gset"), "{script}");
+        assert!(script.contains("FROM outbox.claim('bench', 'off', 'pgbench', '', '{}', :batch, 30000, NULL, NULL, NULL) \\gset"), "{script}");
         assert!(
             script.contains("FROM outbox.ack('bench', 'off', (:ids), (:leases), NULL);"),
             "{script}"

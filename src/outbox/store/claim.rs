@@ -29,14 +29,17 @@ pub struct ClaimParams<'a> {
     pub request_id: Option<&'a str>,
     /// Current time override (tests).
     pub now: Option<DateTime<Utc>>,
+    /// Lease only intents available at or after this (`None`: the whole queue); see
+    /// [`crate::outbox::claim_floor`].
+    pub look_back_to: Option<DateTime<Utc>>,
 }
 
 /// The claim function's call: `$1` tenants, `$2` cross-tenant, `$3` worker, `$4` region,
 /// `$5` kinds, `$6` most intents, `$7` lease milliseconds, `$8` request id, `$9` now (or
-/// NULL).
+/// NULL), `$10` the floor (or NULL).
 macro_rules! claim_call {
     () => {
-        "outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+        "outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
     };
 }
 
@@ -62,7 +65,8 @@ pub struct Claimed {
 ///
 /// One round trip: `outbox.claim` (and `outbox.next_due_in`) run in the statement's own
 /// transaction, committed before this returns (the statements and why they are shaped so:
-/// migration `20261201000007_claim_and_ack_in_one_round_trip`).
+/// migrations `20261201000007_claim_and_ack_in_one_round_trip` and
+/// `20261201000008_claim_looks_back_from_a_floor`).
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
@@ -99,6 +103,7 @@ pub async fn claim_intents(
         .bind(millis(params.lease_duration))
         .bind(params.request_id)
         .bind(params.now)
+        .bind(params.look_back_to)
         .fetch_all(pool)
     })
     .await?;

@@ -1,0 +1,70 @@
+-- Claim looks back from a floor: `outbox.claim` takes `look_back_to`, and leases only
+-- intents available at or after it (NULL: no floor, the whole queue). The claimable
+-- index keeps an entry for every version of a row that was PENDING until vacuum removes
+-- it, and while a session pins the xmin horizon (an idle transaction, a long report, a
+-- lagging replication slot) nothing is removed, not even marked dead: every claim walked
+-- all the entries of intents claimed since the pin began, from the oldest, and claim time
+-- grew without bound (7 ms at 1,000 intents/s after 30 s, rising). The server passes a
+-- floor a little behind the newest intent a group of claimers took, so a claim walks only
+-- those last entries, and looks at the whole queue every few seconds for intents that
+-- became claimable behind the floor (src/outbox/claim_floor.rs says which, and why a
+-- floor never loses one). The body is the previous one (migration
+-- 20261201000007 says why it is shaped so) with that one condition added.
+
+DROP FUNCTION outbox.claim(text, text, text, text, text[], int, bigint, text, timestamptz);
+
+CREATE FUNCTION outbox.claim(
+    tenants text,
+    cross_tenant text,
+    worker text,
+    worker_region text,
+    kinds text[],
+    max_intents int,
+    lease_ms bigint,
+    request_id text,
+    as_of timestamptz,
+    look_back_to timestamptz
+) RETURNS SETOF outbox.intent
+LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+AS $$
+BEGIN
+    PERFORM outbox.enter_scope(tenants, cross_tenant);
+    IF request_id IS NOT NULL THEN
+        PERFORM pg_advisory_xact_lock(hashtextextended(worker || '/' || request_id, 0));
+        RETURN QUERY
+            SELECT *
+            FROM outbox.intent i
+            WHERE i.worker_id = worker
+              AND i.claim_request_id = request_id
+              AND i.state IN ('leased', 'submitted');
+        IF FOUND THEN
+            RETURN;
+        END IF;
+    END IF;
+    RETURN QUERY
+        UPDATE outbox.intent i
+        SET state = 'leased',
+            attempts = i.attempts + 1,
+            lease_id = gen_random_uuid(),
+            lease_expires_at = coalesce(as_of, now()) + lease_ms * interval '1 ms',
+            worker_id = worker,
+            claim_request_id = request_id,
+            updated_at = coalesce(as_of, now())
+        WHERE i.ctid = ANY (ARRAY(
+                SELECT p.ctid
+                FROM outbox.intent p
+                WHERE p.state = 'pending'
+                  AND p.available_at <= coalesce(as_of, now())
+                  AND p.available_at >= coalesce(look_back_to, '-infinity')
+                  AND (worker_region = '' OR p.region = '' OR p.region = worker_region)
+                  AND (cardinality(kinds) = 0 OR p.kind = ANY (kinds))
+                ORDER BY p.available_at, p.id
+                LIMIT max_intents
+                FOR UPDATE SKIP LOCKED
+            ))
+        RETURNING i.*;
+END
+$$;

@@ -53,3 +53,31 @@ BEGIN
         RETURNING i.*;
 END
 $$;
+
+-- Seconds until the next PENDING intent matching a claim's filters becomes due, if one is
+-- scheduled in the future: a long-polling claimer that found nothing sleeps that long.
+CREATE OR REPLACE FUNCTION outbox.next_due_in(
+    tenants text,
+    cross_tenant text,
+    worker_region text,
+    kinds text[],
+    as_of timestamptz
+) RETURNS float8
+LANGUAGE plpgsql VOLATILE
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+AS $$
+BEGIN
+    PERFORM outbox.enter_scope(tenants, cross_tenant);
+    RETURN (
+        SELECT extract(epoch FROM p.available_at - coalesce(as_of, now()))::float8
+        FROM outbox.intent p
+        WHERE p.state = 'pending'
+          AND p.available_at > coalesce(as_of, now())
+          AND (worker_region = '' OR p.region = '' OR p.region = worker_region)
+          AND (cardinality(kinds) = 0 OR p.kind = ANY (kinds))
+        ORDER BY p.available_at
+        LIMIT 1
+    );
+END
+$$;

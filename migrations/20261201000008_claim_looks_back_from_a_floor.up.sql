@@ -8,8 +8,17 @@
 -- floor a little behind the newest intent a group of claimers took, so a claim walks only
 -- those last entries, and looks at the whole queue every few seconds for intents that
 -- became claimable behind the floor (src/outbox/claim_floor.rs says which, and why a
--- floor never loses one). The body is the previous one (migration
--- 20261201000007 says why it is shaped so) with that one condition added.
+-- floor never loses one). The bodies are the previous ones (migration 20261201000007
+-- says why they are shaped so) with that condition added and their time bounds computed
+-- first:
+--
+-- Row-level security: the policies' conditions are evaluated before any condition of the
+-- query that PostgreSQL cannot prove leakproof, and such a condition cannot bound an index
+-- scan. `coalesce(…)` is never proved leakproof, so the previous claim's
+-- `available_at <= coalesce(as_of, now())` filtered rows instead of ending the scan: every
+-- claim that found fewer than its batch walked the whole claimable index, delayed intents
+-- included, and next_due_in's `available_at > coalesce(…)` walked it from the start. Both
+-- functions now compute their bounds into variables first (parameters, which are safe).
 
 DROP FUNCTION outbox.claim(text, text, text, text, text[], int, bigint, text, timestamptz);
 
@@ -30,6 +39,11 @@ SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off
 SET enable_bitmapscan = off
 AS $$
+DECLARE
+    -- The bounds as variables (parameters to the planner), not as expressions in the query:
+    -- see the note on row-level security above.
+    claim_at timestamptz := coalesce(as_of, now());
+    claim_from timestamptz := coalesce(look_back_to, '-infinity');
 BEGIN
     PERFORM outbox.enter_scope(tenants, cross_tenant);
     IF request_id IS NOT NULL THEN
@@ -49,16 +63,16 @@ BEGIN
         SET state = 'leased',
             attempts = i.attempts + 1,
             lease_id = gen_random_uuid(),
-            lease_expires_at = coalesce(as_of, now()) + lease_ms * interval '1 ms',
+            lease_expires_at = claim_at + lease_ms * interval '1 ms',
             worker_id = worker,
             claim_request_id = request_id,
-            updated_at = coalesce(as_of, now())
+            updated_at = claim_at
         WHERE i.ctid = ANY (ARRAY(
                 SELECT p.ctid
                 FROM outbox.intent p
                 WHERE p.state = 'pending'
-                  AND p.available_at <= coalesce(as_of, now())
-                  AND p.available_at >= coalesce(look_back_to, '-infinity')
+                  AND p.available_at <= claim_at
+                  AND p.available_at >= claim_from
                   AND (worker_region = '' OR p.region = '' OR p.region = worker_region)
                   AND (cardinality(kinds) = 0 OR p.kind = ANY (kinds))
                 ORDER BY p.available_at, p.id
@@ -66,5 +80,35 @@ BEGIN
                 FOR UPDATE SKIP LOCKED
             ))
         RETURNING i.*;
+END
+$$;
+
+-- Seconds until the next PENDING intent matching a claim's filters becomes due, if one is
+-- scheduled in the future: a long-polling claimer that found nothing sleeps that long.
+CREATE OR REPLACE FUNCTION outbox.next_due_in(
+    tenants text,
+    cross_tenant text,
+    worker_region text,
+    kinds text[],
+    as_of timestamptz
+) RETURNS float8
+LANGUAGE plpgsql VOLATILE
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+AS $$
+DECLARE
+    look_at timestamptz := coalesce(as_of, now());
+BEGIN
+    PERFORM outbox.enter_scope(tenants, cross_tenant);
+    RETURN (
+        SELECT extract(epoch FROM p.available_at - look_at)::float8
+        FROM outbox.intent p
+        WHERE p.state = 'pending'
+          AND p.available_at > look_at
+          AND (worker_region = '' OR p.region = '' OR p.region = worker_region)
+          AND (cardinality(kinds) = 0 OR p.kind = ANY (kinds))
+        ORDER BY p.available_at
+        LIMIT 1
+    );
 END
 $$;

@@ -46,7 +46,9 @@ pub async fn rescue_expired_leases(
             SELECT id
             FROM outbox.intent
             WHERE state IN ('leased', 'submitted')
-              AND lease_expires_at < coalesce($4::timestamptz, now())
+              -- A subquery, not a bare coalesce(…): only then can it bound the index scan
+              -- under row-level security (migration 20261201000008 says why).
+              AND lease_expires_at < (SELECT coalesce($4::timestamptz, now()))
             ORDER BY lease_expires_at
             LIMIT $3
             FOR UPDATE SKIP LOCKED
@@ -112,7 +114,8 @@ pub async fn purge_finished_intents(
             SELECT id
             FROM outbox.intent
             WHERE state IN ('delivered', 'discarded')
-              AND finished_at < coalesce($3::timestamptz, now()) - $1 * interval '1 ms'
+              -- A subquery: see rescue_expired_leases.
+              AND finished_at < (SELECT coalesce($3::timestamptz, now()) - $1 * interval '1 ms')
             ORDER BY finished_at
             LIMIT $2
             FOR UPDATE SKIP LOCKED

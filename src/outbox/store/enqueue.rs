@@ -41,6 +41,37 @@ struct Holder {
     same_content: bool,
 }
 
+/// The INSERT of [`insert_intents`] for the input rows whose idempotency key `IS NULL` or
+/// `IS NOT NULL`, with `on_conflict` after it. Rows without a key insert plainly: with an
+/// ON CONFLICT clause every row is a speculative insertion (a lock taken and released,
+/// and one more WAL record), which cost 10–17% of a batch's insert time, measured.
+macro_rules! insert_input {
+    ($key_test:literal, $on_conflict:literal) => {
+        concat!(
+            "
+            INSERT INTO outbox.intent (id, tenant_id, kind, region, payload, content_type,
+                                       idempotency_key, headers, state, max_attempts,
+                                       available_at, created_at, updated_at, txn_xid)
+            SELECT input.id, $1, input.kind, input.region, input.payload, input.content_type,
+                   input.idempotency_key, input.headers,
+                   CASE WHEN $13::text IS NULL THEN 'pending' ELSE 'staged' END::outbox.intent_state,
+                   input.max_attempts,
+                   coalesce(input.at, clock.now + coalesce(input.delay_ms, 0) * interval '1 ms'),
+                   clock.now, clock.now, $13::text::xid8
+            FROM input, clock
+            WHERE input.idempotency_key ",
+            $key_test,
+            "
+            ORDER BY input.ord
+            ",
+            $on_conflict,
+            "
+            RETURNING id
+            "
+        )
+    };
+}
+
 /// Inserts a batch of intents within the caller's transaction, PENDING (or STAGED with a
 /// producer transaction), deduplicating by idempotency key, and notifies waiting claimers
 /// when any is claimable now (delivered by PostgreSQL only if the transaction commits).
@@ -82,7 +113,7 @@ pub async fn insert_intents(
         at.push(instant);
     }
 
-    let rows: Vec<InsertRow> = sqlx::query_as(
+    let rows: Vec<InsertRow> = sqlx::query_as(concat!(
         r#"
         WITH input AS (
             SELECT *
@@ -95,22 +126,19 @@ pub async fn insert_intents(
         clock AS (
             SELECT coalesce($12::timestamptz, now()) AS now
         ),
-        inserted AS (
-            INSERT INTO outbox.intent (id, tenant_id, kind, region, payload, content_type,
-                                       idempotency_key, headers, state, max_attempts,
-                                       available_at, created_at, updated_at, txn_xid)
-            SELECT input.id, $1, input.kind, input.region, input.payload, input.content_type,
-                   input.idempotency_key, input.headers,
-                   CASE WHEN $13::text IS NULL THEN 'pending' ELSE 'staged' END::outbox.intent_state,
-                   input.max_attempts,
-                   coalesce(input.at, clock.now + coalesce(input.delay_ms, 0) * interval '1 ms'),
-                   clock.now, clock.now, $13::text::xid8
-            FROM input, clock
-            ORDER BY input.ord
-            ON CONFLICT (tenant_id, idempotency_key)
+        unkeyed AS ("#,
+        insert_input!("IS NULL", ""),
+        "),
+        keyed AS (",
+        insert_input!(
+            "IS NOT NULL",
+            "ON CONFLICT (tenant_id, idempotency_key)
                 WHERE idempotency_key IS NOT NULL AND state <> 'discarded'
-            DO NOTHING
-            RETURNING id
+            DO NOTHING"
+        ),
+        r#"),
+        inserted AS (
+            SELECT id FROM unkeyed UNION ALL SELECT id FROM keyed
         )
         SELECT input.id AS new_id,
                inserted.id IS NOT NULL AS inserted,
@@ -126,8 +154,8 @@ pub async fn insert_intents(
            AND existing.idempotency_key = input.idempotency_key
            AND existing.state <> 'discarded'
         ORDER BY input.ord
-        "#,
-    )
+        "#
+    ))
     .bind(params.tenant_id)
     .bind(&ids)
     .bind(&kinds)

@@ -4,11 +4,11 @@
 //!
 //! A floor never loses an intent, it can only find it later. Every transition into PENDING
 //! sets `available_at` to the transition's own time or later (enqueue now or after a delay,
-//! retry backoff, lease rescue, requeue), so an intent lands behind the floor only when
-//! it becomes claimable more than [`LOOK_BACK`] after its `available_at`: a producer
-//! transaction that stays open that long after its `Enqueue` (the intent keeps the
-//! enqueue's time), an `available_at` set in the past, a claim that skipped a row locked
-//! by a claim that then rolled back. Those are found by the group's next look at the
+//! the producer's commit for a STAGED intent, retry backoff, lease rescue, requeue), so an
+//! intent lands behind the floor only when it becomes claimable more than [`LOOK_BACK`]
+//! after its `available_at`: a transition whose transaction took that long to commit, an
+//! `available_at` set in the past, a claim that skipped a row locked by a claim that then
+//! rolled back. Those are found by the group's next look at the
 //! whole queue: a claim looks at it once [`WHOLE_LOOK_EVERY`] has passed since the group's
 //! last such look, and a long-polling claim whenever its wait ends without a wake-up (its
 //! recheck, every 2 s by default, or its deadline).

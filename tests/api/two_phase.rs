@@ -9,7 +9,7 @@ use sqlx::{Connection, PgConnection};
 use tonic::{Code, Status};
 
 use crate::helpers::{
-    TestApp, assert_status, claim_request, duration, id_of, intent, other_database,
+    TestApp, assert_status, claim_request, duration, id_of, intent, other_database, secs,
 };
 
 use outboxd::outbox::token::PLAIN_TOKEN_SQL;
@@ -531,4 +531,52 @@ async fn an_idempotency_key_held_by_another_open_transaction_is_not_deduplicated
         claim_waiting(&app, Duration::from_secs(10)).await,
         vec![retried.id]
     );
+}
+
+#[tokio::test]
+async fn an_intent_of_a_transaction_held_open_is_available_from_its_commit_and_claimed_at_once() {
+    // Claims look from a floor behind the newest intent their group took: an intent that
+    // kept its Enqueue's time would sort behind an hour of newer intents and wait for a
+    // look at the whole queue (at the claim's deadline here).
+    let app = TestApp::spawn().await;
+    let mut producer = app.producer().await;
+    let mut tx = producer.begin().await.unwrap();
+    let token = token_of(&mut tx).await;
+    let staged = enqueue_in(&app, &token, vec![intent("order.created", "{}")])
+        .await
+        .unwrap()[0]
+        .id
+        .clone();
+
+    app.advance(Duration::from_secs(3600));
+    let newer = app.enqueue_one("order.created", "{}").await;
+    let taken: Vec<_> = app
+        .claim_n("w", 100)
+        .await
+        .iter()
+        .map(|l| id_of(l).to_owned())
+        .collect();
+    assert_eq!(taken, vec![newer]);
+
+    tx.commit().await.unwrap();
+    let claim = tokio::spawn({
+        let app_client = app.client();
+        async move {
+            let mut client = app_client;
+            let mut request = claim_request("w", 100);
+            request.wait = Some(duration(Duration::from_secs(60)));
+            client.claim(request).await.unwrap().into_inner().leases
+        }
+    });
+    let leases = tokio::time::timeout(Duration::from_secs(30), claim)
+        .await
+        .expect("the committed intent was found only at the claim's 60 s deadline")
+        .unwrap();
+    assert_eq!(
+        leases.iter().map(id_of).collect::<Vec<_>>(),
+        vec![staged.as_str()]
+    );
+    let committed_at = app.clock.now().unwrap();
+    let available = secs(&leases[0].intent.as_ref().unwrap().available_at);
+    assert!((available - committed_at.timestamp_micros() as f64 / 1e6).abs() < 0.001);
 }

@@ -3,6 +3,7 @@
 
 use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
+use uuid::Uuid;
 
 use super::intent_columns;
 use crate::outbox::{Decision, Intent, IntentId, IntentState, Resolution, Result};
@@ -85,7 +86,9 @@ pub async fn list_intents(conn: &mut PgConnection, params: ListParams) -> Result
         WHERE (cardinality($1::outbox.intent_state[]) = 0 OR i.state = ANY($1))
           AND ($2::text IS NULL OR i.kind = $2)
           AND ($3::text IS NULL OR i.region = $3)
-          AND ($4::uuid IS NULL OR i.id > $4)
+          -- No cursor is the nil UUID, below every id: a bare bound, so that a cached
+          -- plan still starts its primary-key scan at the cursor.
+          AND i.id > $4
         ORDER BY i.id
         LIMIT $5
         "#
@@ -93,7 +96,7 @@ pub async fn list_intents(conn: &mut PgConnection, params: ListParams) -> Result
     .bind(&params.states)
     .bind(&params.kind)
     .bind(&params.region)
-    .bind(params.after)
+    .bind(params.after.map_or(Uuid::nil(), |after| after.0))
     .bind(params.limit)
     .fetch_all(conn)
     .await?;

@@ -173,6 +173,12 @@ pub async fn promote_staged_intents(
                 END::outbox.intent_state,
                 finished_at = CASE WHEN finished.status = 'aborted'
                                    THEN coalesce($2::timestamptz, now()) END,
+                -- Claimable from now on, not from the Enqueue: claims look from a floor
+                -- behind the newest intent taken (outbox::claim_floor), and an intent of a
+                -- transaction that stayed open for a while would sort behind it.
+                available_at = CASE WHEN finished.status = 'committed'
+                                    THEN greatest(i.available_at, coalesce($2::timestamptz, now()))
+                                    ELSE i.available_at END,
                 last_error = CASE WHEN finished.status IS NULL
                     THEN 'producer transaction too old to tell whether it committed' END,
                 updated_at = coalesce($2::timestamptz, now())

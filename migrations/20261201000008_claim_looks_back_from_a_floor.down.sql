@@ -1,6 +1,6 @@
 DROP FUNCTION outbox.claim(text, text, text, text, text[], int, bigint, text, timestamptz, timestamptz);
 
-CREATE FUNCTION outbox.claim(
+CREATE OR REPLACE FUNCTION outbox.claim(
     tenants text,
     cross_tenant text,
     worker text,

@@ -20,8 +20,6 @@
 -- included, and next_due_in's `available_at > coalesce(…)` walked it from the start. Both
 -- functions now compute their bounds into variables first (parameters, which are safe).
 
-DROP FUNCTION outbox.claim(text, text, text, text, text[], int, bigint, text, timestamptz);
-
 CREATE FUNCTION outbox.claim(
     tenants text,
     cross_tenant text,
@@ -81,6 +79,25 @@ BEGIN
             ))
         RETURNING i.*;
 END
+$$;
+
+-- The previous signature stays, as the new function without a floor: servers of the
+-- previous release keep claiming while a rolling upgrade replaces them.
+CREATE OR REPLACE FUNCTION outbox.claim(
+    tenants text,
+    cross_tenant text,
+    worker text,
+    worker_region text,
+    kinds text[],
+    max_intents int,
+    lease_ms bigint,
+    request_id text,
+    as_of timestamptz
+) RETURNS SETOF outbox.intent
+LANGUAGE sql VOLATILE
+AS $$
+    SELECT * FROM outbox.claim(tenants, cross_tenant, worker, worker_region, kinds,
+                               max_intents, lease_ms, request_id, as_of, NULL)
 $$;
 
 -- Seconds until the next PENDING intent matching a claim's filters becomes due, if one is

@@ -269,3 +269,19 @@ async fn an_intent_that_becomes_claimable_behind_the_newest_one_claimed_is_still
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+#[tokio::test]
+async fn the_previous_releases_claim_call_still_leases_during_a_rolling_upgrade() {
+    // Migration 20261201000008 gave outbox.claim a floor argument; servers of the previous
+    // release call it without one until they are replaced.
+    let app = TestApp::spawn().await;
+    let id = app.enqueue_one("job", "{}").await;
+    let leased: Vec<(uuid::Uuid, String)> = sqlx::query_as(
+        "SELECT id, state::text FROM outbox.claim($1, 'off', 'old-server', '', '{}', 10, 30000, NULL, NULL)",
+    )
+    .bind(crate::helpers::TENANT)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(leased, vec![(id.parse().unwrap(), "leased".to_owned())]);
+}

@@ -1,6 +1,7 @@
 //! The peers of `all` on the same cluster: a raw-SQL ceiling with `pgbench -f` (the same
-//! claim and ack statements and batch sizes, no service in between), and graphile-worker
-//! and pg-boss through `bench/peer.js`. A peer that cannot run gets a "not run: reason"
+//! claim and ack statements and batch sizes, no service in between) with the issue's
+//! minimal reference loop beside it, and graphile-worker and pg-boss through
+//! `bench/peer.js`. A peer that cannot run gets a "not run: reason"
 //! row, never a figure.
 
 use std::io::Read;

@@ -44,7 +44,7 @@ struct Holder {
 /// The INSERT of [`insert_intents`] for the input rows whose idempotency key `IS NULL` or
 /// `IS NOT NULL`, with `on_conflict` after it. Rows without a key insert plainly: with an
 /// ON CONFLICT clause every row is a speculative insertion (a lock taken and released,
-/// and one more WAL record), which cost 10–17% of a batch's insert time, measured.
+/// and one more WAL record): 10–17% of pgbench's batched-insert throughput, measured.
 macro_rules! insert_input {
     ($key_test:literal, $on_conflict:literal) => {
         concat!(

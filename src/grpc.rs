@@ -437,9 +437,8 @@ impl OutboxService for OutboxHandler {
     ) -> RpcResult<v1::ExtendLeaseResponse> {
         let (_, scope) = self.access(&request, Permission::Consume).await?;
         let (leases, duration) = validate::extend(request.get_ref(), &self.limits)?;
-        let mut tx = store::begin_with(&self.pool, &scope, &[IndexPlans]).await?;
-        let results = store::extend_leases(&mut tx, &leases, duration, self.clock.now()).await?;
-        tx.commit().await.map_err(Error::from)?;
+        let results =
+            store::extend_leases(&self.pool, &scope, &leases, duration, self.clock.now()).await?;
         Ok(Response::new(v1::ExtendLeaseResponse {
             results: results.into_iter().map(Into::into).collect(),
         }))
@@ -452,9 +451,8 @@ impl OutboxService for OutboxHandler {
     ) -> RpcResult<v1::MarkSubmittedResponse> {
         let (_, scope) = self.access(&request, Permission::Consume).await?;
         let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
-        let mut tx = store::begin_with(&self.pool, &scope, &[IndexPlans]).await?;
-        let results = store::mark_intents_submitted(&mut tx, &leases, self.clock.now()).await?;
-        tx.commit().await.map_err(Error::from)?;
+        let results =
+            store::mark_intents_submitted(&self.pool, &scope, &leases, self.clock.now()).await?;
         Ok(Response::new(v1::MarkSubmittedResponse {
             results: results.into_iter().map(Into::into).collect(),
         }))

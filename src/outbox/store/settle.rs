@@ -16,19 +16,8 @@ use crate::outbox::{
     FailOutcome, Failure, IntentId, IntentState, ItemError, ItemResult, LeaseRef, Result,
 };
 
-/// The leases of a batch, in request order: `$1` intent ids, `$2` lease ids.
-macro_rules! lease_input {
-    () => {
-        r#"
-        WITH input AS (
-            SELECT * FROM unnest($1::uuid[], $2::uuid[]) WITH ORDINALITY AS t(id, lease_id, ord)
-        ),
-        "#
-    };
-}
-
-/// The shared tail of every settle statement: what the `changed` CTE updated, per input
-/// item, in request order.
+/// The tail of the Fail statement: what its `changed` CTE updated, per input item, in
+/// request order.
 macro_rules! settle_report {
     () => {
         r#"
@@ -159,74 +148,99 @@ fn split(pairs: &[(Uuid, Uuid)]) -> (Vec<Uuid>, Vec<Uuid>) {
 
 /// Pushes the expiry of live (LEASED or SUBMITTED) leases to `now + lease_duration`.
 ///
+/// One round trip: `outbox.extend_leases` (migration
+/// `20261201000009_extend_and_mark_submitted_in_one_round_trip`) runs in its own
+/// transaction, committed before this returns; only items that did not apply cost another.
+///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn extend_leases(
-    conn: &mut PgConnection,
+    pool: &PgPool,
+    scope: &TenantScope,
     leases: &[LeaseRef],
     lease_duration: Duration,
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<ItemResult>> {
     let pairs = pairs(leases.iter().copied());
     let (ids, lease_ids) = split(&pairs);
-    let rows = sqlx::query_as(concat!(
-        lease_input!(),
-        r#"
-        changed AS (
-            UPDATE outbox.intent i
-            SET lease_expires_at = coalesce($4::timestamptz, now()) + $3 * interval '1 ms',
-                updated_at = coalesce($4::timestamptz, now())
-            FROM input
-            WHERE i.id = input.id
-              AND i.lease_id = input.lease_id
-              AND i.state IN ('leased', 'submitted')
-            RETURNING i.id, i.state, i.lease_expires_at, i.headers->>'traceparent' AS traceparent
-        )
-        "#,
-        settle_report!()
-    ))
-    .bind(&ids)
-    .bind(&lease_ids)
-    .bind(millis(lease_duration))
-    .bind(now)
-    .fetch_all(&mut *conn)
+    let (tenants, cross) = scope_settings(scope);
+    // Run again when the connection turns out dead: extending twice is extending once.
+    let changed = on_live_connection(pool, || {
+        sqlx::query_as("SELECT * FROM outbox.extend_leases($1, $2, $3, $4, $5, $6)")
+            .bind(&tenants)
+            .bind(cross)
+            .bind(&ids)
+            .bind(&lease_ids)
+            .bind(millis(lease_duration))
+            .bind(now)
+            .fetch_all(pool)
+    })
     .await?;
-    report(conn, &pairs, rows, |_, _| false).await
+    report_changed(pool, scope, &pairs, changed, |_, _| false).await
 }
 
 /// Moves LEASED intents to SUBMITTED: from now on a lost outcome needs an operator.
 ///
+/// One round trip, as [`extend_leases`] (`outbox.mark_submitted`).
+///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn mark_intents_submitted(
-    conn: &mut PgConnection,
+    pool: &PgPool,
+    scope: &TenantScope,
     leases: &[LeaseRef],
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<ItemResult>> {
     let pairs = pairs(leases.iter().copied());
     let (ids, lease_ids) = split(&pairs);
-    let rows = sqlx::query_as(concat!(
-        lease_input!(),
-        r#"
-        changed AS (
-            UPDATE outbox.intent i
-            SET state = 'submitted',
-                updated_at = coalesce($3::timestamptz, now())
-            FROM input
-            WHERE i.id = input.id
-              AND i.lease_id = input.lease_id
-              AND i.state = 'leased'
-            RETURNING i.id, i.state, i.lease_expires_at, i.headers->>'traceparent' AS traceparent
-        )
-        "#,
-        settle_report!()
-    ))
-    .bind(&ids)
-    .bind(&lease_ids)
-    .bind(now)
-    .fetch_all(&mut *conn)
+    let (tenants, cross) = scope_settings(scope);
+    // Run again when the connection turns out dead: had the lost call committed, the
+    // retry is a replay, answered as such.
+    let changed = on_live_connection(pool, || {
+        sqlx::query_as("SELECT * FROM outbox.mark_submitted($1, $2, $3, $4, $5)")
+            .bind(&tenants)
+            .bind(cross)
+            .bind(&ids)
+            .bind(&lease_ids)
+            .bind(now)
+            .fetch_all(pool)
+    })
     .await?;
-    report(conn, &pairs, rows, |_, s| s == IntentState::Submitted).await
+    report_changed(pool, scope, &pairs, changed, |_, s| {
+        s == IntentState::Submitted
+    })
+    .await
+}
+
+/// Per-item results of a one-round-trip settle from the rows its function `changed`: the
+/// items it did not change are read afresh in a scoped transaction of their own (see
+/// [`report`] for why afresh), a round trip paid only when there are some.
+async fn report_changed(
+    pool: &PgPool,
+    scope: &TenantScope,
+    pairs: &[(Uuid, Uuid)],
+    changed: Vec<SettleRow>,
+    is_replay: impl Fn(usize, IntentState) -> bool,
+) -> Result<Vec<ItemResult>> {
+    let changed: HashMap<Uuid, SettleRow> = changed.into_iter().map(|r| (r.id, r)).collect();
+    let rows: Vec<SettleRow> = pairs
+        .iter()
+        .map(|&(id, _)| {
+            changed
+                .get(&id)
+                .cloned()
+                .unwrap_or_else(|| SettleRow::missed(id))
+        })
+        .collect();
+    let current = if rows.iter().all(|r| r.state.is_some()) {
+        HashMap::new()
+    } else {
+        let mut tx = begin(pool, scope).await?;
+        let current = current_of_missed(&mut tx, &rows).await?;
+        tx.commit().await?;
+        current
+    };
+    Ok(item_results(pairs, rows, &current, is_replay))
 }
 
 /// The Ack function's call: `$1` tenants, `$2` cross-tenant, `$3` intent ids, `$4` lease
@@ -260,7 +274,7 @@ pub async fn ack_intents(
     let (tenants, cross) = scope_settings(scope);
     // Run again when the connection turns out dead: had the lost call committed, the
     // retry is a replay, answered as such.
-    let changed: Vec<SettleRow> = on_live_connection(pool, || {
+    let changed = on_live_connection(pool, || {
         sqlx::query_as(concat!("SELECT * FROM ", ack_call!()))
             .bind(&tenants)
             .bind(cross)
@@ -270,27 +284,10 @@ pub async fn ack_intents(
             .fetch_all(pool)
     })
     .await?;
-    let changed: HashMap<Uuid, SettleRow> = changed.into_iter().map(|r| (r.id, r)).collect();
-    let rows: Vec<SettleRow> = ids
-        .iter()
-        .map(|id| {
-            changed
-                .get(id)
-                .cloned()
-                .unwrap_or_else(|| SettleRow::missed(*id))
-        })
-        .collect();
-    let current = if rows.iter().all(|r| r.state.is_some()) {
-        HashMap::new()
-    } else {
-        let mut tx = begin(pool, scope).await?;
-        let current = current_of_missed(&mut tx, &rows).await?;
-        tx.commit().await?;
-        current
-    };
-    Ok(item_results(&pairs, rows, &current, |_, s| {
+    report_changed(pool, scope, &pairs, changed, |_, s| {
         s == IntentState::Delivered
-    }))
+    })
+    .await
 }
 
 /// Records failures. RETRY → PENDING after the backoff (or `retry_after`), or

@@ -7,7 +7,9 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::{PgConnection, PgPool};
+use sqlx::postgres::PgArguments;
+use sqlx::query::QueryAs;
+use sqlx::{PgConnection, PgPool, Postgres};
 use uuid::Uuid;
 
 use super::access::{TenantScope, begin, on_live_connection, scope_settings};
@@ -161,22 +163,16 @@ pub async fn extend_leases(
     lease_duration: Duration,
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<ItemResult>> {
-    let pairs = pairs(leases.iter().copied());
-    let (ids, lease_ids) = split(&pairs);
-    let (tenants, cross) = scope_settings(scope);
-    // Run again when the connection turns out dead: extending twice is extending once.
-    let changed = on_live_connection(pool, || {
-        sqlx::query_as("SELECT * FROM outbox.extend_leases($1, $2, $3, $4, $5, $6)")
-            .bind(&tenants)
-            .bind(cross)
-            .bind(&ids)
-            .bind(&lease_ids)
-            .bind(millis(lease_duration))
-            .bind(now)
-            .fetch_all(pool)
-    })
-    .await?;
-    report_changed(pool, scope, &pairs, changed, |_, _| false).await
+    let lease_ms = millis(lease_duration);
+    settle_in_one_call(
+        pool,
+        scope,
+        leases,
+        "SELECT * FROM outbox.extend_leases($1, $2, $3, $4, $5, $6)",
+        |call| call.bind(lease_ms).bind(now),
+        |_, _| false,
+    )
+    .await
 }
 
 /// Moves LEASED intents to SUBMITTED: from now on a lost outcome needs an operator.
@@ -191,37 +187,48 @@ pub async fn mark_intents_submitted(
     leases: &[LeaseRef],
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<ItemResult>> {
-    let pairs = pairs(leases.iter().copied());
-    let (ids, lease_ids) = split(&pairs);
-    let (tenants, cross) = scope_settings(scope);
-    // Run again when the connection turns out dead: had the lost call committed, the
-    // retry is a replay, answered as such.
-    let changed = on_live_connection(pool, || {
-        sqlx::query_as("SELECT * FROM outbox.mark_submitted($1, $2, $3, $4, $5)")
-            .bind(&tenants)
-            .bind(cross)
-            .bind(&ids)
-            .bind(&lease_ids)
-            .bind(now)
-            .fetch_all(pool)
-    })
-    .await?;
-    report_changed(pool, scope, &pairs, changed, |_, s| {
-        s == IntentState::Submitted
-    })
+    settle_in_one_call(
+        pool,
+        scope,
+        leases,
+        "SELECT * FROM outbox.mark_submitted($1, $2, $3, $4, $5)",
+        |call| call.bind(now),
+        |_, s| s == IntentState::Submitted,
+    )
     .await
 }
 
-/// Per-item results of a one-round-trip settle from the rows its function `changed`: the
-/// items it did not change are read afresh in a scoped transaction of their own (see
+/// A settle function's call as a query, with its first four arguments bound.
+type SettleCall<'q> = QueryAs<'q, Postgres, SettleRow, PgArguments>;
+
+/// Runs `call`, a settle function taking the tenants, cross-tenant, intent ids and lease
+/// ids as `$1`–`$4` and whatever `bind_rest` binds after them, in its own transaction on
+/// the pool: one round trip, retried on a dead pooled connection (a settle that committed
+/// unseen is then answered as a replay). The function returns the intents it changed;
+/// the items it did not change are read afresh in a scoped transaction of their own (see
 /// [`report`] for why afresh), a round trip paid only when there are some.
-async fn report_changed(
+async fn settle_in_one_call(
     pool: &PgPool,
     scope: &TenantScope,
-    pairs: &[(Uuid, Uuid)],
-    changed: Vec<SettleRow>,
+    leases: &[LeaseRef],
+    call: &'static str,
+    bind_rest: impl for<'q> Fn(SettleCall<'q>) -> SettleCall<'q>,
     is_replay: impl Fn(usize, IntentState) -> bool,
 ) -> Result<Vec<ItemResult>> {
+    let pairs = pairs(leases.iter().copied());
+    let (ids, lease_ids) = split(&pairs);
+    let (tenants, cross) = scope_settings(scope);
+    let changed: Vec<SettleRow> = on_live_connection(pool, || {
+        bind_rest(
+            sqlx::query_as(call)
+                .bind(&tenants)
+                .bind(cross)
+                .bind(&ids)
+                .bind(&lease_ids),
+        )
+        .fetch_all(pool)
+    })
+    .await?;
     let changed: HashMap<Uuid, SettleRow> = changed.into_iter().map(|r| (r.id, r)).collect();
     let rows: Vec<SettleRow> = pairs
         .iter()
@@ -240,7 +247,7 @@ async fn report_changed(
         tx.commit().await?;
         current
     };
-    Ok(item_results(pairs, rows, &current, is_replay))
+    Ok(item_results(&pairs, rows, &current, is_replay))
 }
 
 /// The Ack function's call: `$1` tenants, `$2` cross-tenant, `$3` intent ids, `$4` lease
@@ -269,24 +276,14 @@ pub async fn ack_intents(
     leases: &[LeaseRef],
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<ItemResult>> {
-    let pairs = pairs(leases.iter().copied());
-    let (ids, lease_ids) = split(&pairs);
-    let (tenants, cross) = scope_settings(scope);
-    // Run again when the connection turns out dead: had the lost call committed, the
-    // retry is a replay, answered as such.
-    let changed = on_live_connection(pool, || {
-        sqlx::query_as(concat!("SELECT * FROM ", ack_call!()))
-            .bind(&tenants)
-            .bind(cross)
-            .bind(&ids)
-            .bind(&lease_ids)
-            .bind(now)
-            .fetch_all(pool)
-    })
-    .await?;
-    report_changed(pool, scope, &pairs, changed, |_, s| {
-        s == IntentState::Delivered
-    })
+    settle_in_one_call(
+        pool,
+        scope,
+        leases,
+        concat!("SELECT * FROM ", ack_call!()),
+        |call| call.bind(now),
+        |_, s| s == IntentState::Delivered,
+    )
     .await
 }
 

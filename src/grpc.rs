@@ -20,7 +20,7 @@ use crate::outbox::claim_floor::ClaimFloors;
 use crate::outbox::enqueue::DirectEnqueues;
 use crate::outbox::notify::PendingSignal;
 use crate::outbox::store::AlsoAtBegin::IndexPlans;
-use crate::outbox::store::{self, BackoffParams, ClaimParams, TenantScope};
+use crate::outbox::store::{self, BackoffParams, ClaimParams, DeliveredRows, TenantScope};
 use crate::outbox::{self, Clock, Error, FieldViolation, IntentId, IntentState, Reason};
 use crate::proto::v1::outbox_service_server::{OutboxService, OutboxServiceServer};
 use crate::proto::v1::{self};
@@ -45,6 +45,7 @@ pub struct OutboxHandler {
     metrics: Arc<Metrics>,
     direct_enqueues: Arc<DirectEnqueues>,
     claim_floors: Arc<ClaimFloors>,
+    delivered_rows: DeliveredRows,
 }
 
 impl OutboxHandler {
@@ -142,6 +143,7 @@ impl OutboxHandler {
             metrics: Arc::default(),
             direct_enqueues: Arc::new(DirectEnqueues::new(&Metrics::default())),
             claim_floors: Arc::default(),
+            delivered_rows: DeliveredRows::for_retention(settings.maintenance.retention),
         }
     }
 
@@ -467,7 +469,14 @@ impl OutboxService for OutboxHandler {
     async fn ack(&self, request: Request<v1::AckRequest>) -> RpcResult<v1::AckResponse> {
         let (_, scope) = self.access(&request, Permission::Consume).await?;
         let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
-        let results = store::ack_intents(&self.pool, &scope, &leases, self.clock.now()).await?;
+        let results = store::ack_intents(
+            &self.pool,
+            &scope,
+            &leases,
+            self.delivered_rows,
+            self.clock.now(),
+        )
+        .await?;
         link_settled(&results);
         let acked = results.iter().filter(|r| r.applied).count();
         self.metrics.acked.inc_by(acked as u64);

@@ -4,7 +4,9 @@ use std::time::Duration;
 
 use outboxd::proto::v1::{FailOutcome, IntentState};
 
-use crate::helpers::TestApp;
+use tonic::Code;
+
+use crate::helpers::{TestApp, assert_item_error, assert_item_ok, id_of, intent};
 
 #[tokio::test]
 async fn purge_deletes_finished_intents_past_retention_and_keeps_everything_else() {
@@ -31,7 +33,7 @@ async fn purge_deletes_finished_intents_past_retention_and_keeps_everything_else
 #[tokio::test]
 async fn an_idempotency_key_is_remembered_until_its_intent_is_purged() {
     let app = TestApp::spawn_with(|s| s.maintenance.retention = Duration::from_secs(60)).await;
-    let mut keyed = crate::helpers::intent("job", "{}");
+    let mut keyed = intent("job", "{}");
     keyed.idempotency_key = "k-1".into();
     let first = app.enqueue(vec![keyed.clone()]).await.unwrap()[0]
         .id
@@ -47,5 +49,54 @@ async fn an_idempotency_key_is_remembered_until_its_intent_is_purged() {
     app.purge().await;
     let fresh = app.enqueue(vec![keyed]).await.unwrap().remove(0);
     assert!(!fresh.deduplicated);
+    assert_ne!(fresh.id, first);
+}
+
+#[tokio::test]
+async fn at_zero_retention_an_ack_deletes_the_intent_and_frees_its_idempotency_key() {
+    let app = TestApp::spawn_with(|s| s.maintenance.retention = Duration::ZERO).await;
+    let mut keyed = intent("job", "{}");
+    keyed.idempotency_key = "k-1".into();
+    let first = app
+        .enqueue(vec![keyed.clone(), intent("job", "{}")])
+        .await
+        .unwrap()[0]
+        .id
+        .clone();
+    let leases = app.claim_n("w", 2).await;
+    let (delivered, unsure) = (&leases[0], &leases[1]);
+    assert_eq!(id_of(delivered), first);
+    let mut forged = unsure.clone();
+    forged.lease_id = uuid::Uuid::new_v4().to_string();
+    let rows = || async {
+        sqlx::query_scalar::<_, String>("SELECT state::text FROM outbox.intent ORDER BY id")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap()
+    };
+
+    let results = app.ack(&[delivered, &forged]).await;
+    assert_item_ok(&results[0], IntentState::Delivered);
+    assert_item_error(&results[1], Code::FailedPrecondition, "LEASE_LOST");
+    assert_eq!(
+        rows().await,
+        vec!["leased"],
+        "the delivered row went with its Ack"
+    );
+    let status = app
+        .client()
+        .get_intent(outboxd::proto::v1::GetIntentRequest { id: first.clone() })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::NotFound);
+    assert_item_error(&app.ack(&[delivered]).await[0], Code::NotFound, "NOT_FOUND");
+
+    // A definite outcome learned after the fact deletes a NEEDS_RECONCILE intent too.
+    app.fail(unsure, FailOutcome::Unknown).await;
+    assert_item_ok(&app.ack(&[unsure]).await[0], IntentState::Delivered);
+    assert!(rows().await.is_empty());
+
+    let fresh = app.enqueue(vec![keyed]).await.unwrap().remove(0);
+    assert!(!fresh.deduplicated, "the key went with its intent");
     assert_ne!(fresh.id, first);
 }

@@ -18,7 +18,10 @@ use outboxd::outbox::store;
 
 use crate::meter::{Cost, Meter};
 use crate::report::{Hist, Outcome, Row};
-use crate::suite::{AllArgs, RATE_CLAIM_MAX, RateRun, Sizes, analyze, burn_down_name};
+use crate::suite::{
+    AllArgs, RATE_CLAIM_MAX, RateRun, Sizes, ZERO_RETENTION_KEY, analyze, burn_down_name,
+    zero_retention_name,
+};
 
 /// Enqueue batch size of every system (outboxd's largest Enqueue).
 const ENQUEUE_BATCH: u64 = 1000;
@@ -67,95 +70,88 @@ pub async fn pgbench(
     rows: &mut Vec<Row>,
 ) {
     let Some(bin) = find_pgbench(args.pgbench.as_deref()) else {
-        for (key, name) in scenarios(sizes) {
-            rows.push(Row::not_run(RAW, key, &name, "no pgbench binary found"));
-        }
-        let name = burn_down_name(sizes.workers, sizes.claim_batch);
-        rows.push(Row::not_run(
-            MINIMAL,
-            "burn-down",
-            &name,
-            "no pgbench binary found",
-        ));
+        not_run_all(sizes, rows, "no pgbench binary found");
         return;
     };
     let scripts = args.bench_dir.join("pgbench");
+    let enqueue = scripts.join("enqueue.sql");
+    let claim_ack = std::env::temp_dir().join(format!(
+        "outboxd-bench-claim-ack-{}.sql",
+        std::process::id()
+    ));
+    let claim_delete = claim_ack.with_extension("delete.sql");
+    if let Err(e) = std::fs::write(&claim_ack, claim_ack_script(store::ACK_CALL))
+        .and_then(|()| std::fs::write(&claim_delete, claim_ack_script(store::ACK_AND_DELETE_CALL)))
+    {
+        not_run_all(
+            sizes,
+            rows,
+            &format!("cannot write the pgbench scripts: {e}"),
+        );
+        return;
+    }
+    let raw = Raw {
+        bin: &bin,
+        meter,
+        url,
+        database,
+        sizes,
+    };
     for (key, name) in scenarios(sizes) {
-        let (script, batch, clients, total) = match key {
+        let (script, work) = match key {
             "enqueue-batch" => (
-                "enqueue.sql",
-                ENQUEUE_BATCH,
-                sizes.batch_clients,
-                sizes.batched,
+                &enqueue,
+                Work::Enqueue {
+                    batch: ENQUEUE_BATCH,
+                    clients: sizes.batch_clients,
+                    total: sizes.batched,
+                },
             ),
-            "enqueue-single" => ("enqueue.sql", 1, sizes.single_clients, sizes.single),
-            _ => (
-                CLAIM_ACK_SCRIPT,
-                u64::from(sizes.claim_batch),
-                sizes.workers,
-                sizes.batched + sizes.single,
+            "enqueue-single" => (
+                &enqueue,
+                Work::Enqueue {
+                    batch: 1,
+                    clients: sizes.single_clients,
+                    total: sizes.single,
+                },
             ),
+            _ => (&claim_ack, Work::BurnDown),
         };
         eprintln!("outboxd-bench: pgbench {name}");
-        let run = async {
-            let pending_before = count(url, "pending").await?;
-            let burn_down = key == "burn-down";
-            if burn_down && sizes.analyze {
-                analyze(url).await?;
-            }
-            // Whole transactions per client; the burn-down sizes itself on what is pending,
-            // with one more round, whose claims come back empty, so that none is left.
-            let per_client = if burn_down {
-                pending_before.div_ceil(batch * clients as u64) + 1
-            } else {
-                total.div_ceil(batch * clients as u64)
-            };
-            let before = meter.begin(database).await?;
-            let t0 = Instant::now();
-            let script = if script == CLAIM_ACK_SCRIPT {
-                let path = std::env::temp_dir().join(format!(
-                    "outboxd-bench-claim-ack-{}.sql",
-                    std::process::id()
-                ));
-                std::fs::write(&path, claim_ack_script())?;
-                path
-            } else {
-                scripts.join(script)
-            };
-            let (hist, cpu) = run_pgbench(&bin, url, &script, clients, per_client, batch).await?;
-            let seconds = t0.elapsed().as_secs_f64();
-            let after = meter.end(database).await?;
-            let pending_after = count(url, "pending").await?;
-            let intents = if burn_down {
-                ensure!(
-                    pending_after == 0,
-                    "the burn-down left {pending_after} intents pending"
-                );
-                pending_before
-            } else {
-                pending_after - pending_before
-            };
-            anyhow::Ok(Row {
-                system: RAW.to_owned(),
-                key: key.to_owned(),
-                scenario: name.clone(),
-                intents,
-                seconds,
-                throughput: true,
-                latency: Some((
-                    if burn_down { "claim+ack" } else { "call" }.to_owned(),
-                    hist,
-                )),
-                cost: Some(before.cost_to(&after, cpu)),
-                outcome: Outcome::Ran,
-            })
-        };
         rows.push(
-            run.await.unwrap_or_else(|e| {
+            raw.run(script, work, key, &name).await.unwrap_or_else(|e| {
                 Row::not_run(RAW, key, &name, format!("pgbench failed: {e:#}"))
             }),
         );
     }
+    // outboxd's burn-down at zero retention: the same claim, and an Ack that deletes.
+    let name = zero_retention_name(sizes.workers, sizes.claim_batch);
+    eprintln!("outboxd-bench: pgbench {name}");
+    let refill = Work::Enqueue {
+        batch: ENQUEUE_BATCH,
+        clients: sizes.batch_clients,
+        total: sizes.batched + sizes.single,
+    };
+    let run = async {
+        // Fresh, as outboxd's database for it is: not behind the first burn-down's dead
+        // index entries.
+        let mut conn = PgConnection::connect(url).await?;
+        sqlx::query("TRUNCATE outbox.intent")
+            .execute(&mut conn)
+            .await?;
+        conn.close().await?;
+        raw.run(&enqueue, refill, "refill", &name).await?;
+        raw.run(&claim_delete, Work::BurnDown, ZERO_RETENTION_KEY, &name)
+            .await
+    };
+    rows.push(run.await.unwrap_or_else(|e| {
+        Row::not_run(
+            RAW,
+            ZERO_RETENTION_KEY,
+            &name,
+            format!("pgbench failed: {e:#}"),
+        )
+    }));
     let name = burn_down_name(sizes.workers, sizes.claim_batch);
     eprintln!("outboxd-bench: pgbench {name}, minimal queue");
     let script = scripts.join("minimal_queue.sql");
@@ -171,6 +167,97 @@ pub async fn pgbench(
                 )
             }),
     );
+}
+
+/// Every row [`pgbench`] makes, not run, for `why`.
+fn not_run_all(sizes: &Sizes, rows: &mut Vec<Row>, why: &str) {
+    for (key, name) in scenarios(sizes) {
+        rows.push(Row::not_run(RAW, key, &name, why));
+    }
+    let zero = zero_retention_name(sizes.workers, sizes.claim_batch);
+    rows.push(Row::not_run(RAW, ZERO_RETENTION_KEY, &zero, why));
+    let name = burn_down_name(sizes.workers, sizes.claim_batch);
+    rows.push(Row::not_run(MINIMAL, "burn-down", &name, why));
+}
+
+/// What one pgbench run does.
+#[derive(Clone, Copy)]
+enum Work {
+    /// `total` intents, `batch` per transaction, from `clients` clients.
+    Enqueue {
+        batch: u64,
+        clients: usize,
+        total: u64,
+    },
+    /// Claims and acks every pending intent, as outboxd's burn-down does.
+    BurnDown,
+}
+
+/// pgbench on the raw-SQL database.
+struct Raw<'a> {
+    bin: &'a Path,
+    meter: &'a Meter,
+    url: &'a str,
+    database: &'a str,
+    sizes: &'a Sizes,
+}
+
+impl Raw<'_> {
+    /// Runs `script` doing `work`, measured, as a row of `key`.
+    async fn run(&self, script: &Path, work: Work, key: &str, name: &str) -> anyhow::Result<Row> {
+        let pending_before = count(self.url, "pending").await?;
+        let (batch, clients, per_client) = match work {
+            Work::Enqueue {
+                batch,
+                clients,
+                total,
+            } => (batch, clients, total.div_ceil(batch * clients as u64)),
+            // Whole transactions per client, sized on what is pending, with one more
+            // round, whose claims come back empty, so that none is left.
+            Work::BurnDown => {
+                if self.sizes.analyze {
+                    analyze(self.url).await?;
+                }
+                let (batch, clients) = (u64::from(self.sizes.claim_batch), self.sizes.workers);
+                (
+                    batch,
+                    clients,
+                    pending_before.div_ceil(batch * clients as u64) + 1,
+                )
+            }
+        };
+        let before = self.meter.begin(self.database).await?;
+        let t0 = Instant::now();
+        let (hist, cpu) =
+            run_pgbench(self.bin, self.url, script, clients, per_client, batch).await?;
+        let seconds = t0.elapsed().as_secs_f64();
+        let after = self.meter.end(self.database).await?;
+        let pending_after = count(self.url, "pending").await?;
+        let burn_down = matches!(work, Work::BurnDown);
+        let intents = if burn_down {
+            ensure!(
+                pending_after == 0,
+                "the burn-down left {pending_after} intents pending"
+            );
+            pending_before
+        } else {
+            pending_after - pending_before
+        };
+        Ok(Row {
+            system: RAW.to_owned(),
+            key: key.to_owned(),
+            scenario: name.to_owned(),
+            intents,
+            seconds,
+            throughput: true,
+            latency: Some((
+                if burn_down { "claim+ack" } else { "call" }.to_owned(),
+                hist,
+            )),
+            cost: Some(before.cost_to(&after, cpu)),
+            outcome: Outcome::Ran,
+        })
+    }
 }
 
 const MINIMAL: &str = "raw SQL (pgbench), minimal queue: delete on ack, no history";
@@ -246,9 +333,6 @@ async fn minimal_queue(
     })
 }
 
-/// Name of the burn-down script, which is generated (see [`claim_ack_script`]).
-const CLAIM_ACK_SCRIPT: &str = "claim_ack.sql";
-
 /// The raw-SQL ceiling of the burn-down: one Claim and one Ack as the server runs them,
 /// built from the store's own calls so that the two cannot drift apart: each one statement
 /// in its own transaction, for the tenant `bench`; no kind or region filter, a 30 s lease,
@@ -256,7 +340,7 @@ const CLAIM_ACK_SCRIPT: &str = "claim_ack.sql";
 /// One difference, on purpose: the claimed rows are aggregated into two arrays (pgbench's
 /// `\gset` takes one row), so payloads are not shipped to the client. Variables:
 /// `-D batch=N`.
-fn claim_ack_script() -> String {
+fn claim_ack_script(ack_call: &str) -> String {
     let claim = bind_literals(
         store::CLAIM_CALL,
         &[
@@ -273,7 +357,7 @@ fn claim_ack_script() -> String {
         ],
     );
     let ack = bind_literals(
-        store::ACK_CALL,
+        ack_call,
         &["'bench'", "'off'", "(:ids)", "(:leases)", "NULL"],
     );
     format!(
@@ -645,12 +729,18 @@ mod tests {
 
     #[test]
     fn the_burn_down_script_makes_the_store_calls_with_every_placeholder_bound() {
-        let script = claim_ack_script();
+        let script = claim_ack_script(store::ACK_CALL);
         assert!(!script.contains('$'), "{script}");
         assert!(script.contains("FROM outbox.claim('bench', 'off', 'pgbench', '', '{}', :batch, 30000, NULL, NULL, NULL) \\gset"), "{script}");
         assert!(
             script.contains("FROM outbox.ack('bench', 'off', (:ids), (:leases), NULL);"),
             "{script}"
+        );
+        let deleting = claim_ack_script(store::ACK_AND_DELETE_CALL);
+        assert!(
+            deleting
+                .contains("FROM outbox.ack_and_delete('bench', 'off', (:ids), (:leases), NULL);"),
+            "{deleting}"
         );
     }
 }

@@ -53,10 +53,13 @@ pub struct ServerProcess {
 }
 
 impl ServerProcess {
-    pub async fn spawn(service_url: &str) -> anyhow::Result<Self> {
+    /// Serves on `service_url` with the settings of this process's environment, plus
+    /// `env` (`OUTBOX_…` variables, as `outboxd serve` reads them).
+    pub async fn spawn(service_url: &str, env: &[(&str, &str)]) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("cannot find the bench binary")?;
         let mut child = Command::new(exe)
             .args(["serve-child", "--service-url", service_url])
+            .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

@@ -223,6 +223,8 @@ pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyho
     eprintln!("outboxd-bench: outboxd scenarios on {}", target.database);
     if args.runs(SectionName::Throughput) {
         outboxd_throughput(&meter, &target, &sizes, &mut rows).await?;
+        let zero = prepare_outbox(cluster, &mut admin, &format!("{base}_zero")).await?;
+        outboxd_burn_down_at_zero_retention(&meter, &zero, &sizes, &mut rows).await?;
     }
     if args.runs(SectionName::Rates) {
         outboxd_rates(&meter, &target, &sizes, &mut rows).await?;
@@ -256,6 +258,7 @@ pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyho
     if matches!(cluster, Cluster::External { .. }) {
         for db in [
             target.database.clone(),
+            format!("{base}_zero"),
             format!("{base}_raw"),
             format!("{base}_graphile_worker"),
             format!("{base}_pg_boss"),
@@ -309,11 +312,14 @@ fn print_notes() {
          one per section; the load generator is this process, over gRPC on loopback.",
         "**raw SQL (pgbench)**: `pgbench -M prepared` as a superuser, no service in between: \
          the burn-down makes the store's own claim and ack calls (`CLAIM_CALL`, `ACK_CALL`: \
-         the functions `outbox.claim` and `outbox.ack`), one statement each as the server \
-         makes them; enqueue is \
+         the functions `outbox.claim` and `outbox.ack`; at retention 0 `ACK_AND_DELETE_CALL`, \
+         `outbox.ack_and_delete`), one statement each as the server makes them; enqueue is \
          `bench/pgbench/enqueue.sql`, a plain INSERT … SELECT of the batch (no idempotency \
          probe). Its latency is one pgbench transaction: enqueue one batch, or claim + ack one \
          batch.",
+        "**retention 0: Ack deletes**: the burn-down again, on a database of its own filled as \
+         the first, by a server with `OUTBOX_RETENTION__FINISHED=0s`, whose Ack deletes the \
+         rows it delivers instead of keeping them DELIVERED for the purge.",
         "**graphile-worker, pg-boss**: `bench/peer.js` (versions pinned in \
          `bench/package.json`), batched add (`addJobs`, `insert`) and one job per call \
          (`addJob`, `send`); burn-down by graphile-worker's runner with a local queue of the \
@@ -399,8 +405,13 @@ struct Section<'a> {
 }
 
 impl<'a> Section<'a> {
-    async fn start(meter: &'a Meter, target: &'a Target) -> anyhow::Result<Self> {
-        let server = ServerProcess::spawn(&target.service_url).await?;
+    /// Starts a server with `env` (see [`ServerProcess::spawn`]) and the meter.
+    async fn start(
+        meter: &'a Meter,
+        target: &'a Target,
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<Self> {
+        let server = ServerProcess::spawn(&target.service_url, env).await?;
         let before = meter.begin(&target.database).await?;
         let cpu_before = server.cpu();
         Ok(Self {
@@ -458,7 +469,7 @@ async fn outboxd_throughput(
         ),
     ] {
         eprintln!("outboxd-bench: outboxd {scenario}");
-        let section = Section::start(meter, target).await?;
+        let section = Section::start(meter, target, &[]).await?;
         let t0 = Instant::now();
         let hist = enqueue_closed_loop(
             section.endpoint(),
@@ -483,12 +494,63 @@ async fn outboxd_throughput(
         });
     }
 
+    let name = burn_down_name(sizes.workers, sizes.claim_batch);
+    rows.push(outboxd_burn_down(meter, target, sizes, &[], "burn-down", name).await?);
+    Ok(())
+}
+
+/// The burn-down again, on a database of its own filled as the first was, by a server
+/// whose retention of finished intents is zero: its Ack deletes what it delivers
+/// (`DeliveredRows::Deleted`).
+async fn outboxd_burn_down_at_zero_retention(
+    meter: &Meter,
+    target: &Target,
+    sizes: &Sizes,
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<()> {
+    let total = sizes.batched + sizes.single;
+    eprintln!("outboxd-bench: outboxd filling {total} for the burn-down at zero retention");
+    let server = ServerProcess::spawn(&target.service_url, &[]).await?;
+    enqueue_closed_loop(
+        &server.endpoint,
+        &target.producer_key,
+        total,
+        MAX_BATCH as u64,
+        sizes.batch_clients,
+    )
+    .await?;
+    server.stop().await?;
+    let name = zero_retention_name(sizes.workers, sizes.claim_batch);
+    let env = [("OUTBOX_RETENTION__FINISHED", "0s")];
+    let row = outboxd_burn_down(meter, target, sizes, &env, ZERO_RETENTION_KEY, name).await?;
+    let mut owner = PgConnection::connect(&target.owner_url).await?;
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.intent")
+        .fetch_one(&mut owner)
+        .await?;
+    owner.close().await?;
+    ensure!(left == 0, "the Acks at zero retention left {left} rows");
+    rows.push(row);
+    Ok(())
+}
+
+/// Row key of the burn-down at zero retention.
+pub const ZERO_RETENTION_KEY: &str = "burn-down-zero-retention";
+
+/// Drains every pending intent of `target` through a server started with `env`.
+async fn outboxd_burn_down(
+    meter: &Meter,
+    target: &Target,
+    sizes: &Sizes,
+    env: &[(&str, &str)],
+    key: &str,
+    scenario: String,
+) -> anyhow::Result<Row> {
     let total = sizes.batched + sizes.single;
     if sizes.analyze {
         analyze(&target.owner_url).await?;
     }
-    eprintln!("outboxd-bench: outboxd burn-down of {total}");
-    let section = Section::start(meter, target).await?;
+    eprintln!("outboxd-bench: outboxd {scenario}");
+    let section = Section::start(meter, target, env).await?;
     let t0 = Instant::now();
     let (drained, hist) = burn_down(
         section.endpoint(),
@@ -504,22 +566,28 @@ async fn outboxd_throughput(
         drained == total,
         "burn-down acked {drained} of {total} intents"
     );
-    rows.push(Row {
+    Ok(Row {
         system: "outboxd".to_owned(),
-        key: "burn-down".to_owned(),
-        scenario: burn_down_name(sizes.workers, sizes.claim_batch),
+        key: key.to_owned(),
+        scenario,
         intents: drained,
         seconds,
         throughput: true,
         latency: Some(("claim+ack".to_owned(), hist)),
         cost: Some(cost),
         outcome: Outcome::Ran,
-    });
-    Ok(())
+    })
 }
 
 pub fn burn_down_name(workers: usize, batch: u32) -> String {
     format!("burn-down, {workers} workers, batch {batch}")
+}
+
+pub fn zero_retention_name(workers: usize, batch: u32) -> String {
+    format!(
+        "{}, retention 0: Ack deletes",
+        burn_down_name(workers, batch)
+    )
 }
 
 /// `total` intents in calls of `per_call`, from `clients` closed loops each on its own
@@ -770,7 +838,7 @@ async fn rate_row(
     context: &str,
 ) -> anyhow::Result<(Row, bool)> {
     eprintln!("outboxd-bench: outboxd enqueue → claim at {rate}/s{context}");
-    let section = Section::start(meter, target).await?;
+    let section = Section::start(meter, target, &[]).await?;
     let run = fixed_rate(
         section.endpoint(),
         target,

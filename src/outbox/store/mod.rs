@@ -24,7 +24,10 @@ pub use inspect::{
 };
 pub use maintenance::{BackoffParams, purge_finished_intents, rescue_expired_leases};
 pub use reconcile::{ReconcileParams, ReconcileTarget, resolve_intents};
-pub use settle::{ACK_CALL, ack_intents, extend_leases, fail_intents, mark_intents_submitted};
+pub use settle::{
+    ACK_AND_DELETE_CALL, ACK_CALL, DeliveredRows, ack_intents, extend_leases, fail_intents,
+    mark_intents_submitted,
+};
 pub use staged::{
     PromotionReport, TokenCheck, TxnStatus, check_token, cluster_identifier, find_replay,
     promote_staged_intents,

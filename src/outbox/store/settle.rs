@@ -258,15 +258,50 @@ macro_rules! ack_call {
     };
 }
 
+/// [`ack_call!`] for [`DeliveredRows::Deleted`]: `outbox.ack_and_delete`, same arguments.
+macro_rules! ack_and_delete_call {
+    () => {
+        "outbox.ack_and_delete($1, $2, $3, $4, $5)"
+    };
+}
+
 /// [`ack_call!`], for the benchmark's raw-SQL ceiling (the same call, no service).
 pub const ACK_CALL: &str = ack_call!();
 
-/// Marks intents DELIVERED. Accepted from the live lease (LEASED, SUBMITTED, even if
-/// expired but not yet rescued) and from the last lease of a NEEDS_RECONCILE intent: the
-/// worker has learned the outcome, and no other worker was given the intent meanwhile.
+/// [`ack_and_delete_call!`], for the benchmark's raw-SQL ceiling at zero retention.
+pub const ACK_AND_DELETE_CALL: &str = ack_and_delete_call!();
+
+/// What Ack does with the row of an intent it delivers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeliveredRows {
+    /// Kept, DELIVERED, until the retention purge: GetIntent shows it, its idempotency
+    /// key is remembered, and a replayed Ack is answered OK.
+    Kept,
+    /// Deleted by the Ack itself (retention zero, when the purge would delete it next
+    /// anyway): one row version and three index entries less per intent. A replayed Ack
+    /// then finds nothing and answers NOT_FOUND, as it would after the purge.
+    Deleted,
+}
+
+impl DeliveredRows {
+    /// Deleted when finished intents are retained for no time at all.
+    pub fn for_retention(retention: Duration) -> Self {
+        if retention.is_zero() {
+            Self::Deleted
+        } else {
+            Self::Kept
+        }
+    }
+}
+
+/// Marks intents DELIVERED (and, per `rows`, deletes them). Accepted from the live lease
+/// (LEASED, SUBMITTED, even if expired but not yet rescued) and from the last lease of a
+/// NEEDS_RECONCILE intent: the worker has learned the outcome, and no other worker was
+/// given the intent meanwhile.
 ///
-/// One round trip: `outbox.ack` runs in its own transaction, committed before this
-/// returns; only items that did not apply cost another (see [`report`]).
+/// One round trip: `outbox.ack` (or `outbox.ack_and_delete`) runs in its own transaction,
+/// committed before this returns; only items that did not apply cost another (see
+/// [`report`]).
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
@@ -274,13 +309,18 @@ pub async fn ack_intents(
     pool: &PgPool,
     scope: &TenantScope,
     leases: &[LeaseRef],
+    rows: DeliveredRows,
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<ItemResult>> {
+    let call = match rows {
+        DeliveredRows::Kept => concat!("SELECT * FROM ", ack_call!()),
+        DeliveredRows::Deleted => concat!("SELECT * FROM ", ack_and_delete_call!()),
+    };
     settle_in_one_call(
         pool,
         scope,
         leases,
-        concat!("SELECT * FROM ", ack_call!()),
+        call,
         |call| call.bind(now),
         |_, s| s == IntentState::Delivered,
     )

@@ -1,0 +1,1 @@
+DROP FUNCTION outbox.ack_and_delete(text, text, uuid[], uuid[], timestamptz);

@@ -19,7 +19,6 @@ use crate::metrics::{Metrics, OutcomeLabels};
 use crate::outbox::claim_floor::ClaimFloors;
 use crate::outbox::enqueue::DirectEnqueues;
 use crate::outbox::notify::PendingSignal;
-use crate::outbox::store::AlsoAtBegin::IndexPlans;
 use crate::outbox::store::{self, BackoffParams, ClaimParams, DeliveredRows, TenantScope};
 use crate::outbox::{self, Clock, Error, FieldViolation, IntentId, IntentState, Reason};
 use crate::proto::v1::outbox_service_server::{OutboxService, OutboxServiceServer};
@@ -494,10 +493,14 @@ impl OutboxService for OutboxHandler {
     async fn fail(&self, request: Request<v1::FailRequest>) -> RpcResult<v1::FailResponse> {
         let (_, scope) = self.access(&request, Permission::Consume).await?;
         let failures = validate::fail(request.into_inner(), &self.limits)?;
-        let mut tx = store::begin_with(&self.pool, &scope, &[IndexPlans]).await?;
-        let results =
-            store::fail_intents(&mut tx, &failures, self.backoff, self.clock.now()).await?;
-        tx.commit().await.map_err(Error::from)?;
+        let results = store::fail_intents(
+            &self.pool,
+            &scope,
+            &failures,
+            self.backoff,
+            self.clock.now(),
+        )
+        .await?;
         link_settled(&results);
         for (failure, result) in failures.iter().zip(&results) {
             if !result.applied {

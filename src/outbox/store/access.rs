@@ -38,10 +38,11 @@ pub enum AlsoAtBegin {
     /// Reuse one plan per statement and connection instead of planning every execution:
     /// planning (the row-level security policy included) cost about as much PostgreSQL
     /// CPU as running a statement. Only for statements whose best plan depends neither on
-    /// their parameters nor on the table's size (enqueue; the claim and ack functions set
-    /// the same for themselves); always with [`Self::IndexPlans`]. Not for the settles run
-    /// here: joined to a batch of ids, a plan made on a small table is a merge join over
-    /// the whole primary key, and it stays until autovacuum next analyzes the table.
+    /// their parameters nor on the table's size (enqueue; the claim and settle functions set
+    /// the same for themselves, with their index conditions written to hold whatever the
+    /// statistics: joined to a batch of ids, a plan made on a small table was a merge join
+    /// over the whole primary key, kept for the connection's life); always with
+    /// [`Self::IndexPlans`].
     GenericPlans,
     /// Plan with index scans only. A backlog or a table that grew since the last ANALYZE
     /// otherwise gets a bitmap scan and a sort of the whole backlog per claim (~110 ms at

@@ -18,22 +18,6 @@ use crate::outbox::{
     FailOutcome, Failure, IntentId, IntentState, ItemError, ItemResult, LeaseRef, Result,
 };
 
-/// The tail of the Fail statement: what its `changed` CTE updated, per input item, in
-/// request order.
-macro_rules! settle_report {
-    () => {
-        r#"
-        SELECT input.id,
-               changed.state,
-               changed.lease_expires_at,
-               changed.traceparent
-        FROM input
-        LEFT JOIN changed ON changed.id = input.id
-        ORDER BY input.ord
-        "#
-    };
-}
-
 /// One item as the settle statement left it: `state` is set only when it applied.
 #[derive(sqlx::FromRow, Clone)]
 struct SettleRow {
@@ -55,30 +39,14 @@ impl SettleRow {
     }
 }
 
-/// Turns statement rows into per-item results. An item that did not apply is still OK when
-/// the intent carries the presented lease and already is where this call would have put it:
-/// the caller is replaying a call whose response it lost. `is_replay(i, state)` says
-/// whether item `i` finding the intent in `state` is where that item's call would have put
-/// it.
+/// The state and lease of each intent whose item did not apply, read afresh; no round
+/// trip when every item applied.
 ///
-/// The items that did not apply are read again in a statement of their own, not joined in
-/// the settle statement: that statement reads under the snapshot it started with, so a
-/// replay that waited on the row lock of its own first attempt would still see the intent
-/// as it was before that attempt committed, and answer LEASE_LOST to a call that succeeded.
-/// A new statement (READ COMMITTED) sees the committed outcome. The extra round trip is
-/// paid only when something did not apply.
-async fn report(
-    conn: &mut PgConnection,
-    leases: &[(Uuid, Uuid)],
-    rows: Vec<SettleRow>,
-    is_replay: impl Fn(usize, IntentState) -> bool,
-) -> Result<Vec<ItemResult>> {
-    let current = current_of_missed(conn, &rows).await?;
-    Ok(item_results(leases, rows, &current, is_replay))
-}
-
-/// The state and lease of each intent whose item did not apply, read afresh (see
-/// [`report`]); no round trip when every item applied.
+/// Afresh, in a statement of its own, not joined in the settle statement: that statement
+/// reads under the snapshot it started with, so a replay that waited on the row lock of
+/// its own first attempt would still see the intent as it was before that attempt
+/// committed, and answer LEASE_LOST to a call that succeeded. A new statement (READ
+/// COMMITTED) sees the committed outcome.
 async fn current_of_missed(
     conn: &mut PgConnection,
     rows: &[SettleRow],
@@ -104,7 +72,11 @@ async fn current_of_missed(
 }
 
 /// Per-item results from the statement's `rows` and, for items that did not apply, the
-/// `current` state of their intents.
+/// `current` state of their intents. An item that did not apply is still OK when the
+/// intent carries the presented lease and already is where this call would have put it:
+/// the caller is replaying a call whose response it lost. `is_replay(i, state)` says
+/// whether item `i` finding the intent in `state` is where that item's call would have put
+/// it.
 fn item_results(
     leases: &[(Uuid, Uuid)],
     rows: Vec<SettleRow>,
@@ -300,8 +272,7 @@ impl DeliveredRows {
 /// given the intent meanwhile.
 ///
 /// One round trip: `outbox.ack` (or `outbox.ack_and_delete`) runs in its own transaction,
-/// committed before this returns; only items that did not apply cost another (see
-/// [`report`]).
+/// committed before this returns; only items that did not apply cost another.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
@@ -332,74 +303,46 @@ pub async fn ack_intents(
 /// NEEDS_RECONCILE. A definite outcome (RETRY, PERMANENT) is also accepted from the last
 /// lease of a NEEDS_RECONCILE intent.
 ///
+/// One round trip, as [`ack_intents`] (`outbox.fail`, migration
+/// `20261201000011_fail_in_one_round_trip`).
+///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn fail_intents(
-    conn: &mut PgConnection,
+    pool: &PgPool,
+    scope: &TenantScope,
     failures: &[Failure],
     backoff: BackoffParams,
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<ItemResult>> {
-    let pairs = pairs(failures.iter().map(|f| f.lease));
-    let (ids, lease_ids) = split(&pairs);
-    let outcomes: Vec<&str> = failures.iter().map(|f| f.outcome.as_str()).collect();
-    let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
+    let leases: Vec<LeaseRef> = failures.iter().map(|f| f.lease).collect();
+    let outcomes: Vec<&'static str> = failures.iter().map(|f| f.outcome.as_str()).collect();
+    let errors: Vec<String> = failures.iter().map(|f| f.error.clone()).collect();
     let retry_after: Vec<Option<i64>> =
         failures.iter().map(|f| f.retry_after.map(millis)).collect();
-    let rows = sqlx::query_as(concat!(
-        r#"
-        WITH input AS (
-            SELECT *
-            FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::bigint[])
-                WITH ORDINALITY AS t(id, lease_id, outcome, error, retry_after_ms, ord)
-        ),
-        changed AS (
-            UPDATE outbox.intent i
-            SET state = CASE
-                    WHEN input.outcome = 'unknown' THEN 'needs_reconcile'
-                    WHEN input.outcome = 'permanent' THEN 'dead_lettered'
-                    WHEN i.attempts >= i.max_attempts THEN 'dead_lettered'
-                    ELSE 'pending'
-                END::outbox.intent_state,
-                available_at = CASE
-                    WHEN input.outcome = 'retry' THEN coalesce($8::timestamptz, now())
-                        + coalesce(
-                            input.retry_after_ms,
-                            least($7, $6 * power(2, least(greatest(i.attempts - 1, 0), 40)))
-                                * (0.5 + random() / 2)
-                        ) * interval '1 ms'
-                    ELSE i.available_at
-                END,
-                lease_expires_at = NULL,
-                claim_request_id = NULL,
-                last_error = input.error,
-                updated_at = coalesce($8::timestamptz, now())
-            FROM input
-            WHERE i.id = input.id
-              AND i.lease_id = input.lease_id
-              AND (i.state IN ('leased', 'submitted')
-                   OR (i.state = 'needs_reconcile' AND input.outcome <> 'unknown'))
-            RETURNING i.id, i.state, i.lease_expires_at, i.headers->>'traceparent' AS traceparent
-        )
-        "#,
-        settle_report!()
-    ))
-    .bind(&ids)
-    .bind(&lease_ids)
-    .bind(&outcomes)
-    .bind(&errors)
-    .bind(&retry_after)
-    .bind(millis(backoff.base) as f64)
-    .bind(millis(backoff.cap) as f64)
-    .bind(now)
-    .fetch_all(&mut *conn)
-    .await?;
-    // A replay must name the outcome that put the intent where it is: a contradicting
-    // report from the same lease (RETRY, then PERMANENT) is refused, not silently ignored.
-    report(conn, &pairs, rows, |i, s| match failures[i].outcome {
-        FailOutcome::Retry => matches!(s, IntentState::Pending | IntentState::DeadLettered),
-        FailOutcome::Permanent => s == IntentState::DeadLettered,
-        FailOutcome::Unknown => s == IntentState::NeedsReconcile,
-    })
+    // Bound by value: the call's arguments must outlive any borrow (it may be made twice,
+    // see `settle_in_one_call`).
+    settle_in_one_call(
+        pool,
+        scope,
+        &leases,
+        "SELECT * FROM outbox.fail($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+        |call| {
+            call.bind(outcomes.clone())
+                .bind(errors.clone())
+                .bind(retry_after.clone())
+                .bind(millis(backoff.base) as f64)
+                .bind(millis(backoff.cap) as f64)
+                .bind(now)
+        },
+        // A replay must name the outcome that put the intent where it is: a contradicting
+        // report from the same lease (RETRY, then PERMANENT) is refused, not silently
+        // ignored.
+        |i, s| match failures[i].outcome {
+            FailOutcome::Retry => matches!(s, IntentState::Pending | IntentState::DeadLettered),
+            FailOutcome::Permanent => s == IntentState::DeadLettered,
+            FailOutcome::Unknown => s == IntentState::NeedsReconcile,
+        },
+    )
     .await
 }

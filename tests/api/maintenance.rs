@@ -3,7 +3,6 @@
 use std::time::Duration;
 
 use outboxd::proto::v1::{FailOutcome, IntentState};
-
 use tonic::Code;
 
 use crate::helpers::{TestApp, assert_item_error, assert_item_ok, id_of, intent};

@@ -95,8 +95,8 @@ macro_rules! insert_input {
 }
 
 /// Inserts a batch of intents within the caller's transaction, PENDING (or STAGED with a
-/// producer transaction), deduplicating by idempotency key, and notifies waiting claimers
-/// when any is claimable now (delivered by PostgreSQL only if the transaction commits).
+/// producer transaction), deduplicating by idempotency key. Waking claimers is the
+/// caller's, once the transaction has committed.
 ///
 /// # Errors
 /// [`Error::IdempotencyConflict`] when a key is held by an intent with another kind or

@@ -250,7 +250,8 @@ pub enum DeliveredRows {
     /// key is remembered, and a replayed Ack is answered OK.
     Kept,
     /// Deleted by the Ack itself (retention zero, when the purge would delete it next
-    /// anyway): one row version and three index entries less per intent. A replayed Ack
+    /// anyway): per intent, no new row version and none of its index entries (primary
+    /// key, finished_at, idempotency key), which the purge would delete again. A replayed Ack
     /// then finds nothing and answers NOT_FOUND, as it would after the purge.
     Deleted,
 }

@@ -97,12 +97,7 @@ pub async fn rescue_expired_leases(
 }
 
 /// Deletes up to `limit` DELIVERED and DISCARDED intents that finished before
-/// `now - retention`, oldest id first. Returns how many it deleted.
-///
-/// Found through the primary key, up to the cutoff (migration
-/// `20261201000012_purge_through_the_primary_key` says why that bound holds): a sweep reads
-/// the intents created before the cutoff that are not purgeable yet (live ones, operator
-/// queues, intents that finished later), and nothing younger.
+/// `now - retention`. Returns how many it deleted.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
@@ -118,13 +113,10 @@ pub async fn purge_finished_intents(
         WHERE id IN (
             SELECT id
             FROM outbox.intent
-            -- Subqueries: see rescue_expired_leases. The minute is for the skew between
-            -- the clock that minted the ids and this one.
-            WHERE id < (SELECT outbox.uuid_v7_floor(
-                      coalesce($3::timestamptz, now()) - $1 * interval '1 ms' + interval '1 minute'))
-              AND state IN ('delivered', 'discarded')
+            WHERE state IN ('delivered', 'discarded')
+              -- A subquery: see rescue_expired_leases.
               AND finished_at < (SELECT coalesce($3::timestamptz, now()) - $1 * interval '1 ms')
-            ORDER BY id
+            ORDER BY finished_at
             LIMIT $2
             FOR UPDATE SKIP LOCKED
         )

@@ -488,7 +488,10 @@ mod tests {
     #[test]
     fn a_refresh_slower_than_a_twentieth_of_the_interval_pushes_the_next_one_back() {
         let interval = Duration::from_secs(5);
-        assert_eq!(next_refresh_in(interval, Duration::from_millis(127)), interval);
+        assert_eq!(
+            next_refresh_in(interval, Duration::from_millis(127)),
+            interval
+        );
         assert_eq!(
             next_refresh_in(interval, Duration::from_millis(1200)),
             Duration::from_secs(24)

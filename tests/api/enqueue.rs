@@ -5,7 +5,9 @@ use std::time::Duration;
 use outboxd::proto::v1;
 use tonic::Code;
 
-use crate::helpers::{TestApp, assert_status, claim_request, duration, intent, secs};
+use crate::helpers::{
+    TestApp, assert_item_ok, assert_status, claim_request, duration, intent, secs,
+};
 
 #[tokio::test]
 async fn enqueue_stores_a_batch_as_pending_in_request_order() {
@@ -214,4 +216,34 @@ async fn an_intent_scheduled_at_an_instant_waits_for_it() {
     assert!(app.claim_n("w", 10).await.is_empty());
     app.advance(Duration::from_secs(30));
     assert_eq!(app.claim_n("w", 10).await.len(), 1);
+}
+
+#[tokio::test]
+async fn calls_made_on_pooled_connections_that_died_while_idle_are_made_again_on_live_ones() {
+    let app = TestApp::spawn().await;
+    app.enqueue_n("job", 1).await;
+    let lease = app.claim_n("w", 1).await.remove(0);
+    // As a PostgreSQL restart or an idle-session timeout would: every idle connection of
+    // the server's pool dies.
+    let killed: i64 = sqlx::query_scalar(
+        "WITH server AS MATERIALIZED (
+             SELECT pid FROM pg_stat_activity
+             WHERE datname = current_database() AND usename <> current_user
+         )
+         SELECT count(*) FROM server WHERE pg_terminate_backend(pid)",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert!(killed > 0);
+
+    let ids = app.enqueue_n("job", 3).await;
+    assert_item_ok(&app.ack(&[&lease]).await[0], v1::IntentState::Delivered);
+    let stored: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox.intent WHERE id = ANY($1::uuid[])")
+            .bind(&ids)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(stored, 3, "each intent recorded once");
 }

@@ -60,7 +60,8 @@ fn find_pgbench(explicit: Option<&Path>) -> Option<PathBuf> {
     on_path.chain(debian).find(|p| p.is_file())
 }
 
-/// The raw-SQL ceiling: enqueue (batched, one per transaction) and burn-down.
+/// The raw-SQL ceiling: enqueue (batched, one per transaction), burn-down (and again at
+/// retention zero, with the deleting ack), and the minimal queue.
 pub async fn pgbench(
     args: &AllArgs,
     meter: &Meter,

@@ -323,7 +323,7 @@ fn next_refresh_in(interval: Duration, took: Duration) -> Duration {
     interval.max(took.saturating_mul(REFRESH_SLOWDOWN))
 }
 
-/// Refreshes the gauges every `interval` (or less often, see [`REFRESH_SLOWDOWN`]) until
+/// Refreshes the gauges every `interval` (or less often, when a refresh is slow: `REFRESH_SLOWDOWN`) until
 /// `shutdown`.
 pub async fn refresh_until_stopped(
     metrics: Arc<Metrics>,

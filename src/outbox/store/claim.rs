@@ -43,7 +43,7 @@ macro_rules! claim_call {
     };
 }
 
-/// [`claim_call!`], for the benchmark's raw-SQL ceiling (the same call, no service).
+/// `claim_call!`, for the benchmark's raw-SQL ceiling (the same call, no service).
 pub const CLAIM_CALL: &str = claim_call!();
 
 /// What one look of a claim found.

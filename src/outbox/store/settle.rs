@@ -9,7 +9,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgArguments;
 use sqlx::query::QueryAs;
-use sqlx::{PgConnection, PgPool, Postgres};
+use sqlx::{PgPool, Postgres};
 use uuid::Uuid;
 
 use super::access::{TenantScope, begin, on_live_connection, scope_settings};
@@ -39,8 +39,8 @@ impl SettleRow {
     }
 }
 
-/// The state and lease of each intent whose item did not apply, read afresh; no round
-/// trip when every item applied.
+/// The state and lease of each intent whose item did not apply, read afresh in a scoped
+/// transaction of its own; no round trip when every item applied.
 ///
 /// Afresh, in a statement of its own, not joined in the settle statement: that statement
 /// reads under the snapshot it started with, so a replay that waited on the row lock of
@@ -48,7 +48,8 @@ impl SettleRow {
 /// committed, and answer LEASE_LOST to a call that succeeded. A new statement (READ
 /// COMMITTED) sees the committed outcome.
 async fn current_of_missed(
-    conn: &mut PgConnection,
+    pool: &PgPool,
+    scope: &TenantScope,
     rows: &[SettleRow],
 ) -> Result<HashMap<Uuid, (IntentState, Option<Uuid>)>> {
     let missed: Vec<Uuid> = rows
@@ -59,12 +60,14 @@ async fn current_of_missed(
     if missed.is_empty() {
         return Ok(HashMap::new());
     }
+    let mut tx = begin(pool, scope).await?;
     let current = sqlx::query_as::<_, (Uuid, IntentState, Option<Uuid>)>(
         "SELECT id, state, lease_id FROM outbox.intent WHERE id = ANY($1)",
     )
     .bind(&missed)
-    .fetch_all(&mut *conn)
+    .fetch_all(&mut *tx)
     .await?;
+    tx.commit().await?;
     Ok(current
         .into_iter()
         .map(|(id, state, lease_id)| (id, (state, lease_id)))
@@ -177,8 +180,8 @@ type SettleCall<'q> = QueryAs<'q, Postgres, SettleRow, PgArguments>;
 /// ids as `$1`–`$4` and whatever `bind_rest` binds after them, in its own transaction on
 /// the pool: one round trip, retried on a dead pooled connection (a settle that committed
 /// unseen is then answered as a replay). The function returns the intents it changed;
-/// the items it did not change are read afresh in a scoped transaction of their own (see
-/// [`report`] for why afresh), a round trip paid only when there are some.
+/// the items it did not change are read afresh ([`current_of_missed`]), a round trip paid
+/// only when there are some.
 async fn settle_in_one_call(
     pool: &PgPool,
     scope: &TenantScope,
@@ -211,14 +214,7 @@ async fn settle_in_one_call(
                 .unwrap_or_else(|| SettleRow::missed(id))
         })
         .collect();
-    let current = if rows.iter().all(|r| r.state.is_some()) {
-        HashMap::new()
-    } else {
-        let mut tx = begin(pool, scope).await?;
-        let current = current_of_missed(&mut tx, &rows).await?;
-        tx.commit().await?;
-        current
-    };
+    let current = current_of_missed(pool, scope, &rows).await?;
     Ok(item_results(&pairs, rows, &current, is_replay))
 }
 
@@ -237,10 +233,10 @@ macro_rules! ack_and_delete_call {
     };
 }
 
-/// [`ack_call!`], for the benchmark's raw-SQL ceiling (the same call, no service).
+/// `ack_call!`, for the benchmark's raw-SQL ceiling (the same call, no service).
 pub const ACK_CALL: &str = ack_call!();
 
-/// [`ack_and_delete_call!`], for the benchmark's raw-SQL ceiling at zero retention.
+/// `ack_and_delete_call!`, for the benchmark's raw-SQL ceiling at zero retention.
 pub const ACK_AND_DELETE_CALL: &str = ack_and_delete_call!();
 
 /// What Ack does with the row of an intent it delivers.

@@ -221,11 +221,12 @@ async fn concurrent_claimers_get_disjoint_batches_and_every_intent_is_delivered_
     let distinct: HashSet<_> = all.iter().cloned().collect();
     assert_eq!(all.len(), total, "each intent was leased exactly once");
     assert_eq!(distinct.len(), total);
-    let attempts: Vec<i32> =
-        sqlx::query_scalar("SELECT DISTINCT attempts FROM outbox.intent WHERE state = 'delivered'")
-            .fetch_all(&app.pool)
-            .await
-            .unwrap();
+    let attempts: Vec<i32> = sqlx::query_scalar(
+        "SELECT DISTINCT attempts FROM outbox.all_intents WHERE state = 'delivered'",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
     assert_eq!(attempts, vec![1]);
 }
 

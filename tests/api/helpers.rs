@@ -470,9 +470,10 @@ impl TestApp {
         self.intent(id).await.state()
     }
 
-    /// Every row of the intent table as text, to prove a rejected request changed nothing.
+    /// Every intent's row as text (delivered history included), to prove a rejected request
+    /// changed nothing.
     pub async fn snapshot(&self) -> Vec<String> {
-        sqlx::query_scalar("SELECT row_to_json(i)::text FROM outbox.intent i ORDER BY id")
+        sqlx::query_scalar("SELECT row_to_json(i)::text FROM outbox.all_intents i ORDER BY id")
             .fetch_all(&self.pool)
             .await
             .unwrap()

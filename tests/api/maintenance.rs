@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use outboxd::proto::v1::{FailOutcome, IntentState};
+use outboxd::proto::v1::{self, FailOutcome, IntentState};
 use tonic::Code;
 
 use crate::helpers::{TestApp, assert_item_error, assert_item_ok, id_of, intent};
@@ -21,7 +21,7 @@ async fn purge_deletes_finished_intents_past_retention_and_keeps_everything_else
     app.advance(Duration::from_secs(2));
     assert_eq!(app.purge().await, 1);
     let states: Vec<String> =
-        sqlx::query_scalar("SELECT state::text FROM outbox.intent ORDER BY id")
+        sqlx::query_scalar("SELECT state::text FROM outbox.all_intents ORDER BY id")
             .fetch_all(&app.pool)
             .await
             .unwrap();
@@ -68,7 +68,7 @@ async fn at_zero_retention_an_ack_deletes_the_intent_and_frees_its_idempotency_k
     let mut forged = unsure.clone();
     forged.lease_id = uuid::Uuid::new_v4().to_string();
     let rows = || async {
-        sqlx::query_scalar::<_, String>("SELECT state::text FROM outbox.intent ORDER BY id")
+        sqlx::query_scalar::<_, String>("SELECT state::text FROM outbox.all_intents ORDER BY id")
             .fetch_all(&app.pool)
             .await
             .unwrap()
@@ -98,4 +98,124 @@ async fn at_zero_retention_an_ack_deletes_the_intent_and_frees_its_idempotency_k
     let fresh = app.enqueue(vec![keyed]).await.unwrap().remove(0);
     assert!(!fresh.deduplicated, "the key went with its intent");
     assert_ne!(fresh.id, first);
+}
+
+#[tokio::test]
+async fn delivered_intents_without_a_key_leave_the_live_table_and_stay_readable_until_purged() {
+    let app = TestApp::spawn_with(|s| s.maintenance.retention = Duration::from_secs(3600)).await;
+    let mut keyed = intent("job", r#"{"n":0}"#);
+    keyed.idempotency_key = "k-1".into();
+    let ids: Vec<String> = app
+        .enqueue(vec![
+            keyed,
+            intent("job", r#"{"n":1}"#),
+            intent("job", r#"{"n":2}"#),
+        ])
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    let leases = app.claim_n("w", 3).await;
+    let all: Vec<&v1::Lease> = leases.iter().collect();
+    for result in app.ack(&all).await {
+        assert_item_ok(&result, IntentState::Delivered);
+    }
+    let tables = || async {
+        sqlx::query_as::<_, (String, String)>(
+            "SELECT tableoid::regclass::text, state::text FROM outbox.intent \
+             UNION ALL SELECT tableoid::regclass::text, state::text FROM outbox.intent_history \
+             ORDER BY 1",
+        )
+        .fetch_all(&app.pool)
+        .await
+        .unwrap()
+    };
+    let delivered = |table: &str| (table.to_owned(), "delivered".to_owned());
+    assert_eq!(
+        tables().await,
+        vec![
+            delivered("outbox.intent"),
+            delivered("outbox.intent_history"),
+            delivered("outbox.intent_history"),
+        ],
+        "the keyed intent stays where its key is guarded; the others moved"
+    );
+
+    for (id, n) in ids.iter().zip(0..) {
+        let shown = app.intent(id).await;
+        assert_eq!(shown.state(), IntentState::Delivered);
+        assert_eq!(shown.payload, format!(r#"{{"n":{n}}}"#).into_bytes());
+        assert_eq!(shown.attempts, 1);
+    }
+    let mut client = app.client();
+    let mut listed = Vec::new();
+    let mut page_token = String::new();
+    loop {
+        let page = client
+            .list_intents(v1::ListIntentsRequest {
+                states: vec![IntentState::Delivered as i32],
+                page_size: 2,
+                page_token,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        listed.extend(page.intents.into_iter().map(|i| i.id));
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        page_token = page.next_page_token;
+    }
+    assert_eq!(listed, ids, "listed across both tables, in enqueue order");
+    let stats = client
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let counted: i64 = stats
+        .counts
+        .iter()
+        .filter(|c| c.state() == IntentState::Delivered)
+        .map(|c| c.count)
+        .sum();
+    assert_eq!(counted, 3);
+
+    for result in app.ack(&all).await {
+        assert_item_ok(&result, IntentState::Delivered);
+    }
+    let mut forged = leases[1].clone();
+    forged.lease_id = uuid::Uuid::new_v4().to_string();
+    assert_item_error(
+        &app.ack(&[&forged]).await[0],
+        Code::FailedPrecondition,
+        "LEASE_LOST",
+    );
+    let resolved = app
+        .reconcile(v1::ReconcileRequest {
+            target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
+                ids: vec![ids[1].clone()],
+            })),
+            decision: v1::Decision::Requeue as i32,
+            actor: "alice".into(),
+            reason: "try again".into(),
+            limit: 0,
+        })
+        .await
+        .unwrap();
+    let refused = resolved[0]
+        .error
+        .as_ref()
+        .expect("a delivered intent is not requeued");
+    assert_eq!(
+        (refused.code, refused.reason.as_str()),
+        (Code::FailedPrecondition as i32, "INVALID_STATE"),
+        "told its state, not that it does not exist"
+    );
+    assert_eq!(resolved[0].state(), IntentState::Delivered);
+
+    app.advance(Duration::from_secs(3601));
+    assert_eq!(app.purge().await, 3);
+    assert!(tables().await.is_empty());
 }

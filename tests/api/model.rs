@@ -904,7 +904,7 @@ impl StateMachineTest for Lifecycle {
                 sqlx::query_as(
                     "SELECT id::text AS id, state::text AS state, attempts, max_attempts, \
                         lease_id::text AS lease_id, lease_expires_at, available_at, worker_id \
-                 FROM outbox.intent ORDER BY id",
+                 FROM outbox.all_intents ORDER BY id",
                 )
                 .fetch_all(&server.app.pool),
             )

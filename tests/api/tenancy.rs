@@ -191,6 +191,86 @@ async fn the_service_role_sees_and_writes_only_the_tenant_set_in_its_transaction
 }
 
 #[tokio::test]
+async fn delivered_history_is_isolated_by_tenant_as_live_intents_are() {
+    let app = TestApp::spawn().await;
+    let b = populate_globex(&app).await;
+    let key = app.key(&["globex"], &["consume"], &[]).await;
+    app.client_with(Some(&key), None)
+        .await
+        .ack(v1::AckRequest {
+            leases: vec![lease_ref(&b.leased)],
+        })
+        .await
+        .unwrap();
+    app.enqueue_n("a", 1).await;
+    let lease = app.claim_n("w", 1).await.remove(0);
+    app.ack(&[&lease]).await;
+    let url = app
+        .url
+        .replacen("://postgres@", &format!("://{SERVICE_ROLE}@"), 1);
+    let mut conn = PgConnection::connect(&url).await.unwrap();
+
+    for table in ["outbox.intent_history", "outbox.all_intents"] {
+        let unscoped: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(unscoped, 0, "no tenant set: nothing visible in {table}");
+    }
+    let mut tx = conn.begin().await.unwrap();
+    sqlx::query("SELECT set_config('outbox.tenants', 'acme', true)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    for table in ["outbox.intent_history", "outbox.all_intents"] {
+        let tenants: Vec<String> =
+            sqlx::query_scalar(&format!("SELECT DISTINCT tenant_id FROM {table}"))
+                .fetch_all(&mut *tx)
+                .await
+                .unwrap();
+        assert_eq!(tenants, vec!["acme"], "{table}");
+    }
+    let deleted = sqlx::query("DELETE FROM outbox.intent_history WHERE tenant_id = 'globex'")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(deleted.rows_affected(), 0);
+    let forged = sqlx::query(
+        "INSERT INTO outbox.intent_history (id, tenant_id, kind, payload, state, max_attempts, available_at, created_at, updated_at, finished_at)
+         VALUES (gen_random_uuid(), 'globex', 'forged', '', 'delivered', 5, now(), now(), now(), now())",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap_err();
+    assert_eq!(
+        forged.as_database_error().unwrap().code().as_deref(),
+        Some("42501"),
+        "{forged}"
+    );
+    tx.rollback().await.unwrap();
+
+    let status = app
+        .client()
+        .get_intent(v1::GetIntentRequest {
+            id: id_of(&b.leased).to_owned(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        status.code(),
+        Code::NotFound,
+        "another tenant's delivered intent"
+    );
+    let theirs: Vec<String> = sqlx::query_scalar(
+        "SELECT state::text FROM outbox.intent_history WHERE tenant_id = 'globex'",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(theirs, vec!["delivered"], "the superuser view: still there");
+}
+
+#[tokio::test]
 async fn calls_without_a_valid_key_are_unauthenticated_and_health_needs_none() {
     let app = TestApp::spawn_with(|s| s.auth_cache_ttl = Duration::ZERO).await;
     let mut anonymous = app.client_with(None, None).await;

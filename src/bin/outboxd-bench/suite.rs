@@ -524,7 +524,7 @@ async fn outboxd_burn_down_at_zero_retention(
     let env = [("OUTBOX_RETENTION__FINISHED", "0s")];
     let row = outboxd_burn_down(meter, target, sizes, &env, ZERO_RETENTION_KEY, name).await?;
     let mut owner = PgConnection::connect(&target.owner_url).await?;
-    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.intent")
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.all_intents")
         .fetch_one(&mut owner)
         .await?;
     owner.close().await?;

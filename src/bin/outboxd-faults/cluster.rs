@@ -269,7 +269,7 @@ impl Cluster {
                    CASE WHEN txn_xid IS NOT NULL THEN pg_xact_status(txn_xid) END AS xact,
                    txn_xid IS NOT NULL AS two_phase, txn_xid::text AS txn_xid, lease_id,
                    last_error
-            FROM outbox.intent
+            FROM outbox.all_intents
             "#,
         )
         .fetch_all(&self.admin)

@@ -104,7 +104,7 @@ impl Summary<'_> {
         let state = |s: &str| c.states.get(s).copied().unwrap_or(0);
         let total: u64 = c.states.values().sum();
         table.row(
-            "produced (rows in outbox.intent)",
+            "produced (rows in outbox.all_intents)",
             total.to_string(),
             String::new(),
         );

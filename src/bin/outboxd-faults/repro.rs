@@ -193,7 +193,7 @@ async fn xid_reuse(
         .iter()
         .any(|l| l.intent.as_ref().is_some_and(|i| i.id == id));
     let state: String =
-        sqlx::query_scalar("SELECT state::text FROM outbox.intent WHERE id = $1::uuid")
+        sqlx::query_scalar("SELECT state::text FROM outbox.all_intents WHERE id = $1::uuid")
             .bind(&id)
             .fetch_one(&cluster.admin)
             .await?;
@@ -328,7 +328,7 @@ async fn replay_race_once(
     let state: String = sqlx::query_scalar(
         "SELECT state::text || ' with lease ' || \
                 CASE WHEN lease_id = $2::uuid THEN 'of this worker' ELSE 'of someone else' END \
-         FROM outbox.intent WHERE id = $1::uuid",
+         FROM outbox.all_intents WHERE id = $1::uuid",
     )
     .bind(&id)
     .bind(&lease.lease_id)

@@ -20,7 +20,7 @@ pub async fn get_intent(
         "SELECT ",
         intent_columns!("i"),
         r#"
-        FROM outbox.intent i
+        FROM outbox.all_intents i
         WHERE i.id = $1
         "#
     ))
@@ -82,7 +82,7 @@ pub async fn list_intents(conn: &mut PgConnection, params: ListParams) -> Result
         "SELECT ",
         intent_columns!("i"),
         r#"
-        FROM outbox.intent i
+        FROM outbox.all_intents i
         WHERE (cardinality($1::outbox.intent_state[]) = 0 OR i.state = ANY($1))
           AND ($2::text IS NULL OR i.kind = $2)
           AND ($3::text IS NULL OR i.region = $3)
@@ -141,7 +141,7 @@ pub async fn queue_stats(
     let counts: Vec<StateCount> = sqlx::query_as(
         r#"
         SELECT state, region, count(*) AS count
-        FROM outbox.intent
+        FROM outbox.all_intents
         GROUP BY state, region
         ORDER BY state, region
         "#,

@@ -97,7 +97,9 @@ pub async fn rescue_expired_leases(
 }
 
 /// Deletes up to `limit` DELIVERED and DISCARDED intents that finished before
-/// `now - retention`. Returns how many it deleted.
+/// `now - retention` from `outbox.intent`, and up to `limit` from
+/// `outbox.intent_history` (where Ack moves delivered intents without an idempotency
+/// key). Returns how many it deleted in all.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
@@ -107,25 +109,41 @@ pub async fn purge_finished_intents(
     limit: i64,
     now: Option<DateTime<Utc>>,
 ) -> Result<u64> {
-    let done = sqlx::query(
+    let (done,): (i64,) = sqlx::query_as(
         r#"
-        DELETE FROM outbox.intent
-        WHERE id IN (
-            SELECT id
-            FROM outbox.intent
-            WHERE state IN ('delivered', 'discarded')
-              -- A subquery: see rescue_expired_leases.
-              AND finished_at < (SELECT coalesce($3::timestamptz, now()) - $1 * interval '1 ms')
-            ORDER BY finished_at
-            LIMIT $2
-            FOR UPDATE SKIP LOCKED
+        WITH hot AS (
+            DELETE FROM outbox.intent
+            WHERE id IN (
+                SELECT id
+                FROM outbox.intent
+                WHERE state IN ('delivered', 'discarded')
+                  -- A subquery: see rescue_expired_leases.
+                  AND finished_at < (SELECT coalesce($3::timestamptz, now()) - $1 * interval '1 ms')
+                ORDER BY finished_at
+                LIMIT $2
+                FOR UPDATE SKIP LOCKED
+            )
+            RETURNING 1
+        ),
+        history AS (
+            DELETE FROM outbox.intent_history
+            WHERE id IN (
+                SELECT id
+                FROM outbox.intent_history
+                WHERE finished_at < (SELECT coalesce($3::timestamptz, now()) - $1 * interval '1 ms')
+                ORDER BY finished_at
+                LIMIT $2
+                FOR UPDATE SKIP LOCKED
+            )
+            RETURNING 1
         )
+        SELECT (SELECT count(*) FROM hot) + (SELECT count(*) FROM history)
         "#,
     )
     .bind(millis(retention))
     .bind(limit)
     .bind(now)
-    .execute(db)
+    .fetch_one(db)
     .await?;
-    Ok(done.rows_affected())
+    Ok(done as u64)
 }

@@ -193,7 +193,8 @@ const RESOLVE_BY_IDS: &str = concat!(
            coalesce(resolved.state, cur.state) AS state
     FROM input
     LEFT JOIN resolved ON resolved.id = input.id
-    LEFT JOIN outbox.intent cur ON cur.id = input.id
+    -- Also where Ack moves delivered intents: an item naming one is told its state.
+    LEFT JOIN outbox.all_intents cur ON cur.id = input.id
     CROSS JOIN (SELECT count(*) FROM recorded) AS r
     CROSS JOIN (SELECT count(*) FROM woken) AS w
     ORDER BY input.ord

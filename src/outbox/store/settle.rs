@@ -62,7 +62,7 @@ async fn current_of_missed(
     }
     let mut tx = begin(pool, scope).await?;
     let current = sqlx::query_as::<_, (Uuid, IntentState, Option<Uuid>)>(
-        "SELECT id, state, lease_id FROM outbox.intent WHERE id = ANY($1)",
+        "SELECT id, state, lease_id FROM outbox.all_intents WHERE id = ANY($1)",
     )
     .bind(&missed)
     .fetch_all(&mut *tx)
@@ -222,7 +222,7 @@ async fn settle_in_one_call(
 /// ids, `$5` now (or NULL).
 macro_rules! ack_call {
     () => {
-        "outbox.ack($1, $2, $3, $4, $5)"
+        "outbox.ack_into_history($1, $2, $3, $4, $5)"
     };
 }
 
@@ -243,7 +243,10 @@ pub const ACK_AND_DELETE_CALL: &str = ack_and_delete_call!();
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeliveredRows {
     /// Kept, DELIVERED, until the retention purge: GetIntent shows it, its idempotency
-    /// key is remembered, and a replayed Ack is answered OK.
+    /// key is remembered, and a replayed Ack is answered OK. An intent without a key is
+    /// moved into `outbox.intent_history`, out of the table claims and settles read; one
+    /// with a key stays where its unique index guards the key (migration
+    /// `20261201000012_delivered_intents_leave_the_hot_table`).
     Kept,
     /// Deleted by the Ack itself (retention zero, when the purge would delete it next
     /// anyway): per intent, no new row version and none of its index entries (primary
@@ -268,8 +271,8 @@ impl DeliveredRows {
 /// NEEDS_RECONCILE intent: the worker has learned the outcome, and no other worker was
 /// given the intent meanwhile.
 ///
-/// One round trip: `outbox.ack` (or `outbox.ack_and_delete`) runs in its own transaction,
-/// committed before this returns; only items that did not apply cost another.
+/// One round trip: `outbox.ack_into_history` (or `outbox.ack_and_delete`) runs in its own
+/// transaction, committed before this returns; only items that did not apply cost another.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].

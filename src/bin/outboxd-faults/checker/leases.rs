@@ -238,7 +238,7 @@ pub(super) fn check_leases(
             v.violate(
                 Guarantee::Consistency,
                 Some(intent),
-                "claimed, but not in outbox.intent",
+                "claimed, but not in outbox.all_intents",
             );
         }
         if produced.aborted.contains(&intent) {

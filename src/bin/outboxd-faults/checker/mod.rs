@@ -1,5 +1,5 @@
 //! The checks, run after the drain on three sources that do not depend on each other: the
-//! database's final state (`outbox.intent`, with `pg_xact_status` of every producer
+//! database's final state (`outbox.all_intents`, with `pg_xact_status` of every producer
 //! transaction), the producers' own tables (which transactions committed), and what every
 //! producer and worker journaled (leases, side effects, Acks, Fails).
 //!

@@ -214,7 +214,7 @@ pub(super) fn check_producers(
             None => v.violate(
                 Guarantee::Consistency,
                 Some(*id),
-                "staged (Enqueue answered OK), then vanished from outbox.intent",
+                "staged (Enqueue answered OK), then vanished from outbox.all_intents",
             ),
         }
     }

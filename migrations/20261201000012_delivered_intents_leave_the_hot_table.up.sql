@@ -14,6 +14,12 @@
 -- So do intents an operator resolves as delivered, and DISCARDED ones (a producer's
 -- rollback): rare, and purged from outbox.intent as before.
 --
+-- During a rolling upgrade, servers of the previous release keep calling outbox.ack
+-- (unchanged: it marks in place) and read outbox.intent only: until they are replaced,
+-- their GetIntent answers NOT_FOUND for an intent a new server moved, and a replayed Ack
+-- they receive for one gets a per-item NOT_FOUND. Nothing is lost; new servers read and
+-- purge both tables.
+--
 -- outbox.intent_history has outbox.intent's columns, in its order (a migration that adds
 -- a column to one adds it to both, and to outbox.all_intents), the same row-level
 -- security (as migration 20261201000006 writes it), and two indexes: the primary key,

@@ -734,7 +734,8 @@ mod tests {
         assert!(!script.contains('$'), "{script}");
         assert!(script.contains("FROM outbox.claim('bench', 'off', 'pgbench', '', '{}', :batch, 30000, NULL, NULL, NULL) \\gset"), "{script}");
         assert!(
-            script.contains("FROM outbox.ack('bench', 'off', (:ids), (:leases), NULL);"),
+            script
+                .contains("FROM outbox.ack_into_history('bench', 'off', (:ids), (:leases), NULL);"),
             "{script}"
         );
         let deleting = claim_ack_script(store::ACK_AND_DELETE_CALL);

@@ -405,6 +405,7 @@ impl OutboxService for OutboxHandler {
             if let Some(due) = next_due_in {
                 until = until.min(Instant::now() + due);
             }
+            let _waiting = self.metrics.claim_waiting();
             whole_look = tokio::select! {
                 _ = woken.changed() => false,
                 _ = turn.given_since(mark) => false,

@@ -82,6 +82,8 @@ pub struct Metrics {
     pub enqueue_transactions: Counter,
     /// Direct-mode Enqueue calls waiting for the transaction in flight to join the next.
     pub enqueue_calls_waiting: Gauge,
+    /// Claim calls long-polling: they looked, found nothing, and wait for work.
+    pub claims_waiting: Gauge,
     /// Intents leased by Claim.
     pub claimed: Counter,
     /// Time from claimable (`available_at`) to claimed.
@@ -126,6 +128,7 @@ impl Metrics {
             enqueued: Counter::default(),
             enqueue_transactions: Counter::default(),
             enqueue_calls_waiting: Gauge::default(),
+            claims_waiting: Gauge::default(),
             claimed: Counter::default(),
             enqueue_to_claim: Family::new_with_constructor(wait_histogram),
             acked: Counter::default(),
@@ -165,6 +168,11 @@ impl Metrics {
             "enqueue_calls_waiting",
             "Direct-mode Enqueue calls waiting to share the next transaction",
             m.enqueue_calls_waiting.clone(),
+        );
+        r.register(
+            "claims_waiting",
+            "Claim calls long-polling for work (idle workers)",
+            m.claims_waiting.clone(),
         );
         r.register(
             "intents_claimed",
@@ -289,6 +297,19 @@ impl Metrics {
         self.oldest_staged_age
             .set(depth.oldest_staged_age.unwrap_or(0.0));
         Ok(())
+    }
+
+    /// Counts a Claim as waiting for work until the returned guard is dropped (however
+    /// the wait ends, a cancelled call included).
+    pub fn claim_waiting(&self) -> impl Drop {
+        struct Waiting(Gauge);
+        impl Drop for Waiting {
+            fn drop(&mut self) {
+                self.0.dec();
+            }
+        }
+        self.claims_waiting.inc();
+        Waiting(self.claims_waiting.clone())
     }
 
     /// Records claimed intents and how long each waited while claimable.

@@ -9,12 +9,14 @@
 //! one-per-call enqueues ~3× their throughput. Instead the server wakes its own claimers at
 //! once after the commit, and [`PendingSignal::announce_until_stopped`] tells the other
 //! replicas with a NOTIFY of its own, at most one in flight, so a burst of enqueues costs a
-//! NOTIFY or two.
+//! NOTIFY or two; and none while no other server listens (each one's LISTEN connection holds
+//! a shared advisory lock, `store::others_listen`): a lone server's NOTIFYs were a third of
+//! its commits at a steady 1,000 intents/s.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
@@ -40,6 +42,8 @@ pub struct PendingSignal {
     announce: Arc<Notify>,
     /// This server's payload on the pending channel, so it skips its own announcements.
     replica: Arc<str>,
+    /// Backend pid of this server's LISTEN connection, 0 while it has none.
+    listener_pid: Arc<AtomicI32>,
 }
 
 impl Default for PendingSignal {
@@ -50,7 +54,44 @@ impl Default for PendingSignal {
             turns_given: Arc::default(),
             announce: Arc::new(Notify::new()),
             replica: uuid::Uuid::new_v4().to_string().into(),
+            listener_pid: Arc::default(),
         }
+    }
+}
+
+/// How long the announcer trusts its last look at who else listens. A server that starts
+/// listening meanwhile misses at most this long of another's announcements, and its
+/// waiting claimers find those intents at their next recheck (every 2 s) instead.
+const OTHERS_LOOKED_AT_FOR: Duration = Duration::from_secs(1);
+
+/// Whether another server listens, as the announcer last looked.
+#[derive(Debug, Default)]
+struct OtherListeners {
+    last_look: Option<(Instant, bool)>,
+}
+
+impl OtherListeners {
+    /// The last look's answer, if it is recent enough at `now`.
+    fn known(&self, now: Instant) -> Option<bool> {
+        self.last_look
+            .filter(|(at, _)| now.saturating_duration_since(*at) < OTHERS_LOOKED_AT_FOR)
+            .map(|(_, others)| others)
+    }
+
+    /// Whether another server listens: the last look's answer, or a new look. A look that
+    /// fails answers yes (an announcement too many costs a NOTIFY; one too few, a wait).
+    async fn present(&mut self, pool: &PgPool, own_pid: i32) -> bool {
+        if let Some(others) = self.known(Instant::now()) {
+            return others;
+        }
+        let others = store::others_listen(pool, own_pid)
+            .await
+            .inspect_err(
+                |e| tracing::warn!(error.message = %e, "cannot tell whether other replicas listen"),
+            )
+            .unwrap_or(true);
+        self.last_look = Some((Instant::now(), others));
+        others
     }
 }
 
@@ -140,12 +181,18 @@ impl PendingSignal {
     }
 
     /// Sends a NOTIFY on the pending channel for each [`Self::announce`], coalesced: the
-    /// announcements made while one NOTIFY is in flight are covered by the next one.
+    /// announcements made while one NOTIFY is in flight are covered by the next one. None
+    /// while no other server listens.
     pub async fn announce_until_stopped(self, pool: PgPool, shutdown: CancellationToken) {
+        let mut others = OtherListeners::default();
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = self.announce.notified() => {}
+            }
+            let own_pid = self.listener_pid.load(Ordering::SeqCst);
+            if !others.present(&pool, own_pid).await {
+                continue;
             }
             if let Err(e) = store::announce_pending(&pool, &self.replica).await {
                 // The other replicas' claimers still look again within their recheck.
@@ -177,6 +224,14 @@ impl PendingSignal {
                     continue;
                 }
             };
+            // Before LISTEN, so that other servers count this one as soon as it listens.
+            match store::hold_listener_lock(&mut listener).await {
+                Ok(pid) => self.listener_pid.store(pid, Ordering::SeqCst),
+                Err(e) => {
+                    tracing::warn!(error.message = %e, "cannot register as a listener; retrying");
+                    continue;
+                }
+            }
             let channels = [PENDING_CHANNEL, TXN_COMMITTED_CHANNEL];
             if let Err(e) = listener.listen_all(channels).await {
                 tracing::warn!(error.message = %e, "LISTEN failed; retrying");
@@ -193,10 +248,9 @@ impl PendingSignal {
                         // Our own announcement: our claimers had their turn before it was sent.
                         Ok(Some(n)) if n.payload() == &*self.replica => {}
                         Ok(Some(_)) => self.bump(),
-                        Ok(None) => {
-                            self.bump();
-                            txn_committed.notify_one();
-                        }
+                        // The connection was lost (and PgListener opened a new one, without
+                        // the listener lock): start over on a connection of our own.
+                        Ok(None) => break,
                         Err(e) => {
                             tracing::warn!(error.message = %e, "LISTEN connection failed; reconnecting");
                             break;
@@ -204,6 +258,7 @@ impl PendingSignal {
                     },
                 }
             }
+            self.listener_pid.store(0, Ordering::SeqCst);
         }
     }
 }
@@ -237,6 +292,16 @@ mod tests {
         let mark = turn.mark();
         pending.announce();
         assert!(woken_now(&turn, mark));
+    }
+
+    #[test]
+    fn who_else_listens_is_looked_at_again_once_the_last_look_is_a_second_old() {
+        let at = Instant::now();
+        let mut others = OtherListeners::default();
+        assert_eq!(others.known(at), None, "never looked");
+        others.last_look = Some((at, false));
+        assert_eq!(others.known(at + Duration::from_millis(999)), Some(false));
+        assert_eq!(others.known(at + OTHERS_LOOKED_AT_FOR), None);
     }
 
     #[test]

@@ -21,7 +21,7 @@ async fn a_waiting_claim_is_woken_by_an_enqueue() {
     });
     // Enqueue only once the claim is waiting: its connection is back in the pool and the
     // LISTEN connection is open.
-    wait_until_claim_is_waiting(&app).await;
+    wait_until_claims_are_waiting(&app, 1, 1).await;
     let id = app.enqueue_one("job", "{}").await;
     let (leases, waited) = woken(waiter).await;
     assert_eq!(
@@ -41,7 +41,7 @@ async fn a_waiting_claim_on_another_replica_is_woken_by_an_enqueue() {
     request.wait = Some(duration(Duration::from_secs(60)));
     let mut client = worker_side.client();
     let waiter = tokio::spawn(async move { client.claim(request).await });
-    wait_until_claim_is_waiting(&worker_side).await;
+    wait_until_claims_are_waiting(&worker_side, 1, 2).await;
     let id = producer_side.enqueue_one("job", "{}").await;
     let leases = woken(waiter).await.unwrap().into_inner().leases;
     assert_eq!(
@@ -50,6 +50,34 @@ async fn a_waiting_claim_on_another_replica_is_woken_by_an_enqueue() {
         "woken by the other replica's announcement, not by the 60 s deadline"
     );
     assert_eq!(id_of(&leases[0]), id);
+}
+
+#[tokio::test]
+async fn a_server_that_was_alone_wakes_a_replica_that_started_listening_since() {
+    let producer_side = TestApp::spawn().await;
+    // Alone: this enqueue's announcement finds no other listener, and is not sent.
+    producer_side.enqueue_one("job", "{}").await;
+    let worker_side = TestApp::spawn_on(producer_side.url.clone(), |_| {}).await;
+    worker_side.claim_n("drain", 1).await;
+    let mut request = claim_request("w", 10);
+    request.wait = Some(duration(Duration::from_secs(60)));
+    let mut client = worker_side.client();
+    let mut waiter = tokio::spawn(async move { client.claim(request).await });
+    wait_until_claims_are_waiting(&worker_side, 1, 2).await;
+    // The producer's server trusts its last look at who listens for a second; enqueue
+    // until it looks again and finds the new replica (each enqueue asks it to announce).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let leases = loop {
+        producer_side.enqueue_one("job", "{}").await;
+        match tokio::time::timeout(Duration::from_millis(100), &mut waiter).await {
+            Ok(answer) => break answer.unwrap().unwrap().into_inner().leases,
+            Err(_) => assert!(
+                Instant::now() < deadline,
+                "the new replica's claim was never woken"
+            ),
+        }
+    };
+    assert!(!leases.is_empty());
 }
 
 #[tokio::test]
@@ -63,7 +91,7 @@ async fn a_burst_reaches_every_waiting_claimer_it_needs_one_passing_the_turn_to_
             tokio::spawn(async move { client.claim(request).await.unwrap().into_inner().leases })
         })
         .collect();
-    wait_until_claim_is_waiting(&app).await;
+    wait_until_claims_are_waiting(&app, 3, 1).await;
     let mut enqueued = app.enqueue_n("job", 3).await;
     let mut claimed = Vec::new();
     for waiter in waiters {
@@ -87,7 +115,7 @@ async fn claimers_with_other_filters_are_not_left_waiting_by_one_that_found_noth
         tokio::spawn(async move { client.claim(request).await.unwrap().into_inner().leases })
     };
     let (emails, sms) = (waiter("email"), waiter("sms"));
-    wait_until_claim_is_waiting(&app).await;
+    wait_until_claims_are_waiting(&app, 2, 1).await;
     let text = app.enqueue_one("sms", "{}").await;
     let leases = woken(sms).await;
     assert_eq!(leases.len(), 1);
@@ -116,7 +144,7 @@ async fn a_waiting_claim_looks_again_when_the_next_delayed_intent_falls_due() {
     let waiter = tokio::spawn(async move { client.claim(request).await });
     // The first look found it not yet due (test time stands still); by the look its due
     // time brings, it is. Nothing else wakes the claim: no enqueue, no timed re-check.
-    wait_until_claim_is_waiting(&app).await;
+    wait_until_claims_are_waiting(&app, 1, 1).await;
     app.advance(Duration::from_secs(1));
     let leases = woken(waiter).await.unwrap().into_inner().leases;
     assert_eq!(
@@ -145,7 +173,7 @@ async fn stopping_the_server_answers_waiting_claims() {
     request.wait = Some(duration(Duration::from_secs(60)));
     let mut client = app.client();
     let waiter = tokio::spawn(async move { client.claim(request).await });
-    wait_until_claim_is_waiting(&app).await;
+    wait_until_claims_are_waiting(&app, 1, 1).await;
     app.stop().await;
     let leases = waiter.await.unwrap().unwrap().into_inner().leases;
     assert!(leases.is_empty());
@@ -161,28 +189,27 @@ async fn woken<T>(waiter: tokio::task::JoinHandle<T>) -> T {
         .unwrap()
 }
 
-/// Waits (with a deadline) until the server holds a LISTEN connection and no query is
-/// running besides it: the claim has looked once and is now waiting.
-async fn wait_until_claim_is_waiting(app: &TestApp) {
+/// Waits (with a deadline) until `app`'s server has `claims` claims long-polling (each
+/// looked once, found nothing, and now waits) and each of the `servers` on its database
+/// holds a LISTEN connection. Both, or a test passes without the wake-up it means to show:
+/// a claim whose first look comes after the enqueue finds the intent anyway, and a server
+/// whose own LISTEN comes up late wakes its claimers when it does.
+async fn wait_until_claims_are_waiting(app: &TestApp, claims: i64, servers: i64) {
+    app.wait_for_metric(&format!("outbox_claims_waiting {claims}"))
+        .await;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let (listening, active): (i64, i64) = sqlx::query_as(
-            r#"
-            SELECT count(*) FILTER (WHERE query ILIKE 'LISTEN%'),
-                   count(*) FILTER (WHERE state = 'active' AND pid <> pg_backend_pid())
-            FROM pg_stat_activity
-            WHERE datname = current_database()
-            "#,
+        let listening: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND query ILIKE 'LISTEN%'",
         )
         .fetch_one(&app.pool)
         .await
         .unwrap();
-        if listening >= 1 && active == 0 {
-            // The claim may still be between its query and its select!; one more yield.
-            tokio::task::yield_now().await;
+        if listening >= servers {
             return;
         }
-        assert!(Instant::now() < deadline, "the claim never started waiting");
+        assert!(Instant::now() < deadline, "the servers never all listened");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }

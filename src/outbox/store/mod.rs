@@ -9,6 +9,7 @@ mod api_keys;
 mod claim;
 mod enqueue;
 mod inspect;
+mod listeners;
 mod maintenance;
 mod reconcile;
 mod settle;
@@ -22,6 +23,7 @@ pub use inspect::{
     ListParams, QueueDepth, QueueStats, StateCount, get_intent, list_intents, probe, queue_depth,
     queue_stats,
 };
+pub use listeners::{hold_listener_lock, others_listen};
 pub use maintenance::{BackoffParams, purge_finished_intents, rescue_expired_leases};
 pub use reconcile::{ReconcileParams, ReconcileTarget, resolve_intents};
 pub use settle::{

@@ -51,14 +51,15 @@ CREATE VIEW outbox.all_intents WITH (security_invoker = true) AS
     UNION ALL
     SELECT * FROM outbox.intent_history;
 
--- The service role's grants, with the new table and view.
+-- The service role's grants, with the new table and view. UPDATE on the history only for
+-- the purge's FOR UPDATE SKIP LOCKED (which needs it): no statement of outboxd updates it.
 CREATE OR REPLACE FUNCTION outbox.grant_service_role(role_name text) RETURNS void
 LANGUAGE plpgsql
 AS $$
 BEGIN
     EXECUTE format('GRANT USAGE ON SCHEMA outbox TO %I', role_name);
     EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.intent, outbox.resolution TO %I', role_name);
-    EXECUTE format('GRANT SELECT, INSERT, DELETE ON outbox.intent_history TO %I', role_name);
+    EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.intent_history TO %I', role_name);
     EXECUTE format('GRANT SELECT ON outbox.all_intents TO %I', role_name);
     EXECUTE format('GRANT USAGE ON ALL SEQUENCES IN SCHEMA outbox TO %I', role_name);
     EXECUTE format('GRANT SELECT ON outbox.api_key TO %I', role_name);

@@ -212,8 +212,8 @@ impl PendingSignal {
     ) {
         let mut retry = Duration::from_millis(100);
         while !shutdown.is_cancelled() {
-            let mut listener = match PgListener::connect_with(&pool).await {
-                Ok(l) => l,
+            let (mut listener, pid) = match listening(&pool).await {
+                Ok(connected) => connected,
                 Err(e) => {
                     tracing::warn!(error.message = %e, "cannot LISTEN for new intents; retrying");
                     tokio::select! {
@@ -224,19 +224,7 @@ impl PendingSignal {
                     continue;
                 }
             };
-            // Before LISTEN, so that other servers count this one as soon as it listens.
-            match store::hold_listener_lock(&mut listener).await {
-                Ok(pid) => self.listener_pid.store(pid, Ordering::SeqCst),
-                Err(e) => {
-                    tracing::warn!(error.message = %e, "cannot register as a listener; retrying");
-                    continue;
-                }
-            }
-            let channels = [PENDING_CHANNEL, TXN_COMMITTED_CHANNEL];
-            if let Err(e) = listener.listen_all(channels).await {
-                tracing::warn!(error.message = %e, "LISTEN failed; retrying");
-                continue;
-            }
+            self.listener_pid.store(pid, Ordering::SeqCst);
             retry = Duration::from_millis(100);
             self.bump();
             txn_committed.notify_one();
@@ -248,8 +236,8 @@ impl PendingSignal {
                         // Our own announcement: our claimers had their turn before it was sent.
                         Ok(Some(n)) if n.payload() == &*self.replica => {}
                         Ok(Some(_)) => self.bump(),
-                        // The connection was lost (and PgListener opened a new one, without
-                        // the listener lock): start over on a connection of our own.
+                        // The connection was lost. PgListener would reconnect on the next
+                        // call, but without the listener lock: start over instead.
                         Ok(None) => break,
                         Err(e) => {
                             tracing::warn!(error.message = %e, "LISTEN connection failed; reconnecting");
@@ -261,6 +249,17 @@ impl PendingSignal {
             self.listener_pid.store(0, Ordering::SeqCst);
         }
     }
+}
+
+/// A LISTEN connection on both channels, holding the listener lock (taken first, so that
+/// other servers count this one as soon as it listens), and its backend pid.
+async fn listening(pool: &PgPool) -> crate::outbox::Result<(PgListener, i32)> {
+    let mut listener = PgListener::connect_with(pool).await?;
+    let pid = store::hold_listener_lock(&mut listener).await?;
+    listener
+        .listen_all([PENDING_CHANNEL, TXN_COMMITTED_CHANNEL])
+        .await?;
+    Ok((listener, pid))
 }
 
 #[cfg(test)]

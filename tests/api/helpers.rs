@@ -152,7 +152,11 @@ async fn create_database(template: Option<&str>) -> String {
 pub struct TestApp {
     /// Client with the default key: tenant `acme`, every scope.
     pub client: Client,
+    /// The superuser's pool: for what a test inspects or sets up behind the server's back.
     pub pool: PgPool,
+    /// The server's own pool (its service role, under row-level security and its grants
+    /// only): the sweeps run on it, as the server runs them.
+    service_pool: PgPool,
     pub clock: Clock,
     pub settings: Settings,
     pub addr: std::net::SocketAddr,
@@ -198,7 +202,7 @@ impl TestApp {
             // Only a notification may wake a long-poll in tests.
             long_poll_recheck: Duration::from_secs(3600),
         };
-        let app = Application::start(&settings, service_pool, listener, runtime)
+        let app = Application::start(&settings, service_pool.clone(), listener, runtime)
             .await
             .unwrap();
         let key = create_key(&pool, "test", &[TENANT], &["admin"], &[]).await;
@@ -210,6 +214,7 @@ impl TestApp {
         Self {
             client,
             pool,
+            service_pool,
             clock,
             settings,
             addr: app.local_addr(),
@@ -329,14 +334,14 @@ impl TestApp {
 
     /// Runs the lease rescue as the background sweep would, at the manual clock's time.
     pub async fn rescue(&self) -> SweepReport {
-        maintenance::rescue_all(&self.pool, &self.maintenance(), &self.clock)
+        maintenance::rescue_all(&self.service_pool, &self.maintenance(), &self.clock)
             .await
             .unwrap()
     }
 
     /// Runs the retention purge as the background sweep would.
     pub async fn purge(&self) -> u64 {
-        maintenance::purge_all(&self.pool, &self.maintenance(), &self.clock)
+        maintenance::purge_all(&self.service_pool, &self.maintenance(), &self.clock)
             .await
             .unwrap()
     }

@@ -148,6 +148,11 @@ async fn create_database(template: Option<&str>) -> String {
     format!("{base}{name}")
 }
 
+/// `url` (the superuser's) as the service role.
+fn service_url(url: &str) -> String {
+    url.replacen("://postgres@", &format!("://{SERVICE_ROLE}@"), 1)
+}
+
 /// A server on its own database, with a manual clock and no background sweeps.
 pub struct TestApp {
     /// Client with the default key: tenant `acme`, every scope.
@@ -191,8 +196,7 @@ impl TestApp {
             .connect(&url)
             .await
             .unwrap();
-        let service_url = url.replacen("://postgres@", &format!("://{SERVICE_ROLE}@"), 1);
-        let service_pool = startup::connect(&service_url, 20).await.unwrap();
+        let service_pool = startup::connect(&service_url(&url), 20).await.unwrap();
         startup::verify_service_role(&service_pool).await.unwrap();
         let clock = Clock::manual(Utc::now());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -222,6 +226,14 @@ impl TestApp {
             url,
             app: Some(app),
         }
+    }
+
+    /// A connection of its own as the server's role (under row-level security), for tests
+    /// that probe the policies in SQL.
+    pub async fn service_connection(&self) -> PgConnection {
+        PgConnection::connect(&service_url(&self.url))
+            .await
+            .unwrap()
     }
 
     /// A client with the default key (clones share the connection).

@@ -4,12 +4,12 @@
 use std::time::Duration;
 
 use outboxd::proto::v1::{self, FailOutcome, IntentState};
-use sqlx::{Connection, PgConnection};
+use sqlx::Connection;
 use tonic::Code;
 
 use crate::helpers::{
-    SERVICE_ROLE, TestApp, assert_item_error, assert_status, claim_request, duration, id_of,
-    intent, lease_ref, populate_globex,
+    TestApp, assert_item_error, assert_status, claim_request, duration, id_of, intent, lease_ref,
+    populate_globex,
 };
 
 #[tokio::test]
@@ -117,10 +117,7 @@ async fn the_service_role_sees_and_writes_only_the_tenant_set_in_its_transaction
     let app = TestApp::spawn().await;
     populate_globex(&app).await;
     app.enqueue_n("a", 2).await;
-    let url = app
-        .url
-        .replacen("://postgres@", &format!("://{SERVICE_ROLE}@"), 1);
-    let mut conn = PgConnection::connect(&url).await.unwrap();
+    let mut conn = app.service_connection().await;
 
     let unscoped: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.intent")
         .fetch_one(&mut conn)
@@ -205,10 +202,7 @@ async fn delivered_history_is_isolated_by_tenant_as_live_intents_are() {
     app.enqueue_n("a", 1).await;
     let lease = app.claim_n("w", 1).await.remove(0);
     app.ack(&[&lease]).await;
-    let url = app
-        .url
-        .replacen("://postgres@", &format!("://{SERVICE_ROLE}@"), 1);
-    let mut conn = PgConnection::connect(&url).await.unwrap();
+    let mut conn = app.service_connection().await;
 
     for table in ["outbox.intent_history", "outbox.all_intents"] {
         let unscoped: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))

@@ -75,7 +75,7 @@ DECLARE
     grantee text;
 BEGIN
     FOR grantee IN
-        SELECT DISTINCT a.grantee::regrole::text
+        SELECT DISTINCT pg_get_userbyid(a.grantee)::text
         FROM pg_class c, aclexplode(c.relacl) a
         WHERE c.oid = 'outbox.intent'::regclass
           AND a.privilege_type = 'DELETE'

@@ -91,8 +91,8 @@ $$;
 -- calling during a rolling upgrade): `intent_ids[k]` under lease `lease_ids[k]`, from a
 -- live lease or the last lease of a NEEDS_RECONCILE intent. Moves each such intent
 -- without an idempotency key into outbox.intent_history, DELIVERED; marks the others
--- DELIVERED in place, in a second statement run only when some item was not moved (a
--- keyed intent, a lost lease, a replay). Returns the intents it delivered. Planned once
+-- DELIVERED in place (outbox.ack itself), run only when some item was not moved (a keyed
+-- intent, a lost lease, a replay). Returns the intents it delivered. Planned once
 -- per connection as primary-key lookups over the batch, as outbox.ack is.
 CREATE FUNCTION outbox.ack_into_history(
     tenants text,
@@ -143,19 +143,9 @@ BEGIN
         RETURNING h.id, h.state, h.lease_expires_at, h.headers->>'traceparent';
     GET DIAGNOSTICS moved = ROW_COUNT;
     IF moved < cardinality(intent_ids) THEN
+        -- What is left (keyed intents, lost leases, replays) is outbox.ack's: in place.
         RETURN QUERY
-            UPDATE outbox.intent i
-            SET state = 'delivered',
-                lease_expires_at = NULL,
-                claim_request_id = NULL,
-                finished_at = delivered_at,
-                updated_at = delivered_at
-            FROM unnest(intent_ids, lease_ids) AS input(id, lease_id)
-            WHERE i.id = ANY (intent_ids)
-              AND i.id = input.id
-              AND i.lease_id = input.lease_id
-              AND i.state IN ('leased', 'submitted', 'needs_reconcile')
-            RETURNING i.id, i.state, i.lease_expires_at, i.headers->>'traceparent';
+            SELECT * FROM outbox.ack(tenants, cross_tenant, intent_ids, lease_ids, delivered_at);
     END IF;
 END
 $$;

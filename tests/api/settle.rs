@@ -110,6 +110,101 @@ async fn batch_results_are_per_item_and_a_bad_item_does_not_fail_its_neighbours(
     );
 }
 
+/// `leases` with items `a` and `b` presenting each other's lease id.
+fn with_swapped_leases(leases: &[v1::Lease], a: usize, b: usize) -> Vec<v1::Lease> {
+    let mut swapped = leases.to_vec();
+    let lease_of_a = std::mem::take(&mut swapped[a].lease_id);
+    swapped[a].lease_id = std::mem::replace(&mut swapped[b].lease_id, lease_of_a);
+    swapped
+}
+
+/// Asserts that `results` answer `sent` item by item, in order: LEASE_LOST (intent left
+/// in `kept`) for the items at `lost`, `state` for every other.
+fn assert_only_lost(
+    results: &[v1::LeaseResult],
+    sent: &[v1::Lease],
+    lost: &[usize],
+    state: IntentState,
+    kept: IntentState,
+) {
+    assert_eq!(results.len(), sent.len());
+    for (k, (result, lease)) in results.iter().zip(sent).enumerate() {
+        assert_eq!(result.intent_id, id_of(lease), "item {k} answered in order");
+        if lost.contains(&k) {
+            assert_item_error(result, Code::FailedPrecondition, "LEASE_LOST");
+            assert_eq!(result.state(), kept, "item {k}");
+        } else {
+            assert_item_ok(result, state);
+        }
+    }
+}
+
+// The settles join their batch to its intents by hash (migration …13): each item must still
+// pair one intent with that intent's own lease, at the largest batch as at one. Two items
+// presenting each other's (live, real) lease ids are refused, both.
+#[tokio::test]
+async fn a_full_batch_settles_each_intent_only_under_its_own_lease() {
+    let app = TestApp::spawn().await;
+    let n = app.settings.limits.max_batch;
+    app.enqueue_n("job", n).await;
+    let leases = app.claim_n("w", n as i32).await;
+    assert_eq!(leases.len(), n);
+
+    let sent = with_swapped_leases(&leases, 0, 1);
+    let results = app
+        .extend(&sent.iter().collect::<Vec<_>>(), Duration::from_secs(60))
+        .await;
+    assert_only_lost(
+        &results,
+        &sent,
+        &[0, 1],
+        IntentState::Leased,
+        IntentState::Leased,
+    );
+
+    let sent = with_swapped_leases(&leases, 2, n - 1);
+    let results = app.mark_submitted(&sent.iter().collect::<Vec<_>>()).await;
+    assert_only_lost(
+        &results,
+        &sent,
+        &[2, n - 1],
+        IntentState::Submitted,
+        IntentState::Leased,
+    );
+
+    let (failing, acking) = leases.split_at(n / 2);
+    let sent = with_swapped_leases(failing, 3, 4);
+    let results = app
+        .client()
+        .fail(v1::FailRequest {
+            failures: sent
+                .iter()
+                .map(|l| failure(l, FailOutcome::Permanent))
+                .collect(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    assert_only_lost(
+        &results,
+        &sent,
+        &[3, 4],
+        IntentState::DeadLettered,
+        IntentState::Submitted,
+    );
+
+    let sent = with_swapped_leases(acking, 0, 1);
+    let results = app.ack(&sent.iter().collect::<Vec<_>>()).await;
+    assert_only_lost(
+        &results,
+        &sent,
+        &[0, 1],
+        IntentState::Delivered,
+        IntentState::Submitted,
+    );
+}
+
 #[tokio::test]
 async fn malformed_lease_batches_are_invalid_and_change_nothing() {
     let app = TestApp::spawn().await;

@@ -17,6 +17,7 @@ use crate::auth::{Authenticator, Caller, Permission, TENANT_HEADER};
 use crate::config::{Limits, Settings};
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::outbox::claim_floor::ClaimFloors;
+use crate::outbox::drained::{DrainedGroups, Seen};
 use crate::outbox::enqueue::DirectEnqueues;
 use crate::outbox::notify::PendingSignal;
 use crate::outbox::store::{self, BackoffParams, ClaimParams, DeliveredRows, TenantScope};
@@ -44,6 +45,7 @@ pub struct OutboxHandler {
     metrics: Arc<Metrics>,
     direct_enqueues: Arc<DirectEnqueues>,
     claim_floors: Arc<ClaimFloors>,
+    drained: Arc<DrainedGroups>,
     delivered_rows: DeliveredRows,
 }
 
@@ -142,6 +144,7 @@ impl OutboxHandler {
             metrics: Arc::default(),
             direct_enqueues: Arc::new(DirectEnqueues::new(&Metrics::default())),
             claim_floors: Arc::default(),
+            drained: Arc::default(),
             delivered_rows: DeliveredRows::for_retention(settings.maintenance.retention),
         }
     }
@@ -372,43 +375,64 @@ impl OutboxService for OutboxHandler {
         // A look after a wait that no wake-up ended (a recheck, the due time, the deadline)
         // is of the whole queue: a waiting claimer finds intents behind the floor by then.
         let mut whole_look = false;
+        // A long poll may begin by waiting, without a look of its own, while its group is
+        // known to have drained the queue (`outbox::drained`). Not a replay (it must find
+        // its first attempt's leases) nor a call that does not wait.
+        let mut may_skip_look = !claim.wait.is_zero() && claim.request_id.is_none();
         let intents = loop {
             // Mark the signal and the turns seen before looking, so a commit landing in
             // between still wakes us.
-            woken.borrow_and_update();
-            let mark = turn.mark();
-            let look_from = if whole_look {
-                None
+            let seen = Seen {
+                signal: *woken.borrow_and_update(),
+                turns: turn.mark(),
+            };
+            let skipped_until = if may_skip_look && !self.shutdown.is_cancelled() {
+                self.drained.wait_until(&group, seen, Instant::now())
             } else {
-                self.claim_floors.look_from(&group, Instant::now())
+                None
             };
-            let params = ClaimParams {
-                now: self.clock.now(),
-                look_back_to: look_from,
-                ..params
-            };
-            let store::Claimed {
-                intents,
-                next_due_in,
-            } = store::claim_intents(&self.pool, &scope, params).await?;
-            let newest = intents.iter().map(|i| i.available_at).max();
-            self.claim_floors
-                .record(&group, look_from, newest, Instant::now());
-            if !intents.is_empty() || Instant::now() >= deadline || self.shutdown.is_cancelled() {
-                if intents.len() == params.max_intents as usize {
-                    // There may be more: the next waiting claimer of the group looks too.
-                    turn.pass();
+            may_skip_look = false;
+            let until = match skipped_until {
+                Some(until) => until,
+                None => {
+                    let look_from = if whole_look {
+                        None
+                    } else {
+                        self.claim_floors.look_from(&group, Instant::now())
+                    };
+                    let params = ClaimParams {
+                        now: self.clock.now(),
+                        look_back_to: look_from,
+                        ..params
+                    };
+                    let store::Claimed {
+                        intents,
+                        next_due_in,
+                    } = store::claim_intents(&self.pool, &scope, params).await?;
+                    let now = Instant::now();
+                    let newest = intents.iter().map(|i| i.available_at).max();
+                    self.claim_floors.record(&group, look_from, newest, now);
+                    let look_again_in = next_due_in.map_or(self.long_poll_recheck, |due| {
+                        due.min(self.long_poll_recheck)
+                    });
+                    let filled = intents.len() == params.max_intents as usize;
+                    self.drained
+                        .record(&group, seen, !filled, look_again_in, now);
+                    if !intents.is_empty() || now >= deadline || self.shutdown.is_cancelled() {
+                        if filled {
+                            // There may be more: the next waiting claimer of the group looks too.
+                            turn.pass();
+                        }
+                        break intents;
+                    }
+                    now + look_again_in
                 }
-                break intents;
-            }
-            let mut until = deadline.min(Instant::now() + self.long_poll_recheck);
-            if let Some(due) = next_due_in {
-                until = until.min(Instant::now() + due);
-            }
+            };
+            let until = deadline.min(until);
             let _waiting = self.metrics.claim_waiting();
             whole_look = tokio::select! {
                 _ = woken.changed() => false,
-                _ = turn.given_since(mark) => false,
+                _ = turn.given_since(seen.turns) => false,
                 () = tokio::time::sleep_until(until) => true,
                 () = self.shutdown.cancelled() => false,
             };
@@ -503,6 +527,15 @@ impl OutboxService for OutboxHandler {
         )
         .await?;
         link_settled(&results);
+        if results
+            .iter()
+            .any(|r| r.applied && r.state == Some(IntentState::Pending))
+        {
+            // A retry is claimable again after its backoff: a claimer of each group looks
+            // and learns its due time (a group that drained the queue would otherwise wait
+            // until its recheck, `outbox::drained`).
+            self.pending.announce();
+        }
         for (failure, result) in failures.iter().zip(&results) {
             if !result.applied {
                 continue;

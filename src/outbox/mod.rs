@@ -3,6 +3,7 @@
 
 pub mod claim_floor;
 pub mod clock;
+pub mod drained;
 pub mod enqueue;
 pub mod group_commit;
 pub mod maintenance;

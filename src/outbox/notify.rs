@@ -108,8 +108,16 @@ pub struct Turn {
 }
 
 /// How many turns had been given when a claimer began to look.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Mark(u64);
+
+#[cfg(test)]
+impl Mark {
+    /// A mark of `given` turns, for tests.
+    pub fn at(given: u64) -> Self {
+        Self(given)
+    }
+}
 
 impl Turn {
     /// Notes the turns given so far; take it before looking.

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use outboxd::proto::v1;
 
-use crate::helpers::{TestApp, claim_request, duration, id_of, intent};
+use crate::helpers::{TestApp, claim_request, duration, failure, id_of, intent};
 
 #[tokio::test]
 async fn a_waiting_claim_is_woken_by_an_enqueue() {
@@ -153,6 +153,56 @@ async fn a_waiting_claim_looks_again_when_the_next_delayed_intent_falls_due() {
         "woken at the intent's due time, not by the 60 s deadline"
     );
     assert_eq!(id_of(&leases[0]), id);
+}
+
+// The first claim leases what is due and leaves its group having drained the queue, with a
+// delayed intent due in 200 ms; the next claim of the group may begin by waiting, without a
+// look of its own (`outbox::drained`), but only until that due time: not until its recheck
+// (an hour in tests) nor its 60 s deadline.
+#[tokio::test]
+async fn a_claim_after_one_that_drained_the_queue_still_wakes_when_a_delayed_intent_falls_due() {
+    let app = TestApp::spawn().await;
+    let due_now = app.enqueue_one("reminder", "{}").await;
+    let mut delayed = intent("reminder", "{}");
+    delayed.schedule = Some(v1::new_intent::Schedule::Delay(duration(
+        Duration::from_millis(200),
+    )));
+    let later = app.enqueue(vec![delayed]).await.unwrap()[0].id.clone();
+    let mut request = claim_request("w", 10);
+    request.wait = Some(duration(Duration::from_secs(60)));
+    let first = app.claim(request.clone()).await.unwrap();
+    assert_eq!(first.len(), 1);
+    assert_eq!(id_of(&first[0]), due_now);
+
+    let mut client = app.client();
+    let waiter = tokio::spawn(async move { client.claim(request).await });
+    wait_until_claims_are_waiting(&app, 1, 1).await;
+    app.advance(Duration::from_secs(1));
+    let leases = woken(waiter).await.unwrap().into_inner().leases;
+    assert_eq!(leases.len(), 1, "woken at the intent's due time");
+    assert_eq!(id_of(&leases[0]), later);
+}
+
+// A Fail that retries makes its intent claimable again (here at once): a waiting claim of
+// the group is woken for it, as for an enqueue, instead of finding it at its recheck.
+#[tokio::test]
+async fn a_retried_intent_wakes_a_waiting_claim() {
+    let app = TestApp::spawn().await;
+    let id = app.enqueue_one("charge", "{}").await;
+    let lease = app.claim_n("first-worker", 10).await.remove(0);
+    let mut request = claim_request("second-worker", 10);
+    request.wait = Some(duration(Duration::from_secs(60)));
+    let mut client = app.client();
+    let waiter = tokio::spawn(async move { client.claim(request).await });
+    wait_until_claims_are_waiting(&app, 1, 1).await;
+
+    let mut retry = failure(&lease, v1::FailOutcome::Retry);
+    retry.retry_after = Some(duration(Duration::ZERO));
+    assert_eq!(app.fail_with(retry).await.state(), v1::IntentState::Pending);
+    let leases = woken(waiter).await.unwrap().into_inner().leases;
+    assert_eq!(leases.len(), 1, "woken by the retry");
+    assert_eq!(id_of(&leases[0]), id);
+    assert_eq!(leases[0].attempt, 2);
 }
 
 #[tokio::test]

@@ -51,17 +51,18 @@ pub const CLAIM_CALL: &str = claim_call!();
 pub struct Claimed {
     /// The leased intents, oldest `available_at` first.
     pub intents: Vec<Intent>,
-    /// When it leased none: how long until the next PENDING intent matching the filters
-    /// becomes due, if one is scheduled in the future, so that a long-polling claimer can
-    /// sleep exactly that long.
+    /// When it leased fewer than asked: how long until the next PENDING intent matching
+    /// the filters becomes due, if one is scheduled in the future, so that a long-polling
+    /// claimer (or the next of its group, [`crate::outbox::drained`]) sleeps exactly that
+    /// long.
     pub next_due_in: Option<Duration>,
 }
 
 /// Leases up to `max_intents` claimable intents of `scope`, oldest `available_at` first,
 /// minting a fresh lease id for each and counting the attempt. With a `request_id` that
 /// already leased intents for this worker, returns those live leases instead of leasing
-/// more. When it leases none, the same statement looks up when the next one is due (a
-/// Claim call's first look usually finds nothing: the previous call took everything).
+/// more. When it leases fewer than asked, the same statement looks up when the next one is
+/// due (the claimer, or the next of its group, may then wait that long without looking).
 ///
 /// One round trip: `outbox.claim` (and `outbox.next_due_in`) run in the statement's own
 /// transaction, committed before this returns (the statements and why they are shaped so:
@@ -80,7 +81,8 @@ pub async fn claim_intents(
     // leases, never handed to anyone, expire back to PENDING like a crashed worker's (as
     // when the reply to a COMMIT is lost), and a retry with the same request id gets them.
     let rows: Vec<PgRow> = on_live_connection(pool, || {
-        // One row per leased intent, or a single row of NULLs with the due time.
+        // One row per leased intent, or a single row of NULLs; each with the due time when
+        // fewer than asked were leased.
         sqlx::query(concat!(
             "WITH leased AS MATERIALIZED (SELECT * FROM ",
             claim_call!(),
@@ -91,7 +93,7 @@ pub async fn claim_intents(
             LEFT JOIN leased i ON true
             LEFT JOIN LATERAL (
                 SELECT outbox.next_due_in($1, $2, $4, $5, $9) AS seconds
-                WHERE NOT EXISTS (SELECT 1 FROM leased)
+                WHERE (SELECT count(*) FROM leased) < $6
             ) due ON true"#
         ))
         .bind(&tenants)
@@ -111,11 +113,14 @@ pub async fn claim_intents(
         intents: Vec::with_capacity(rows.len()),
         next_due_in: None,
     };
+    if let Some(row) = rows.first()
+        && let Some(seconds) = row.try_get::<Option<f64>, _>("next_due_in")?
+    {
+        claimed.next_due_in = Some(Duration::from_secs_f64(seconds.max(0.0)));
+    }
     for row in rows {
         if row.try_get::<Option<Uuid>, _>("id")?.is_some() {
             claimed.intents.push(Intent::from_row(&row)?);
-        } else if let Some(seconds) = row.try_get::<Option<f64>, _>("next_due_in")? {
-            claimed.next_due_in = Some(Duration::from_secs_f64(seconds.max(0.0)));
         }
     }
     claimed.intents.sort_by_key(|i| (i.available_at, i.id));

@@ -1,6 +1,6 @@
 //! Wakes long-polling claimers and the staged-intent promoter. One LISTEN connection per
 //! server turns committed NOTIFYs into wake-ups: on the pending channel (sent by
-//! promotion, rescue, requeue, and other replicas' enqueues) a watch counter that claimers
+//! promotion, rescue, requeue, and other replicas' enqueues and retries) a watch counter that claimers
 //! wait on instead of polling; on the txn channel (sent by `outbox.txn_token()`, delivered
 //! only if the producer commits) a kick to the promoter.
 //!

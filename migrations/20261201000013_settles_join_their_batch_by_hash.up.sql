@@ -11,26 +11,20 @@
 -- Merge joins stay off (they would sort the batch for nothing), and so do sequential and
 -- bitmap scans.
 ALTER FUNCTION outbox.ack(text, text, uuid[], uuid[], timestamptz)
-    SET enable_hashjoin = on;
-ALTER FUNCTION outbox.ack(text, text, uuid[], uuid[], timestamptz)
+    SET enable_hashjoin = on
     SET enable_nestloop = off;
 ALTER FUNCTION outbox.ack_and_delete(text, text, uuid[], uuid[], timestamptz)
-    SET enable_hashjoin = on;
-ALTER FUNCTION outbox.ack_and_delete(text, text, uuid[], uuid[], timestamptz)
+    SET enable_hashjoin = on
     SET enable_nestloop = off;
 ALTER FUNCTION outbox.ack_into_history(text, text, uuid[], uuid[], timestamptz)
-    SET enable_hashjoin = on;
-ALTER FUNCTION outbox.ack_into_history(text, text, uuid[], uuid[], timestamptz)
+    SET enable_hashjoin = on
     SET enable_nestloop = off;
 ALTER FUNCTION outbox.extend_leases(text, text, uuid[], uuid[], bigint, timestamptz)
-    SET enable_hashjoin = on;
-ALTER FUNCTION outbox.extend_leases(text, text, uuid[], uuid[], bigint, timestamptz)
+    SET enable_hashjoin = on
     SET enable_nestloop = off;
 ALTER FUNCTION outbox.mark_submitted(text, text, uuid[], uuid[], timestamptz)
-    SET enable_hashjoin = on;
-ALTER FUNCTION outbox.mark_submitted(text, text, uuid[], uuid[], timestamptz)
+    SET enable_hashjoin = on
     SET enable_nestloop = off;
 ALTER FUNCTION outbox.fail(text, text, uuid[], uuid[], text[], text[], bigint[], float8, float8, timestamptz)
-    SET enable_hashjoin = on;
-ALTER FUNCTION outbox.fail(text, text, uuid[], uuid[], text[], text[], bigint[], float8, float8, timestamptz)
+    SET enable_hashjoin = on
     SET enable_nestloop = off;

@@ -307,6 +307,57 @@ fn link_settled(results: &[outbox::ItemResult]) {
     );
 }
 
+/// What one look of a Claim call found.
+struct Look {
+    intents: Vec<outbox::Intent>,
+    /// Whether it leased as many as asked (there may be more).
+    filled: bool,
+    /// How long its claimer (or the next of its group) may wait before looking again: the
+    /// recheck, or the next delayed intent's due time if sooner.
+    again_in: Duration,
+}
+
+impl OutboxHandler {
+    /// One look for intents of `group` (the whole queue, or from the group's floor), which
+    /// began having seen `seen`; notes what it found for the group's floor and drained state.
+    async fn look(
+        &self,
+        scope: &TenantScope,
+        group: &str,
+        params: ClaimParams<'_>,
+        whole_look: bool,
+        seen: Seen,
+    ) -> outbox::Result<Look> {
+        let look_from = if whole_look {
+            None
+        } else {
+            self.claim_floors.look_from(group, Instant::now())
+        };
+        let params = ClaimParams {
+            now: self.clock.now(),
+            look_back_to: look_from,
+            ..params
+        };
+        let store::Claimed {
+            intents,
+            next_due_in,
+        } = store::claim_intents(&self.pool, scope, params).await?;
+        let now = Instant::now();
+        let newest = intents.iter().map(|i| i.available_at).max();
+        self.claim_floors.record(group, look_from, newest, now);
+        let again_in = next_due_in.map_or(self.long_poll_recheck, |due| {
+            due.min(self.long_poll_recheck)
+        });
+        let filled = intents.len() == params.max_intents as usize;
+        self.drained.record(group, seen, !filled, again_in, now);
+        Ok(Look {
+            intents,
+            filled,
+            again_in,
+        })
+    }
+}
+
 #[tonic::async_trait]
 impl OutboxService for OutboxHandler {
     async fn enqueue(
@@ -395,37 +446,16 @@ impl OutboxService for OutboxHandler {
             let until = match skipped_until {
                 Some(until) => until,
                 None => {
-                    let look_from = if whole_look {
-                        None
-                    } else {
-                        self.claim_floors.look_from(&group, Instant::now())
-                    };
-                    let params = ClaimParams {
-                        now: self.clock.now(),
-                        look_back_to: look_from,
-                        ..params
-                    };
-                    let store::Claimed {
-                        intents,
-                        next_due_in,
-                    } = store::claim_intents(&self.pool, &scope, params).await?;
+                    let look = self.look(&scope, &group, params, whole_look, seen).await?;
                     let now = Instant::now();
-                    let newest = intents.iter().map(|i| i.available_at).max();
-                    self.claim_floors.record(&group, look_from, newest, now);
-                    let look_again_in = next_due_in.map_or(self.long_poll_recheck, |due| {
-                        due.min(self.long_poll_recheck)
-                    });
-                    let filled = intents.len() == params.max_intents as usize;
-                    self.drained
-                        .record(&group, seen, !filled, look_again_in, now);
-                    if !intents.is_empty() || now >= deadline || self.shutdown.is_cancelled() {
-                        if filled {
+                    if !look.intents.is_empty() || now >= deadline || self.shutdown.is_cancelled() {
+                        if look.filled {
                             // There may be more: the next waiting claimer of the group looks too.
                             turn.pass();
                         }
-                        break intents;
+                        break look.intents;
                     }
-                    now + look_again_in
+                    now + look.again_in
                 }
             };
             let until = deadline.min(until);

@@ -3,8 +3,10 @@
 //! of looking first.
 //!
 //! At a steady rate most Claim calls began with a look that found nothing (the worker
-//! returns from its Ack; the claimer already waiting took what arrived meanwhile), half
-//! the claim statements at 1,000 intents/s. Such a look can be skipped exactly when it
+//! returns from its Ack; the claimer already waiting took what arrived meanwhile): half
+//! the claim statements at 1,000 intents/s. At 100/s skipping them saves a quarter of the
+//! commits; at 1,000/s something new has usually been enqueued since the group's last
+//! look, and little is skipped. Such a look can be skipped exactly when it
 //! could find nothing a waiting claimer would not be woken for: the group's last look
 //! leased fewer than it asked (so nothing else was claimable for its tenants and filters
 //! then), no wake-up has come since (no bump, no turn: nothing was enqueued, promoted,

@@ -173,6 +173,45 @@ impl OutboxHandler {
             OutboxServiceServer::new(self).max_decoding_message_size(max_message_bytes),
         )
     }
+
+    /// One look for intents of `group` (the whole queue, or from the group's floor), which
+    /// began having seen `seen`; notes what it found for the group's floor and drained state.
+    async fn look(
+        &self,
+        scope: &TenantScope,
+        group: &str,
+        params: ClaimParams<'_>,
+        whole_look: bool,
+        seen: Seen,
+    ) -> outbox::Result<Look> {
+        let look_from = if whole_look {
+            None
+        } else {
+            self.claim_floors.look_from(group, Instant::now())
+        };
+        let params = ClaimParams {
+            now: self.clock.now(),
+            look_back_to: look_from,
+            ..params
+        };
+        let store::Claimed {
+            intents,
+            next_due_in,
+        } = store::claim_intents(&self.pool, scope, params).await?;
+        let now = Instant::now();
+        let newest = intents.iter().map(|i| i.available_at).max();
+        self.claim_floors.record(group, look_from, newest, now);
+        let again_in = next_due_in.map_or(self.long_poll_recheck, |due| {
+            due.min(self.long_poll_recheck)
+        });
+        let filled = intents.len() == params.max_intents as usize;
+        self.drained.record(group, seen, !filled, again_in, now);
+        Ok(Look {
+            intents,
+            filled,
+            again_in,
+        })
+    }
 }
 
 /// The gRPC code for a reason, for whole-call and per-item errors alike.
@@ -315,47 +354,6 @@ struct Look {
     /// How long its claimer (or the next of its group) may wait before looking again: the
     /// recheck, or the next delayed intent's due time if sooner.
     again_in: Duration,
-}
-
-impl OutboxHandler {
-    /// One look for intents of `group` (the whole queue, or from the group's floor), which
-    /// began having seen `seen`; notes what it found for the group's floor and drained state.
-    async fn look(
-        &self,
-        scope: &TenantScope,
-        group: &str,
-        params: ClaimParams<'_>,
-        whole_look: bool,
-        seen: Seen,
-    ) -> outbox::Result<Look> {
-        let look_from = if whole_look {
-            None
-        } else {
-            self.claim_floors.look_from(group, Instant::now())
-        };
-        let params = ClaimParams {
-            now: self.clock.now(),
-            look_back_to: look_from,
-            ..params
-        };
-        let store::Claimed {
-            intents,
-            next_due_in,
-        } = store::claim_intents(&self.pool, scope, params).await?;
-        let now = Instant::now();
-        let newest = intents.iter().map(|i| i.available_at).max();
-        self.claim_floors.record(group, look_from, newest, now);
-        let again_in = next_due_in.map_or(self.long_poll_recheck, |due| {
-            due.min(self.long_poll_recheck)
-        });
-        let filled = intents.len() == params.max_intents as usize;
-        self.drained.record(group, seen, !filled, again_in, now);
-        Ok(Look {
-            intents,
-            filled,
-            again_in,
-        })
-    }
 }
 
 #[tonic::async_trait]

@@ -6,7 +6,7 @@ use outboxd::proto::v1;
 use tonic::Code;
 
 use crate::helpers::{
-    TestApp, assert_item_ok, assert_status, claim_request, duration, intent, secs,
+    TestApp, assert_item_ok, assert_status, claim_request, delayed_intent, intent, secs,
 };
 
 #[tokio::test]
@@ -187,10 +187,7 @@ async fn oversized_payloads_and_batches_are_resource_exhausted() {
 #[tokio::test]
 async fn a_delayed_intent_is_claimable_only_once_its_time_has_come() {
     let app = TestApp::spawn().await;
-    let mut delayed = intent("reminder", "{}");
-    delayed.schedule = Some(v1::new_intent::Schedule::Delay(duration(
-        Duration::from_secs(60),
-    )));
+    let delayed = delayed_intent("reminder", Duration::from_secs(60));
     let id = app.enqueue(vec![delayed]).await.unwrap()[0].id.clone();
     let stored = app.intent(&id).await;
     assert_eq!(secs(&stored.available_at) - secs(&stored.created_at), 60.0);

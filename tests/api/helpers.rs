@@ -522,6 +522,14 @@ pub fn intent(kind: &str, payload: &str) -> v1::NewIntent {
     }
 }
 
+/// An intent of `kind` that becomes claimable `by` after it is enqueued.
+pub fn delayed_intent(kind: &str, by: Duration) -> v1::NewIntent {
+    v1::NewIntent {
+        schedule: Some(v1::new_intent::Schedule::Delay(duration(by))),
+        ..intent(kind, "{}")
+    }
+}
+
 pub fn claim_request(worker: &str, n: i32) -> v1::ClaimRequest {
     v1::ClaimRequest {
         worker_id: worker.to_owned(),

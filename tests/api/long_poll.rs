@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use outboxd::proto::v1;
 
-use crate::helpers::{TestApp, claim_request, duration, failure, id_of, intent};
+use crate::helpers::{TestApp, claim_request, delayed_intent, duration, failure, id_of};
 
 #[tokio::test]
 async fn a_waiting_claim_is_woken_by_an_enqueue() {
@@ -133,10 +133,7 @@ async fn claimers_with_other_filters_are_not_left_waiting_by_one_that_found_noth
 #[tokio::test]
 async fn a_waiting_claim_looks_again_when_the_next_delayed_intent_falls_due() {
     let app = TestApp::spawn().await;
-    let mut delayed = intent("reminder", "{}");
-    delayed.schedule = Some(v1::new_intent::Schedule::Delay(duration(
-        Duration::from_millis(200),
-    )));
+    let delayed = delayed_intent("reminder", Duration::from_millis(200));
     let id = app.enqueue(vec![delayed]).await.unwrap()[0].id.clone();
     let mut request = claim_request("w", 10);
     request.wait = Some(duration(Duration::from_secs(60)));
@@ -163,10 +160,7 @@ async fn a_waiting_claim_looks_again_when_the_next_delayed_intent_falls_due() {
 async fn a_claim_after_one_that_drained_the_queue_still_wakes_when_a_delayed_intent_falls_due() {
     let app = TestApp::spawn().await;
     let due_now = app.enqueue_one("reminder", "{}").await;
-    let mut delayed = intent("reminder", "{}");
-    delayed.schedule = Some(v1::new_intent::Schedule::Delay(duration(
-        Duration::from_millis(200),
-    )));
+    let delayed = delayed_intent("reminder", Duration::from_millis(200));
     let later = app.enqueue(vec![delayed]).await.unwrap()[0].id.clone();
     let mut request = claim_request("w", 10);
     request.wait = Some(duration(Duration::from_secs(60)));

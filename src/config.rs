@@ -50,6 +50,9 @@ pub struct Settings {
     pub metrics_refresh_interval: Duration,
     /// Serve gRPC server reflection (v1 and v1alpha).
     pub reflection: bool,
+    /// Let a direct Enqueue lease its intents at once to a Claim of this server waiting
+    /// for them (`outbox::handoff`), instead of waking it to look.
+    pub claim_hand_off: bool,
     /// On shutdown, how long to keep serving while health says NOT_SERVING, so load
     /// balancers stop routing here before the listener closes.
     pub shutdown_drain_delay: Duration,
@@ -170,6 +173,7 @@ impl Default for Settings {
             metrics_addr: Some(SocketAddr::from(([127, 0, 0, 1], 9090))),
             metrics_refresh_interval: Duration::from_secs(5),
             reflection: true,
+            claim_hand_off: true,
             shutdown_drain_delay: Duration::ZERO,
             shutdown_grace: Duration::from_secs(30),
             otel_endpoint: None,
@@ -253,6 +257,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "longest lease a worker may ask for [12h]",
     ),
     ("OUTBOX_CLAIM__MAX_WAIT", "longest Claim long-poll [60s]"),
+    (
+        "OUTBOX_CLAIM__HAND_OFF",
+        "an Enqueue leases its intents at once to a Claim of this server waiting for them [true]",
+    ),
     (
         "OUTBOX_RETRY__MAX_ATTEMPTS",
         "attempts when an intent does not say [5]",
@@ -429,6 +437,7 @@ impl Settings {
                 "OUTBOX_LEASE__DEFAULT" => duration(value).map(|v| s.limits.default_lease = v),
                 "OUTBOX_LEASE__MAX" => duration(value).map(|v| s.limits.max_lease = v),
                 "OUTBOX_CLAIM__MAX_WAIT" => duration(value).map(|v| s.limits.max_wait = v),
+                "OUTBOX_CLAIM__HAND_OFF" => parse(value).map(|v| s.claim_hand_off = v),
                 "OUTBOX_RETRY__MAX_ATTEMPTS" => {
                     parse(value).map(|v| s.limits.default_max_attempts = v)
                 }

@@ -19,6 +19,7 @@ use crate::metrics::{Metrics, OutcomeLabels};
 use crate::outbox::claim_floor::ClaimFloors;
 use crate::outbox::drained::{DrainedGroups, Seen};
 use crate::outbox::enqueue::DirectEnqueues;
+use crate::outbox::handoff::Wanted;
 use crate::outbox::notify::PendingSignal;
 use crate::outbox::store::{self, BackoffParams, ClaimParams, DeliveredRows, TenantScope};
 use crate::outbox::{self, Clock, Error, FieldViolation, IntentId, IntentState, Reason};
@@ -46,6 +47,8 @@ pub struct OutboxHandler {
     direct_enqueues: Arc<DirectEnqueues>,
     claim_floors: Arc<ClaimFloors>,
     drained: Arc<DrainedGroups>,
+    /// Whether waiting claims may be handed intents by enqueues (`outbox::handoff`).
+    hand_off: bool,
     delivered_rows: DeliveredRows,
 }
 
@@ -95,9 +98,14 @@ impl OutboxHandler {
         )
         .await?;
         let recorded = results.iter().filter(|r| !r.deduplicated).count();
+        let handed_off = results
+            .iter()
+            .filter(|r| !r.deduplicated && r.state == IntentState::Leased)
+            .count();
         // Committed: wake claimers (delayed intents too, so a claimer's sleep is cut to the
-        // earliest due). Staged intents are announced by their promotion.
-        if direct && recorded > 0 {
+        // earliest due), unless every intent was handed to a waiting claim already
+        // (`outbox::handoff`). Staged intents are announced by their promotion.
+        if direct && recorded > handed_off {
             self.pending.announce();
         }
         self.metrics.enqueued.inc_by(recorded as u64);
@@ -145,6 +153,7 @@ impl OutboxHandler {
             direct_enqueues: Arc::new(DirectEnqueues::new(&Metrics::default())),
             claim_floors: Arc::default(),
             drained: Arc::default(),
+            hand_off: settings.claim_hand_off,
             delivered_rows: DeliveredRows::for_retention(settings.maintenance.retention),
         }
     }
@@ -428,6 +437,19 @@ impl OutboxService for OutboxHandler {
         // known to have drained the queue (`outbox::drained`). Not a replay (it must find
         // its first attempt's leases) nor a call that does not wait.
         let mut may_skip_look = !claim.wait.is_zero() && claim.request_id.is_none();
+        // While it waits, an enqueue of this server may hand it intents (`outbox::handoff`);
+        // not a replay, which must find its first attempt's leases.
+        let wanted =
+            (self.hand_off && !claim.wait.is_zero() && claim.request_id.is_none()).then(|| {
+                Wanted {
+                    scope: scope.clone(),
+                    region: claim.region.clone(),
+                    kinds: claim.kinds.clone(),
+                    worker_id: claim.worker_id.clone(),
+                    lease_duration: claim.lease_duration,
+                    max_intents: usize::try_from(claim.max_intents).unwrap_or(0),
+                }
+            });
         let intents = loop {
             // Mark the signal and the turns seen before looking, so a commit landing in
             // between still wakes us.
@@ -458,12 +480,33 @@ impl OutboxService for OutboxHandler {
             };
             let until = deadline.min(until);
             let _waiting = self.metrics.claim_waiting();
+            let mut waiter = wanted
+                .clone()
+                .map(|w| self.direct_enqueues.handoffs().wait(w));
+            let handed = async {
+                match &mut waiter {
+                    Some(waiter) => waiter.handed().await,
+                    None => std::future::pending().await,
+                }
+            };
             whole_look = tokio::select! {
+                handed = handed => match handed {
+                    Some(intents) => break intents,
+                    // The enqueue that took this claim failed: look again.
+                    None => false,
+                },
                 _ = woken.changed() => false,
                 _ = turn.given_since(seen.turns) => false,
                 () = tokio::time::sleep_until(until) => true,
                 () = self.shutdown.cancelled() => false,
             };
+            // An enqueue may have taken this claim just now: then its intents are ours.
+            if let Some(waiter) = waiter
+                && let Some(intents) = waiter.withdraw().await
+                && !intents.is_empty()
+            {
+                break intents;
+            }
         };
         let span = tracing::Span::current();
         span.record("messaging.batch.message_count", intents.len());

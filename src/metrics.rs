@@ -86,6 +86,8 @@ pub struct Metrics {
     pub claims_waiting: Gauge,
     /// Intents leased by Claim.
     pub claimed: Counter,
+    /// Of those, intents handed to a waiting Claim by the Enqueue that inserted them.
+    pub handed_off: Counter,
     /// Time from claimable (`available_at`) to claimed.
     pub enqueue_to_claim: HistogramFamily<MethodLabels>,
     /// Intents acknowledged.
@@ -130,6 +132,7 @@ impl Metrics {
             enqueue_calls_waiting: Gauge::default(),
             claims_waiting: Gauge::default(),
             claimed: Counter::default(),
+            handed_off: Counter::default(),
             enqueue_to_claim: Family::new_with_constructor(wait_histogram),
             acked: Counter::default(),
             failed: Family::default(),
@@ -168,6 +171,12 @@ impl Metrics {
             "enqueue_calls_waiting",
             "Direct-mode Enqueue calls waiting to share the next transaction",
             m.enqueue_calls_waiting.clone(),
+        );
+        r.register(
+            "intents_handed_off",
+            "Intents an Enqueue inserted leased to a Claim of this server waiting for them \
+             (counted in claimed too)",
+            m.handed_off.clone(),
         );
         r.register(
             "claims_waiting",

@@ -9,6 +9,7 @@ use prometheus_client::metrics::counter::Counter;
 use sqlx::PgPool;
 
 use super::group_commit::GroupCommit;
+use super::handoff::Handoffs;
 use super::store::{self, AlsoAtBegin, EnqueueParams, TenantScope, TxnStatus};
 use super::token::TxnToken;
 use super::{Enqueued, Error, FieldViolation, NewIntent, Result};
@@ -31,7 +32,15 @@ type Groups = GroupCommit<(String, Option<DateTime<Utc>>), Vec<NewIntent>, Vec<E
 #[derive(Debug)]
 pub struct DirectEnqueues {
     groups: Groups,
+    inserts: DirectInserts,
+}
+
+/// What every direct-mode transaction shares.
+#[derive(Debug, Clone)]
+struct DirectInserts {
     transactions: Counter,
+    handed_off: Counter,
+    handoffs: Arc<Handoffs>,
 }
 
 impl DirectEnqueues {
@@ -42,8 +51,17 @@ impl DirectEnqueues {
                 fits_shared_transaction,
                 metrics.enqueue_calls_waiting.clone(),
             ),
-            transactions: metrics.enqueue_transactions.clone(),
+            inserts: DirectInserts {
+                transactions: metrics.enqueue_transactions.clone(),
+                handed_off: metrics.handed_off.clone(),
+                handoffs: Arc::default(),
+            },
         }
+    }
+
+    /// The Claim calls of this server waiting for what direct enqueues insert.
+    pub fn handoffs(&self) -> &Handoffs {
+        &self.inserts.handoffs
     }
 }
 
@@ -81,11 +99,12 @@ async fn begin_enqueue(
     .await
 }
 
-/// Inserts the intents of several direct-mode calls in one transaction, counted in
-/// `transactions` once committed; the results of each call, in order.
+/// Inserts the intents of several direct-mode calls in one transaction, counted once
+/// committed, leasing what it can to the claimers waiting in `direct.handoffs`; the
+/// results of each call, in order.
 async fn insert_direct(
     pool: &PgPool,
-    transactions: &Counter,
+    direct: &DirectInserts,
     tenant_id: &str,
     calls: &[Arc<Vec<NewIntent>>],
     now: Option<DateTime<Utc>>,
@@ -102,19 +121,29 @@ async fn insert_direct(
             &flat
         }
     };
-    let mut results = store::insert_intents(
+    // Taken once the transaction has begun: a claimer waits for this enqueue's outcome
+    // from now on, which should not include the wait for a connection.
+    let taken = direct.handoffs.take(tenant_id, intents);
+    let leases: Vec<_> = taken.iter().flat_map(|t| t.leases()).collect();
+    let inserted = store::insert_intents(
         &mut tx,
         EnqueueParams {
             tenant_id,
             intents,
             txn_xid: None,
             now,
+            leases: &leases,
         },
     )
-    .await?
-    .into_iter();
+    .await?;
     tx.commit().await?;
-    transactions.inc();
+    direct.transactions.inc();
+    if let Some(taken) = taken {
+        direct.handed_off.inc_by(taken.count() as u64);
+        let ids: Vec<_> = inserted.enqueued.iter().map(|e| e.id).collect();
+        taken.hand_over(&ids, inserted.leased);
+    }
+    let mut results = inserted.enqueued.into_iter();
     Ok(calls
         .iter()
         .map(|c| results.by_ref().take(c.len()).collect())
@@ -146,14 +175,14 @@ pub async fn enqueue(
     let Some(token) = token else {
         if intents.len() > MAX_GROUPED_CALL {
             let calls = [Arc::new(intents)];
-            let results = insert_direct(pool, &direct.transactions, tenant_id, &calls, now).await?;
+            let results = insert_direct(pool, &direct.inserts, tenant_id, &calls, now).await?;
             return Ok(results.into_iter().next().unwrap_or_default());
         }
         let (pool, tenant) = (pool.clone(), tenant_id.to_owned());
-        let transactions = direct.transactions.clone();
+        let inserts = direct.inserts.clone();
         let run = move |calls: Vec<Arc<Vec<NewIntent>>>| {
-            let (pool, tenant, transactions) = (pool.clone(), tenant.clone(), transactions.clone());
-            async move { insert_direct(&pool, &transactions, &tenant, &calls, now).await }
+            let (pool, tenant, inserts) = (pool.clone(), tenant.clone(), inserts.clone());
+            async move { insert_direct(&pool, &inserts, &tenant, &calls, now).await }
         };
         return direct
             .groups
@@ -223,11 +252,12 @@ pub async fn enqueue(
             intents: &intents,
             txn_xid: Some(token.xid),
             now,
+            leases: &[],
         },
     )
     .await?;
     tx.commit().await?;
-    Ok(results)
+    Ok(results.enqueued)
 }
 
 fn bad_token(description: String) -> Error {

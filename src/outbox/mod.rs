@@ -6,6 +6,7 @@ pub mod clock;
 pub mod drained;
 pub mod enqueue;
 pub mod group_commit;
+pub mod handoff;
 pub mod maintenance;
 pub mod notify;
 pub mod promotion;

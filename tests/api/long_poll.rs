@@ -1,6 +1,8 @@
 //! Long-polling Claim: woken by a committed enqueue, on the same server or on another
 //! replica (through its NOTIFY; the test servers never re-check on a timer, so only the
-//! wake-up can end the wait), and answering empty when the wait elapses.
+//! wake-up can end the wait), and answering empty when the wait elapses. (On its own
+//! server an enqueue may hand intents to a waiting claim instead, tested in `handoff`; the
+//! tests of wake-ups on the same server turn that off.)
 
 use std::time::{Duration, Instant};
 
@@ -10,7 +12,7 @@ use crate::helpers::{TestApp, claim_request, delayed_intent, duration, failure, 
 
 #[tokio::test]
 async fn a_waiting_claim_is_woken_by_an_enqueue() {
-    let app = TestApp::spawn().await;
+    let app = TestApp::spawn_with(waking_only).await;
     let mut request = claim_request("w", 10);
     request.wait = Some(duration(Duration::from_secs(60)));
     let mut client = app.client();
@@ -82,7 +84,7 @@ async fn a_server_that_was_alone_wakes_a_replica_that_started_listening_since() 
 
 #[tokio::test]
 async fn a_burst_reaches_every_waiting_claimer_it_needs_one_passing_the_turn_to_the_next() {
-    let app = TestApp::spawn().await;
+    let app = TestApp::spawn_with(waking_only).await;
     let waiters: Vec<_> = (0..3)
         .map(|i| {
             let mut request = claim_request(&format!("w{i}"), 1);
@@ -106,7 +108,7 @@ async fn a_burst_reaches_every_waiting_claimer_it_needs_one_passing_the_turn_to_
 
 #[tokio::test]
 async fn claimers_with_other_filters_are_not_left_waiting_by_one_that_found_nothing() {
-    let app = TestApp::spawn().await;
+    let app = TestApp::spawn_with(waking_only).await;
     let waiter = |kind: &str| {
         let mut request = claim_request(kind, 10);
         request.kinds = vec![kind.to_owned()];
@@ -221,6 +223,11 @@ async fn stopping_the_server_answers_waiting_claims() {
     app.stop().await;
     let leases = waiter.await.unwrap().unwrap().into_inner().leases;
     assert!(leases.is_empty());
+}
+
+/// A server whose enqueues only wake waiting claims, never hand them intents.
+fn waking_only(settings: &mut outboxd::config::Settings) {
+    settings.claim_hand_off = false;
 }
 
 /// The answer of a claim that waits up to 60 s, which must come well before then: at its

@@ -5,6 +5,7 @@
 mod claim;
 mod enqueue;
 mod group_commit;
+mod handoff;
 mod helpers;
 mod hostile;
 mod inspect;

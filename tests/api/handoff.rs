@@ -1,0 +1,187 @@
+//! Hand-off: a direct Enqueue leases what a waiting Claim of its server would take to
+//! that claim, which answers with it once the enqueue has committed; everything else stays
+//! PENDING and wakes claimers as before.
+
+use std::time::Duration;
+
+use outboxd::proto::v1;
+
+use crate::helpers::{TestApp, claim_request, delayed_intent, duration, id_of, intent, secs};
+
+/// A Claim of `worker` for up to `n` intents (of `kinds`, any when empty) through
+/// `client`, waiting up to 60 s, running in the background.
+fn waiting_claim(
+    mut client: outboxd::client::Client,
+    worker: &str,
+    n: i32,
+    kinds: &[&str],
+) -> tokio::task::JoinHandle<Vec<v1::Lease>> {
+    let mut request = claim_request(worker, n);
+    request.kinds = kinds.iter().map(|k| (*k).to_owned()).collect();
+    request.wait = Some(duration(Duration::from_secs(60)));
+    tokio::spawn(async move { client.claim(request).await.unwrap().into_inner().leases })
+}
+
+/// The claim's answer, which must come long before its 60 s deadline.
+async fn answered(claim: tokio::task::JoinHandle<Vec<v1::Lease>>) -> Vec<v1::Lease> {
+    tokio::time::timeout(Duration::from_secs(30), claim)
+        .await
+        .expect("the waiting claim was never answered")
+        .unwrap()
+}
+
+fn state_of(result: &v1::EnqueueResult) -> v1::IntentState {
+    v1::IntentState::try_from(result.state).unwrap()
+}
+
+#[tokio::test]
+async fn a_waiting_claim_is_handed_the_intent_enqueued_for_it_and_acks_it_under_that_lease() {
+    let app = TestApp::spawn().await;
+    let claim = waiting_claim(app.client(), "w", 10, &[]);
+    app.wait_for_metric("outbox_claims_waiting 1").await;
+    let results = app.enqueue(vec![intent("job", "{}")]).await.unwrap();
+    assert_eq!(
+        state_of(&results[0]),
+        v1::IntentState::Leased,
+        "the Enqueue answers with the state it committed"
+    );
+    let leases = answered(claim).await;
+    assert_eq!(leases.len(), 1);
+    let lease = &leases[0];
+    assert_eq!(id_of(lease), results[0].id);
+    assert_eq!(
+        lease.attempt, 1,
+        "the hand-off counts the attempt as a claim does"
+    );
+    let intent = lease.intent.as_ref().unwrap();
+    assert_eq!(intent.state, v1::IntentState::Leased as i32);
+    assert!(
+        secs(&lease.lease_expires_at) > secs(&intent.available_at) + 20.0,
+        "the 30 s lease the claim asked for (by default)"
+    );
+    app.wait_for_metric("outbox_intents_handed_off_total 1")
+        .await;
+    app.wait_for_metric("outbox_intents_claimed_total 1").await;
+    let stored = app.intent(&results[0].id).await;
+    assert_eq!(stored.state, v1::IntentState::Leased as i32);
+    assert_eq!(stored.attempts, 1);
+    assert_eq!(stored.worker_id, "w");
+    let acked = app.ack(&[lease]).await;
+    assert_eq!(
+        acked[0].state,
+        v1::IntentState::Delivered as i32,
+        "{acked:?}"
+    );
+    assert!(app.claim_n("w", 10).await.is_empty(), "delivered, once");
+}
+
+#[tokio::test]
+async fn only_what_a_waiting_claim_would_lease_is_handed_to_it_the_rest_stays_pending() {
+    let app = TestApp::spawn().await;
+    let claim = waiting_claim(app.client(), "texter", 2, &["sms"]);
+    app.wait_for_metric("outbox_claims_waiting 1").await;
+    let results = app
+        .enqueue(vec![
+            intent("email", "{}"),
+            delayed_intent("sms", Duration::from_secs(3600)),
+            intent("sms", "1"),
+            intent("sms", "2"),
+            intent("sms", "3"),
+        ])
+        .await
+        .unwrap();
+    let states: Vec<_> = results.iter().map(state_of).collect();
+    use v1::IntentState::{Leased, Pending};
+    assert_eq!(
+        states,
+        [Pending, Pending, Leased, Leased, Pending],
+        "another kind, a delayed one, and one more than the claim asked for stay PENDING"
+    );
+    let mut handed: Vec<_> = answered(claim)
+        .await
+        .iter()
+        .map(|l| id_of(l).to_owned())
+        .collect();
+    handed.sort();
+    let mut expected = vec![results[2].id.clone(), results[3].id.clone()];
+    expected.sort();
+    assert_eq!(handed, expected);
+    app.wait_for_metric("outbox_intents_handed_off_total 2")
+        .await;
+    let mut rest: Vec<_> = app
+        .claim_n("any", 10)
+        .await
+        .iter()
+        .map(|l| id_of(l).to_owned())
+        .collect();
+    rest.sort();
+    let mut expected = vec![results[0].id.clone(), results[4].id.clone()];
+    expected.sort();
+    assert_eq!(rest, expected, "the rest is claimable as ever");
+}
+
+#[tokio::test]
+async fn a_waiting_claim_of_another_tenant_is_never_handed_an_intent() {
+    let app = TestApp::spawn().await;
+    let key = app.key(&["globex"], &["consume"], &[]).await;
+    let other = app.client_with(Some(&key), None).await;
+    let claim = waiting_claim(other, "globex-worker", 10, &[]);
+    app.wait_for_metric("outbox_claims_waiting 1").await;
+    let results = app.enqueue(vec![intent("job", "{}")]).await.unwrap();
+    assert_eq!(state_of(&results[0]), v1::IntentState::Pending);
+    assert_eq!(app.claim_n("mine", 10).await.len(), 1);
+    assert!(
+        !claim.is_finished(),
+        "the other tenant's claim still waits: it was handed nothing"
+    );
+    app.wait_for_metric("outbox_intents_handed_off_total 0")
+        .await;
+    claim.abort();
+}
+
+#[tokio::test]
+async fn an_intent_with_an_idempotency_key_wakes_a_waiting_claim_instead() {
+    let app = TestApp::spawn().await;
+    let claim = waiting_claim(app.client(), "w", 10, &[]);
+    app.wait_for_metric("outbox_claims_waiting 1").await;
+    let keyed = v1::NewIntent {
+        idempotency_key: "welcome-ada".to_owned(),
+        ..intent("email", "{}")
+    };
+    let results = app.enqueue(vec![keyed]).await.unwrap();
+    assert_eq!(
+        state_of(&results[0]),
+        v1::IntentState::Pending,
+        "a key may deduplicate, so keyed batches are not handed off"
+    );
+    let leases = answered(claim).await;
+    assert_eq!(leases.len(), 1, "woken, it looked and leased the intent");
+    assert_eq!(id_of(&leases[0]), results[0].id);
+    app.wait_for_metric("outbox_intents_handed_off_total 0")
+        .await;
+}
+
+#[tokio::test]
+async fn a_claim_whose_wait_has_ended_is_handed_nothing() {
+    let app = TestApp::spawn().await;
+    let mut request = claim_request("w", 10);
+    request.wait = Some(duration(Duration::from_millis(20)));
+    assert!(app.claim(request).await.unwrap().is_empty());
+    let results = app.enqueue(vec![intent("job", "{}")]).await.unwrap();
+    assert_eq!(state_of(&results[0]), v1::IntentState::Pending);
+    app.wait_for_metric("outbox_intents_handed_off_total 0")
+        .await;
+}
+
+#[tokio::test]
+async fn with_hand_off_disabled_a_waiting_claim_is_woken_to_look() {
+    let app = TestApp::spawn_with(|s| s.claim_hand_off = false).await;
+    let claim = waiting_claim(app.client(), "w", 10, &[]);
+    app.wait_for_metric("outbox_claims_waiting 1").await;
+    let results = app.enqueue(vec![intent("job", "{}")]).await.unwrap();
+    assert_eq!(state_of(&results[0]), v1::IntentState::Pending);
+    let leases = answered(claim).await;
+    assert_eq!(id_of(&leases[0]), results[0].id);
+    app.wait_for_metric("outbox_intents_handed_off_total 0")
+        .await;
+}

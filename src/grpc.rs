@@ -479,10 +479,12 @@ impl OutboxService for OutboxHandler {
                 }
             };
             let until = deadline.min(until);
-            let _waiting = self.metrics.claim_waiting();
+            // Registered before it counts as waiting: whoever sees it waiting may hand it
+            // intents.
             let mut waiter = wanted
                 .clone()
                 .map(|w| self.direct_enqueues.handoffs().wait(w));
+            let _waiting = self.metrics.claim_waiting();
             let handed = async {
                 match &mut waiter {
                     Some(waiter) => waiter.handed().await,

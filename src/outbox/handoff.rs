@@ -16,9 +16,11 @@
 //! A claimer is taken out of the registry by the enqueue that hands it intents, before
 //! the insert, so no two enqueues lease to one call; a claimer whose wait ends meanwhile
 //! waits for that enqueue's outcome (it has the intents if it committed, and looks again if
-//! not). A claimer whose call is cancelled after it was taken leaves its intents leased to
-//! nobody until the lease expires, as with a Claim cancelled while its statement ran.
+//! not). A claimer whose call is cancelled after it was taken, or whose enqueue lost the
+//! answer to its COMMIT, leaves its intents leased to nobody until the lease expires, as
+//! with a Claim cancelled while its statement ran, or whose answer was lost.
 
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -174,14 +176,15 @@ impl Taken {
     /// are the batch's intent ids in order, `leased` the rows inserted LEASED. (Dropping
     /// the `Taken` instead, when the enqueue failed, sends each claimer back to looking.)
     pub fn hand_over(self, ids: &[IntentId], leased: Vec<Intent>) {
+        let claimer_of: HashMap<IntentId, usize> = ids
+            .iter()
+            .zip(&self.lease_of)
+            .filter_map(|(id, to)| to.map(|to| (*id, to)))
+            .collect();
         let mut handed: Vec<Vec<Intent>> = self.claimers.iter().map(|_| Vec::new()).collect();
         for intent in leased {
-            if let Some(to) = ids
-                .iter()
-                .position(|id| *id == intent.id)
-                .and_then(|at| self.lease_of[at])
-            {
-                handed[to].push(intent);
+            if let Some(to) = claimer_of.get(&intent.id) {
+                handed[*to].push(intent);
             }
         }
         for (claimer, intents) in self.claimers.into_iter().zip(handed) {

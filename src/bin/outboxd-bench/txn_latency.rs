@@ -227,7 +227,7 @@ pub async fn one_txn(
         .await
         .context("producer cannot make a token")?;
     let id = bench
-        .enqueue(token, i, v1::IntentState::Staged)
+        .enqueue(token, i, &[v1::IntentState::Staged])
         .await
         .context("Enqueue with a token")?;
     tokio::time::sleep(pause).await;
@@ -241,8 +241,13 @@ pub async fn one_direct(bench: &Bench, settle: Duration, i: usize) -> anyhow::Re
     let claim = bench.spawn_claim();
     // Here the Enqueue itself makes the intent claimable, so the Claim must park before it.
     tokio::time::sleep(settle).await;
+    // LEASED when the parked Claim was handed it (`outbox::handoff`).
     let id = bench
-        .enqueue(String::new(), i, v1::IntentState::Pending)
+        .enqueue(
+            String::new(),
+            i,
+            &[v1::IntentState::Pending, v1::IntentState::Leased],
+        )
         .await
         .context("direct Enqueue")?;
     let t0 = Instant::now();

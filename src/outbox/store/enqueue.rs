@@ -170,7 +170,7 @@ pub async fn insert_intents(
         (None, None)
     };
 
-    // Binds `$1`–`$13` of either statement.
+    // Binds `$1`–`$15` of every statement.
     macro_rules! bound {
         ($query:expr) => {
             $query

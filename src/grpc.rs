@@ -502,11 +502,14 @@ impl OutboxService for OutboxHandler {
                 () = tokio::time::sleep_until(until) => true,
                 () = self.shutdown.cancelled() => false,
             };
-            // An enqueue may have taken this claim just now: then its intents are ours.
+            // An enqueue may have taken this claim just now: then its intents are ours, and
+            // the turn that may have woken it goes to the next claimer of the group (it was
+            // given for other intents).
             if let Some(waiter) = waiter
                 && let Some(intents) = waiter.withdraw().await
                 && !intents.is_empty()
             {
+                turn.pass();
                 break intents;
             }
         };

@@ -139,9 +139,9 @@ async fn insert_direct(
     tx.commit().await?;
     direct.transactions.inc();
     if let Some(taken) = taken {
-        direct.handed_off.inc_by(taken.count() as u64);
         let ids: Vec<_> = inserted.enqueued.iter().map(|e| e.id).collect();
-        taken.hand_over(&ids, inserted.leased);
+        let delivered = taken.hand_over(&ids, inserted.leased);
+        direct.handed_off.inc_by(delivered as u64);
     }
     let mut results = inserted.enqueued.into_iter();
     Ok(calls
@@ -174,8 +174,18 @@ pub async fn enqueue(
 ) -> Result<Vec<Enqueued>> {
     let Some(token) = token else {
         if intents.len() > MAX_GROUPED_CALL {
+            // In a task of its own, as a shared transaction is: a call cancelled while it
+            // commits must not take with it the answer to the claims it handed intents to
+            // (`super::handoff`).
+            let (pool, inserts, tenant) =
+                (pool.clone(), direct.inserts.clone(), tenant_id.to_owned());
             let calls = [Arc::new(intents)];
-            let results = insert_direct(pool, &direct.inserts, tenant_id, &calls, now).await?;
+            let results =
+                tokio::spawn(
+                    async move { insert_direct(&pool, &inserts, &tenant, &calls, now).await },
+                )
+                .await
+                .unwrap_or_else(|_| Err(sqlx::Error::WorkerCrashed.into()))?;
             return Ok(results.into_iter().next().unwrap_or_default());
         }
         let (pool, tenant) = (pool.clone(), tenant_id.to_owned());

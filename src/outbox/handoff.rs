@@ -85,7 +85,7 @@ impl Handoffs {
         Waiter {
             handoffs: self,
             id,
-            handed,
+            handed: Some(handed),
         }
     }
 
@@ -103,10 +103,11 @@ impl Handoffs {
         // First each intent's claimer, by its place in the list; then the claimers given
         // any leave the list.
         let mut counts = vec![0usize; waiting.len()];
+        let mut room: usize = waiting.iter().map(|w| w.wanted.max_intents).sum();
         let lease_of: Vec<Option<usize>> = intents
             .iter()
             .map(|intent| {
-                if !matches!(intent.schedule, Schedule::Now) {
+                if room == 0 || !matches!(intent.schedule, Schedule::Now) {
                     return None;
                 }
                 let at = waiting.iter().zip(&counts).position(|(w, n)| {
@@ -115,6 +116,7 @@ impl Handoffs {
                         && w.wanted.takes(tenant, intent)
                 })?;
                 counts[at] += 1;
+                room -= 1;
                 Some(at)
             })
             .collect();
@@ -167,15 +169,11 @@ impl Taken {
         })
     }
 
-    /// How many intents are handed off.
-    pub fn count(&self) -> usize {
-        self.lease_of.iter().flatten().count()
-    }
-
     /// Answers each claimer with its leased intents, once the enqueue has committed; `ids`
-    /// are the batch's intent ids in order, `leased` the rows inserted LEASED. (Dropping
-    /// the `Taken` instead, when the enqueue failed, sends each claimer back to looking.)
-    pub fn hand_over(self, ids: &[IntentId], leased: Vec<Intent>) {
+    /// are the batch's intent ids in order, `leased` the rows inserted LEASED. Returns how
+    /// many intents reached a claimer still waiting for them. (Dropping the `Taken`
+    /// instead, when the enqueue failed, sends each claimer back to looking.)
+    pub fn hand_over(self, ids: &[IntentId], leased: Vec<Intent>) -> usize {
         let claimer_of: HashMap<IntentId, usize> = ids
             .iter()
             .zip(&self.lease_of)
@@ -187,10 +185,15 @@ impl Taken {
                 handed[*to].push(intent);
             }
         }
+        let mut delivered = 0;
         for (claimer, intents) in self.claimers.into_iter().zip(handed) {
+            let n = intents.len();
             // A claimer gone since it was taken: its leases expire (see the module note).
-            let _ = claimer.answer.send(intents);
+            if claimer.answer.send(intents).is_ok() {
+                delivered += n;
+            }
         }
+        delivered
     }
 }
 
@@ -199,23 +202,32 @@ impl Taken {
 pub struct Waiter<'a> {
     handoffs: &'a Handoffs,
     id: u64,
-    handed: oneshot::Receiver<Vec<Intent>>,
+    /// `None` once [`Self::handed`] has had the answer (a receiver answers only once).
+    handed: Option<oneshot::Receiver<Vec<Intent>>>,
 }
 
 impl Waiter<'_> {
     /// The intents an enqueue handed over; `None` when the enqueue that took this claimer
-    /// failed (nothing was leased to it: look again).
+    /// failed (nothing was leased to it: look again). Pending for ever once answered.
     pub async fn handed(&mut self) -> Option<Vec<Intent>> {
-        (&mut self.handed).await.ok()
+        let Some(handed) = self.handed.as_mut() else {
+            return std::future::pending().await;
+        };
+        let answer = handed.await.ok();
+        self.handed = None;
+        answer
     }
 
     /// Ends the wait: `None` when no enqueue had taken this claimer; else what that enqueue
-    /// hands over, waited for (empty if it failed).
+    /// hands over, waited for (empty if it failed, or if [`Self::handed`] had the answer).
     pub async fn withdraw(mut self) -> Option<Vec<Intent>> {
         if self.leave() {
             return None;
         }
-        Some((&mut self.handed).await.unwrap_or_default())
+        match self.handed.take() {
+            Some(handed) => Some(handed.await.unwrap_or_default()),
+            None => Some(Vec::new()),
+        }
     }
 
     /// Leaves the registry; false when an enqueue has taken this claimer already.
@@ -283,7 +295,7 @@ mod tests {
             [Some("b"), Some("a"), Some("b"), None],
             "b takes any kind but only two; a only sms, and one"
         );
-        assert_eq!(taken.count(), 3);
+        assert_eq!(taken.leases().flatten().count(), 3);
         assert!(handoffs.take("t", &batch).is_none(), "both were taken");
     }
 
@@ -314,6 +326,15 @@ mod tests {
         let waiter = handoffs.wait(wanted("a", &[], 10));
         assert_eq!(waiter.withdraw().await, None, "never taken");
         assert!(handoffs.take("t", &[intent("x")]).is_none(), "withdrawn");
+    }
+
+    #[tokio::test]
+    async fn a_claimer_told_its_enqueue_failed_withdraws_without_waiting_again() {
+        let handoffs = Handoffs::default();
+        let mut waiter = handoffs.wait(wanted("a", &[], 10));
+        drop(handoffs.take("t", &[intent("x")]).unwrap());
+        assert_eq!(waiter.handed().await, None, "the enqueue failed");
+        assert_eq!(waiter.withdraw().await, Some(Vec::new()));
     }
 
     #[test]

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use outboxd::proto::v1;
 
-use crate::helpers::{TestApp, claim_request, delayed_intent, duration, id_of, intent, secs};
+use crate::helpers::{
+    SERVICE_ROLE, TestApp, claim_request, delayed_intent, duration, id_of, intent, secs,
+};
 
 /// A Claim of `worker` for up to `n` intents (of `kinds`, any when empty) through
 /// `client`, waiting up to 60 s, running in the background.
@@ -184,4 +186,25 @@ async fn with_hand_off_disabled_a_waiting_claim_is_woken_to_look() {
     assert_eq!(id_of(&leases[0]), results[0].id);
     app.wait_for_metric("outbox_intents_handed_off_total 0")
         .await;
+}
+
+#[tokio::test]
+async fn a_waiting_claim_whose_enqueue_failed_looks_again_and_gets_the_next_intent() {
+    let app = TestApp::spawn().await;
+    let claim = waiting_claim(app.client(), "w", 10, &[]);
+    app.wait_for_metric("outbox_claims_waiting 1").await;
+    // The enqueue takes the claim, then its insert fails.
+    let revoke = format!("REVOKE INSERT ON outbox.intent FROM {SERVICE_ROLE}");
+    sqlx::query(&revoke).execute(&app.pool).await.unwrap();
+    assert!(app.enqueue(vec![intent("job", "{}")]).await.is_err());
+    let grant = format!("GRANT INSERT ON outbox.intent TO {SERVICE_ROLE}");
+    sqlx::query(&grant).execute(&app.pool).await.unwrap();
+    assert!(
+        !claim.is_finished(),
+        "nothing was leased to it: it waits on"
+    );
+    let results = app.enqueue(vec![intent("job", "{}")]).await.unwrap();
+    let leases = answered(claim).await;
+    assert_eq!(leases.len(), 1);
+    assert_eq!(id_of(&leases[0]), results[0].id);
 }

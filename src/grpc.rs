@@ -98,10 +98,7 @@ impl OutboxHandler {
         )
         .await?;
         let recorded = results.iter().filter(|r| !r.deduplicated).count();
-        let handed_off = results
-            .iter()
-            .filter(|r| !r.deduplicated && r.state == IntentState::Leased)
-            .count();
+        let handed_off = results.iter().filter(|r| r.handed_off).count();
         // Committed: wake claimers (delayed intents too, so a claimer's sleep is cut to the
         // earliest due), unless every intent was handed to a waiting claim already
         // (`outbox::handoff`). Staged intents are announced by their promotion.

@@ -181,10 +181,14 @@ pub struct Intent {
 pub struct Enqueued {
     /// Id of the (possibly pre-existing) intent.
     pub id: IntentId,
-    /// Its state after the call.
+    /// Its state as the call recorded it: STAGED or PENDING for a new intent (a PENDING
+    /// one may be leased already, see `handed_off`), the current one for a deduplicated one.
     pub state: IntentState,
     /// True when an idempotency key matched an intent already stored.
     pub deduplicated: bool,
+    /// True when the enqueue leased it at once to a Claim of this server waiting for it
+    /// ([`handoff`]): PENDING and claimed in one commit.
+    pub handed_off: bool,
 }
 
 /// A lease as the caller presents it.

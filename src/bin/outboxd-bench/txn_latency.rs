@@ -241,13 +241,8 @@ pub async fn one_direct(bench: &Bench, settle: Duration, i: usize) -> anyhow::Re
     let claim = bench.spawn_claim();
     // Here the Enqueue itself makes the intent claimable, so the Claim must park before it.
     tokio::time::sleep(settle).await;
-    // LEASED when the parked Claim was handed it (`outbox::handoff`).
     let id = bench
-        .enqueue(
-            String::new(),
-            i,
-            &[v1::IntentState::Pending, v1::IntentState::Leased],
-        )
+        .enqueue(String::new(), i, &[v1::IntentState::Pending])
         .await
         .context("direct Enqueue")?;
     let t0 = Instant::now();

@@ -233,10 +233,11 @@ pub async fn insert_intents(
                     .map(Option::is_some)
                     .chain(std::iter::repeat(false)),
             )
-            .map(|(id, leased)| Enqueued {
+            .map(|(id, handed_off)| Enqueued {
                 id: IntentId(id),
-                state: if leased { IntentState::Leased } else { state },
+                state,
                 deduplicated: false,
+                handed_off,
             })
             .collect();
         return Ok(Inserted { enqueued, leased });
@@ -285,6 +286,7 @@ pub async fn insert_intents(
                 id: IntentId(row.new_id),
                 state,
                 deduplicated: false,
+                handed_off: false,
             });
             continue;
         }
@@ -319,6 +321,7 @@ pub async fn insert_intents(
             id: IntentId(holder.id),
             state: holder.state,
             deduplicated: true,
+            handed_off: false,
         });
     }
 

@@ -115,6 +115,7 @@ pub async fn find_replay(
                 id: IntentId(id?),
                 state: state?,
                 deduplicated: true,
+                handed_off: false,
             })
         })
         .collect())

@@ -8,9 +8,9 @@
 //! delay, no `available_at`), without an idempotency key (a key may deduplicate to an
 //! intent that already exists), enqueued directly (two-phase ones are STAGED until their
 //! producer commits), to a claimer whose tenants, region and kinds take them, up to its
-//! `max_intents`. A claimer waits only after a look found fewer than it asked for (or its
-//! group had just drained the queue, `outbox::drained`), so what it is handed comes after
-//! everything it could have leased; the rest of the batch stays PENDING and is announced
+//! `max_intents`. A claimer waits only after a look found nothing (or when its group had
+//! just drained the queue, `outbox::drained`), so what it is handed comes after everything
+//! it could have leased; the rest of the batch stays PENDING and is announced
 //! as before. Claims of other replicas are woken by the announcement, as before.
 //!
 //! A claimer is taken out of the registry by the enqueue that hands it intents, before

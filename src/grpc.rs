@@ -430,23 +430,20 @@ impl OutboxService for OutboxHandler {
         // A look after a wait that no wake-up ended (a recheck, the due time, the deadline)
         // is of the whole queue: a waiting claimer finds intents behind the floor by then.
         let mut whole_look = false;
-        // A long poll may begin by waiting, without a look of its own, while its group is
-        // known to have drained the queue (`outbox::drained`). Not a replay (it must find
-        // its first attempt's leases) nor a call that does not wait.
-        let mut may_skip_look = !claim.wait.is_zero() && claim.request_id.is_none();
-        // While it waits, an enqueue of this server may hand it intents (`outbox::handoff`);
-        // not a replay, which must find its first attempt's leases.
-        let wanted =
-            (self.hand_off && !claim.wait.is_zero() && claim.request_id.is_none()).then(|| {
-                Wanted {
-                    scope: scope.clone(),
-                    region: claim.region.clone(),
-                    kinds: claim.kinds.clone(),
-                    worker_id: claim.worker_id.clone(),
-                    lease_duration: claim.lease_duration,
-                    max_intents: usize::try_from(claim.max_intents).unwrap_or(0),
-                }
-            });
+        // A long poll that is not a replay (which must find its first attempt's leases) may
+        // begin by waiting, without a look of its own, while its group is known to have
+        // drained the queue (`outbox::drained`); while it waits, an enqueue of this server
+        // may hand it intents (`outbox::handoff`).
+        let long_poll = !claim.wait.is_zero() && claim.request_id.is_none();
+        let mut may_skip_look = long_poll;
+        let wanted = (self.hand_off && long_poll).then(|| Wanted {
+            scope: scope.clone(),
+            region: claim.region.clone(),
+            kinds: claim.kinds.clone(),
+            worker_id: claim.worker_id.clone(),
+            lease_duration: claim.lease_duration,
+            max_intents: usize::try_from(claim.max_intents).unwrap_or(0),
+        });
         let intents = loop {
             // Mark the signal and the turns seen before looking, so a commit landing in
             // between still wakes us.

@@ -110,10 +110,9 @@ impl Handoffs {
                 if room == 0 || !matches!(intent.schedule, Schedule::Now) {
                     return None;
                 }
+                // (A claimer whose call is gone has left the list: its Waiter was dropped.)
                 let at = waiting.iter().zip(&counts).position(|(w, n)| {
-                    *n < w.wanted.max_intents
-                        && !w.answer.is_closed()
-                        && w.wanted.takes(tenant, intent)
+                    *n < w.wanted.max_intents && w.wanted.takes(tenant, intent)
                 })?;
                 counts[at] += 1;
                 room -= 1;

@@ -11,8 +11,10 @@ use crate::helpers::{
 };
 
 /// A Claim of `worker` for up to `n` intents (of `kinds`, any when empty) through
-/// `client`, waiting up to 60 s, running in the background.
-fn waiting_claim(
+/// `client`, waiting up to 60 s, running in the background; returned once `app`'s server
+/// counts it waiting (it looked, found nothing, and may be handed intents).
+async fn waiting_claim(
+    app: &TestApp,
     mut client: outboxd::client::Client,
     worker: &str,
     n: i32,
@@ -21,7 +23,10 @@ fn waiting_claim(
     let mut request = claim_request(worker, n);
     request.kinds = kinds.iter().map(|k| (*k).to_owned()).collect();
     request.wait = Some(duration(Duration::from_secs(60)));
-    tokio::spawn(async move { client.claim(request).await.unwrap().into_inner().leases })
+    let claim =
+        tokio::spawn(async move { client.claim(request).await.unwrap().into_inner().leases });
+    app.wait_for_metric("outbox_claims_waiting 1").await;
+    claim
 }
 
 /// The claim's answer, which must come long before its 60 s deadline.
@@ -39,8 +44,7 @@ fn state_of(result: &v1::EnqueueResult) -> v1::IntentState {
 #[tokio::test]
 async fn a_waiting_claim_is_handed_the_intent_enqueued_for_it_and_acks_it_under_that_lease() {
     let app = TestApp::spawn().await;
-    let claim = waiting_claim(app.client(), "w", 10, &[]);
-    app.wait_for_metric("outbox_claims_waiting 1").await;
+    let claim = waiting_claim(&app, app.client(), "w", 10, &[]).await;
     let results = app.enqueue(vec![intent("job", "{}")]).await.unwrap();
     assert_eq!(
         state_of(&results[0]),
@@ -80,8 +84,7 @@ async fn a_waiting_claim_is_handed_the_intent_enqueued_for_it_and_acks_it_under_
 #[tokio::test]
 async fn only_what_a_waiting_claim_would_lease_is_handed_to_it_the_rest_stays_pending() {
     let app = TestApp::spawn().await;
-    let claim = waiting_claim(app.client(), "texter", 2, &["sms"]);
-    app.wait_for_metric("outbox_claims_waiting 1").await;
+    let claim = waiting_claim(&app, app.client(), "texter", 2, &["sms"]).await;
     let results = app
         .enqueue(vec![
             intent("email", "{}"),
@@ -135,8 +138,7 @@ async fn a_waiting_claim_of_another_tenant_is_never_handed_an_intent() {
     let app = TestApp::spawn().await;
     let key = app.key(&["globex"], &["consume"], &[]).await;
     let other = app.client_with(Some(&key), None).await;
-    let claim = waiting_claim(other, "globex-worker", 10, &[]);
-    app.wait_for_metric("outbox_claims_waiting 1").await;
+    let claim = waiting_claim(&app, other, "globex-worker", 10, &[]).await;
     let results = app.enqueue(vec![intent("job", "{}")]).await.unwrap();
     assert_eq!(app.state(&results[0].id).await, v1::IntentState::Pending);
     assert_eq!(app.claim_n("mine", 10).await.len(), 1);
@@ -152,8 +154,7 @@ async fn a_waiting_claim_of_another_tenant_is_never_handed_an_intent() {
 #[tokio::test]
 async fn an_intent_with_an_idempotency_key_wakes_a_waiting_claim_instead() {
     let app = TestApp::spawn().await;
-    let claim = waiting_claim(app.client(), "w", 10, &[]);
-    app.wait_for_metric("outbox_claims_waiting 1").await;
+    let claim = waiting_claim(&app, app.client(), "w", 10, &[]).await;
     let keyed = v1::NewIntent {
         idempotency_key: "welcome-ada".to_owned(),
         ..intent("email", "{}")
@@ -181,8 +182,7 @@ async fn a_claim_whose_wait_has_ended_is_handed_nothing() {
 #[tokio::test]
 async fn with_hand_off_disabled_a_waiting_claim_is_woken_to_look() {
     let app = TestApp::spawn_with(|s| s.claim_hand_off = false).await;
-    let claim = waiting_claim(app.client(), "w", 10, &[]);
-    app.wait_for_metric("outbox_claims_waiting 1").await;
+    let claim = waiting_claim(&app, app.client(), "w", 10, &[]).await;
     let results = app.enqueue(vec![intent("job", "{}")]).await.unwrap();
     let leases = answered(claim).await;
     assert_eq!(id_of(&leases[0]), results[0].id);
@@ -193,8 +193,7 @@ async fn with_hand_off_disabled_a_waiting_claim_is_woken_to_look() {
 #[tokio::test]
 async fn a_waiting_claim_whose_enqueue_failed_looks_again_and_gets_the_next_intent() {
     let app = TestApp::spawn().await;
-    let claim = waiting_claim(app.client(), "w", 10, &[]);
-    app.wait_for_metric("outbox_claims_waiting 1").await;
+    let claim = waiting_claim(&app, app.client(), "w", 10, &[]).await;
     // The enqueue takes the claim, then its insert fails.
     let revoke = format!("REVOKE INSERT ON outbox.intent FROM {SERVICE_ROLE}");
     sqlx::query(&revoke).execute(&app.pool).await.unwrap();

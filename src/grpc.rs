@@ -19,7 +19,7 @@ use crate::metrics::{Metrics, OutcomeLabels};
 use crate::outbox::claim_floor::ClaimFloors;
 use crate::outbox::drained::{DrainedGroups, Seen};
 use crate::outbox::enqueue::DirectEnqueues;
-use crate::outbox::handoff::Wanted;
+use crate::outbox::handoff::{self, Wanted};
 use crate::outbox::notify::PendingSignal;
 use crate::outbox::store::{self, BackoffParams, ClaimParams, DeliveredRows, TenantScope};
 use crate::outbox::{self, Clock, Error, FieldViolation, IntentId, IntentState, Reason};
@@ -50,6 +50,18 @@ pub struct OutboxHandler {
     /// Whether waiting claims may be handed intents by enqueues (`outbox::handoff`).
     hand_off: bool,
     delivered_rows: DeliveredRows,
+}
+
+/// Direct enqueues counted into `metrics`, giving the leases no claimer received back
+/// through `pool` (`outbox::handoff`).
+fn direct_enqueues(
+    pool: &PgPool,
+    pending: &PendingSignal,
+    clock: &Clock,
+    metrics: &Metrics,
+) -> Arc<DirectEnqueues> {
+    let release = handoff::give_back(pool.clone(), pending.clone(), clock.clone());
+    Arc::new(DirectEnqueues::new(metrics, release))
 }
 
 impl OutboxHandler {
@@ -137,6 +149,7 @@ impl OutboxHandler {
         shutdown: CancellationToken,
     ) -> Self {
         Self {
+            direct_enqueues: direct_enqueues(&pool, &pending, &clock, &Metrics::default()),
             pool,
             auth,
             cluster_id,
@@ -147,7 +160,6 @@ impl OutboxHandler {
             shutdown,
             long_poll_recheck: Duration::from_secs(2),
             metrics: Arc::default(),
-            direct_enqueues: Arc::new(DirectEnqueues::new(&Metrics::default())),
             claim_floors: Arc::default(),
             drained: Arc::default(),
             hand_off: settings.claim_hand_off,
@@ -157,7 +169,7 @@ impl OutboxHandler {
 
     /// Records into `metrics` (by default into a private registry nobody reads).
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
-        self.direct_enqueues = Arc::new(DirectEnqueues::new(&metrics));
+        self.direct_enqueues = direct_enqueues(&self.pool, &self.pending, &self.clock, &metrics);
         self.metrics = metrics;
         self
     }

@@ -9,7 +9,7 @@ use prometheus_client::metrics::counter::Counter;
 use sqlx::PgPool;
 
 use super::group_commit::GroupCommit;
-use super::handoff::Handoffs;
+use super::handoff::{Handoffs, Release};
 use super::store::{self, AlsoAtBegin, EnqueueParams, TenantScope, TxnStatus};
 use super::token::TxnToken;
 use super::{Enqueued, Error, FieldViolation, NewIntent, Result};
@@ -44,8 +44,9 @@ struct DirectInserts {
 }
 
 impl DirectEnqueues {
-    /// Counting its transactions and waiting calls into `metrics`.
-    pub fn new(metrics: &Metrics) -> Self {
+    /// Counting its transactions and waiting calls into `metrics`; leases that no claimer
+    /// received go to `release` (`super::handoff`).
+    pub fn new(metrics: &Metrics, release: Release) -> Self {
         Self {
             groups: GroupCommit::new(
                 fits_shared_transaction,
@@ -54,7 +55,7 @@ impl DirectEnqueues {
             inserts: DirectInserts {
                 transactions: metrics.enqueue_transactions.clone(),
                 handed_off: metrics.handed_off.clone(),
-                handoffs: Arc::default(),
+                handoffs: Arc::new(Handoffs::new(release)),
             },
         }
     }
@@ -136,7 +137,13 @@ async fn insert_direct(
         },
     )
     .await?;
-    tx.commit().await?;
+    if let Err(e) = tx.commit().await {
+        // The COMMIT may have happened, its answer lost: nobody has what it leased.
+        direct
+            .handoffs
+            .release(&TenantScope::one(tenant_id), inserted.leased);
+        return Err(e.into());
+    }
     direct.transactions.inc();
     if let Some(taken) = taken {
         let ids: Vec<_> = inserted.enqueued.iter().map(|e| e.id).collect();

@@ -16,19 +16,67 @@
 //! A claimer is taken out of the registry by the enqueue that hands it intents, before
 //! the insert, so no two enqueues lease to one call; a claimer whose wait ends meanwhile
 //! waits for that enqueue's outcome (it has the intents if it committed, and looks again if
-//! not). A claimer whose call is cancelled after it was taken, or whose enqueue lost the
-//! answer to its COMMIT, leaves its intents leased to nobody until the lease expires, as
-//! with a Claim cancelled while its statement ran, or whose answer was lost.
+//! not). Leases no claimer received are given back (`store::release_leases`: PENDING again,
+//! the attempt uncounted) and announced: those of a claimer whose call ended after it was
+//! taken (cancelled, or tired of waiting for the enqueue's outcome, [`WITHDRAW_WAIT`]), and
+//! those of an enqueue that lost the answer to its COMMIT. Only a call cancelled between
+//! receiving its intents and answering loses them to lease expiry, as a Claim cancelled
+//! after its statement committed does.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use sqlx::PgPool;
 use tokio::sync::oneshot;
 
-use super::store::TenantScope;
+use super::clock::Clock;
+use super::notify::PendingSignal;
+use super::store::{self, TenantScope};
 use super::{Intent, IntentId, NewIntent, Schedule};
+
+/// How long a claimer whose wait ended waits for the outcome of an enqueue that had taken
+/// it. An insert and commit take milliseconds; past this the database is stalled, and the
+/// claim answers without the intents, which are given back once that enqueue commits.
+pub const WITHDRAW_WAIT: Duration = Duration::from_secs(1);
+
+/// What becomes of leased intents no claimer received: given back (see the module note).
+/// Called with the claimer's tenants and the intents, from synchronous code.
+pub type Release = Arc<dyn Fn(&TenantScope, Vec<Intent>) + Send + Sync>;
+
+/// The [`Release`] of a server: gives the leases back in a task of their own and
+/// announces them as claimable. Where that fails they stay leased until they expire.
+pub fn give_back(pool: PgPool, pending: PendingSignal, clock: Clock) -> Release {
+    Arc::new(move |scope, intents| {
+        let leases: Vec<_> = intents
+            .iter()
+            .filter_map(|i| i.lease_id.map(|lease| (i.id, lease)))
+            .collect();
+        if leases.is_empty() {
+            return;
+        }
+        // Outside a runtime (it is shutting down) nobody would run the task: let them expire.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (pool, pending, clock, scope) =
+            (pool.clone(), pending.clone(), clock.clone(), scope.clone());
+        runtime.spawn(async move {
+            match store::release_leases(&pool, &scope, &leases, clock.now()).await {
+                Ok(0) => {}
+                Ok(released) => {
+                    tracing::debug!(released, "gave back leases no claimer received");
+                    pending.announce();
+                }
+                Err(e) => tracing::warn!(
+                    error.message = %e,
+                    "cannot give back leases no claimer received; they expire instead"
+                ),
+            }
+        });
+    })
+}
 
 /// What a waiting claimer takes: its filters and the lease it asked for.
 #[derive(Debug, Clone)]
@@ -69,22 +117,41 @@ struct Waiting {
 }
 
 /// The claims of this server waiting for intents, in the order they began waiting.
-#[derive(Debug, Default)]
 pub struct Handoffs {
     next_id: AtomicU64,
     waiting: Mutex<Vec<Waiting>>,
+    release: Release,
+}
+
+impl std::fmt::Debug for Handoffs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handoffs")
+            .field("waiting", &self.lock().len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Handoffs {
+    /// No claimer waiting yet; leases none received go to `release`.
+    pub fn new(release: Release) -> Self {
+        Self {
+            next_id: AtomicU64::new(0),
+            waiting: Mutex::default(),
+            release,
+        }
+    }
+
     /// Registers a claimer for the length of one wait; it leaves when the [`Waiter`] is
     /// withdrawn or dropped.
     pub fn wait(&self, wanted: Wanted) -> Waiter<'_> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (answer, handed) = oneshot::channel();
+        let scope = wanted.scope.clone();
         self.lock().push(Waiting { id, wanted, answer });
         Waiter {
             handoffs: self,
             id,
+            scope,
             handed: Some(handed),
         }
     }
@@ -139,7 +206,17 @@ impl Handoffs {
             .into_iter()
             .map(|to| to.and_then(|at| taken_at[at]))
             .collect();
-        Some(Taken { claimers, lease_of })
+        Some(Taken {
+            claimers,
+            lease_of,
+            release: Arc::clone(&self.release),
+        })
+    }
+
+    /// Gives back `intents` of `scope`, which no claimer received (those an enqueue
+    /// whose COMMIT failed did not commit are left alone).
+    pub fn release(&self, scope: &TenantScope, intents: Vec<Intent>) {
+        (self.release)(scope, intents);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Waiting>> {
@@ -151,10 +228,19 @@ impl Handoffs {
 }
 
 /// Claimers taken by one enqueue, and which of its intents each is handed.
-#[derive(Debug)]
 pub struct Taken {
     claimers: Vec<Waiting>,
     lease_of: Vec<Option<usize>>,
+    release: Release,
+}
+
+impl std::fmt::Debug for Taken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Taken")
+            .field("claimers", &self.claimers)
+            .field("lease_of", &self.lease_of)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Taken {
@@ -187,9 +273,10 @@ impl Taken {
         let mut delivered = 0;
         for (claimer, intents) in self.claimers.into_iter().zip(handed) {
             let n = intents.len();
-            // A claimer gone since it was taken: its leases expire (see the module note).
-            if claimer.answer.send(intents).is_ok() {
-                delivered += n;
+            match claimer.answer.send(intents) {
+                Ok(()) => delivered += n,
+                // A claimer gone since it was taken: nobody has these leases.
+                Err(intents) => (self.release)(&claimer.wanted.scope, intents),
             }
         }
         delivered
@@ -201,6 +288,8 @@ impl Taken {
 pub struct Waiter<'a> {
     handoffs: &'a Handoffs,
     id: u64,
+    /// The claimer's tenants, to give back what it did not receive.
+    scope: TenantScope,
     /// `None` once [`Self::handed`] has had the answer (a receiver answers only once).
     handed: Option<oneshot::Receiver<Vec<Intent>>>,
 }
@@ -218,15 +307,27 @@ impl Waiter<'_> {
     }
 
     /// Ends the wait: `None` when no enqueue had taken this claimer; else what that enqueue
-    /// hands over, waited for (empty if it failed, or if [`Self::handed`] had the answer).
+    /// hands over, waited for up to [`WITHDRAW_WAIT`] (empty if it failed, if it took
+    /// longer, or if [`Self::handed`] had the answer).
     pub async fn withdraw(mut self) -> Option<Vec<Intent>> {
         if self.leave() {
             return None;
         }
-        match self.handed.take() {
-            Some(handed) => Some(handed.await.unwrap_or_default()),
-            None => Some(Vec::new()),
-        }
+        // Left in `self` while waiting: a call cancelled now gives them back on drop.
+        let Some(handed) = self.handed.as_mut() else {
+            return Some(Vec::new());
+        };
+        let answer = match tokio::time::timeout(WITHDRAW_WAIT, &mut *handed).await {
+            Ok(answer) => answer.unwrap_or_default(),
+            // Closed first, so that the enqueue either handed them over already or gives
+            // them back itself.
+            Err(_) => {
+                handed.close();
+                handed.try_recv().unwrap_or_default()
+            }
+        };
+        self.handed = None;
+        Some(answer)
     }
 
     /// Leaves the registry; false when an enqueue has taken this claimer already.
@@ -243,8 +344,18 @@ impl Waiter<'_> {
 }
 
 impl Drop for Waiter<'_> {
+    /// A call that ends while it waits (cancelled, or its task dropped) leaves the
+    /// registry, and gives back what an enqueue had handed it meanwhile.
     fn drop(&mut self) {
-        self.leave();
+        if self.leave() {
+            return;
+        }
+        if let Some(mut handed) = self.handed.take() {
+            handed.close();
+            if let Ok(intents) = handed.try_recv() {
+                self.handoffs.release(&self.scope, intents);
+            }
+        }
     }
 }
 
@@ -278,13 +389,54 @@ mod tests {
         }
     }
 
+    /// Registry whose given-back intents are dropped.
+    fn handoffs() -> Handoffs {
+        Handoffs::new(Arc::new(|_, _| {}))
+    }
+
+    /// Registry recording the ids it gives back.
+    fn recording() -> (Handoffs, Arc<Mutex<Vec<IntentId>>>) {
+        let given_back: Arc<Mutex<Vec<IntentId>>> = Arc::default();
+        let record = Arc::clone(&given_back);
+        let handoffs = Handoffs::new(Arc::new(move |scope, intents| {
+            assert_eq!(scope, &TenantScope::one("t"), "the claimer's tenants");
+            let mut record = record.lock().unwrap();
+            record.extend(intents.iter().map(|i| i.id));
+        }));
+        (handoffs, given_back)
+    }
+
+    /// The row an enqueue inserted LEASED to a claimer.
+    fn leased(id: IntentId) -> Intent {
+        let now = chrono::Utc::now();
+        Intent {
+            id,
+            state: super::super::IntentState::Leased,
+            kind: "x".to_owned(),
+            payload: Vec::new(),
+            content_type: String::new(),
+            region: String::new(),
+            idempotency_key: None,
+            headers: sqlx::types::Json(BTreeMap::new()),
+            attempts: 1,
+            max_attempts: 1,
+            available_at: now,
+            created_at: now,
+            updated_at: now,
+            lease_id: Some(super::super::LeaseId(uuid::Uuid::new_v4())),
+            lease_expires_at: Some(now),
+            worker_id: Some("a".to_owned()),
+            last_error: None,
+        }
+    }
+
     fn workers(taken: &Taken) -> Vec<Option<&str>> {
         taken.leases().map(|l| l.map(|(w, _)| w)).collect()
     }
 
     #[test]
     fn intents_go_to_the_longest_waiting_claimer_that_takes_them_up_to_its_room() {
-        let handoffs = Handoffs::default();
+        let handoffs = handoffs();
         let _a = handoffs.wait(wanted("a", &["sms"], 1));
         let _b = handoffs.wait(wanted("b", &[], 2));
         let batch = [intent("email"), intent("sms"), intent("sms"), intent("x")];
@@ -300,7 +452,7 @@ mod tests {
 
     #[test]
     fn nothing_is_handed_off_for_another_tenant_a_delay_or_an_idempotency_key() {
-        let handoffs = Handoffs::default();
+        let handoffs = handoffs();
         let _a = handoffs.wait(wanted("a", &[], 10));
         assert!(handoffs.take("other", &[intent("x")]).is_none());
         let mut delayed = intent("x");
@@ -317,7 +469,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_claimer_taken_before_it_withdraws_gets_what_the_enqueue_hands_over() {
-        let handoffs = Handoffs::default();
+        let handoffs = handoffs();
         let waiter = handoffs.wait(wanted("a", &[], 10));
         let taken = handoffs.take("t", &[intent("x")]).unwrap();
         drop(taken); // the enqueue failed
@@ -329,7 +481,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_claimer_told_its_enqueue_failed_withdraws_without_waiting_again() {
-        let handoffs = Handoffs::default();
+        let handoffs = handoffs();
         let mut waiter = handoffs.wait(wanted("a", &[], 10));
         drop(handoffs.take("t", &[intent("x")]).unwrap());
         assert_eq!(waiter.handed().await, None, "the enqueue failed");
@@ -338,8 +490,52 @@ mod tests {
 
     #[test]
     fn a_dropped_claimer_is_never_taken() {
-        let handoffs = Handoffs::default();
+        let handoffs = handoffs();
         drop(handoffs.wait(wanted("a", &[], 10)));
         assert!(handoffs.take("t", &[intent("x")]).is_none());
+    }
+
+    #[test]
+    fn leases_for_a_claimer_whose_call_ended_before_the_commit_are_given_back() {
+        let (handoffs, given_back) = recording();
+        let waiter = handoffs.wait(wanted("a", &[], 10));
+        let taken = handoffs.take("t", &[intent("x")]).unwrap();
+        drop(waiter); // the Claim was cancelled while the enqueue ran
+        let id = IntentId(uuid::Uuid::now_v7());
+        assert_eq!(
+            taken.hand_over(&[id], vec![leased(id)]),
+            0,
+            "nobody received it"
+        );
+        assert_eq!(*given_back.lock().unwrap(), [id]);
+    }
+
+    #[test]
+    fn leases_handed_to_a_call_that_ends_before_it_reads_them_are_given_back() {
+        let (handoffs, given_back) = recording();
+        let waiter = handoffs.wait(wanted("a", &[], 10));
+        let taken = handoffs.take("t", &[intent("x")]).unwrap();
+        let id = IntentId(uuid::Uuid::now_v7());
+        assert_eq!(taken.hand_over(&[id], vec![leased(id)]), 1);
+        assert!(given_back.lock().unwrap().is_empty());
+        drop(waiter); // cancelled between the hand-over and its next poll
+        assert_eq!(*given_back.lock().unwrap(), [id]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_claimer_stops_waiting_for_a_stalled_enqueue_which_then_gives_its_leases_back() {
+        let (handoffs, given_back) = recording();
+        let waiter = handoffs.wait(wanted("a", &[], 10));
+        let taken = handoffs.take("t", &[intent("x")]).unwrap();
+        let started = tokio::time::Instant::now();
+        assert_eq!(
+            waiter.withdraw().await,
+            Some(Vec::new()),
+            "answers without them"
+        );
+        assert_eq!(started.elapsed(), WITHDRAW_WAIT);
+        let id = IntentId(uuid::Uuid::now_v7());
+        assert_eq!(taken.hand_over(&[id], vec![leased(id)]), 0);
+        assert_eq!(*given_back.lock().unwrap(), [id]);
     }
 }

@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use outboxd::proto::v1;
+use sqlx::{Connection, PgConnection};
 
 use crate::helpers::{
     SERVICE_ROLE, TestApp, claim_request, delayed_intent, duration, id_of, intent, secs,
@@ -208,4 +209,46 @@ async fn a_waiting_claim_whose_enqueue_failed_looks_again_and_gets_the_next_inte
     let leases = answered(claim).await;
     assert_eq!(leases.len(), 1);
     assert_eq!(id_of(&leases[0]), results[0].id);
+}
+
+#[tokio::test]
+async fn an_intent_handed_to_a_claim_cancelled_before_the_enqueue_committed_is_claimable_again_with_its_attempt_uncounted()
+ {
+    let app = TestApp::spawn().await;
+    let claim = waiting_claim(&app, app.client(), "gone", 10, &[]).await;
+    // The enqueue takes the claim, then waits behind a lock for the table.
+    let mut locker = PgConnection::connect(&app.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; LOCK TABLE outbox.intent IN SHARE MODE")
+        .execute(&mut locker)
+        .await
+        .unwrap();
+    let enqueue = {
+        let mut client = app.client();
+        tokio::spawn(async move {
+            client
+                .enqueue(v1::EnqueueRequest {
+                    intents: vec![intent("job", "{}")],
+                    txn_token: String::new(),
+                })
+                .await
+        })
+    };
+    app.wait_for_lock_waiters(1).await;
+    claim.abort(); // the worker gives up its long poll
+    app.wait_for_metric("outbox_claims_waiting 0").await;
+    sqlx::raw_sql("COMMIT").execute(&mut locker).await.unwrap();
+    let results = enqueue.await.unwrap().unwrap().into_inner().results;
+    let id = &results[0].id;
+
+    // Leased to a claim that never answered: given back instead of held until it expires.
+    app.wait_for_state(id, v1::IntentState::Pending).await;
+    let leases = app.claim_n("next", 10).await;
+    assert_eq!(leases.len(), 1, "claimable at once");
+    assert_eq!(id_of(&leases[0]), id);
+    assert_eq!(
+        leases[0].attempt, 1,
+        "no worker received it, so its first lease is no attempt"
+    );
+    app.wait_for_metric("outbox_intents_handed_off_total 0")
+        .await;
 }

@@ -1,5 +1,5 @@
 //! Claim: lease a batch of claimable intents in one statement with `FOR UPDATE SKIP LOCKED`,
-//! in one round trip.
+//! in one round trip; and give back leases that no claimer received.
 
 use std::time::Duration;
 
@@ -8,9 +8,9 @@ use sqlx::postgres::PgRow;
 use sqlx::{FromRow, PgPool, Row};
 use uuid::Uuid;
 
-use super::access::{TenantScope, on_live_connection, scope_settings};
+use super::access::{TenantScope, begin, on_live_connection, scope_settings};
 use super::{intent_columns, millis};
-use crate::outbox::{Intent, Result};
+use crate::outbox::{Intent, IntentId, LeaseId, Result};
 
 /// Inputs of [`claim_intents`].
 #[derive(Debug, Clone, Copy)]
@@ -125,4 +125,46 @@ pub async fn claim_intents(
     }
     claimed.intents.sort_by_key(|i| (i.available_at, i.id));
     Ok(claimed)
+}
+
+/// Gives back leases no claimer received (`crate::outbox::handoff`): each intent of
+/// `scope` still LEASED under its `leases` pair goes back to PENDING, due as it was, with
+/// the attempt uncounted (no worker saw it, so none began). A pair whose intent moved on,
+/// or whose insert never committed, is skipped. Returns how many went back.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn release_leases(
+    pool: &PgPool,
+    scope: &TenantScope,
+    leases: &[(IntentId, LeaseId)],
+    now: Option<DateTime<Utc>>,
+) -> Result<u64> {
+    let (ids, lease_ids): (Vec<Uuid>, Vec<Uuid>) =
+        leases.iter().map(|(id, lease)| (id.0, lease.0)).unzip();
+    let mut tx = begin(pool, scope).await?;
+    let released = sqlx::query(
+        r#"
+        UPDATE outbox.intent i
+        SET state = 'pending',
+            attempts = greatest(i.attempts - 1, 0),
+            lease_id = NULL,
+            lease_expires_at = NULL,
+            worker_id = NULL,
+            claim_request_id = NULL,
+            updated_at = coalesce($3, now())
+        FROM unnest($1::uuid[], $2::uuid[]) AS given (id, lease_id)
+        WHERE i.id = given.id
+          AND i.lease_id = given.lease_id
+          AND i.state = 'leased'
+        "#,
+    )
+    .bind(ids)
+    .bind(lease_ids)
+    .bind(now)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    tx.commit().await?;
+    Ok(released)
 }

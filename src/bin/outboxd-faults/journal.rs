@@ -66,6 +66,10 @@ pub struct LeaseSeen {
     pub expires: i64,
     /// State the intent was returned in.
     pub state: String,
+    /// Leased by the Enqueue that inserted it, to a Claim waiting for it (the server's
+    /// hand-off): its first lease was minted with the row (`updated_at == created_at`).
+    #[serde(default)]
+    pub handed_off: bool,
 }
 
 /// Everything the producers and workers record.
@@ -111,7 +115,9 @@ pub enum Event {
     /// Worker: a Claim call answered (logged when it leased something or needed retries).
     Claimed {
         t: i64,
-        request: Uuid,
+        /// None for a long poll without one (an enqueue may hand it intents; a lost
+        /// answer's leases expire).
+        request: Option<Uuid>,
         duration_ms: i64,
         tries: u32,
         errors: Vec<String>,

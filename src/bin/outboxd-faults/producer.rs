@@ -1,5 +1,7 @@
 //! A producer process: two-phase transactions on the outbox's own database that commit or
-//! roll back at random, and direct enqueues, all with idempotency keys, journaled. Each
+//! roll back at random, and direct enqueues, journaled: all with idempotency keys but half
+//! the direct ones (which an enqueue may hand to a waiting Claim, and whose retry after a
+//! lost answer enqueues them again, as an unkeyed producer's does). Each
 //! two-phase transaction also writes the producer's own rows (`faults.producer_order` and
 //! `faults.order_intent`), so after the run those tables say which transactions committed
 //! whatever the producer managed to log before it was killed.
@@ -253,13 +255,22 @@ impl Producer {
         }
     }
 
-    /// A direct Enqueue (PENDING at once), retried with its idempotency keys until it is
-    /// acknowledged or the budget runs out.
+    /// A direct Enqueue (PENDING at once), retried (with its idempotency keys, if it has
+    /// them) until it is acknowledged or the budget runs out.
     async fn direct(&mut self) {
         self.seq += 1;
         let count = 1 + self.rng.below(2);
-        let intents = self.intents("d", count);
-        let keys = intents.iter().map(|i| i.idempotency_key.clone()).collect();
+        let mut intents = self.intents("d", count);
+        if self.rng.chance(0.5) {
+            for intent in &mut intents {
+                intent.idempotency_key.clear();
+            }
+        }
+        let keys = intents
+            .iter()
+            .map(|i| i.idempotency_key.clone())
+            .filter(|k| !k.is_empty())
+            .collect();
         let message = v1::EnqueueRequest {
             intents,
             txn_token: String::new(),

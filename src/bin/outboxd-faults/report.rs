@@ -242,6 +242,11 @@ impl Summary<'_> {
             c.claim_replays.to_string(),
             "minted by the attempt whose response was lost".into(),
         );
+        table.row(
+            "leases handed off by an Enqueue to a waiting Claim",
+            c.handed_off.to_string(),
+            "minted with the intent, no claim statement".into(),
+        );
         for (error, n) in &c.transient_errors {
             table.row(&format!("  {error}"), n.to_string(), String::new());
         }

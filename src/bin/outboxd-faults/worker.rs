@@ -1,4 +1,4 @@
-//! A worker process: Claim (with a `request_id`) → for payments MarkSubmitted → perform the
+//! A worker process: Claim → for payments MarkSubmitted → perform the
 //! side effect → Ack, sometimes Fail (RETRY, PERMANENT, UNKNOWN) or ExtendLease instead,
 //! journaling every step. "Performing the side effect" is appending a `performed` line to
 //! the journal before the Ack is sent: the journal is the external system whose duplicates
@@ -6,7 +6,10 @@
 //!
 //! It behaves as a careful worker should: it retries a lost response with the same request
 //! (same `request_id`, same lease), and it does not start a side effect on a lease that is
-//! about to expire. Kills and stops by the orchestrator make it late anyway.
+//! about to expire. Kills and stops by the orchestrator make it late anyway. Half of its
+//! Claims carry no `request_id`, as a plain long poll does: those an enqueue of the same
+//! replica may hand intents to (`outboxd::outbox::handoff`), and a lost answer's leases
+//! expire instead of being returned to the retry.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -80,7 +83,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
 
 impl Worker {
     async fn claim(&mut self, stop: &CancellationToken) -> Vec<LeaseSeen> {
-        let request_id = Uuid::new_v4();
+        let request_id = self.rng.chance(0.5).then(Uuid::new_v4);
         let message = v1::ClaimRequest {
             worker_id: self.name.clone(),
             region: String::new(),
@@ -88,7 +91,7 @@ impl Worker {
             max_intents: 1 + self.rng.below(3) as i32,
             lease_duration: Some(duration(self.lease)),
             wait: Some(duration(CLAIM_WAIT)),
-            request_id: request_id.to_string(),
+            request_id: request_id.map(|id| id.to_string()).unwrap_or_default(),
         };
         let called = tokio::select! {
             called = self.rpc.call(CALL_BUDGET, |mut client| {
@@ -386,6 +389,9 @@ fn seen(lease: &v1::Lease) -> Option<LeaseSeen> {
         attempt: lease.attempt,
         expires: timestamp_us(lease.lease_expires_at.as_ref()?),
         state: intent.state().as_str_name().to_owned(),
+        handed_off: lease.attempt == 1
+            && intent.created_at.is_some()
+            && intent.updated_at == intent.created_at,
     })
 }
 

@@ -77,6 +77,7 @@ pub(super) fn collect_leases(obs: &Observations, v: &mut Verdict) -> HashMap<Uui
                 count_retry(v, "Claim", *tries);
                 count_errors(v, errors);
                 for s in seen {
+                    v.counts.handed_off += u64::from(s.handed_off);
                     let minted = s.expires - duration_ms * 1000;
                     if *tries > 1 && minted + CLOCK_TOLERANCE_US < *last_try {
                         v.counts.claim_replays += 1;

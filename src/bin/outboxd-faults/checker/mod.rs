@@ -182,6 +182,8 @@ pub struct Counts {
     /// Leases a retried Claim answered that an earlier attempt had minted: the lost
     /// attempt's leases, returned by its `request_id`.
     pub claim_replays: u64,
+    /// Leases an Enqueue minted for a Claim waiting for them (the hand-off).
+    pub handed_off: u64,
     /// Latency (µs) of answered Ack attempts, by replica index.
     pub ack_latency: BTreeMap<usize, Vec<i64>>,
 }

@@ -76,7 +76,7 @@ fn claim(intent: Uuid, attempt: i32, at: i64, kind: &str) -> (Event, Uuid) {
     let lease = Uuid::new_v4();
     let event = Event::Claimed {
         t: at * SECOND,
-        request: Uuid::new_v4(),
+        request: Some(Uuid::new_v4()),
         duration_ms: LEASE_MS,
         tries: 1,
         errors: vec![],
@@ -88,6 +88,7 @@ fn claim(intent: Uuid, attempt: i32, at: i64, kind: &str) -> (Event, Uuid) {
             attempt,
             expires: at * SECOND + LEASE_MS * 1000,
             state: "INTENT_STATE_LEASED".into(),
+            handed_off: false,
         }],
     };
     (event, lease)

@@ -2,26 +2,12 @@
 //! the next transaction, and each still gets the answer it would have got alone.
 
 use outboxd::proto::v1;
-use sqlx::{Connection, PgConnection};
 use tokio::task::JoinHandle;
 use tonic::{Code, Status};
 
 use crate::helpers::{TestApp, assert_status, intent};
 
 type Call = JoinHandle<Result<Vec<v1::EnqueueResult>, Status>>;
-
-fn spawn_enqueue(app: &TestApp, intents: Vec<v1::NewIntent>) -> Call {
-    let mut client = app.client();
-    tokio::spawn(async move {
-        client
-            .enqueue(v1::EnqueueRequest {
-                intents,
-                txn_token: String::new(),
-            })
-            .await
-            .map(|r| r.into_inner().results)
-    })
-}
 
 /// Holds the first Enqueue inside its transaction (behind a SHARE lock on the table) while
 /// `later` are sent, waits until all of them wait for that transaction, then lets it go.
@@ -33,15 +19,11 @@ async fn behind_a_transaction_in_flight(
     Result<Vec<v1::EnqueueResult>, Status>,
     Vec<Result<Vec<v1::EnqueueResult>, Status>>,
 ) {
-    let mut locker = PgConnection::connect(&app.url).await.unwrap();
-    sqlx::raw_sql("BEGIN; LOCK TABLE outbox.intent IN SHARE MODE")
-        .execute(&mut locker)
-        .await
-        .unwrap();
-    let first = spawn_enqueue(app, vec![intent("first", "{}")]);
+    let mut locker = app.lock_intent_table().await;
+    let first = app.spawn_enqueue(vec![intent("first", "{}")]);
     app.wait_for_lock_waiters(1).await;
     let n = later.len();
-    let calls: Vec<Call> = later.into_iter().map(|i| spawn_enqueue(app, i)).collect();
+    let calls: Vec<Call> = later.into_iter().map(|i| app.spawn_enqueue(i)).collect();
     app.wait_for_metric(&format!("outbox_enqueue_calls_waiting {n}"))
         .await;
     sqlx::raw_sql("COMMIT").execute(&mut locker).await.unwrap();
@@ -153,14 +135,10 @@ async fn calls_waiting_with_one_idempotency_key_are_answered_as_if_one_ran_after
 #[tokio::test]
 async fn a_call_of_more_than_a_hundred_intents_does_not_wait_for_a_transaction_in_flight() {
     let app = TestApp::spawn().await;
-    let mut locker = PgConnection::connect(&app.url).await.unwrap();
-    sqlx::raw_sql("BEGIN; LOCK TABLE outbox.intent IN SHARE MODE")
-        .execute(&mut locker)
-        .await
-        .unwrap();
-    let first = spawn_enqueue(&app, vec![intent("first", "{}")]);
+    let mut locker = app.lock_intent_table().await;
+    let first = app.spawn_enqueue(vec![intent("first", "{}")]);
     app.wait_for_lock_waiters(1).await;
-    let large = spawn_enqueue(&app, vec![intent("large", "{}"); 101]);
+    let large = app.spawn_enqueue(vec![intent("large", "{}"); 101]);
     // Both reach PostgreSQL: the large call did not queue behind the first.
     app.wait_for_lock_waiters(2).await;
     sqlx::raw_sql("COMMIT").execute(&mut locker).await.unwrap();

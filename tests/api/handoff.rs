@@ -5,7 +5,6 @@
 use std::time::Duration;
 
 use outboxd::proto::v1;
-use sqlx::{Connection, PgConnection};
 
 use crate::helpers::{
     SERVICE_ROLE, TestApp, claim_request, delayed_intent, duration, id_of, intent, secs,
@@ -217,27 +216,13 @@ async fn an_intent_handed_to_a_claim_cancelled_before_the_enqueue_committed_is_c
     let app = TestApp::spawn().await;
     let claim = waiting_claim(&app, app.client(), "gone", 10, &[]).await;
     // The enqueue takes the claim, then waits behind a lock for the table.
-    let mut locker = PgConnection::connect(&app.url).await.unwrap();
-    sqlx::raw_sql("BEGIN; LOCK TABLE outbox.intent IN SHARE MODE")
-        .execute(&mut locker)
-        .await
-        .unwrap();
-    let enqueue = {
-        let mut client = app.client();
-        tokio::spawn(async move {
-            client
-                .enqueue(v1::EnqueueRequest {
-                    intents: vec![intent("job", "{}")],
-                    txn_token: String::new(),
-                })
-                .await
-        })
-    };
+    let mut locker = app.lock_intent_table().await;
+    let enqueue = app.spawn_enqueue(vec![intent("job", "{}")]);
     app.wait_for_lock_waiters(1).await;
     claim.abort(); // the worker gives up its long poll
     app.wait_for_metric("outbox_claims_waiting 0").await;
     sqlx::raw_sql("COMMIT").execute(&mut locker).await.unwrap();
-    let results = enqueue.await.unwrap().unwrap().into_inner().results;
+    let results = enqueue.await.unwrap().unwrap();
     let id = &results[0].id;
 
     // Leased to a claim that never answered: given back instead of held until it expires.

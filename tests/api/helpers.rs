@@ -282,6 +282,34 @@ impl TestApp {
         }
     }
 
+    /// A direct Enqueue of `intents` through a client of its own, running in the background.
+    pub fn spawn_enqueue(
+        &self,
+        intents: Vec<v1::NewIntent>,
+    ) -> tokio::task::JoinHandle<Result<Vec<v1::EnqueueResult>, Status>> {
+        let mut client = self.client();
+        tokio::spawn(async move {
+            client
+                .enqueue(v1::EnqueueRequest {
+                    intents,
+                    txn_token: String::new(),
+                })
+                .await
+                .map(|r| r.into_inner().results)
+        })
+    }
+
+    /// A session holding a SHARE lock on `outbox.intent` in an open transaction: every
+    /// insert waits behind it until `COMMIT` on that session.
+    pub async fn lock_intent_table(&self) -> PgConnection {
+        let mut locker = PgConnection::connect(&self.url).await.unwrap();
+        sqlx::raw_sql("BEGIN; LOCK TABLE outbox.intent IN SHARE MODE")
+            .execute(&mut locker)
+            .await
+            .unwrap();
+        locker
+    }
+
     /// Waits (with a deadline) until `n` sessions of the test database wait on a lock.
     pub async fn wait_for_lock_waiters(&self, n: i64) {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);

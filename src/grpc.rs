@@ -22,7 +22,7 @@ use crate::outbox::enqueue::DirectEnqueues;
 use crate::outbox::handoff::{self, Wanted};
 use crate::outbox::notify::PendingSignal;
 use crate::outbox::store::{self, BackoffParams, ClaimParams, DeliveredRows, TenantScope};
-use crate::outbox::{self, Clock, Error, FieldViolation, IntentId, IntentState, Reason};
+use crate::outbox::{self, Clock, Error, FieldViolation, Intent, IntentId, IntentState, Reason};
 use crate::proto::v1::outbox_service_server::{OutboxService, OutboxServiceServer};
 use crate::proto::v1::{self};
 use crate::telemetry::{self, TRACEPARENT};
@@ -60,7 +60,12 @@ fn direct_enqueues(
     clock: &Clock,
     metrics: &Metrics,
 ) -> Arc<DirectEnqueues> {
-    let release = handoff::give_back(pool.clone(), pending.clone(), clock.clone());
+    let release = handoff::give_back(
+        pool.clone(),
+        pending.clone(),
+        clock.clone(),
+        metrics.given_back.clone(),
+    );
     Arc::new(DirectEnqueues::new(metrics, release))
 }
 
@@ -230,6 +235,13 @@ impl OutboxHandler {
             again_in,
         })
     }
+
+    /// Intents an enqueue handed this claim, counted as they reach it (not as they are
+    /// sent: a claim cancelled before reading them has them given back instead).
+    fn received_handed_off(&self, intents: Vec<Intent>) -> Vec<Intent> {
+        self.metrics.handed_off.inc_by(intents.len() as u64);
+        intents
+    }
 }
 
 /// The gRPC code for a reason, for whole-call and per-item errors alike.
@@ -311,6 +323,10 @@ impl From<Error> for Status {
             Error::TxnFinished(_) => (
                 Reason::TxnCommitted,
                 error_info(Reason::TxnCommitted, HashMap::new()),
+            ),
+            Error::CommitOutcomeUnknown => (
+                Reason::Unavailable,
+                error_info(Reason::Unavailable, HashMap::new()),
             ),
             Error::Database(db) => {
                 let reason = database_reason(&db);
@@ -499,7 +515,7 @@ impl OutboxService for OutboxHandler {
             };
             whole_look = tokio::select! {
                 handed = handed => match handed {
-                    Some(intents) => break intents,
+                    Some(intents) => break self.received_handed_off(intents),
                     // The enqueue that took this claim failed: look again.
                     None => false,
                 },
@@ -516,7 +532,7 @@ impl OutboxService for OutboxHandler {
                 && !intents.is_empty()
             {
                 turn.pass();
-                break intents;
+                break self.received_handed_off(intents);
             }
         };
         let span = tracing::Span::current();

@@ -86,8 +86,11 @@ pub struct Metrics {
     pub claims_waiting: Gauge,
     /// Intents leased by Claim.
     pub claimed: Counter,
-    /// Of those, intents handed to a waiting Claim by the Enqueue that inserted them.
+    /// Of those, intents a waiting Claim received from the Enqueue that inserted them.
     pub handed_off: Counter,
+    /// Intents an Enqueue leased to a waiting Claim that never received them (its call
+    /// ended first, or the enqueue lost its COMMIT's answer), given back to PENDING.
+    pub given_back: Counter,
     /// Time from claimable (`available_at`) to claimed.
     pub enqueue_to_claim: HistogramFamily<MethodLabels>,
     /// Intents acknowledged.
@@ -133,6 +136,7 @@ impl Metrics {
             claims_waiting: Gauge::default(),
             claimed: Counter::default(),
             handed_off: Counter::default(),
+            given_back: Counter::default(),
             enqueue_to_claim: Family::new_with_constructor(wait_histogram),
             acked: Counter::default(),
             failed: Family::default(),
@@ -177,6 +181,12 @@ impl Metrics {
             "Intents an Enqueue inserted leased to a Claim of this server waiting for them \
              (counted in claimed too)",
             m.handed_off.clone(),
+        );
+        r.register(
+            "intents_given_back",
+            "Intents an Enqueue leased to a waiting Claim that never received them, given \
+             back to pending with the attempt uncounted",
+            m.given_back.clone(),
         );
         r.register(
             "claims_waiting",

@@ -39,7 +39,6 @@ pub struct DirectEnqueues {
 #[derive(Debug, Clone)]
 struct DirectInserts {
     transactions: Counter,
-    handed_off: Counter,
     handoffs: Arc<Handoffs>,
 }
 
@@ -50,11 +49,11 @@ impl DirectEnqueues {
         Self {
             groups: GroupCommit::new(
                 fits_shared_transaction,
+                commit_outcome_unknown,
                 metrics.enqueue_calls_waiting.clone(),
             ),
             inserts: DirectInserts {
                 transactions: metrics.enqueue_transactions.clone(),
-                handed_off: metrics.handed_off.clone(),
                 handoffs: Arc::new(Handoffs::new(release)),
             },
         }
@@ -83,6 +82,13 @@ fn fits_shared_transaction(batch: &[Arc<Vec<NewIntent>>], call: &Vec<NewIntent>)
     call.iter()
         .filter_map(|i| i.idempotency_key.as_deref())
         .all(|k| !keys.contains(k))
+}
+
+/// A shared transaction whose COMMIT lost its answer may have recorded its calls' intents:
+/// running them again alone would record those without idempotency keys twice, so each
+/// call is answered that its outcome is unknown, as a call alone would be.
+fn commit_outcome_unknown(e: &Error) -> Option<Error> {
+    matches!(e, Error::CommitOutcomeUnknown).then_some(Error::CommitOutcomeUnknown)
 }
 
 /// A transaction for `tenant_id`'s enqueue: its statements are planned once per
@@ -138,17 +144,22 @@ async fn insert_direct(
     )
     .await?;
     if let Err(e) = tx.commit().await {
-        // The COMMIT may have happened, its answer lost: nobody has what it leased.
+        tracing::error!(
+            error.cause_chain = ?e,
+            error.message = %e,
+            "the COMMIT of an enqueue failed; its intents may have been recorded"
+        );
+        // The COMMIT may have happened, its answer lost: nobody has what it leased, and
+        // its calls must not run again (`commit_outcome_unknown`).
         direct
             .handoffs
             .release(&TenantScope::one(tenant_id), inserted.leased);
-        return Err(e.into());
+        return Err(Error::CommitOutcomeUnknown);
     }
     direct.transactions.inc();
     if let Some(taken) = taken {
         let ids: Vec<_> = inserted.enqueued.iter().map(|e| e.id).collect();
-        let delivered = taken.hand_over(&ids, inserted.leased);
-        direct.handed_off.inc_by(delivered as u64);
+        taken.hand_over(&ids, inserted.leased);
     }
     let mut results = inserted.enqueued.into_iter();
     Ok(calls

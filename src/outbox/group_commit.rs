@@ -6,7 +6,9 @@
 //! quiet server answers as fast as without grouping. Each caller still gets its own answer,
 //! only after the shared transaction has committed. When the shared transaction fails, every
 //! call in it runs again alone, so one bad call (an idempotency conflict, say) fails only
-//! itself and never its neighbours.
+//! itself and never its neighbours; unless it failed in a way that may have committed it
+//! (its COMMIT's answer lost): then every call gets that error, as it would alone, and none
+//! runs again, which could record it twice.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -29,9 +31,17 @@ type Groups<K, I, O, E> = Arc<Mutex<HashMap<K, Vec<Waiter<I, O, E>>>>>;
 /// batch that already holds `batch` (a size limit, no shared idempotency key, …).
 pub struct GroupCommit<K, I, O, E> {
     groups: Groups<K, I, O, E>,
-    fits: fn(&[Arc<I>], &I) -> bool,
+    fits: Fits<I>,
+    may_have_committed: MayHaveCommitted<E>,
     waiting: Gauge,
 }
+
+/// Whether an item may join a batch that already holds the given ones.
+type Fits<I> = fn(&[Arc<I>], &I) -> bool;
+
+/// For an error after which a transaction may have committed, the error each of its calls
+/// gets instead of running again alone; `None` for an error that rolled it back.
+type MayHaveCommitted<E> = fn(&E) -> Option<E>;
 
 impl<K, I, O, E> std::fmt::Debug for GroupCommit<K, I, O, E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -49,12 +59,15 @@ where
     O: Send + 'static,
     E: From<sqlx::Error> + Send + 'static,
 {
-    /// A grouper whose batches take items while `fits` allows; `waiting` counts the calls
-    /// waiting for their group's transaction in flight.
-    pub fn new(fits: fn(&[Arc<I>], &I) -> bool, waiting: Gauge) -> Self {
+    /// A grouper whose batches take items while `fits` allows, and whose failed batches
+    /// run each call again alone unless `may_have_committed` gives the error to answer
+    /// them all with; `waiting` counts the calls waiting for their group's transaction in
+    /// flight.
+    pub fn new(fits: Fits<I>, may_have_committed: MayHaveCommitted<E>, waiting: Gauge) -> Self {
         Self {
             groups: Arc::default(),
             fits,
+            may_have_committed,
             waiting,
         }
     }
@@ -98,7 +111,7 @@ where
                 Arc::clone(&self.groups),
                 key,
                 vec![first],
-                self.fits,
+                (self.fits, self.may_have_committed),
                 self.waiting.clone(),
                 run,
             ));
@@ -114,7 +127,7 @@ async fn drive<K, I, O, E, F, Fut>(
     groups: Groups<K, I, O, E>,
     key: K,
     mut batch: Vec<Waiter<I, O, E>>,
-    fits: fn(&[Arc<I>], &I) -> bool,
+    (fits, may_have_committed): (Fits<I>, MayHaveCommitted<E>),
     waiting_gauge: Gauge,
     run: F,
 ) where
@@ -124,7 +137,7 @@ async fn drive<K, I, O, E, F, Fut>(
     Fut: Future<Output = Result<Vec<O>, E>>,
 {
     loop {
-        run_batch(batch, &run).await;
+        run_batch(batch, may_have_committed, &run).await;
         let mut groups = lock(&groups);
         let Some(waiting) = groups.get_mut(&key).filter(|w| !w.is_empty()) else {
             groups.remove(&key);
@@ -136,10 +149,7 @@ async fn drive<K, I, O, E, F, Fut>(
 }
 
 /// The waiting calls that go next: in arrival order, each that fits the batch so far.
-fn take_batch<I, O, E>(
-    waiting: &mut Vec<Waiter<I, O, E>>,
-    fits: fn(&[Arc<I>], &I) -> bool,
-) -> Vec<Waiter<I, O, E>> {
+fn take_batch<I, O, E>(waiting: &mut Vec<Waiter<I, O, E>>, fits: Fits<I>) -> Vec<Waiter<I, O, E>> {
     let mut items: Vec<Arc<I>> = Vec::new();
     let mut batch = Vec::new();
     let mut later = Vec::new();
@@ -155,23 +165,37 @@ fn take_batch<I, O, E>(
     batch
 }
 
-/// One transaction for the whole batch; on failure, one for each of its calls.
-async fn run_batch<I, O, E, F, Fut>(batch: Vec<Waiter<I, O, E>>, run: &F)
-where
+/// One transaction for the whole batch; on a failure that rolled it back, one for each of
+/// its calls.
+async fn run_batch<I, O, E, F, Fut>(
+    batch: Vec<Waiter<I, O, E>>,
+    may_have_committed: MayHaveCommitted<E>,
+    run: &F,
+) where
     E: From<sqlx::Error>,
     F: Fn(Vec<Arc<I>>) -> Fut,
     Fut: Future<Output = Result<Vec<O>, E>>,
 {
     if batch.len() > 1 {
         let items = batch.iter().map(|w| Arc::clone(&w.item)).collect();
-        if let Ok(outputs) = run(items).await
-            && outputs.len() == batch.len()
-        {
-            for (waiter, output) in batch.into_iter().zip(outputs) {
-                // A caller that went away no longer wants its answer; its work is done.
-                let _ = waiter.answer.send(Ok(output));
+        match run(items).await {
+            Ok(outputs) if outputs.len() == batch.len() => {
+                for (waiter, output) in batch.into_iter().zip(outputs) {
+                    // A caller that went away no longer wants its answer; its work is done.
+                    let _ = waiter.answer.send(Ok(output));
+                }
+                return;
             }
-            return;
+            Err(e) => {
+                let errors: Option<Vec<E>> = batch.iter().map(|_| may_have_committed(&e)).collect();
+                if let Some(errors) = errors {
+                    for (waiter, error) in batch.into_iter().zip(errors) {
+                        let _ = waiter.answer.send(Err(error));
+                    }
+                    return;
+                }
+            }
+            Ok(_) => {}
         }
     }
     for waiter in batch {
@@ -201,6 +225,11 @@ mod tests {
         batch.len() < 3
     }
 
+    /// An I/O error stands for a COMMIT whose answer was lost; any other rolled back.
+    fn lost_commit(e: &sqlx::Error) -> Option<sqlx::Error> {
+        matches!(e, sqlx::Error::Io(_)).then(|| sqlx::Error::Io(std::io::Error::other("lost")))
+    }
+
     fn waiting(grouper: &Grouper, key: &str) -> usize {
         lock(&grouper.groups).get(key).map_or(0, Vec::len)
     }
@@ -223,7 +252,7 @@ mod tests {
 
     #[tokio::test]
     async fn calls_arriving_during_a_transaction_run_together_in_the_next_one() {
-        let grouper = Arc::new(Grouper::new(at_most_three, Gauge::default()));
+        let grouper = Arc::new(Grouper::new(at_most_three, lost_commit, Gauge::default()));
         let gate = Arc::new(Notify::new());
         let batches: Arc<Mutex<Vec<Vec<u32>>>> = Arc::default();
         let run = {
@@ -268,7 +297,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_failing_batch_runs_each_call_alone_so_only_the_bad_one_fails() {
-        let grouper = Arc::new(Grouper::new(at_most_three, Gauge::default()));
+        let grouper = Arc::new(Grouper::new(at_most_three, lost_commit, Gauge::default()));
         let gate = Arc::new(Notify::new());
         let runs = Arc::new(AtomicUsize::new(0));
         let run = {
@@ -312,8 +341,46 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_batch_that_may_have_committed_answers_each_call_its_error_and_runs_none_again() {
+        let grouper = Arc::new(Grouper::new(at_most_three, lost_commit, Gauge::default()));
+        let gate = Arc::new(Notify::new());
+        let runs = Arc::new(AtomicUsize::new(0));
+        let run = {
+            let (gate, runs) = (Arc::clone(&gate), Arc::clone(&runs));
+            move |items: Vec<Arc<u32>>| {
+                let (gate, runs) = (Arc::clone(&gate), Arc::clone(&runs));
+                async move {
+                    if runs.fetch_add(1, Ordering::SeqCst) == 0 {
+                        gate.notified().await;
+                        return Ok(items.iter().map(|i| **i).collect());
+                    }
+                    Err(sqlx::Error::Io(std::io::Error::other("connection reset")))
+                }
+            }
+        };
+        let first = tokio::spawn({
+            let (g, run) = (Arc::clone(&grouper), run.clone());
+            async move { g.submit("t", 1, run).await }
+        });
+        until("the first run to start", || runs.load(Ordering::SeqCst) > 0).await;
+        let mut rest = Vec::new();
+        for v in [2, 3, 4] {
+            let (g, run) = (Arc::clone(&grouper), run.clone());
+            rest.push(tokio::spawn(async move { g.submit("t", v, run).await }));
+        }
+        until("three calls to wait", || waiting(&grouper, "t") >= 3).await;
+        gate.notify_one();
+        assert_eq!(first.await.unwrap().unwrap(), 1);
+        for call in rest {
+            assert!(matches!(call.await.unwrap(), Err(sqlx::Error::Io(_))));
+        }
+        // 1 alone, then the batch of three, whose calls are not run again.
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
     async fn groups_of_other_keys_do_not_wait_for_each_other() {
-        let grouper = Arc::new(Grouper::new(at_most_three, Gauge::default()));
+        let grouper = Arc::new(Grouper::new(at_most_three, lost_commit, Gauge::default()));
         let gate = Arc::new(Notify::new());
         let run_blocked = {
             let gate = Arc::clone(&gate);

@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
 use sqlx::PgPool;
 use tokio::sync::oneshot;
 
@@ -45,9 +46,15 @@ pub const WITHDRAW_WAIT: Duration = Duration::from_secs(1);
 /// Called with the claimer's tenants and the intents, from synchronous code.
 pub type Release = Arc<dyn Fn(&TenantScope, Vec<Intent>) + Send + Sync>;
 
-/// The [`Release`] of a server: gives the leases back in a task of their own and
-/// announces them as claimable. Where that fails they stay leased until they expire.
-pub fn give_back(pool: PgPool, pending: PendingSignal, clock: Clock) -> Release {
+/// The [`Release`] of a server: gives the leases back in a task of their own, counts them
+/// into `given_back` and announces them as claimable. Where that fails they stay leased
+/// until they expire.
+pub fn give_back(
+    pool: PgPool,
+    pending: PendingSignal,
+    clock: Clock,
+    given_back: Counter,
+) -> Release {
     Arc::new(move |scope, intents| {
         let leases: Vec<_> = intents
             .iter()
@@ -60,13 +67,19 @@ pub fn give_back(pool: PgPool, pending: PendingSignal, clock: Clock) -> Release 
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (pool, pending, clock, scope) =
-            (pool.clone(), pending.clone(), clock.clone(), scope.clone());
+        let (pool, pending, clock, scope, given_back) = (
+            pool.clone(),
+            pending.clone(),
+            clock.clone(),
+            scope.clone(),
+            given_back.clone(),
+        );
         runtime.spawn(async move {
             match store::release_leases(&pool, &scope, &leases, clock.now()).await {
                 Ok(0) => {}
                 Ok(released) => {
                     tracing::debug!(released, "gave back leases no claimer received");
+                    given_back.inc_by(released);
                     pending.announce();
                 }
                 Err(e) => tracing::warn!(
@@ -171,16 +184,29 @@ impl Handoffs {
         // any leave the list.
         let mut counts = vec![0usize; waiting.len()];
         let mut room: usize = waiting.iter().map(|w| w.wanted.max_intents).sum();
+        // Where the search for each (kind, region) resumes: a claimer passed over for one
+        // (full, or not taking it) never takes it later in the batch, so the list is walked
+        // at most once per (kind, region), not once per intent, while it is locked.
+        let mut resume_at: HashMap<(&str, &str), usize> = HashMap::new();
         let lease_of: Vec<Option<usize>> = intents
             .iter()
             .map(|intent| {
                 if room == 0 || !matches!(intent.schedule, Schedule::Now) {
                     return None;
                 }
+                let from = resume_at
+                    .entry((intent.kind.as_str(), intent.region.as_str()))
+                    .or_insert(0);
                 // (A claimer whose call is gone has left the list: its Waiter was dropped.)
-                let at = waiting.iter().zip(&counts).position(|(w, n)| {
-                    *n < w.wanted.max_intents && w.wanted.takes(tenant, intent)
-                })?;
+                let found = waiting[*from..]
+                    .iter()
+                    .zip(&counts[*from..])
+                    .position(|(w, n)| *n < w.wanted.max_intents && w.wanted.takes(tenant, intent));
+                let Some(at) = found.map(|skipped| *from + skipped) else {
+                    *from = waiting.len();
+                    return None;
+                };
+                *from = at;
                 counts[at] += 1;
                 room -= 1;
                 Some(at)
@@ -448,6 +474,45 @@ mod tests {
         );
         assert_eq!(taken.leases().flatten().count(), 3);
         assert!(handoffs.take("t", &batch).is_none(), "both were taken");
+    }
+
+    #[test]
+    fn interleaved_kinds_and_regions_each_go_to_their_longest_waiting_claimer_with_room() {
+        let handoffs = handoffs();
+        let mut eu = wanted("eu", &["sms"], 2);
+        eu.region = "eu".to_owned();
+        let _eu = handoffs.wait(eu);
+        let _sms = handoffs.wait(wanted("sms", &["sms"], 1));
+        let _any = handoffs.wait(wanted("any", &[], 2));
+        let in_region = |kind: &str, region: &str| {
+            let mut i = intent(kind);
+            region.clone_into(&mut i.region);
+            i
+        };
+        let batch = [
+            in_region("sms", "us"),
+            intent("sms"),
+            in_region("sms", "us"),
+            intent("push"),
+            intent("push"),
+            in_region("sms", "us"),
+            intent("sms"),
+            intent("push"),
+        ];
+        let taken = handoffs.take("t", &batch).unwrap();
+        assert_eq!(
+            workers(&taken),
+            [
+                Some("sms"), // eu does not take region us
+                Some("eu"),
+                Some("any"), // sms is full
+                Some("any"),
+                None, // any is full, and the others take only sms
+                None, // any and sms full, eu not in us: eu's room stays for
+                Some("eu"),
+                None, // nobody has room
+            ]
+        );
     }
 
     #[test]

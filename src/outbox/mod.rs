@@ -467,6 +467,14 @@ pub enum Error {
     /// The producer transaction of a two-phase enqueue is no longer open.
     #[error("{0}")]
     TxnFinished(String),
+    /// The connection to the database failed while a transaction committed: it may or may
+    /// not have committed (the cause is logged where it happened).
+    #[error(
+        "the database connection failed while committing: the intents may or may not have been \
+         recorded; retry with the same idempotency keys (an intent without one may then be \
+         recorded twice)"
+    )]
+    CommitOutcomeUnknown,
     /// A database failure.
     #[error(transparent)]
     Database(#[from] sqlx::Error),

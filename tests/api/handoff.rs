@@ -236,4 +236,6 @@ async fn an_intent_handed_to_a_claim_cancelled_before_the_enqueue_committed_is_c
     );
     app.wait_for_metric("outbox_intents_handed_off_total 0")
         .await;
+    app.wait_for_metric("outbox_intents_given_back_total 1")
+        .await;
 }

@@ -113,7 +113,13 @@ impl OutboxHandler {
             token,
             self.clock.now(),
         )
-        .await?;
+        .await
+        .inspect_err(|e| {
+            // They may be PENDING: claimers look rather than wait for their recheck.
+            if direct && matches!(e, Error::CommitOutcomeUnknown) {
+                self.pending.announce();
+            }
+        })?;
         let recorded = results.iter().filter(|r| !r.deduplicated).count();
         let handed_off = results.iter().filter(|r| r.handed_off).count();
         // Committed: wake claimers (delayed intents too, so a claimer's sleep is cut to the

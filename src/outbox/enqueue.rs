@@ -143,18 +143,13 @@ async fn insert_direct(
         },
     )
     .await?;
-    if let Err(e) = tx.commit().await {
-        tracing::error!(
-            error.cause_chain = ?e,
-            error.message = %e,
-            "the COMMIT of an enqueue failed; its intents may have been recorded"
-        );
+    if let Err(e) = commit(tx).await {
         // The COMMIT may have happened, its answer lost: nobody has what it leased, and
         // its calls must not run again (`commit_outcome_unknown`).
         direct
             .handoffs
             .release(&TenantScope::one(tenant_id), inserted.leased);
-        return Err(Error::CommitOutcomeUnknown);
+        return Err(e);
     }
     direct.transactions.inc();
     if let Some(taken) = taken {
@@ -284,8 +279,22 @@ pub async fn enqueue(
         },
     )
     .await?;
-    tx.commit().await?;
+    commit(tx).await?;
     Ok(results.enqueued)
+}
+
+/// Commits an enqueue's transaction. A COMMIT that failed may have happened (the
+/// connection lost before its answer): the caller is told its outcome is unknown, and the
+/// cause goes to the log.
+async fn commit(tx: sqlx::Transaction<'static, sqlx::Postgres>) -> Result<()> {
+    tx.commit().await.map_err(|e| {
+        tracing::error!(
+            error.cause_chain = ?e,
+            error.message = %e,
+            "the COMMIT of an enqueue failed; its intents may have been recorded"
+        );
+        Error::CommitOutcomeUnknown
+    })
 }
 
 fn bad_token(description: String) -> Error {

@@ -20,8 +20,10 @@ pub const PLAIN_TOKEN_SQL: &str = "SELECT 'v2.' || system_identifier || '.' || \
 /// A parsed two-phase token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TxnToken {
-    /// `system_identifier` of the producer's cluster (`pg_control_system()`).
-    pub system_identifier: u64,
+    /// `system_identifier` of the producer's cluster (`pg_control_system()`), as the
+    /// signed bigint PostgreSQL prints: negative for clusters created from 2038-01-19 on
+    /// (the identifier's top bits are the creation time in seconds).
+    pub system_identifier: i64,
     /// `outbox.server_incarnation()` when the token was taken.
     pub incarnation: u64,
     /// Full 64-bit transaction id (`pg_current_xact_id()`).
@@ -57,18 +59,22 @@ impl FromStr for TxnToken {
             Some("v1") => return Err(TokenError::Retired),
             _ => return Err(TokenError::Malformed),
         }
-        let mut number = || {
+        let mut digits = |sign_allowed: bool| {
             let p = parts.next().ok_or(TokenError::Malformed)?;
-            // u64::from_str accepts a leading '+'; a token never has one.
-            if p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit()) {
+            let unsigned = match p.strip_prefix('-') {
+                Some(rest) if sign_allowed => rest,
+                _ => p,
+            };
+            // from_str accepts a leading '+'; a token never has one.
+            if unsigned.is_empty() || !unsigned.bytes().all(|b| b.is_ascii_digit()) {
                 return Err(TokenError::Malformed);
             }
-            p.parse::<u64>().map_err(|_| TokenError::Malformed)
+            Ok(p)
         };
         let token = Self {
-            system_identifier: number()?,
-            incarnation: number()?,
-            xid: number()?,
+            system_identifier: digits(true)?.parse().map_err(|_| TokenError::Malformed)?,
+            incarnation: digits(false)?.parse().map_err(|_| TokenError::Malformed)?,
+            xid: digits(false)?.parse().map_err(|_| TokenError::Malformed)?,
         };
         match parts.next() {
             None => Ok(token),
@@ -113,6 +119,28 @@ mod tests {
             "v2.1.2.+3",
             "v2.1..3",
             "v2.1.2.99999999999999999999",
+        ] {
+            assert_eq!(bad.parse::<TxnToken>(), Err(TokenError::Malformed), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_token_of_a_cluster_created_after_2038_has_a_negative_system_identifier() {
+        // 2^31 seconds since 1970 in the top 32 bits: PostgreSQL's bigint prints it negative.
+        let t: TxnToken = "v2.-9223372036854775807.1796025600123456.7421"
+            .parse()
+            .unwrap();
+        assert_eq!(t.system_identifier, -9223372036854775807);
+        assert_eq!(
+            t.to_string(),
+            "v2.-9223372036854775807.1796025600123456.7421"
+        );
+        for bad in [
+            "v2.-.2.3",
+            "v2.--1.2.3",
+            "v2.1.-2.3",
+            "v2.1.2.-3",
+            "v2.+1.2.3",
         ] {
             assert_eq!(bad.parse::<TxnToken>(), Err(TokenError::Malformed), "{bad}");
         }

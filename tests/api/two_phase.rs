@@ -9,7 +9,7 @@ use sqlx::{Connection, PgConnection};
 use tonic::{Code, Status};
 
 use crate::helpers::{
-    TestApp, assert_status, claim_request, duration, id_of, intent, other_database, secs,
+    TENANT, TestApp, assert_status, claim_request, duration, id_of, intent, other_database, secs,
 };
 
 use outboxd::outbox::token::PLAIN_TOKEN_SQL;
@@ -579,4 +579,44 @@ async fn an_intent_of_a_transaction_held_open_is_available_from_its_commit_and_c
     let committed_at = app.clock.now().unwrap();
     let available = secs(&leases[0].intent.as_ref().unwrap().available_at);
     assert!((available - committed_at.timestamp_micros() as f64 / 1e6).abs() < 0.001);
+}
+
+#[tokio::test]
+async fn an_intent_staged_under_a_transaction_id_this_cluster_never_handed_out_goes_to_reconcile_and_holds_up_no_one()
+ {
+    let app = TestApp::spawn().await;
+    // As if restored from another cluster, whose transaction ids had run ahead of this one's.
+    let restored: String = sqlx::query_scalar(
+        "INSERT INTO outbox.intent (id, tenant_id, kind, payload, state, max_attempts, \
+                                    available_at, created_at, updated_at, txn_xid) \
+         VALUES (gen_random_uuid(), $1, 'restored', '', 'staged', 5, now(), now(), now(), \
+                 (pg_current_xact_id()::text::bigint + 1000000000)::text::xid8) \
+         RETURNING id::text",
+    )
+    .bind(TENANT)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    let mut producer = app.producer().await;
+    let mut tx = producer.begin().await.unwrap();
+    let token = token_of(&mut tx).await;
+    let results = enqueue_in(&app, &token, vec![intent("order.created", "{}")])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    assert_eq!(
+        claim_waiting(&app, Duration::from_secs(10)).await,
+        [results[0].id.clone()],
+        "promoted although the sweep also met an id it cannot look up"
+    );
+    app.wait_for_state(&restored, IntentState::NeedsReconcile)
+        .await;
+    assert!(
+        app.intent(&restored)
+            .await
+            .last_error
+            .contains("not handed out by this cluster"),
+        "the operator is told why"
+    );
 }

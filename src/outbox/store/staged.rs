@@ -152,10 +152,16 @@ pub async fn promote_staged_intents(
         ),
         -- Open transactions are skipped before the LIMIT, so a producer holding its
         -- transaction open never starves the promotion of anyone else's intents.
-        finished_xids AS (
-            SELECT txn_xid, pg_xact_status(txn_xid) AS status
+        -- outbox.xact_status, not pg_xact_status: an id this cluster has not handed out
+        -- yet (rows restored into another cluster) must not fail the sweep for everyone.
+        xid_statuses AS (
+            SELECT txn_xid, outbox.xact_status(txn_xid) AS status
             FROM staged_xids
-            WHERE pg_xact_status(txn_xid) IS DISTINCT FROM 'in progress'
+        ),
+        finished_xids AS (
+            SELECT txn_xid, status
+            FROM xid_statuses
+            WHERE status <> 'in progress'
         ),
         finished AS (
             SELECT i.id, f.status
@@ -180,8 +186,13 @@ pub async fn promote_staged_intents(
                 available_at = CASE WHEN finished.status = 'committed'
                                     THEN greatest(i.available_at, coalesce($2::timestamptz, now()))
                                     ELSE i.available_at END,
-                last_error = CASE WHEN finished.status IS NULL
-                    THEN 'producer transaction too old to tell whether it committed' END,
+                last_error = CASE finished.status
+                    WHEN 'forgotten'
+                        THEN 'producer transaction too old to tell whether it committed'
+                    WHEN 'future'
+                        THEN 'producer transaction id not handed out by this cluster yet '
+                             '(intents restored from another cluster?)'
+                    END,
                 updated_at = coalesce($2::timestamptz, now())
             FROM finished
             WHERE i.id = finished.id

@@ -15,6 +15,7 @@ use tracing::Instrument;
 
 use crate::auth::{Authenticator, Caller, Permission, TENANT_HEADER};
 use crate::config::{Limits, Settings};
+use crate::deadline::{bounded_wait, caller_timeout};
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::outbox::claim_floor::ClaimFloors;
 use crate::outbox::drained::{DrainedGroups, Seen};
@@ -444,6 +445,7 @@ impl OutboxService for OutboxHandler {
     )]
     async fn claim(&self, request: Request<v1::ClaimRequest>) -> RpcResult<v1::ClaimResponse> {
         let (caller, scope) = self.access(&request, Permission::Consume).await?;
+        let caller_timeout = caller_timeout(request.metadata());
         let claim = validate::claim(request.into_inner(), &self.limits)?;
         caller.require_region("region", &claim.region)?;
         tracing::Span::current().record("claim.worker", claim.worker_id.as_str());
@@ -457,7 +459,9 @@ impl OutboxService for OutboxHandler {
             now: self.clock.now(),
             look_back_to: None,
         };
-        let deadline = Instant::now() + claim.wait;
+        // Before the caller's own deadline, if it set one: an answer it no longer waits for
+        // would take its leases with it.
+        let deadline = Instant::now() + bounded_wait(claim.wait, caller_timeout);
         let mut woken = self.pending.subscribe();
         let group = format!("{scope:?} {:?} {:?}", claim.region, claim.kinds);
         let turn = self.pending.turn(group.clone());

@@ -7,6 +7,7 @@ pub mod cli;
 pub mod client;
 pub mod codec;
 pub mod config;
+pub mod deadline;
 pub mod embedded;
 pub mod grpc;
 pub mod metrics;

@@ -213,6 +213,22 @@ async fn a_waiting_claim_answers_empty_when_the_wait_elapses() {
 }
 
 #[tokio::test]
+async fn a_long_poll_answers_before_the_deadline_its_caller_set() {
+    let app = TestApp::spawn().await;
+    let mut request = tonic::Request::new(claim_request("w", 10));
+    request.get_mut().wait = Some(duration(Duration::from_secs(60)));
+    request.set_timeout(Duration::from_millis(500)); // the grpc-timeout header
+    let answer = app.client().claim(request).await;
+    assert!(
+        answer
+            .expect("answered, not cut off by the deadline")
+            .into_inner()
+            .leases
+            .is_empty()
+    );
+}
+
+#[tokio::test]
 async fn stopping_the_server_answers_waiting_claims() {
     let app = TestApp::spawn().await;
     let mut request = claim_request("w", 10);

@@ -573,6 +573,11 @@ impl Settings {
             m.backoff.base <= m.backoff.cap,
             "OUTBOX_RETRY__BASE must not exceed OUTBOX_RETRY__CAP",
         );
+        // A cap past PostgreSQL's timestamps would fail every rescue batch, for good.
+        check(
+            m.backoff.cap <= Limits::DURATION_CEILING,
+            "OUTBOX_RETRY__CAP must not exceed 3660d",
+        );
         check(
             self.max_connections >= 2,
             "OUTBOX_DATABASE__MAX_CONNECTIONS must be at least 2",

@@ -113,7 +113,9 @@ pub async fn purge_all(pool: &PgPool, config: &MaintenanceConfig, clock: &Clock)
 }
 
 /// Runs both sweeps on their intervals until `shutdown`. Failures are logged and retried
-/// on the next tick: a database outage must not stop the sweeps for good.
+/// on the next tick: a database outage must not stop the sweeps for good. Each sweep has
+/// its own schedule, so a long purge (a large backlog past retention) never holds up the
+/// lease rescue.
 pub async fn run_until_stopped(
     pool: PgPool,
     config: MaintenanceConfig,
@@ -121,29 +123,43 @@ pub async fn run_until_stopped(
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) {
-    let mut rescue = tokio::time::interval(config.rescue_interval);
-    let mut purge = tokio::time::interval(config.purge_interval);
-    rescue.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    purge.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let rescue = every(config.rescue_interval, &shutdown, || async {
+        match rescue_all(&pool, &config, &clock).await {
+            Ok(report) => metrics.record_sweep(&report),
+            Err(e) => tracing::warn!(error.message = %e, "lease rescue failed; will retry"),
+        }
+    });
+    let purge = every(config.purge_interval, &shutdown, || async {
+        match purge_all(&pool, &config, &clock).await {
+            Ok(0) => {}
+            Ok(n) => {
+                metrics.purged.inc_by(n);
+                tracing::info!(intents.purged = n, "purged finished intents");
+            }
+            Err(e) => tracing::warn!(error.message = %e, "retention purge failed; will retry"),
+        }
+    });
+    tokio::join!(rescue, purge);
+}
+
+/// Runs `sweep` every `period` (a sweep that overran delays the next) until `shutdown`,
+/// which also ends a sweep in flight: each of its batches commits on its own, so one cut
+/// short leaves nothing half done.
+async fn every<F, Fut>(period: Duration, shutdown: &CancellationToken, mut sweep: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let mut ticks = tokio::time::interval(period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = rescue.tick() => {
-                match rescue_all(&pool, &config, &clock).await {
-                    Ok(report) => metrics.record_sweep(&report),
-                    Err(e) => tracing::warn!(error.message = %e, "lease rescue failed; will retry"),
-                }
-            }
-            _ = purge.tick() => {
-                match purge_all(&pool, &config, &clock).await {
-                    Ok(0) => {}
-                    Ok(n) => {
-                        metrics.purged.inc_by(n);
-                        tracing::info!(intents.purged = n, "purged finished intents");
-                    }
-                    Err(e) => tracing::warn!(error.message = %e, "retention purge failed; will retry"),
-                }
-            }
+            () = shutdown.cancelled() => return,
+            _ = ticks.tick() => {}
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = sweep() => {}
         }
     }
 }

@@ -837,6 +837,7 @@ fn limit_variables_override_defaults_and_inconsistent_ones_are_refused() {
         ("OUTBOX_LIMITS__MAX_KINDS", "0"),
         ("OUTBOX_LIMITS__MAX_DELAY", "100000d"),
         ("OUTBOX_LEASE__MAX", "5000d"),
+        ("OUTBOX_RETRY__CAP", "100000d"),
     ]))
     .unwrap_err();
     for variable in [
@@ -846,6 +847,7 @@ fn limit_variables_override_defaults_and_inconsistent_ones_are_refused() {
         "OUTBOX_LIMITS__MAX_KINDS",
         "OUTBOX_LIMITS__MAX_DELAY",
         "OUTBOX_LEASE__MAX",
+        "OUTBOX_RETRY__CAP",
     ] {
         assert!(
             err.0.iter().any(|e| e.starts_with(variable)),

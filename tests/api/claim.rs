@@ -129,6 +129,13 @@ async fn retrying_a_claim_with_the_same_request_id_returns_the_same_leases() {
             .all(|l| !first.iter().any(|f| f.lease_id == l.lease_id))
     );
 
+    let mut other_kinds = request.clone();
+    other_kinds.kinds = vec!["report".into()];
+    assert!(
+        app.claim(other_kinds).await.unwrap().is_empty(),
+        "a replay answers only the leases its own filters take"
+    );
+
     let mut next = request;
     next.request_id = "req-2".into();
     assert_eq!(

@@ -475,3 +475,29 @@ async fn a_fleet_key_works_across_its_tenants_and_names_one_to_enqueue() {
         2
     );
 }
+
+#[tokio::test]
+async fn a_key_bound_to_a_region_cannot_take_another_regions_leases_by_replaying_their_claim() {
+    let app = TestApp::spawn().await;
+    let mut us = intent("k", "{}");
+    us.region = "us".into();
+    app.enqueue(vec![us]).await.unwrap();
+    let mut in_us = claim_request("w", 1);
+    in_us.region = "us".into();
+    in_us.request_id = "r1".into();
+    let theirs = app.claim(in_us.clone()).await.unwrap();
+    assert_eq!(theirs.len(), 1);
+
+    // Same worker id and request id, from a key of region eu.
+    let eu_key = app.key(&["acme"], &["consume"], &["eu"]).await;
+    let mut eu = app.client_with(Some(&eu_key), None).await;
+    let mut replay = in_us.clone();
+    replay.region = "eu".into();
+    let leases = eu.claim(replay).await.unwrap().into_inner().leases;
+    assert!(leases.is_empty(), "got another region's leases: {leases:?}");
+    assert_eq!(
+        app.claim(in_us).await.unwrap()[0].lease_id,
+        theirs[0].lease_id,
+        "the worker's own replay still answers them"
+    );
+}

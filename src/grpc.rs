@@ -544,6 +544,10 @@ impl OutboxService for OutboxHandler {
                 turn.pass();
                 break self.received_handed_off(intents);
             }
+            // Shutting down: answer without leasing more, as the README promises.
+            if self.shutdown.is_cancelled() {
+                break Vec::new();
+            }
         };
         let span = tracing::Span::current();
         span.record("messaging.batch.message_count", intents.len());

@@ -25,7 +25,7 @@ SET enable_bitmapscan = off
 AS $$
 DECLARE
     -- The bounds as variables (parameters to the planner), not as expressions in the query:
-    -- see the note on row-level security above.
+    -- see the note on row-level security in migration 20261201000008.
     claim_at timestamptz := coalesce(as_of, now());
     claim_from timestamptz := coalesce(look_back_to, '-infinity');
 BEGIN

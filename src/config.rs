@@ -573,7 +573,8 @@ impl Settings {
             m.backoff.base <= m.backoff.cap,
             "OUTBOX_RETRY__BASE must not exceed OUTBOX_RETRY__CAP",
         );
-        // A cap past PostgreSQL's timestamps would fail every rescue batch, for good.
+        // A cap past PostgreSQL's timestamps would fail every rescue batch and every Fail
+        // that retries, for good.
         check(
             m.backoff.cap <= Limits::DURATION_CEILING,
             "OUTBOX_RETRY__CAP must not exceed 3660d",

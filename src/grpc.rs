@@ -265,7 +265,7 @@ pub fn code_of(reason: Reason) -> Code {
         Reason::IdempotencyConflict => Code::AlreadyExists,
         Reason::TxnAborted | Reason::IdempotencyKeyInUse => Code::Aborted,
         Reason::TxnCommitted => Code::FailedPrecondition,
-        Reason::Unavailable => Code::Unavailable,
+        Reason::Unavailable | Reason::CommitOutcomeUnknown => Code::Unavailable,
         Reason::Conflict => Code::Aborted,
         Reason::Internal => Code::Internal,
     }
@@ -332,8 +332,8 @@ impl From<Error> for Status {
                 error_info(Reason::TxnCommitted, HashMap::new()),
             ),
             Error::CommitOutcomeUnknown => (
-                Reason::Unavailable,
-                error_info(Reason::Unavailable, HashMap::new()),
+                Reason::CommitOutcomeUnknown,
+                error_info(Reason::CommitOutcomeUnknown, HashMap::new()),
             ),
             Error::Database(db) => {
                 let reason = database_reason(&db);
@@ -444,6 +444,9 @@ impl OutboxService for OutboxHandler {
         err
     )]
     async fn claim(&self, request: Request<v1::ClaimRequest>) -> RpcResult<v1::ClaimResponse> {
+        // The caller's timeout runs from here (tonic's from a little before), not from
+        // after the key lookup.
+        let received = Instant::now();
         let (caller, scope) = self.access(&request, Permission::Consume).await?;
         let caller_timeout = caller_timeout(request.metadata());
         let claim = validate::claim(request.into_inner(), &self.limits)?;
@@ -461,7 +464,7 @@ impl OutboxService for OutboxHandler {
         };
         // Before the caller's own deadline, if it set one: an answer it no longer waits for
         // would take its leases with it.
-        let deadline = Instant::now() + bounded_wait(claim.wait, caller_timeout);
+        let deadline = received + bounded_wait(claim.wait, caller_timeout);
         let mut woken = self.pending.subscribe();
         let group = format!("{scope:?} {:?} {:?}", claim.region, claim.kinds);
         let turn = self.pending.turn(group.clone());

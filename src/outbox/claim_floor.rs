@@ -9,10 +9,11 @@
 //! after its `available_at`: a transition whose transaction took that long to commit, an
 //! `available_at` set in the past, a claim that skipped a row locked by a claim that then
 //! rolled back, a handed-off lease given back (`super::handoff`: it keeps the
-//! `available_at` of its enqueue, which a stalled COMMIT may have made older). Those are found by the group's next look at the whole queue: a claim looks
-//! at it once [`WHOLE_LOOK_EVERY`] has passed since the group's last such look, and a
-//! long-polling claim whenever its wait ends without a wake-up (its recheck, every 2 s by
-//! default, or its deadline).
+//! `available_at` of its enqueue, which a stalled COMMIT may have made older). Those are
+//! found by the group's next look at the whole queue: a claim looks at it once
+//! [`WHOLE_LOOK_EVERY`] has passed since the group's last such look, and a long-polling
+//! claim whenever its wait ends without a wake-up (its recheck, every 2 s by default, or its
+//! deadline).
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};

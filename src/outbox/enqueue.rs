@@ -175,6 +175,7 @@ async fn insert_direct(
 ///   crashed (or was restored) since the token was taken, which ended that transaction;
 /// - [`Error::TxnFinished`]: it already committed, and this is not a replay of an enqueue
 ///   recorded before the commit (same idempotency keys and content);
+/// - [`Error::CommitOutcomeUnknown`]: the COMMIT lost its answer (the intents may exist);
 /// - [`Error::IdempotencyConflict`], [`Error::Database`].
 pub async fn enqueue(
     pool: &PgPool,

@@ -80,8 +80,9 @@ where
     /// does not cancel the calls it was carrying.
     ///
     /// # Errors
-    /// What `run` answered for this item alone, or `sqlx::Error::WorkerCrashed` if the
-    /// task running its batch panicked.
+    /// What `run` answered for this item alone; the error `may_have_committed` gave for
+    /// its whole batch; or `sqlx::Error::WorkerCrashed` if the task running its batch
+    /// panicked.
     pub async fn submit<F, Fut>(&self, key: K, item: I, run: F) -> Result<O, E>
     where
         F: Fn(Vec<Arc<I>>) -> Fut + Send + Sync + 'static,

@@ -281,10 +281,10 @@ impl Taken {
     }
 
     /// Answers each claimer with its leased intents, once the enqueue has committed; `ids`
-    /// are the batch's intent ids in order, `leased` the rows inserted LEASED. Returns how
-    /// many intents reached a claimer still waiting for them. (Dropping the `Taken`
-    /// instead, when the enqueue failed, sends each claimer back to looking.)
-    pub fn hand_over(self, ids: &[IntentId], leased: Vec<Intent>) -> usize {
+    /// are the batch's intent ids in order, `leased` the rows inserted LEASED; those of a
+    /// claimer gone meanwhile are given back. (Dropping the `Taken` instead, when the
+    /// enqueue failed, sends each claimer back to looking.)
+    pub fn hand_over(self, ids: &[IntentId], leased: Vec<Intent>) {
         let claimer_of: HashMap<IntentId, usize> = ids
             .iter()
             .zip(&self.lease_of)
@@ -296,16 +296,12 @@ impl Taken {
                 handed[*to].push(intent);
             }
         }
-        let mut delivered = 0;
         for (claimer, intents) in self.claimers.into_iter().zip(handed) {
-            let n = intents.len();
-            match claimer.answer.send(intents) {
-                Ok(()) => delivered += n,
-                // A claimer gone since it was taken: nobody has these leases.
-                Err(intents) => (self.release)(&claimer.wanted.scope, intents),
+            // A claimer gone since it was taken: nobody has these leases.
+            if let Err(intents) = claimer.answer.send(intents) {
+                (self.release)(&claimer.wanted.scope, intents);
             }
         }
-        delivered
     }
 }
 
@@ -508,7 +504,7 @@ mod tests {
                 Some("any"), // sms is full
                 Some("any"),
                 None, // any is full, and the others take only sms
-                None, // any and sms full, eu not in us: eu's room stays for
+                None, // any and sms full, eu not in us: eu keeps its room for the next
                 Some("eu"),
                 None, // nobody has room
             ]
@@ -567,12 +563,8 @@ mod tests {
         let taken = handoffs.take("t", &[intent("x")]).unwrap();
         drop(waiter); // the Claim was cancelled while the enqueue ran
         let id = IntentId(uuid::Uuid::now_v7());
-        assert_eq!(
-            taken.hand_over(&[id], vec![leased(id)]),
-            0,
-            "nobody received it"
-        );
-        assert_eq!(*given_back.lock().unwrap(), [id]);
+        taken.hand_over(&[id], vec![leased(id)]);
+        assert_eq!(*given_back.lock().unwrap(), [id], "nobody received it");
     }
 
     #[test]
@@ -581,8 +573,8 @@ mod tests {
         let waiter = handoffs.wait(wanted("a", &[], 10));
         let taken = handoffs.take("t", &[intent("x")]).unwrap();
         let id = IntentId(uuid::Uuid::now_v7());
-        assert_eq!(taken.hand_over(&[id], vec![leased(id)]), 1);
-        assert!(given_back.lock().unwrap().is_empty());
+        taken.hand_over(&[id], vec![leased(id)]);
+        assert!(given_back.lock().unwrap().is_empty(), "the claimer has it");
         drop(waiter); // cancelled between the hand-over and its next poll
         assert_eq!(*given_back.lock().unwrap(), [id]);
     }
@@ -600,7 +592,7 @@ mod tests {
         );
         assert_eq!(started.elapsed(), WITHDRAW_WAIT);
         let id = IntentId(uuid::Uuid::now_v7());
-        assert_eq!(taken.hand_over(&[id], vec![leased(id)]), 0);
+        taken.hand_over(&[id], vec![leased(id)]);
         assert_eq!(*given_back.lock().unwrap(), [id]);
     }
 }

@@ -144,7 +144,8 @@ pub async fn run_until_stopped(
 
 /// Runs `sweep` every `period` (a sweep that overran delays the next) until `shutdown`,
 /// which also ends a sweep in flight: each of its batches commits on its own, so one cut
-/// short leaves nothing half done.
+/// short leaves nothing half done (its report, and the metrics of the batches it did
+/// commit, are lost with it).
 async fn every<F, Fut>(period: Duration, shutdown: &CancellationToken, mut sweep: F)
 where
     F: FnMut() -> Fut,

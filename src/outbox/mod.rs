@@ -315,6 +315,9 @@ pub enum Reason {
     TxnCommitted,
     /// The database is unreachable or overloaded; retry.
     Unavailable,
+    /// The connection failed while the call's transaction committed: it may have
+    /// committed. Retrying is safe only with idempotency keys.
+    CommitOutcomeUnknown,
     /// A transient conflict (serialization, deadlock); retry.
     Conflict,
     /// A bug or an unexpected database error.
@@ -340,6 +343,7 @@ impl Reason {
             Self::TxnAborted => "TXN_ABORTED",
             Self::TxnCommitted => "TXN_COMMITTED",
             Self::Unavailable => "UNAVAILABLE",
+            Self::CommitOutcomeUnknown => "COMMIT_OUTCOME_UNKNOWN",
             Self::Conflict => "CONFLICT",
             Self::Internal => "INTERNAL",
         }

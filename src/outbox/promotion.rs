@@ -63,7 +63,8 @@ pub async fn run_until_stopped(
                 if r.forgotten > 0 {
                     tracing::warn!(
                         intents.count = r.forgotten,
-                        "staged intents of a transaction too old to resolve need an operator"
+                        "staged intents of a transaction this cluster cannot resolve (too old, or \
+                         not handed out yet) need an operator"
                     );
                 }
             }

@@ -59,28 +59,37 @@ impl FromStr for TxnToken {
             Some("v1") => return Err(TokenError::Retired),
             _ => return Err(TokenError::Malformed),
         }
-        let mut digits = |sign_allowed: bool| {
-            let p = parts.next().ok_or(TokenError::Malformed)?;
-            let unsigned = match p.strip_prefix('-') {
-                Some(rest) if sign_allowed => rest,
-                _ => p,
-            };
-            // from_str accepts a leading '+'; a token never has one.
-            if unsigned.is_empty() || !unsigned.bytes().all(|b| b.is_ascii_digit()) {
-                return Err(TokenError::Malformed);
-            }
-            Ok(p)
-        };
         let token = Self {
-            system_identifier: digits(true)?.parse().map_err(|_| TokenError::Malformed)?,
-            incarnation: digits(false)?.parse().map_err(|_| TokenError::Malformed)?,
-            xid: digits(false)?.parse().map_err(|_| TokenError::Malformed)?,
+            system_identifier: field(&mut parts, Sign::Allowed)?,
+            incarnation: field(&mut parts, Sign::None)?,
+            xid: field(&mut parts, Sign::None)?,
         };
         match parts.next() {
             None => Ok(token),
             Some(_) => Err(TokenError::Malformed),
         }
     }
+}
+
+/// Whether a token's number may be negative.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Sign {
+    Allowed,
+    None,
+}
+
+/// The next number of a token: digits only (from_str would also take a leading '+', and a
+/// '-' where the number is unsigned), with a '-' only where `sign` allows one.
+fn field<T: FromStr>(parts: &mut std::str::Split<'_, char>, sign: Sign) -> Result<T, TokenError> {
+    let p = parts.next().ok_or(TokenError::Malformed)?;
+    let unsigned = match p.strip_prefix('-') {
+        Some(rest) if sign == Sign::Allowed => rest,
+        _ => p,
+    };
+    if unsigned.is_empty() || !unsigned.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(TokenError::Malformed);
+    }
+    p.parse().map_err(|_| TokenError::Malformed)
 }
 
 impl fmt::Display for TxnToken {

@@ -822,7 +822,7 @@ async fn hostile_requests_get_their_status_and_change_nothing() {
         "Enqueue: txn_token of another cluster",
         invalid("txn_token"),
         async move {
-            let other = s.cluster_id.parse::<u64>().unwrap().wrapping_add(1);
+            let other = s.cluster_id.parse::<i64>().unwrap().wrapping_add(1);
             whole(
                 a.client()
                     .enqueue(with_token(format!("v2.{other}.{}.1000", s.incarnation)))

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use outboxd::proto::v1;
 
-use crate::helpers::{TestApp, claim_request, delayed_intent, duration, failure, id_of};
+use crate::helpers::{TENANT, TestApp, claim_request, delayed_intent, duration, failure, id_of};
 
 #[tokio::test]
 async fn a_waiting_claim_is_woken_by_an_enqueue() {
@@ -239,6 +239,39 @@ async fn stopping_the_server_answers_waiting_claims() {
     app.stop().await;
     let leases = waiter.await.unwrap().unwrap().into_inner().leases;
     assert!(leases.is_empty());
+}
+
+#[tokio::test]
+async fn a_long_poll_woken_by_shutdown_answers_without_leasing_more() {
+    let app = TestApp::spawn().await;
+    let pool = app.pool.clone();
+    let mut request = claim_request("w", 10);
+    request.wait = Some(duration(Duration::from_secs(60)));
+    let mut client = app.client();
+    let waiter = tokio::spawn(async move { client.claim(request).await });
+    wait_until_claims_are_waiting(&app, 1, 1).await;
+    // Claimable, but behind the server's back: nothing announces it.
+    let id: String = sqlx::query_scalar(
+        "INSERT INTO outbox.intent (id, tenant_id, kind, payload, state, max_attempts, \
+                                    available_at, created_at, updated_at) \
+         VALUES (gen_random_uuid(), $1, 'job', '', 'pending', 5, $2, $2, $2) \
+         RETURNING id::text",
+    )
+    .bind(TENANT)
+    .bind(app.clock.now())
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    app.stop().await;
+    let leases = waiter.await.unwrap().unwrap().into_inner().leases;
+    assert!(leases.is_empty(), "leased while shutting down: {leases:?}");
+    let (state, attempts): (String, i32) =
+        sqlx::query_as("SELECT state::text, attempts FROM outbox.intent WHERE id = $1::uuid")
+            .bind(&id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((state.as_str(), attempts), ("pending", 0));
 }
 
 /// A server whose enqueues only wake waiting claims, never hand them intents.

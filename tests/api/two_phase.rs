@@ -300,7 +300,7 @@ async fn tokens_that_name_no_open_transaction_of_this_cluster_are_refused() {
     let [_, system, life, xid] = real.split('.').collect::<Vec<_>>()[..] else {
         panic!("not a v2 token: {real}")
     };
-    let other_cluster = format!("v2.{}.{life}.{xid}", system.parse::<u64>().unwrap() ^ 1);
+    let other_cluster = format!("v2.{}.{life}.{xid}", system.parse::<i64>().unwrap() ^ 1);
     let status = enqueue_in(&app, &other_cluster, one()).await.unwrap_err();
     assert_status(
         &status,

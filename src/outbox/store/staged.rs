@@ -128,7 +128,8 @@ pub struct PromotionReport {
     pub promoted: u64,
     /// STAGED intents whose transaction aborted, now DISCARDED.
     pub discarded: u64,
-    /// STAGED intents whose transaction is too old to look up, sent to an operator.
+    /// STAGED intents whose transaction this cluster cannot tell about (too old to look up,
+    /// or an id it has not handed out yet), sent to an operator.
     pub forgotten: u64,
 }
 

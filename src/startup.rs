@@ -270,6 +270,9 @@ pub struct Runtime {
     /// A long-polling Claim looks again at least this often even without a notification,
     /// in case one was lost while the LISTEN connection was down.
     pub long_poll_recheck: Duration,
+    /// How often the LISTEN connection must prove it still delivers
+    /// (`outbox::notify`, [`PendingSignal::listen_until_stopped`]).
+    pub listener_probe_every: Duration,
 }
 
 impl Default for Runtime {
@@ -278,6 +281,7 @@ impl Default for Runtime {
             clock: Clock::Database,
             maintenance: true,
             long_poll_recheck: Duration::from_secs(2),
+            listener_probe_every: Duration::from_secs(30),
         }
     }
 }
@@ -513,6 +517,7 @@ fn spawn_background(
         tokio::spawn(pending.clone().listen_until_stopped(
             pool.clone(),
             txn_committed.clone(),
+            runtime.listener_probe_every,
             shutdown.clone(),
         )),
         tokio::spawn(

@@ -23,7 +23,7 @@ use sqlx::postgres::PgListener;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::store::{self, PENDING_CHANNEL, TXN_COMMITTED_CHANNEL};
+use super::store::{self, LISTENER_PROBE_CHANNEL, PENDING_CHANNEL, TXN_COMMITTED_CHANNEL};
 
 /// Wakes claimers when intents may have become claimable: all of them (a counter bumped
 /// on notifications from PostgreSQL), or, for this server's own enqueues, one waiting
@@ -212,10 +212,19 @@ impl PendingSignal {
     /// Listens until `shutdown`, bumping on each pending notification and kicking
     /// `txn_committed` on each producer commit; both after each reconnect too, since
     /// notifications sent while disconnected are lost and everyone must look again.
+    ///
+    /// Every `probe_every` the connection must prove it still delivers: a NOTIFY this
+    /// server sends itself through the pool must come back within [`PROBE_TIMEOUT`] (or
+    /// `probe_every`, if shorter), else the connection is replaced. Without that, a
+    /// connection a network dropped silently (half-open; a load balancer's idle timeout)
+    /// would be waited on for ever, and this server's claimers would learn of other
+    /// replicas' work only at their recheck. The probes' traffic also keeps such idle
+    /// timeouts from firing.
     pub async fn listen_until_stopped(
         self,
         pool: PgPool,
         txn_committed: Arc<Notify>,
+        probe_every: Duration,
         shutdown: CancellationToken,
     ) {
         let mut retry = Duration::from_millis(100);
@@ -236,10 +245,31 @@ impl PendingSignal {
             retry = Duration::from_millis(100);
             self.bump();
             txn_committed.notify_one();
+            let answered = Arc::new(Notify::new());
+            let silent = CancellationToken::new();
+            // Ends the watchdog with this connection, however the loop below ends.
+            let _connection = silent.clone().drop_guard();
+            tokio::spawn(watch(
+                pool.clone(),
+                Arc::clone(&self.replica),
+                probe_every,
+                Arc::clone(&answered),
+                silent.clone(),
+            ));
             loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
+                    () = silent.cancelled() => {
+                        tracing::warn!("LISTEN connection stopped delivering; reconnecting");
+                        break;
+                    }
                     received = listener.try_recv() => match received {
+                        Ok(Some(n)) if n.channel() == LISTENER_PROBE_CHANNEL => {
+                            // Other servers' probes pass by on the same channel.
+                            if n.payload() == &*self.replica {
+                                answered.notify_one();
+                            }
+                        }
                         Ok(Some(n)) if n.channel() == TXN_COMMITTED_CHANNEL => txn_committed.notify_one(),
                         // Our own announcement: our claimers had their turn before it was sent.
                         Ok(Some(n)) if n.payload() == &*self.replica => {}
@@ -259,15 +289,55 @@ impl PendingSignal {
     }
 }
 
-/// A LISTEN connection on both channels, holding the listener lock (taken first, so that
-/// other servers count this one as soon as it listens), and its backend pid.
+/// A LISTEN connection on the three channels, holding the listener lock (taken first, so
+/// that other servers count this one as soon as it listens), and its backend pid.
 async fn listening(pool: &PgPool) -> crate::outbox::Result<(PgListener, i32)> {
     let mut listener = PgListener::connect_with(pool).await?;
     let pid = store::hold_listener_lock(&mut listener).await?;
     listener
-        .listen_all([PENDING_CHANNEL, TXN_COMMITTED_CHANNEL])
+        .listen_all([
+            PENDING_CHANNEL,
+            TXN_COMMITTED_CHANNEL,
+            LISTENER_PROBE_CHANNEL,
+        ])
         .await?;
     Ok((listener, pid))
+}
+
+/// Longest a probe of the LISTEN connection may take to come back.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The watchdog of one LISTEN connection: every `every`, a probe through `pool`, which the
+/// listener answers on `answered`; cancels `silent` when one is not answered in time (and
+/// ends when `silent` is cancelled otherwise). A probe that cannot be sent (the database
+/// is down) proves nothing either way: the connection then fails on its own.
+async fn watch(
+    pool: PgPool,
+    replica: Arc<str>,
+    every: Duration,
+    answered: Arc<Notify>,
+    silent: CancellationToken,
+) {
+    let timeout = every.min(PROBE_TIMEOUT);
+    loop {
+        tokio::select! {
+            () = silent.cancelled() => return,
+            () = tokio::time::sleep(every) => {}
+        }
+        if let Err(e) = store::probe_listener(&pool, &replica).await {
+            tracing::debug!(error.message = %e, "cannot probe the LISTEN connection");
+            continue;
+        }
+        tokio::select! {
+            () = silent.cancelled() => return,
+            answer = tokio::time::timeout(timeout, answered.notified()) => {
+                if answer.is_err() {
+                    silent.cancel();
+                    return;
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -183,6 +183,19 @@ impl TestApp {
 
     /// A server on an existing, migrated database whose service role has its grants.
     pub async fn spawn_on(url: String, configure: impl FnOnce(&mut Settings)) -> Self {
+        Self::spawn_on_tuned(url, configure, |_| {}).await
+    }
+
+    /// A server on a fresh database whose background tasks `tune` changes.
+    pub async fn spawn_tuned(tune: impl FnOnce(&mut Runtime)) -> Self {
+        Self::spawn_on_tuned(fresh_database().await, |_| {}, tune).await
+    }
+
+    async fn spawn_on_tuned(
+        url: String,
+        configure: impl FnOnce(&mut Settings),
+        tune: impl FnOnce(&mut Runtime),
+    ) -> Self {
         let mut settings = Settings {
             // Many servers run at once: each gets its own metrics port.
             metrics_addr: Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
@@ -200,12 +213,15 @@ impl TestApp {
         startup::verify_service_role(&service_pool).await.unwrap();
         let clock = Clock::manual(Utc::now());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let runtime = Runtime {
+        let mut runtime = Runtime {
             clock: clock.clone(),
             maintenance: false,
             // Only a notification may wake a long-poll in tests.
             long_poll_recheck: Duration::from_secs(3600),
+            // Nor a LISTEN connection replaced after a probe missed on a busy machine.
+            listener_probe_every: Duration::from_secs(3600),
         };
+        tune(&mut runtime);
         let app = Application::start(&settings, service_pool.clone(), listener, runtime)
             .await
             .unwrap();

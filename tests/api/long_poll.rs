@@ -274,6 +274,66 @@ async fn a_long_poll_woken_by_shutdown_answers_without_leasing_more() {
     assert_eq!((state.as_str(), attempts), ("pending", 0));
 }
 
+#[tokio::test]
+async fn a_listen_connection_that_stops_delivering_is_replaced() {
+    let app = TestApp::spawn_tuned(|r| r.listener_probe_every = Duration::from_millis(100)).await;
+    let frozen = listen_backends(&app).await[0];
+    // Its TCP connection stays open, but nothing comes out of it any more: a connection a
+    // network dropped without a reset.
+    let _thawed_at_the_end = Frozen::new(frozen);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !listen_backends(&app).await.iter().any(|pid| *pid != frozen) {
+        assert!(
+            Instant::now() < deadline,
+            "still waiting on the frozen connection"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The backends of `app`'s database holding a LISTEN connection (waits for one).
+async fn listen_backends(app: &TestApp) -> Vec<i32> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let pids: Vec<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity \
+             WHERE datname = current_database() AND query ILIKE 'LISTEN%' ORDER BY pid",
+        )
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+        if !pids.is_empty() {
+            return pids;
+        }
+        assert!(Instant::now() < deadline, "the server never listened");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A PostgreSQL backend stopped (SIGSTOP) until this is dropped.
+struct Frozen(i32);
+
+impl Frozen {
+    fn new(pid: i32) -> Self {
+        signal("-STOP", pid);
+        Self(pid)
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        signal("-CONT", self.0);
+    }
+}
+
+fn signal(which: &str, pid: i32) {
+    let status = std::process::Command::new("kill")
+        .args([which, &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill {which} {pid}");
+}
+
 /// A server whose enqueues only wake waiting claims, never hand them intents.
 fn waking_only(settings: &mut outboxd::config::Settings) {
     settings.claim_hand_off = false;

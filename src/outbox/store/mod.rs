@@ -59,6 +59,23 @@ pub async fn announce_pending(pool: &sqlx::PgPool, from: &str) -> crate::outbox:
 /// The NOTIFY channel `outbox.txn_token()` uses; delivered only when a producer commits.
 pub const TXN_COMMITTED_CHANNEL: &str = "outbox_txn_committed";
 
+/// The NOTIFY channel a server's LISTEN connection proves it still delivers on: each
+/// server sends its own id there and waits for it to come back (`super::notify`).
+pub const LISTENER_PROBE_CHANNEL: &str = "outbox_listener_probe";
+
+/// Sends `from`'s probe of its own LISTEN connection.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn probe_listener(pool: &sqlx::PgPool, from: &str) -> crate::outbox::Result<()> {
+    sqlx::query("SELECT set_config('synchronous_commit', 'off', true), pg_notify($1, $2)")
+        .bind(LISTENER_PROBE_CHANNEL)
+        .bind(from)
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
 /// The columns of `crate::outbox::Intent`, in one place for every statement returning intents.
 macro_rules! intent_columns {
     ($t:literal) => {

@@ -228,8 +228,15 @@ impl PendingSignal {
         shutdown: CancellationToken,
     ) {
         let mut retry = Duration::from_millis(100);
+        // Numbers every probe of this server's life, so that one sent on an earlier
+        // connection never passes for an answer on this one.
+        let probes = Arc::new(AtomicU64::new(0));
         while !shutdown.is_cancelled() {
-            let (mut listener, pid) = match listening(&pool).await {
+            // Bounded: a connection that hangs while it starts to listen is as silent.
+            let connected = tokio::time::timeout(PROBE_TIMEOUT, listening(&pool))
+                .await
+                .unwrap_or_else(|_| Err(sqlx::Error::PoolTimedOut.into()));
+            let (mut listener, pid) = match connected {
                 Ok(connected) => connected,
                 Err(e) => {
                     tracing::warn!(error.message = %e, "cannot LISTEN for new intents; retrying");
@@ -245,15 +252,18 @@ impl PendingSignal {
             retry = Duration::from_millis(100);
             self.bump();
             txn_committed.notify_one();
-            let answered = Arc::new(Notify::new());
+            let (answered, seen) = watch::channel(0);
             let silent = CancellationToken::new();
             // Ends the watchdog with this connection, however the loop below ends.
             let _connection = silent.clone().drop_guard();
-            tokio::spawn(watch(
+            tokio::spawn(watchdog(
                 pool.clone(),
-                Arc::clone(&self.replica),
-                probe_every,
-                Arc::clone(&answered),
+                Probes {
+                    replica: Arc::clone(&self.replica),
+                    every: probe_every,
+                    numbers: Arc::clone(&probes),
+                },
+                seen,
                 silent.clone(),
             ));
             loop {
@@ -261,13 +271,26 @@ impl PendingSignal {
                     _ = shutdown.cancelled() => return,
                     () = silent.cancelled() => {
                         tracing::warn!("LISTEN connection stopped delivering; reconnecting");
+                        // Its session may live on, holding the listener lock (other
+                        // servers would count it) and, until TCP gives up, a connection.
+                        let ended = tokio::time::timeout(
+                            PROBE_TIMEOUT,
+                            store::terminate_backend(&pool, pid),
+                        );
+                        if !matches!(ended.await, Ok(Ok(_))) {
+                            tracing::warn!(pid, "cannot end the silent LISTEN session");
+                        }
                         break;
                     }
                     received = listener.try_recv() => match received {
                         Ok(Some(n)) if n.channel() == LISTENER_PROBE_CHANNEL => {
                             // Other servers' probes pass by on the same channel.
-                            if n.payload() == &*self.replica {
-                                answered.notify_one();
+                            if let Some(number) = probe_number(n.payload(), &self.replica) {
+                                answered.send_if_modified(|seen| {
+                                    let newer = number > *seen;
+                                    *seen = (*seen).max(number);
+                                    newer
+                                });
                             }
                         }
                         Ok(Some(n)) if n.channel() == TXN_COMMITTED_CHANNEL => txn_committed.notify_one(),
@@ -307,34 +330,59 @@ async fn listening(pool: &PgPool) -> crate::outbox::Result<(PgListener, i32)> {
 /// Longest a probe of the LISTEN connection may take to come back.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The watchdog of one LISTEN connection: every `every`, a probe through `pool`, which the
-/// listener answers on `answered`; cancels `silent` when one is not answered in time (and
-/// ends when `silent` is cancelled otherwise). A probe that cannot be sent (the database
-/// is down) proves nothing either way: the connection then fails on its own.
-async fn watch(
-    pool: PgPool,
+/// What a server's probes of its LISTEN connection are: `<replica>:<number>`, every
+/// `every`, numbered from `numbers` across the server's connections.
+struct Probes {
     replica: Arc<str>,
     every: Duration,
-    answered: Arc<Notify>,
+    numbers: Arc<AtomicU64>,
+}
+
+/// The number of a probe `payload` of `replica`'s (others' probes: `None`).
+fn probe_number(payload: &str, replica: &str) -> Option<u64> {
+    payload
+        .strip_prefix(replica)?
+        .strip_prefix(':')?
+        .parse()
+        .ok()
+}
+
+/// The watchdog of one LISTEN connection: every `probes.every`, a probe through `pool`,
+/// whose number the listener publishes on `seen` when it comes back; cancels `silent` when
+/// one is not back in time, counting its sending (a pooled connection a network dropped
+/// hangs as the listener's does), and ends when `silent` is cancelled otherwise. A probe
+/// that fails to be sent (the database is down) proves nothing either way: the
+/// connection then fails on its own.
+async fn watchdog(
+    pool: PgPool,
+    probes: Probes,
+    mut seen: watch::Receiver<u64>,
     silent: CancellationToken,
 ) {
-    let timeout = every.min(PROBE_TIMEOUT);
+    let limit = probes.every.min(PROBE_TIMEOUT);
     loop {
         tokio::select! {
             () = silent.cancelled() => return,
-            () = tokio::time::sleep(every) => {}
+            () = tokio::time::sleep(probes.every) => {}
         }
-        if let Err(e) = store::probe_listener(&pool, &replica).await {
-            tracing::debug!(error.message = %e, "cannot probe the LISTEN connection");
-            continue;
-        }
-        tokio::select! {
+        let number = probes.numbers.fetch_add(1, Ordering::Relaxed) + 1;
+        let payload = format!("{}:{number}", probes.replica);
+        let probe = async {
+            store::probe_listener(&pool, &payload).await?;
+            // An error here: the listener is gone, and `silent` with it.
+            let _ = seen.wait_for(|seen| *seen >= number).await;
+            Ok::<(), crate::outbox::Error>(())
+        };
+        let outcome = tokio::select! {
             () = silent.cancelled() => return,
-            answer = tokio::time::timeout(timeout, answered.notified()) => {
-                if answer.is_err() {
-                    silent.cancel();
-                    return;
-                }
+            outcome = tokio::time::timeout(limit, probe) => outcome,
+        };
+        match outcome {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::debug!(error.message = %e, "cannot probe the LISTEN connection"),
+            Err(_) => {
+                silent.cancel();
+                return;
             }
         }
     }
@@ -349,6 +397,18 @@ mod tests {
     /// Whether a claimer waiting since `mark` would be woken now (one poll, no timing).
     fn woken_now(turn: &Turn, mark: Mark) -> bool {
         turn.given_since(mark).now_or_never().is_some()
+    }
+
+    #[test]
+    fn only_this_servers_numbered_probes_count_as_its_answers() {
+        assert_eq!(probe_number("r1:5", "r1"), Some(5));
+        assert_eq!(probe_number("r10:5", "r1"), None, "another server's");
+        assert_eq!(
+            probe_number("r1", "r1"),
+            None,
+            "an announcement, not a probe"
+        );
+        assert_eq!(probe_number("r1:x", "r1"), None);
     }
 
     #[test]

@@ -291,13 +291,14 @@ async fn a_listen_connection_that_stops_delivering_is_replaced() {
     }
 }
 
-/// The backends of `app`'s database holding a LISTEN connection (waits for one).
+/// The backends of `app`'s database listening, idle (not still starting to), waits for one.
 async fn listen_backends(app: &TestApp) -> Vec<i32> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let pids: Vec<i32> = sqlx::query_scalar(
             "SELECT pid FROM pg_stat_activity \
-             WHERE datname = current_database() AND query ILIKE 'LISTEN%' ORDER BY pid",
+             WHERE datname = current_database() AND query ILIKE 'LISTEN%' AND state = 'idle' \
+             ORDER BY pid",
         )
         .fetch_all(&app.pool)
         .await
@@ -315,23 +316,31 @@ struct Frozen(i32);
 
 impl Frozen {
     fn new(pid: i32) -> Self {
-        signal("-STOP", pid);
+        let command = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        assert!(
+            command.starts_with("postgres"),
+            "backend {pid} is not a process of this machine: this test stops one, so it needs \
+             the embedded cluster (or OUTBOX_TEST_DATABASE_URL on this machine)"
+        );
+        assert!(signal("-STOP", pid), "kill -STOP {pid}");
         Self(pid)
     }
 }
 
 impl Drop for Frozen {
     fn drop(&mut self) {
-        signal("-CONT", self.0);
+        // Not an assert: this may run while a failed test unwinds.
+        if !signal("-CONT", self.0) {
+            eprintln!("cannot resume backend {}", self.0);
+        }
     }
 }
 
-fn signal(which: &str, pid: i32) {
-    let status = std::process::Command::new("kill")
+fn signal(which: &str, pid: i32) -> bool {
+    std::process::Command::new("kill")
         .args([which, &pid.to_string()])
         .status()
-        .unwrap();
-    assert!(status.success(), "kill {which} {pid}");
+        .is_ok_and(|s| s.success())
 }
 
 /// A server whose enqueues only wake waiting claims, never hand them intents.

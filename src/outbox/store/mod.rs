@@ -63,14 +63,26 @@ pub const TXN_COMMITTED_CHANNEL: &str = "outbox_txn_committed";
 /// server sends its own id there and waits for it to come back (`super::notify`).
 pub const LISTENER_PROBE_CHANNEL: &str = "outbox_listener_probe";
 
-/// Sends `from`'s probe of its own LISTEN connection.
+/// Ends the session of backend `pid` (one of this role's own: a LISTEN connection that
+/// stopped delivering); whether it was there to end.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
-pub async fn probe_listener(pool: &sqlx::PgPool, from: &str) -> crate::outbox::Result<()> {
+pub async fn terminate_backend(pool: &sqlx::PgPool, pid: i32) -> crate::outbox::Result<bool> {
+    Ok(sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(pool)
+        .await?)
+}
+
+/// Sends a probe of a server's own LISTEN connection (`payload` names the server).
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn probe_listener(pool: &sqlx::PgPool, payload: &str) -> crate::outbox::Result<()> {
     sqlx::query("SELECT set_config('synchronous_commit', 'off', true), pg_notify($1, $2)")
         .bind(LISTENER_PROBE_CHANNEL)
-        .bind(from)
+        .bind(payload)
         .execute(pool)
         .await?;
     Ok(())

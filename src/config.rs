@@ -202,7 +202,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ),
     (
         "OUTBOX_DATABASE__MAX_CONNECTIONS",
-        "connection pool size [16]",
+        "connection pool size (the LISTEN connection is one more) [16]",
     ),
     (
         "OUTBOX_EMBEDDED__DATA_DIR",

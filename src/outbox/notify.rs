@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use sqlx::PgPool;
-use sqlx::postgres::PgListener;
+use sqlx::postgres::{PgListener, PgPoolOptions};
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
@@ -314,8 +314,17 @@ impl PendingSignal {
 
 /// A LISTEN connection on the three channels, holding the listener lock (taken first, so
 /// that other servers count this one as soon as it listens), and its backend pid.
+///
+/// The connection has a pool of its own, with the settings of `pool`: one this server
+/// stops listening on (failed, or silent) then closes when dropped instead of going back
+/// to the server's pool still holding the listener lock (other servers would count a
+/// listener that is not there), and a silent one holds none of the server's connections
+/// while TCP gives up on it.
 async fn listening(pool: &PgPool) -> crate::outbox::Result<(PgListener, i32)> {
-    let mut listener = PgListener::connect_with(pool).await?;
+    let own = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_lazy_with((*pool.connect_options()).clone());
+    let mut listener = PgListener::connect_with(&own).await?;
     let pid = store::hold_listener_lock(&mut listener).await?;
     listener
         .listen_all([

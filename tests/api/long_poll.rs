@@ -280,12 +280,32 @@ async fn a_listen_connection_that_stops_delivering_is_replaced() {
     let frozen = listen_backends(&app).await[0];
     // Its TCP connection stays open, but nothing comes out of it any more: a connection a
     // network dropped without a reset.
-    let _thawed_at_the_end = Frozen::new(frozen);
+    let thawed_at_the_end = Frozen::new(frozen);
     let deadline = Instant::now() + Duration::from_secs(20);
     while !listen_backends(&app).await.iter().any(|pid| *pid != frozen) {
         assert!(
             Instant::now() < deadline,
             "still waiting on the frozen connection"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Once it can run again, the old session must stop counting as a listener.
+    drop(thawed_at_the_end);
+    loop {
+        let holds_listener_lock: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1 AND locktype = 'advisory' \
+                            AND classid = x'6f75'::int::oid AND objid = x'74626f78'::bigint::oid)",
+        )
+        .bind(frozen)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        if !holds_listener_lock {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the old session still holds the listener lock"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -214,12 +214,13 @@ impl PendingSignal {
     /// notifications sent while disconnected are lost and everyone must look again.
     ///
     /// Every `probe_every` the connection must prove it still delivers: a NOTIFY this
-    /// server sends itself through the pool must come back within [`PROBE_TIMEOUT`] (or
-    /// `probe_every`, if shorter), else the connection is replaced. Without that, a
-    /// connection a network dropped silently (half-open; a load balancer's idle timeout)
-    /// would be waited on for ever, and this server's claimers would learn of other
-    /// replicas' work only at their recheck. The probes' traffic also keeps such idle
-    /// timeouts from firing.
+    /// server sends itself through the pool must be sent and back within [`PROBE_TIMEOUT`]
+    /// (or `probe_every`, if shorter), else its session is ended and a new connection
+    /// listens. Without that, a connection a network dropped silently (half-open; a load
+    /// balancer's idle timeout) would be waited on for ever, and this server's claimers
+    /// would learn of other replicas' work only at their recheck. While the connection
+    /// works, the probes' traffic also keeps an idle timeout longer than `probe_every`
+    /// from dropping it.
     pub async fn listen_until_stopped(
         self,
         pool: PgPool,

@@ -296,8 +296,19 @@ mod tests {
         assert!(lock(&grouper.groups).is_empty(), "the group ends idle");
     }
 
-    #[tokio::test]
-    async fn a_failing_batch_runs_each_call_alone_so_only_the_bad_one_fails() {
+    /// What a run answers, from its number (0 for the first) and its items.
+    type Answer = fn(usize, &[Arc<u32>]) -> Result<Vec<u32>, sqlx::Error>;
+
+    /// Submits 1, then `rest` while 1's transaction is held open, so that they run
+    /// together next. Returns 1's answer, each of `rest`'s, and how many runs there were.
+    async fn one_then_a_batch_of(
+        rest: [u32; 3],
+        answer: Answer,
+    ) -> (
+        Result<u32, sqlx::Error>,
+        Vec<Result<u32, sqlx::Error>>,
+        usize,
+    ) {
         let grouper = Arc::new(Grouper::new(at_most_three, lost_commit, Gauge::default()));
         let gate = Arc::new(Notify::new());
         let runs = Arc::new(AtomicUsize::new(0));
@@ -306,13 +317,11 @@ mod tests {
             move |items: Vec<Arc<u32>>| {
                 let (gate, runs) = (Arc::clone(&gate), Arc::clone(&runs));
                 async move {
-                    if runs.fetch_add(1, Ordering::SeqCst) == 0 {
+                    let number = runs.fetch_add(1, Ordering::SeqCst);
+                    if number == 0 {
                         gate.notified().await;
                     }
-                    if items.iter().any(|i| **i == 13) {
-                        return Err(sqlx::Error::RowNotFound);
-                    }
-                    Ok(items.iter().map(|i| **i).collect())
+                    answer(number, &items)
                 }
             }
         };
@@ -321,16 +330,32 @@ mod tests {
             async move { g.submit("t", 1, run).await }
         });
         until("the first run to start", || runs.load(Ordering::SeqCst) > 0).await;
-        let mut rest = Vec::new();
-        for v in [12, 13, 14] {
+        let mut waiting_calls = Vec::new();
+        for v in rest {
             let (g, run) = (Arc::clone(&grouper), run.clone());
-            rest.push((v, tokio::spawn(async move { g.submit("t", v, run).await })));
+            waiting_calls.push(tokio::spawn(async move { g.submit("t", v, run).await }));
         }
         until("three calls to wait", || waiting(&grouper, "t") >= 3).await;
         gate.notify_one();
-        assert_eq!(first.await.unwrap().unwrap(), 1);
-        for (v, call) in rest {
-            let answer = call.await.unwrap();
+        let first = first.await.unwrap();
+        let mut answers = Vec::new();
+        for call in waiting_calls {
+            answers.push(call.await.unwrap());
+        }
+        (first, answers, runs.load(Ordering::SeqCst))
+    }
+
+    #[tokio::test]
+    async fn a_failing_batch_runs_each_call_alone_so_only_the_bad_one_fails() {
+        let (first, rest, runs) = one_then_a_batch_of([12, 13, 14], |_, items| {
+            if items.iter().any(|i| **i == 13) {
+                return Err(sqlx::Error::RowNotFound);
+            }
+            Ok(items.iter().map(|i| **i).collect())
+        })
+        .await;
+        assert_eq!(first.unwrap(), 1);
+        for (v, answer) in [12, 13, 14].into_iter().zip(rest) {
             if v == 13 {
                 assert!(matches!(answer, Err(sqlx::Error::RowNotFound)));
             } else {
@@ -338,45 +363,24 @@ mod tests {
             }
         }
         // 1 alone, the failed batch of three, then each of the three alone.
-        assert_eq!(runs.load(Ordering::SeqCst), 5);
+        assert_eq!(runs, 5);
     }
 
     #[tokio::test]
     async fn a_batch_that_may_have_committed_answers_each_call_its_error_and_runs_none_again() {
-        let grouper = Arc::new(Grouper::new(at_most_three, lost_commit, Gauge::default()));
-        let gate = Arc::new(Notify::new());
-        let runs = Arc::new(AtomicUsize::new(0));
-        let run = {
-            let (gate, runs) = (Arc::clone(&gate), Arc::clone(&runs));
-            move |items: Vec<Arc<u32>>| {
-                let (gate, runs) = (Arc::clone(&gate), Arc::clone(&runs));
-                async move {
-                    if runs.fetch_add(1, Ordering::SeqCst) == 0 {
-                        gate.notified().await;
-                        return Ok(items.iter().map(|i| **i).collect());
-                    }
-                    Err(sqlx::Error::Io(std::io::Error::other("connection reset")))
-                }
+        let (first, rest, runs) = one_then_a_batch_of([2, 3, 4], |number, items| {
+            if number == 0 {
+                return Ok(items.iter().map(|i| **i).collect());
             }
-        };
-        let first = tokio::spawn({
-            let (g, run) = (Arc::clone(&grouper), run.clone());
-            async move { g.submit("t", 1, run).await }
-        });
-        until("the first run to start", || runs.load(Ordering::SeqCst) > 0).await;
-        let mut rest = Vec::new();
-        for v in [2, 3, 4] {
-            let (g, run) = (Arc::clone(&grouper), run.clone());
-            rest.push(tokio::spawn(async move { g.submit("t", v, run).await }));
-        }
-        until("three calls to wait", || waiting(&grouper, "t") >= 3).await;
-        gate.notify_one();
-        assert_eq!(first.await.unwrap().unwrap(), 1);
-        for call in rest {
-            assert!(matches!(call.await.unwrap(), Err(sqlx::Error::Io(_))));
+            Err(sqlx::Error::Io(std::io::Error::other("connection reset")))
+        })
+        .await;
+        assert_eq!(first.unwrap(), 1);
+        for answer in rest {
+            assert!(matches!(answer, Err(sqlx::Error::Io(_))));
         }
         // 1 alone, then the batch of three, whose calls are not run again.
-        assert_eq!(runs.load(Ordering::SeqCst), 2);
+        assert_eq!(runs, 2);
     }
 
     #[tokio::test]

@@ -283,6 +283,11 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "how long delivered/discarded intents and their idempotency keys are kept [24h]",
     ),
     (
+        "OUTBOX_RETENTION__IDEMPOTENCY_KEYS",
+        "how long, at least, a finished intent with an idempotency key is kept, its key \
+         remembered, however short OUTBOX_RETENTION__FINISHED is [24h]",
+    ),
+    (
         "OUTBOX_TXN__RESOLVE_INTERVAL",
         "fallback sweep resolving staged intents of finished producer transactions [100ms]",
     ),
@@ -452,6 +457,9 @@ impl Settings {
                 "OUTBOX_RETENTION__FINISHED" => {
                     duration(value).map(|v| s.maintenance.retention = v)
                 }
+                "OUTBOX_RETENTION__IDEMPOTENCY_KEYS" => {
+                    duration(value).map(|v| s.maintenance.key_retention = v)
+                }
                 "OUTBOX_TXN__RESOLVE_INTERVAL" => {
                     duration(value).map(|v| s.txn_resolve_interval = v)
                 }
@@ -579,6 +587,15 @@ impl Settings {
             m.backoff.cap <= Limits::DURATION_CEILING,
             "OUTBOX_RETRY__CAP must not exceed 3660d",
         );
+        // Past PostgreSQL's timestamps, every purge would fail, for good.
+        check(
+            m.retention <= MaintenanceConfig::RETENTION_CEILING,
+            "OUTBOX_RETENTION__FINISHED must not exceed 36600d",
+        );
+        check(
+            m.key_retention <= MaintenanceConfig::RETENTION_CEILING,
+            "OUTBOX_RETENTION__IDEMPOTENCY_KEYS must not exceed 36600d",
+        );
         check(
             self.max_connections >= 2,
             "OUTBOX_DATABASE__MAX_CONNECTIONS must be at least 2",
@@ -668,11 +685,16 @@ mod tests {
         let s = Settings::from_vars(vars(&[
             ("OUTBOX_LEASE__DEFAULT", "45s"),
             ("OUTBOX_RETENTION__FINISHED", "7d"),
+            ("OUTBOX_RETENTION__IDEMPOTENCY_KEYS", "30d"),
             ("OUTBOX_DATABASE__URL", "postgres://x@db/outbox"),
         ]))
         .unwrap();
         assert_eq!(s.limits.default_lease, Duration::from_secs(45));
         assert_eq!(s.maintenance.retention, Duration::from_secs(7 * 86_400));
+        assert_eq!(
+            s.maintenance.key_retention,
+            Duration::from_secs(30 * 86_400)
+        );
         assert_eq!(s.database_url.as_deref(), Some("postgres://x@db/outbox"));
     }
 

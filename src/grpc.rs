@@ -205,7 +205,8 @@ impl OutboxHandler {
     }
 
     /// One look for intents of `group` (the whole queue, or from the group's floor), which
-    /// began having seen `seen`; notes what it found for the group's floor and drained state.
+    /// began having seen `seen`; notes what it found for the group's floor and drained state
+    /// (a replay, which did not look at the queue, notes nothing).
     async fn look(
         &self,
         scope: &TenantScope,
@@ -227,19 +228,23 @@ impl OutboxHandler {
         let store::Claimed {
             intents,
             next_due_in,
+            replayed,
         } = store::claim_intents(&self.pool, scope, params).await?;
-        let now = Instant::now();
-        let newest = intents.iter().map(|i| i.available_at).max();
-        self.claim_floors.record(group, look_from, newest, now);
         let again_in = next_due_in.map_or(self.long_poll_recheck, |due| {
             due.min(self.long_poll_recheck)
         });
         let filled = intents.len() == params.max_intents as usize;
-        self.drained.record(group, seen, !filled, again_in, now);
+        if !replayed {
+            let now = Instant::now();
+            let newest = intents.iter().map(|i| i.available_at).max();
+            self.claim_floors.record(group, look_from, newest, now);
+            self.drained.record(group, seen, !filled, again_in, now);
+        }
         Ok(Look {
             intents,
             filled,
             again_in,
+            replayed,
         })
     }
 
@@ -331,6 +336,13 @@ impl From<Error> for Status {
                 Reason::TxnCommitted,
                 error_info(Reason::TxnCommitted, HashMap::new()),
             ),
+            Error::KeyHolderGone { key } => (
+                Reason::Conflict,
+                error_info(
+                    Reason::Conflict,
+                    HashMap::from([("idempotency_key".to_owned(), key)]),
+                ),
+            ),
             Error::CommitOutcomeUnknown => (
                 Reason::CommitOutcomeUnknown,
                 error_info(Reason::CommitOutcomeUnknown, HashMap::new()),
@@ -395,6 +407,8 @@ struct Look {
     /// How long its claimer (or the next of its group) may wait before looking again: the
     /// recheck, or the next delayed intent's due time if sooner.
     again_in: Duration,
+    /// Its intents are an earlier call's leases (same request id), not newly claimed.
+    replayed: bool,
 }
 
 #[tonic::async_trait]
@@ -485,6 +499,8 @@ impl OutboxService for OutboxHandler {
             lease_duration: claim.lease_duration,
             max_intents: usize::try_from(claim.max_intents).unwrap_or(0),
         });
+        // Answering an earlier call's leases again (same request id): not claimed anew.
+        let mut replayed = false;
         let intents = loop {
             // Mark the signal and the turns seen before looking, so a commit landing in
             // between still wakes us.
@@ -504,7 +520,8 @@ impl OutboxService for OutboxHandler {
                     let look = self.look(&scope, &group, params, whole_look, seen).await?;
                     let now = Instant::now();
                     if !look.intents.is_empty() || now >= deadline || self.shutdown.is_cancelled() {
-                        if look.filled {
+                        replayed = look.replayed;
+                        if look.filled && !replayed {
                             // There may be more: the next waiting claimer of the group looks too.
                             turn.pass();
                         }
@@ -560,12 +577,14 @@ impl OutboxService for OutboxHandler {
                 .iter()
                 .filter_map(|i| i.headers.0.get(TRACEPARENT).map(String::as_str)),
         );
-        let now = self.clock.now().unwrap_or_else(chrono::Utc::now);
-        self.metrics.record_claimed(
-            intents
-                .iter()
-                .map(|i| (now - i.available_at).to_std().unwrap_or_default()),
-        );
+        if !replayed {
+            let now = self.clock.now().unwrap_or_else(chrono::Utc::now);
+            self.metrics.record_claimed(
+                intents
+                    .iter()
+                    .map(|i| (now - i.available_at).to_std().unwrap_or_default()),
+            );
+        }
         Ok(Response::new(v1::ClaimResponse {
             leases: intents.into_iter().map(Into::into).collect(),
         }))
@@ -677,7 +696,7 @@ impl OutboxService for OutboxHandler {
         let r = validate::reconcile(request.into_inner(), &self.limits)?;
         let mut tx = store::begin(&self.pool, &scope).await?;
         let results = store::resolve_intents(
-            &mut *tx,
+            &mut tx,
             store::ReconcileParams {
                 target: r.target,
                 decision: r.decision,

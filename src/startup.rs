@@ -396,8 +396,8 @@ impl Application {
         tracing::info!(listen.addr = %local_addr, metrics.addr = ?metrics_addr, "outboxd serving gRPC");
         if settings.maintenance.retention.is_zero() {
             tracing::info!(
-                "retention of finished intents is zero: Ack deletes the intents it delivers, \
-                 and a replayed Ack of one is answered NOT_FOUND"
+                "retention of finished intents is zero: Ack deletes the intents without an \
+                 idempotency key it delivers, and a replayed Ack of one is answered NOT_FOUND"
             );
         }
         Ok(Self {

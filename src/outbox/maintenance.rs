@@ -21,6 +21,9 @@ pub struct MaintenanceConfig {
     pub purge_interval: Duration,
     /// How long DELIVERED and DISCARDED intents (and their idempotency keys) are kept.
     pub retention: Duration,
+    /// How long, at least, a finished intent with an idempotency key is kept, so that its
+    /// key is remembered, however short `retention` is: see [`Self::live_table_retention`].
+    pub key_retention: Duration,
     /// Rows per sweep statement, so one sweep never holds many locks for long.
     pub batch_size: i64,
     /// Backoff applied to rescued intents before their next attempt.
@@ -33,9 +36,26 @@ impl Default for MaintenanceConfig {
             rescue_interval: Duration::from_secs(1),
             purge_interval: Duration::from_secs(60),
             retention: Duration::from_secs(24 * 3600),
+            key_retention: Duration::from_secs(24 * 3600),
             batch_size: 1000,
             backoff: BackoffParams::default(),
         }
+    }
+}
+
+impl MaintenanceConfig {
+    /// Longest retention (100 years): the purge's cut-off must stay a timestamp.
+    pub const RETENTION_CEILING: Duration = Duration::from_secs(36_600 * 86_400);
+
+    /// How long the finished intents that stay in `outbox.intent` are kept: the longer of
+    /// the two retentions. Those are the keyed intents (where the unique index on their key
+    /// guards it), the DISCARDED ones and those an operator resolved; the delivered intents
+    /// without a key, in `outbox.intent_history` (or deleted by their Ack at retention
+    /// zero), are kept `retention`. One bound for the whole table, so that the purge reads
+    /// its finished rows oldest first and stops at the first it must keep, instead of
+    /// walking past every keyed intent of the key window on each sweep.
+    pub fn live_table_retention(&self) -> Duration {
+        self.retention.max(self.key_retention)
     }
 }
 
@@ -99,6 +119,7 @@ pub async fn purge_all(pool: &PgPool, config: &MaintenanceConfig, clock: &Clock)
         let mut tx = store::begin_with(pool, &TenantScope::All, &[AlsoAtBegin::IndexPlans]).await?;
         let n = store::purge_finished_intents(
             &mut *tx,
+            config.live_table_retention(),
             config.retention,
             config.batch_size,
             clock.now(),

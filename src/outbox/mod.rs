@@ -459,6 +459,16 @@ pub enum Error {
         /// The intent that holds it.
         existing: IntentId,
     },
+    /// The intent that held an idempotency key when this call's insert met it finished
+    /// (discarded, or purged) before it could be read: the key is free now.
+    #[error(
+        "the intent holding idempotency key {key:?} was discarded or purged while this call ran; \
+         retry, and the key will be yours"
+    )]
+    KeyHolderGone {
+        /// The key.
+        key: String,
+    },
     /// No valid credentials.
     #[error("{0}")]
     Unauthenticated(String),

@@ -30,8 +30,12 @@ async fn purge_deletes_finished_intents_past_retention_and_keeps_everything_else
 }
 
 #[tokio::test]
-async fn an_idempotency_key_is_remembered_until_its_intent_is_purged() {
-    let app = TestApp::spawn_with(|s| s.maintenance.retention = Duration::from_secs(60)).await;
+async fn an_idempotency_key_is_remembered_until_its_intent_is_purged_after_the_key_window() {
+    let app = TestApp::spawn_with(|s| {
+        s.maintenance.retention = Duration::from_secs(60);
+        s.maintenance.key_retention = Duration::from_secs(120);
+    })
+    .await;
     let mut keyed = intent("job", "{}");
     keyed.idempotency_key = "k-1".into();
     let first = app.enqueue(vec![keyed.clone()]).await.unwrap()[0]
@@ -45,19 +49,24 @@ async fn an_idempotency_key_is_remembered_until_its_intent_is_purged() {
     assert_eq!(replay.id, first);
 
     app.advance(Duration::from_secs(61));
-    app.purge().await;
+    assert_eq!(
+        app.purge().await,
+        0,
+        "the key window is longer than the retention"
+    );
+    assert!(app.enqueue(vec![keyed.clone()]).await.unwrap()[0].deduplicated);
+    app.advance(Duration::from_secs(60));
+    assert_eq!(app.purge().await, 1);
     let fresh = app.enqueue(vec![keyed]).await.unwrap().remove(0);
     assert!(!fresh.deduplicated);
     assert_ne!(fresh.id, first);
 }
 
 #[tokio::test]
-async fn at_zero_retention_an_ack_deletes_the_intent_and_frees_its_idempotency_key() {
+async fn at_zero_retention_an_ack_deletes_an_intent_without_a_key() {
     let app = TestApp::spawn_with(|s| s.maintenance.retention = Duration::ZERO).await;
-    let mut keyed = intent("job", "{}");
-    keyed.idempotency_key = "k-1".into();
     let first = app
-        .enqueue(vec![keyed.clone(), intent("job", "{}")])
+        .enqueue(vec![intent("job", "{}"), intent("job", "{}")])
         .await
         .unwrap()[0]
         .id
@@ -94,15 +103,52 @@ async fn at_zero_retention_an_ack_deletes_the_intent_and_frees_its_idempotency_k
     app.fail(unsure, FailOutcome::Unknown).await;
     assert_item_ok(&app.ack(&[unsure]).await[0], IntentState::Delivered);
     assert!(rows().await.is_empty());
+}
 
+/// A producer that lost the answer to its Enqueue retries it with the same key: at
+/// retention zero the intent may already be delivered, and must not be recorded again.
+#[tokio::test]
+async fn at_zero_retention_a_delivered_intent_with_a_key_is_kept_for_the_key_window() {
+    let app = TestApp::spawn_with(|s| {
+        s.maintenance.retention = Duration::ZERO;
+        s.maintenance.key_retention = Duration::from_secs(300);
+    })
+    .await;
+    let mut keyed = intent("job", "{}");
+    keyed.idempotency_key = "k-1".into();
+    let first = app.enqueue(vec![keyed.clone()]).await.unwrap()[0]
+        .id
+        .clone();
+    let lease = app.claim_n("w", 1).await.remove(0);
+    assert_item_ok(&app.ack(&[&lease]).await[0], IntentState::Delivered);
+    assert_item_ok(&app.ack(&[&lease]).await[0], IntentState::Delivered);
+    let replay = app.enqueue(vec![keyed.clone()]).await.unwrap().remove(0);
+    assert!(replay.deduplicated, "the key outlives its Ack");
+    assert_eq!(
+        (replay.id.as_str(), replay.state()),
+        (first.as_str(), IntentState::Delivered)
+    );
+    assert!(
+        app.claim_n("w", 1).await.is_empty(),
+        "nothing to deliver again"
+    );
+
+    app.advance(Duration::from_secs(299));
+    assert_eq!(app.purge().await, 0);
+    app.advance(Duration::from_secs(2));
+    assert_eq!(app.purge().await, 1);
     let fresh = app.enqueue(vec![keyed]).await.unwrap().remove(0);
-    assert!(!fresh.deduplicated, "the key went with its intent");
+    assert!(!fresh.deduplicated, "the key window is over");
     assert_ne!(fresh.id, first);
 }
 
 #[tokio::test]
 async fn delivered_intents_without_a_key_leave_the_live_table_and_stay_readable_until_purged() {
-    let app = TestApp::spawn_with(|s| s.maintenance.retention = Duration::from_secs(3600)).await;
+    let app = TestApp::spawn_with(|s| {
+        s.maintenance.retention = Duration::from_secs(3600);
+        s.maintenance.key_retention = Duration::from_secs(3600);
+    })
+    .await;
     let mut keyed = intent("job", r#"{"n":0}"#);
     keyed.idempotency_key = "k-1".into();
     let ids: Vec<String> = app

@@ -7,7 +7,7 @@ use outboxd::proto::v1::FailOutcome;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
-use crate::helpers::{TestApp, intent};
+use crate::helpers::{TestApp, claim_request, intent};
 
 /// The value of the sample whose name and labels are exactly `series`.
 fn sample(text: &str, series: &str) -> Option<f64> {
@@ -32,7 +32,11 @@ async fn metrics_show_the_queue_and_the_traffic_of_a_known_workload() {
     ])
     .await
     .unwrap();
-    let leases = app.claim_n("w", 3).await;
+    let mut claim = claim_request("w", 3);
+    claim.request_id = "req-1".into();
+    let leases = app.claim(claim.clone()).await.unwrap();
+    // A replayed Claim: answered the same leases, counted once.
+    assert_eq!(app.claim(claim).await.unwrap(), leases);
     app.ack(&[&leases[0]]).await;
     app.fail(&leases[1], FailOutcome::Unknown).await;
     app.fail(&leases[2], FailOutcome::Permanent).await;

@@ -114,6 +114,37 @@ async fn a_decision_on_an_intent_not_awaiting_one_is_refused_per_item() {
 }
 
 #[tokio::test]
+async fn a_decision_that_waited_on_a_row_lock_reports_the_state_the_intent_was_left_in() {
+    let app = TestApp::spawn().await;
+    let id = ambiguous(&app, "charge", 1).await.remove(0);
+    // Another decision holds the row while this one waits for it, and dead-letters it.
+    let mut other = app.producer().await;
+    sqlx::raw_sql("BEGIN").execute(&mut other).await.unwrap();
+    sqlx::query("UPDATE outbox.intent SET state = 'dead_lettered' WHERE id = $1::uuid")
+        .bind(&id)
+        .execute(&mut other)
+        .await
+        .unwrap();
+    let mut client = app.client();
+    let request = by_ids(&[&id], Decision::Dead);
+    let waiting = tokio::spawn(async move { client.reconcile(request).await });
+    app.wait_for_lock_waiters(1).await;
+    sqlx::raw_sql("COMMIT").execute(&mut other).await.unwrap();
+
+    let results = waiting.await.unwrap().unwrap().into_inner().results;
+    let e = results[0].error.as_ref().unwrap();
+    assert_eq!(
+        (e.code, e.reason.as_str()),
+        (Code::FailedPrecondition as i32, "INVALID_STATE")
+    );
+    assert_eq!(
+        results[0].state(),
+        IntentState::DeadLettered,
+        "the state it was left in, not the one it had before the wait"
+    );
+}
+
+#[tokio::test]
 async fn a_filter_resolves_only_the_matching_intents_up_to_the_limit() {
     let app = TestApp::spawn().await;
     let charges = ambiguous(&app, "charge", 3).await;

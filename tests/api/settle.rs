@@ -481,6 +481,32 @@ async fn a_fail_repeated_with_another_outcome_is_refused_not_taken_as_a_replay()
     assert_eq!(app.state(&id).await, IntentState::Pending);
 }
 
+#[tokio::test]
+async fn a_retry_after_a_permanent_failure_of_its_lease_is_refused_while_attempts_are_left() {
+    let app = TestApp::spawn().await;
+    let mut last_try = intent("job", "{}");
+    last_try.max_attempts = 1;
+    app.enqueue(vec![intent("job", "{}")]).await.unwrap();
+    let lease = app.claim_n("w", 1).await.remove(0);
+    let permanent = app.fail(&lease, FailOutcome::Permanent).await;
+    assert_item_ok(&permanent, IntentState::DeadLettered);
+    let retry = app.fail(&lease, FailOutcome::Retry).await;
+    assert_item_error(&retry, Code::FailedPrecondition, "LEASE_LOST");
+    assert_eq!(retry.state(), IntentState::DeadLettered);
+
+    // On its last attempt a RETRY dead-letters as PERMANENT does: the same place, a replay.
+    app.enqueue(vec![last_try]).await.unwrap();
+    let lease = app.claim_n("w", 1).await.remove(0);
+    assert_item_ok(
+        &app.fail(&lease, FailOutcome::Permanent).await,
+        IntentState::DeadLettered,
+    );
+    assert_item_ok(
+        &app.fail(&lease, FailOutcome::Retry).await,
+        IntentState::DeadLettered,
+    );
+}
+
 /// Sends `call` twice at once while a row lock holds the intent, as a worker does that
 /// retries a call stuck behind a lock (or a frozen replica): both attempts queue on the
 /// lock, the first through applies, the other finds its work done. Both must answer OK.

@@ -56,6 +56,9 @@ pub struct Claimed {
     /// claimer (or the next of its group, [`crate::outbox::drained`]) sleeps exactly that
     /// long.
     pub next_due_in: Option<Duration>,
+    /// The intents are the live leases of an earlier call with the same request id (a
+    /// replay), not a look at the queue: they tell nothing of what is claimable.
+    pub replayed: bool,
 }
 
 /// Leases up to `max_intents` claimable intents of `scope`, oldest `available_at` first,
@@ -82,13 +85,17 @@ pub async fn claim_intents(
     // when the reply to a COMMIT is lost), and a retry with the same request id gets them.
     let rows: Vec<PgRow> = on_live_connection(pool, || {
         // One row per leased intent, or a single row of NULLs; each with the due time when
-        // fewer than asked were leased.
+        // fewer than asked were leased, and whether they are a replay: a claim that leased
+        // has written, so its transaction has an id, and a replay only reads. (The select
+        // list is computed once the function has returned: PL/pgSQL returns its rows all
+        // at once.)
         sqlx::query(concat!(
             "WITH leased AS MATERIALIZED (SELECT * FROM ",
             claim_call!(),
             ") SELECT ",
             intent_columns!("i"),
-            r#", due.seconds AS next_due_in
+            r#", due.seconds AS next_due_in,
+                pg_current_xact_id_if_assigned() IS NULL AS replayed
             FROM (VALUES (1)) AS one (x)
             LEFT JOIN leased i ON true
             LEFT JOIN LATERAL (
@@ -112,6 +119,7 @@ pub async fn claim_intents(
     let mut claimed = Claimed {
         intents: Vec::with_capacity(rows.len()),
         next_due_in: None,
+        replayed: false,
     };
     if let Some(row) = rows.first()
         && let Some(seconds) = row.try_get::<Option<f64>, _>("next_due_in")?
@@ -120,6 +128,7 @@ pub async fn claim_intents(
     }
     for row in rows {
         if row.try_get::<Option<Uuid>, _>("id")?.is_some() {
+            claimed.replayed = row.try_get("replayed")?;
             claimed.intents.push(Intent::from_row(&row)?);
         }
     }

@@ -124,7 +124,8 @@ macro_rules! insert_input {
 /// # Errors
 /// [`Error::IdempotencyConflict`] when a key is held by an intent with another kind or
 /// payload, [`Error::IdempotencyKeyInUse`] when it is held by another producer transaction
-/// still open (the caller must roll back either way); [`Error::Database`] otherwise.
+/// still open, [`Error::KeyHolderGone`] when the intent holding a key finished while this
+/// ran (the caller must roll back in each case); [`Error::Database`] otherwise.
 pub async fn insert_intents(
     conn: &mut PgConnection,
     params: EnqueueParams<'_>,
@@ -331,13 +332,15 @@ pub async fn insert_intents(
     })
 }
 
+/// The intent holding `key`, read with a fresh snapshot; gone if it finished since the
+/// insert met it (a rollback discarded it, or the purge took it).
 async fn find_by_key(
     conn: &mut PgConnection,
     tenant_id: &str,
     key: &str,
     intent: &NewIntent,
 ) -> Result<Holder> {
-    let holder = sqlx::query_as(
+    let holder: Option<Holder> = sqlx::query_as(
         r#"
         SELECT id, state, txn_xid::text AS txn, (kind = $3 AND payload = $4) AS same_content
         FROM outbox.intent
@@ -350,7 +353,9 @@ async fn find_by_key(
     .bind(key)
     .bind(&intent.kind)
     .bind(&intent.payload)
-    .fetch_one(conn)
+    .fetch_optional(conn)
     .await?;
-    Ok(holder)
+    holder.ok_or_else(|| Error::KeyHolderGone {
+        key: key.to_owned(),
+    })
 }

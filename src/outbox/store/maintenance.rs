@@ -97,15 +97,16 @@ pub async fn rescue_expired_leases(
 }
 
 /// Deletes up to `limit` DELIVERED and DISCARDED intents that finished before
-/// `now - retention` from `outbox.intent`, and up to `limit` from
-/// `outbox.intent_history` (where Ack moves delivered intents without an idempotency
-/// key). Returns how many it deleted in all.
+/// `now - live_retention` from `outbox.intent`, and up to `limit` that finished before
+/// `now - history_retention` from `outbox.intent_history` (where Ack moves delivered
+/// intents without an idempotency key). Returns how many it deleted in all.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn purge_finished_intents(
     db: impl PgExecutor<'_>,
-    retention: Duration,
+    live_retention: Duration,
+    history_retention: Duration,
     limit: i64,
     now: Option<DateTime<Utc>>,
 ) -> Result<u64> {
@@ -130,7 +131,7 @@ pub async fn purge_finished_intents(
             WHERE id IN (
                 SELECT id
                 FROM outbox.intent_history
-                WHERE finished_at < (SELECT coalesce($3::timestamptz, now()) - $1 * interval '1 ms')
+                WHERE finished_at < (SELECT coalesce($3::timestamptz, now()) - $4 * interval '1 ms')
                 ORDER BY finished_at
                 LIMIT $2
                 FOR UPDATE SKIP LOCKED
@@ -140,9 +141,10 @@ pub async fn purge_finished_intents(
         SELECT (SELECT count(*) FROM hot) + (SELECT count(*) FROM history)
         "#,
     )
-    .bind(millis(retention))
+    .bind(millis(live_retention))
     .bind(limit)
     .bind(now)
+    .bind(millis(history_retention))
     .fetch_one(db)
     .await?;
     Ok(done as u64)

@@ -1,8 +1,10 @@
 //! Operator decisions on intents awaiting one (NEEDS_RECONCILE, DEAD_LETTERED), each
 //! recorded in `outbox.resolution` in the same statement that applies it.
 
+use std::collections::HashMap;
+
 use chrono::{DateTime, Utc};
-use sqlx::PgExecutor;
+use sqlx::PgConnection;
 use uuid::Uuid;
 
 use super::PENDING_CHANNEL;
@@ -99,13 +101,14 @@ struct ResolveRow {
 }
 
 /// Applies `decision` to the target intents that await a decision, recording who, when
-/// and why for each. By id, an intent in another state is reported `INVALID_STATE` and one
-/// that does not exist `NOT_FOUND`; by filter, only intents that were resolved are reported.
+/// and why for each, on `conn` (in the caller's scoped transaction). By id, an intent in
+/// another state is reported `INVALID_STATE` with the state it is in and one that does not
+/// exist `NOT_FOUND`; by filter, only intents that were resolved are reported.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn resolve_intents(
-    db: impl PgExecutor<'_>,
+    conn: &mut PgConnection,
     params: ReconcileParams<'_>,
 ) -> Result<Vec<ItemResult>> {
     let allowed = from_states(params.decision);
@@ -135,12 +138,14 @@ pub async fn resolve_intents(
             .bind(created_before)
             .bind(limit),
     };
-    let rows = query.fetch_all(db).await?;
+    let rows = query.fetch_all(&mut *conn).await?;
+    let current = current_of_unapplied(conn, &rows).await?;
     Ok(rows
         .into_iter()
         .map(|row| {
             let id = IntentId(row.id);
-            let error = match row.state {
+            let state = row.state.or_else(|| current.get(&row.id).copied());
+            let error = match state {
                 _ if row.applied => None,
                 None => Some(ItemError::not_found(id)),
                 Some(state) => Some(ItemError::invalid_state(
@@ -156,13 +161,34 @@ pub async fn resolve_intents(
             ItemResult {
                 intent_id: id,
                 applied: error.is_none(),
-                state: row.state,
+                state,
                 error,
                 lease_expires_at: None,
                 traceparent: None,
             }
         })
         .collect())
+}
+
+/// The state of each intent whose item was not applied, read in a statement of its own:
+/// the decision's statement reads under the snapshot it started with, so after waiting on
+/// a row lock (a worker's Ack, another operator's decision) it would still see the state
+/// the intent had before, and report it. A new statement (READ COMMITTED) sees the
+/// committed outcome. No round trip when every item applied.
+async fn current_of_unapplied(
+    conn: &mut PgConnection,
+    rows: &[ResolveRow],
+) -> Result<HashMap<Uuid, IntentState>> {
+    let unapplied: Vec<Uuid> = rows.iter().filter(|r| !r.applied).map(|r| r.id).collect();
+    if unapplied.is_empty() {
+        return Ok(HashMap::new());
+    }
+    // Also where Ack moves delivered intents: an item naming one is told its state.
+    let current = sqlx::query_as("SELECT id, state FROM outbox.all_intents WHERE id = ANY($1)")
+        .bind(unapplied)
+        .fetch_all(conn)
+        .await?;
+    Ok(current.into_iter().collect())
 }
 
 fn describe(states: &[IntentState]) -> String {
@@ -188,13 +214,9 @@ const RESOLVE_BY_IDS: &str = concat!(
     "#,
     resolve_and_record!(),
     r#"
-    SELECT input.id,
-           resolved.id IS NOT NULL AS applied,
-           coalesce(resolved.state, cur.state) AS state
+    SELECT input.id, resolved.id IS NOT NULL AS applied, resolved.state
     FROM input
     LEFT JOIN resolved ON resolved.id = input.id
-    -- Also where Ack moves delivered intents: an item naming one is told its state.
-    LEFT JOIN outbox.all_intents cur ON cur.id = input.id
     CROSS JOIN (SELECT count(*) FROM recorded) AS r
     CROSS JOIN (SELECT count(*) FROM woken) AS w
     ORDER BY input.ord

@@ -39,8 +39,18 @@ impl SettleRow {
     }
 }
 
-/// The state and lease of each intent whose item did not apply, read afresh in a scoped
-/// transaction of its own; no round trip when every item applied.
+/// An intent whose settle item did not apply, as read afresh.
+#[derive(sqlx::FromRow, Clone, Copy)]
+struct Found {
+    id: Uuid,
+    state: IntentState,
+    lease_id: Option<Uuid>,
+    /// Its last claim took its last attempt: a RETRY from that lease dead-letters it.
+    attempts_used_up: bool,
+}
+
+/// Each intent whose item did not apply, read afresh in a scoped transaction of its own;
+/// no round trip when every item applied.
 ///
 /// Afresh, in a statement of its own, not joined in the settle statement: that statement
 /// reads under the snapshot it started with, so a replay that waited on the row lock of
@@ -51,7 +61,7 @@ async fn current_of_missed(
     pool: &PgPool,
     scope: &TenantScope,
     rows: &[SettleRow],
-) -> Result<HashMap<Uuid, (IntentState, Option<Uuid>)>> {
+) -> Result<HashMap<Uuid, Found>> {
     let missed: Vec<Uuid> = rows
         .iter()
         .filter(|r| r.state.is_none())
@@ -61,17 +71,15 @@ async fn current_of_missed(
         return Ok(HashMap::new());
     }
     let mut tx = begin(pool, scope).await?;
-    let current = sqlx::query_as::<_, (Uuid, IntentState, Option<Uuid>)>(
-        "SELECT id, state, lease_id FROM outbox.all_intents WHERE id = ANY($1)",
+    let current = sqlx::query_as::<_, Found>(
+        "SELECT id, state, lease_id, attempts >= max_attempts AS attempts_used_up \
+         FROM outbox.all_intents WHERE id = ANY($1)",
     )
     .bind(&missed)
     .fetch_all(&mut *tx)
     .await?;
     tx.commit().await?;
-    Ok(current
-        .into_iter()
-        .map(|(id, state, lease_id)| (id, (state, lease_id)))
-        .collect())
+    Ok(current.into_iter().map(|found| (found.id, found)).collect())
 }
 
 /// Per-item results from the statement's `rows` and, for items that did not apply, the
@@ -83,8 +91,8 @@ async fn current_of_missed(
 fn item_results(
     leases: &[(Uuid, Uuid)],
     rows: Vec<SettleRow>,
-    current: &HashMap<Uuid, (IntentState, Option<Uuid>)>,
-    is_replay: impl Fn(usize, IntentState) -> bool,
+    current: &HashMap<Uuid, Found>,
+    is_replay: impl Fn(usize, &Found) -> bool,
 ) -> Vec<ItemResult> {
     rows.into_iter()
         .zip(leases)
@@ -94,11 +102,11 @@ fn item_results(
             let (state, error) = match (row.state, current.get(&row.id)) {
                 (Some(applied), _) => (Some(applied), None),
                 (None, None) => (None, Some(ItemError::not_found(id))),
-                (None, Some(&(state, lease_id))) => {
-                    let replay = lease_id == Some(presented) && is_replay(i, state);
+                (None, Some(found)) => {
+                    let replay = found.lease_id == Some(presented) && is_replay(i, found);
                     (
-                        Some(state),
-                        (!replay).then(|| ItemError::lease_lost(id, state)),
+                        Some(found.state),
+                        (!replay).then(|| ItemError::lease_lost(id, found.state)),
                     )
                 }
             };
@@ -168,7 +176,7 @@ pub async fn mark_intents_submitted(
         leases,
         "SELECT * FROM outbox.mark_submitted($1, $2, $3, $4, $5)",
         |call| call.bind(now),
-        |_, s| s == IntentState::Submitted,
+        |_, found| found.state == IntentState::Submitted,
     )
     .await
 }
@@ -188,7 +196,7 @@ async fn settle_in_one_call(
     leases: &[LeaseRef],
     call: &'static str,
     bind_rest: impl for<'q> Fn(SettleCall<'q>) -> SettleCall<'q>,
-    is_replay: impl Fn(usize, IntentState) -> bool,
+    is_replay: impl Fn(usize, &Found) -> bool,
 ) -> Result<Vec<ItemResult>> {
     let pairs = pairs(leases.iter().copied());
     let (ids, lease_ids) = split(&pairs);
@@ -250,8 +258,10 @@ pub enum DeliveredRows {
     Kept,
     /// Deleted by the Ack itself (retention zero, when the purge would delete it next
     /// anyway): per intent, no new row version and none of its index entries (primary
-    /// key, finished_at, idempotency key), which the purge would delete again. A replayed Ack
-    /// then finds nothing and answers NOT_FOUND, as it would after the purge.
+    /// key, finished_at), which the purge would delete again. A replayed Ack then finds
+    /// nothing and answers NOT_FOUND, as it would after the purge. An intent with an
+    /// idempotency key is kept as [`Self::Kept`] keeps it, for its key's window (migration
+    /// `20261202000015_keyed_intents_outlive_zero_retention`).
     Deleted,
 }
 
@@ -293,7 +303,7 @@ pub async fn ack_intents(
         leases,
         call,
         |call| call.bind(now),
-        |_, s| s == IntentState::Delivered,
+        |_, found| found.state == IntentState::Delivered,
     )
     .await
 }
@@ -336,12 +346,16 @@ pub async fn fail_intents(
                 .bind(now)
         },
         // A replay must name the outcome that put the intent where it is: a contradicting
-        // report from the same lease (RETRY, then PERMANENT) is refused, not silently
-        // ignored.
-        |i, s| match failures[i].outcome {
-            FailOutcome::Retry => matches!(s, IntentState::Pending | IntentState::DeadLettered),
-            FailOutcome::Permanent => s == IntentState::DeadLettered,
-            FailOutcome::Unknown => s == IntentState::NeedsReconcile,
+        // report from the same lease (RETRY, then PERMANENT; PERMANENT, then a RETRY that
+        // would have left attempts) is refused, not silently ignored.
+        |i, found| match failures[i].outcome {
+            FailOutcome::Retry => match found.state {
+                IntentState::Pending => true,
+                IntentState::DeadLettered => found.attempts_used_up,
+                _ => false,
+            },
+            FailOutcome::Permanent => found.state == IntentState::DeadLettered,
+            FailOutcome::Unknown => found.state == IntentState::NeedsReconcile,
         },
     )
     .await

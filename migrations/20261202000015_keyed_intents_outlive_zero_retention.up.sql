@@ -6,7 +6,9 @@
 -- the unique index on its key still guards it, and the purge deletes it once its key's
 -- window (OUTBOX_RETENTION__IDEMPOTENCY_KEYS) is over. Intents without a key are deleted
 -- by the Ack as before. Otherwise the body of migration 20261201000010, with the settings
--- migration 20261201000013 gave it.
+-- migration 20261201000013 gave it. During a rolling upgrade, servers of the previous
+-- release purge with the finished retention alone: at retention zero they delete keyed
+-- DELIVERED intents at their next sweep, until they are replaced.
 CREATE OR REPLACE FUNCTION outbox.ack_and_delete(
     tenants text,
     cross_tenant text,

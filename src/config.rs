@@ -280,7 +280,8 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ),
     (
         "OUTBOX_RETENTION__FINISHED",
-        "how long delivered/discarded intents and their idempotency keys are kept [24h]",
+        "how long delivered intents without an idempotency key are kept; other finished ones \
+         the longer of this and OUTBOX_RETENTION__IDEMPOTENCY_KEYS [24h]",
     ),
     (
         "OUTBOX_RETENTION__IDEMPOTENCY_KEYS",

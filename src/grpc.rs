@@ -429,11 +429,13 @@ impl OutboxService for OutboxHandler {
             rpc.method = "Enqueue",
             auth.key = tracing::field::Empty,
         );
+        // Stored with each intent that has none of its own, so only a valid context, in
+        // canonical form: the metadata is outside the limits the intents' headers are held to.
         let remote = request
             .metadata()
             .get(TRACEPARENT)
             .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
+            .and_then(telemetry::canonical_traceparent);
         if let Some(tp) = &remote {
             telemetry::set_remote_parent(&span, tp);
         }

@@ -463,12 +463,7 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        // "/outbox.v1.OutboxService/Claim" → "Claim"; other services keep their full path.
-        let path = request.uri().path();
-        let method = path
-            .strip_prefix("/outbox.v1.OutboxService/")
-            .unwrap_or(path)
-            .to_owned();
+        let method = method_label(request.uri().path()).to_owned();
         let metrics = self.metrics.clone();
         let started = Instant::now();
         let response = self.inner.call(request);
@@ -521,9 +516,89 @@ fn code_name(code: tonic::Code) -> &'static str {
     }
 }
 
+/// Prefix of the OutboxService methods' paths.
+const OUTBOX_SERVICE_PATH: &str = "/outbox.v1.OutboxService/";
+
+/// The OutboxService methods, labelled by their name.
+const OUTBOX_METHODS: [&str; 10] = [
+    "Enqueue",
+    "Claim",
+    "ExtendLease",
+    "MarkSubmitted",
+    "Ack",
+    "Fail",
+    "Reconcile",
+    "GetIntent",
+    "ListIntents",
+    "GetQueueStats",
+];
+
+/// The other methods served (health, reflection), labelled by their full path.
+const OTHER_METHODS: [&str; 4] = [
+    "/grpc.health.v1.Health/Check",
+    "/grpc.health.v1.Health/Watch",
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+];
+
+/// The `method` label of a request's path: "Claim" for "/outbox.v1.OutboxService/Claim",
+/// the full path of a health or reflection method, and "unknown" for anything else. A
+/// fixed set, because the path is whatever a client sent, before any authentication: a
+/// label made of it grew the registry with every new path, without end, and a `"` in one
+/// made the whole exposition unparseable (label values are written unescaped).
+fn method_label(path: &str) -> &'static str {
+    let outbox = path
+        .strip_prefix(OUTBOX_SERVICE_PATH)
+        .and_then(|name| OUTBOX_METHODS.iter().find(|m| **m == name));
+    outbox
+        .or_else(|| OTHER_METHODS.iter().find(|m| **m == path))
+        .copied()
+        .unwrap_or("unknown")
+}
+
 #[cfg(test)]
 mod tests {
+    use prost::Message;
+
     use super::*;
+
+    /// The `(service, method)` pairs of an encoded descriptor set.
+    fn methods_of(descriptors: &[u8]) -> Vec<(String, String)> {
+        let set = prost_types::FileDescriptorSet::decode(descriptors).unwrap();
+        let mut methods = Vec::new();
+        for file in set.file {
+            for service in &file.service {
+                let service_name = format!("{}.{}", file.package(), service.name());
+                for method in &service.method {
+                    methods.push((service_name.clone(), method.name().to_owned()));
+                }
+            }
+        }
+        methods
+    }
+
+    #[test]
+    fn every_served_method_has_a_label_of_its_own_and_any_other_path_is_unknown() {
+        let outbox = methods_of(crate::proto::FILE_DESCRIPTOR_SET);
+        assert_eq!(outbox.len(), OUTBOX_METHODS.len());
+        for (service, method) in outbox {
+            assert_eq!(service, "outbox.v1.OutboxService");
+            assert_eq!(method_label(&format!("/{service}/{method}")), method);
+        }
+        for (service, method) in methods_of(tonic_health::pb::FILE_DESCRIPTOR_SET) {
+            let path = format!("/{service}/{method}");
+            assert_eq!(method_label(&path), path);
+        }
+        for path in [
+            "/outbox.v1.OutboxService/DropEverything",
+            "/outbox.v1.OutboxService/Claim/",
+            "/outbox.v1.OutboxService/",
+            "/x\"y",
+            "",
+        ] {
+            assert_eq!(method_label(path), "unknown", "{path}");
+        }
+    }
 
     #[test]
     fn a_refresh_slower_than_a_twentieth_of_the_interval_pushes_the_next_one_back() {

@@ -109,6 +109,14 @@ pub fn context_from(traceparent: &str) -> Context {
     TraceContextPropagator::new().extract(&carrier)
 }
 
+/// `traceparent` as this server writes it (version 00, 55 characters), if it names a
+/// valid trace context; a later version's extra fields, or anything malformed, are dropped.
+pub fn canonical_traceparent(traceparent: &str) -> Option<String> {
+    let mut carrier = HashMap::new();
+    TraceContextPropagator::new().inject_context(&context_from(traceparent), &mut carrier);
+    carrier.remove(TRACEPARENT)
+}
+
 /// The `traceparent` of `span`, if it is recorded by OpenTelemetry.
 pub fn traceparent_of(span: &Span) -> Option<String> {
     let mut carrier = HashMap::new();
@@ -131,6 +139,31 @@ pub fn link_to<'a>(span: &Span, traceparents: impl Iterator<Item = &'a str>) {
         let span_context = cx.span().span_context().clone();
         if span_context.is_valid() {
             span.add_link(span_context);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_traceparent_is_kept_only_when_valid_and_then_in_canonical_form() {
+        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        assert_eq!(canonical_traceparent(tp).as_deref(), Some(tp));
+        let later_version = format!(
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-{}",
+            "x".repeat(10_000)
+        );
+        assert_eq!(canonical_traceparent(&later_version).as_deref(), Some(tp));
+        for bad in [
+            "",
+            "garbage",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        ] {
+            assert_eq!(canonical_traceparent(bad), None, "{bad}");
         }
     }
 }

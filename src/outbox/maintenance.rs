@@ -19,7 +19,8 @@ pub struct MaintenanceConfig {
     pub rescue_interval: Duration,
     /// How often finished intents are purged.
     pub purge_interval: Duration,
-    /// How long DELIVERED and DISCARDED intents (and their idempotency keys) are kept.
+    /// How long DELIVERED intents without an idempotency key are kept (the other finished
+    /// ones: see [`Self::live_table_retention`]).
     pub retention: Duration,
     /// How long, at least, a finished intent with an idempotency key is kept, so that its
     /// key is remembered, however short `retention` is: see [`Self::live_table_retention`].

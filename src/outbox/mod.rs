@@ -379,6 +379,15 @@ impl ItemError {
         }
     }
 
+    /// The intent reached a state the operation applies to while the operation ran, after
+    /// it had been passed over.
+    pub fn changed_meanwhile(id: IntentId, state: IntentState) -> Self {
+        Self {
+            reason: Reason::Conflict,
+            message: format!("intent {id} became {state} while this call ran; retry"),
+        }
+    }
+
     /// The intent is in a state the operation does not apply to.
     pub fn invalid_state(id: IntentId, state: IntentState, wanted: &str) -> Self {
         Self {

@@ -300,7 +300,11 @@ impl Model {
         let put_there = match outcome {
             FailOutcome::Unknown => intent.state == St::NeedsReconcile,
             FailOutcome::Permanent => intent.state == St::DeadLettered,
-            _ => matches!(intent.state, St::Pending | St::DeadLettered),
+            // A RETRY dead-letters only an intent whose attempts are used up.
+            _ => {
+                intent.state == St::Pending
+                    || (intent.state == St::DeadLettered && intent.attempts >= intent.max_attempts)
+            }
         };
         if current && put_there {
             Answer::ok(intent.state)

@@ -373,13 +373,17 @@ impl Protocol {
         };
         let after = row.state;
         // settle.rs `report`: not applied, but the lease matches and the intent already is
-        // where this kind of call puts it → OK (a lost-response replay).
+        // where this kind of call puts it → OK (a lost-response replay). A RETRY dead-letters
+        // only an intent whose attempts are used up.
+        let used_up = row.attempts >= self.max_attempts;
         let replay = matches
             && match report {
                 Report::Extend => false,
                 Report::MarkSubmitted => after == St::Submitted,
                 Report::Ack => after == St::Delivered,
-                Report::Fail(Outcome::Retry) => matches!(after, St::Pending | St::DeadLettered),
+                Report::Fail(Outcome::Retry) => {
+                    after == St::Pending || (after == St::DeadLettered && used_up)
+                }
                 Report::Fail(Outcome::Permanent) => after == St::DeadLettered,
                 Report::Fail(Outcome::Unknown) => after == St::NeedsReconcile,
             };
@@ -406,7 +410,7 @@ impl Protocol {
         }
         if let Report::Fail(outcome) = report {
             let where_it_puts = match outcome {
-                Outcome::Retry => matches!(after, St::Pending | St::DeadLettered),
+                Outcome::Retry => after == St::Pending || (after == St::DeadLettered && used_up),
                 Outcome::Permanent => after == St::DeadLettered,
                 Outcome::Unknown => after == St::NeedsReconcile,
             };

@@ -148,6 +148,11 @@ pub async fn resolve_intents(
             let error = match state {
                 _ if row.applied => None,
                 None => Some(ItemError::not_found(id)),
+                // Passed over, then moved where the decision applies (a worker's Fail, say):
+                // INVALID_STATE would contradict the state it names.
+                Some(state) if allowed.contains(&state) => {
+                    Some(ItemError::changed_meanwhile(id, state))
+                }
                 Some(state) => Some(ItemError::invalid_state(
                     id,
                     state,

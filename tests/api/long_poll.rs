@@ -179,6 +179,28 @@ async fn a_claim_after_one_that_drained_the_queue_still_wakes_when_a_delayed_int
     assert_eq!(id_of(&leases[0]), later);
 }
 
+// A replayed Claim answers its first attempt's leases, whatever it asks for now: fewer than
+// it asks, which a look would take to mean that the group drained the queue. It looked at
+// nothing, so the group's next long poll must still look, and find what is pending.
+#[tokio::test]
+async fn a_replayed_claim_does_not_leave_its_group_waiting_as_if_the_queue_were_drained() {
+    let app = TestApp::spawn().await;
+    app.enqueue_n("job", 4).await;
+    let mut first = claim_request("w", 2);
+    first.request_id = "req-1".into();
+    assert_eq!(app.claim(first.clone()).await.unwrap().len(), 2);
+    let mut replay = first;
+    replay.max_intents = 10;
+    assert_eq!(app.claim(replay).await.unwrap().len(), 2);
+
+    let mut poll = claim_request("w2", 10);
+    poll.wait = Some(duration(Duration::from_secs(60)));
+    let mut client = app.client();
+    let waiter = tokio::spawn(async move { client.claim(poll).await });
+    let leases = woken(waiter).await.unwrap().into_inner().leases;
+    assert_eq!(leases.len(), 2, "the two still pending");
+}
+
 // A Fail that retries makes its intent claimable again (here at once): a waiting claim of
 // the group is woken for it, as for an enqueue, instead of finding it at its recheck.
 #[tokio::test]

@@ -702,6 +702,7 @@ impl OutboxService for OutboxHandler {
             store::ReconcileParams {
                 target: r.target,
                 decision: r.decision,
+                key_regions: &caller.regions,
                 actor: &r.actor,
                 reason: &r.reason,
                 now: self.clock.now(),
@@ -728,10 +729,10 @@ impl OutboxService for OutboxHandler {
         &self,
         request: Request<v1::GetIntentRequest>,
     ) -> RpcResult<v1::GetIntentResponse> {
-        let (_, scope) = self.access(&request, Permission::Operate).await?;
+        let (caller, scope) = self.access(&request, Permission::Operate).await?;
         let id = validate::intent_id("id", &request.get_ref().id)?;
         let mut tx = store::begin(&self.pool, &scope).await?;
-        let found = store::get_intent(&mut tx, id).await?;
+        let found = store::get_intent(&mut tx, id, &caller.regions).await?;
         tx.commit().await.map_err(Error::from)?;
         let (intent, resolutions) = found.ok_or(Error::NotFound(id))?;
         Ok(Response::new(v1::GetIntentResponse {
@@ -745,7 +746,7 @@ impl OutboxService for OutboxHandler {
         &self,
         request: Request<v1::ListIntentsRequest>,
     ) -> RpcResult<v1::ListIntentsResponse> {
-        let (_, scope) = self.access(&request, Permission::Operate).await?;
+        let (caller, scope) = self.access(&request, Permission::Operate).await?;
         let list = validate::list(request.into_inner(), &self.limits)?;
         let mut tx = store::begin(&self.pool, &scope).await?;
         let intents = store::list_intents(
@@ -754,6 +755,7 @@ impl OutboxService for OutboxHandler {
                 states: list.states,
                 kind: list.kind,
                 region: list.region,
+                key_regions: caller.regions,
                 after: list.after,
                 limit: list.limit,
                 include_payload: list.include_payload,
@@ -776,9 +778,9 @@ impl OutboxService for OutboxHandler {
         &self,
         request: Request<v1::GetQueueStatsRequest>,
     ) -> RpcResult<v1::GetQueueStatsResponse> {
-        let (_, scope) = self.access(&request, Permission::Operate).await?;
+        let (caller, scope) = self.access(&request, Permission::Operate).await?;
         let mut tx = store::begin(&self.pool, &scope).await?;
-        let stats = store::queue_stats(&mut tx, self.clock.now()).await?;
+        let stats = store::queue_stats(&mut tx, &caller.regions, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(stats.into()))
     }

@@ -501,3 +501,99 @@ async fn a_key_bound_to_a_region_cannot_take_another_regions_leases_by_replaying
         "the worker's own replay still answers them"
     );
 }
+
+/// Data residency: an operator key bound to region eu reads, counts and resolves the
+/// intents of eu and those of no region (which any region's workers claim), and no other
+/// region's: those are NOT_FOUND, as another tenant's are.
+#[tokio::test]
+async fn an_operator_key_bound_to_a_region_sees_and_resolves_only_that_regions_intents() {
+    let app = TestApp::spawn().await;
+    let in_region = |region: &str| {
+        let mut i = intent("charge", "{}");
+        i.region = region.into();
+        i
+    };
+    let ids: Vec<String> = app
+        .enqueue(vec![in_region("eu"), in_region("us"), in_region("")])
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    let (eu, us, anywhere) = (&ids[0], &ids[1], &ids[2]);
+    for region in ["eu", "us"] {
+        let mut claim = claim_request("w", 10);
+        claim.region = region.into();
+        for lease in app.claim(claim).await.unwrap() {
+            app.fail(&lease, FailOutcome::Unknown).await;
+        }
+    }
+    let key = app.key(&["acme"], &["operate"], &["eu"]).await;
+    let mut eu_operator = app.client_with(Some(&key), None).await;
+
+    for id in [eu, anywhere] {
+        let request = v1::GetIntentRequest { id: id.clone() };
+        assert!(eu_operator.get_intent(request).await.is_ok(), "{id}");
+    }
+    let request = v1::GetIntentRequest { id: us.clone() };
+    let status = eu_operator.get_intent(request).await.unwrap_err();
+    assert_eq!(status.code(), Code::NotFound);
+
+    let listed: Vec<String> = eu_operator
+        .list_intents(v1::ListIntentsRequest {
+            page_size: 10,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .intents
+        .into_iter()
+        .map(|i| i.id)
+        .collect();
+    assert_eq!(listed, vec![eu.clone(), anywhere.clone()]);
+    let counted: i64 = eu_operator
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .counts
+        .iter()
+        .map(|c| c.count)
+        .sum();
+    assert_eq!(counted, 2);
+
+    let requeue = |ids: Vec<String>| v1::ReconcileRequest {
+        target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds { ids })),
+        decision: v1::Decision::Requeue as i32,
+        actor: "alice".into(),
+        reason: "checked".into(),
+        limit: 0,
+    };
+    let results = eu_operator
+        .reconcile(requeue(vec![eu.clone(), us.clone()]))
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    assert!(results[0].error.is_none(), "{results:?}");
+    assert_eq!(results[1].error.as_ref().unwrap().reason, "NOT_FOUND");
+    let by_filter = eu_operator
+        .reconcile(v1::ReconcileRequest {
+            target: Some(v1::reconcile_request::Target::Filter(v1::ReconcileFilter {
+                states: vec![IntentState::NeedsReconcile as i32],
+                ..Default::default()
+            })),
+            decision: v1::Decision::Dead as i32,
+            actor: "alice".into(),
+            reason: "checked".into(),
+            limit: 10,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    let resolved: Vec<&str> = by_filter.iter().map(|r| r.intent_id.as_str()).collect();
+    assert_eq!(resolved, vec![anywhere.as_str()], "not the us intent");
+    assert_eq!(app.state(us).await, IntentState::NeedsReconcile);
+}

@@ -5,26 +5,27 @@ use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::intent_columns;
+use super::{in_key_regions, intent_columns};
 use crate::outbox::{Decision, Intent, IntentId, IntentState, Resolution, Result};
 
-/// Loads one intent of the tenant and its recorded decisions, oldest first.
+/// Loads one intent of the tenant, in `regions` (empty: any), and its recorded decisions,
+/// oldest first.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn get_intent(
     conn: &mut PgConnection,
     id: IntentId,
+    regions: &[String],
 ) -> Result<Option<(Intent, Vec<Resolution>)>> {
     let intent: Option<Intent> = sqlx::query_as(concat!(
         "SELECT ",
         intent_columns!("i"),
-        r#"
-        FROM outbox.all_intents i
-        WHERE i.id = $1
-        "#
+        " FROM outbox.all_intents i WHERE i.id = $1 AND ",
+        in_key_regions!("i", "$2"),
     ))
     .bind(id)
+    .bind(regions)
     .fetch_optional(&mut *conn)
     .await?;
     let Some(intent) = intent else {
@@ -65,6 +66,8 @@ pub struct ListParams {
     pub kind: Option<String>,
     /// Only this region.
     pub region: Option<String>,
+    /// Only intents in these regions, the caller's API key's (empty: any).
+    pub key_regions: Vec<String>,
     /// Only ids greater than this (keyset paging; ids are time ordered).
     pub after: Option<IntentId>,
     /// Page size.
@@ -86,6 +89,9 @@ pub async fn list_intents(conn: &mut PgConnection, params: ListParams) -> Result
         WHERE (cardinality($1::outbox.intent_state[]) = 0 OR i.state = ANY($1))
           AND ($2::text IS NULL OR i.kind = $2)
           AND ($3::text IS NULL OR i.region = $3)
+          AND "#,
+        in_key_regions!("i", "$6"),
+        r#"
           -- No cursor is the nil UUID, below every id: a bare bound, so that a cached
           -- plan still starts its primary-key scan at the cursor.
           AND i.id > $4
@@ -98,6 +104,7 @@ pub async fn list_intents(conn: &mut PgConnection, params: ListParams) -> Result
     .bind(&params.region)
     .bind(params.after.map_or(Uuid::nil(), |after| after.0))
     .bind(params.limit)
+    .bind(&params.key_regions)
     .fetch_all(conn)
     .await?;
     if !params.include_payload {
@@ -130,36 +137,40 @@ pub struct QueueStats {
     pub oldest_staged_at: Option<DateTime<Utc>>,
 }
 
-/// Counts the transaction's tenants' intents by state and region.
+/// Counts the transaction's tenants' intents in `regions` (empty: any) by state and region.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn queue_stats(
     conn: &mut PgConnection,
+    regions: &[String],
     now: Option<DateTime<Utc>>,
 ) -> Result<QueueStats> {
-    let counts: Vec<StateCount> = sqlx::query_as(
-        r#"
-        SELECT state, region, count(*) AS count
-        FROM outbox.all_intents
-        GROUP BY state, region
-        ORDER BY state, region
-        "#,
-    )
+    let counts: Vec<StateCount> = sqlx::query_as(concat!(
+        "SELECT i.state, i.region, count(*) AS count FROM outbox.all_intents i WHERE ",
+        in_key_regions!("i", "$1"),
+        " GROUP BY i.state, i.region ORDER BY i.state, i.region",
+    ))
+    .bind(regions)
     .fetch_all(&mut *conn)
     .await?;
     let (oldest_pending_at, oldest_staged_at): (Option<DateTime<Utc>>, Option<DateTime<Utc>>) =
-        sqlx::query_as(
+        sqlx::query_as(concat!(
             r#"
             SELECT
-                (SELECT min(available_at) FROM outbox.intent
-                 WHERE state = 'pending'
-                   AND available_at <= coalesce($1::timestamptz, now())),
-                (SELECT min(created_at) FROM outbox.intent
-                 WHERE state = 'staged')
-            "#,
-        )
+                (SELECT min(i.available_at) FROM outbox.intent i
+                 WHERE i.state = 'pending'
+                   AND i.available_at <= coalesce($1::timestamptz, now())
+                   AND "#,
+            in_key_regions!("i", "$2"),
+            r#"),
+                (SELECT min(i.created_at) FROM outbox.intent i
+                 WHERE i.state = 'staged' AND "#,
+            in_key_regions!("i", "$2"),
+            ")",
+        ))
         .bind(now)
+        .bind(regions)
         .fetch_one(&mut *conn)
         .await?;
     Ok(QueueStats {

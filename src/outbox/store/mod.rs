@@ -131,6 +131,27 @@ macro_rules! intent_columns {
 }
 pub(crate) use intent_columns;
 
+/// Whether the intent `$t` is in the regions of an API key given as the `text[]` parameter
+/// `$regions` (empty: any region): one of them, or none (a region-less intent is any
+/// region's, as a Claim in one of them takes it). The operator calls of a region-bound key
+/// see and resolve only such intents; another region's are NOT_FOUND, as another tenant's.
+macro_rules! in_key_regions {
+    ($t:literal, $regions:literal) => {
+        concat!(
+            "(cardinality(",
+            $regions,
+            "::text[]) = 0 OR ",
+            $t,
+            ".region = '' OR ",
+            $t,
+            ".region = ANY(",
+            $regions,
+            "::text[]))"
+        )
+    };
+}
+pub(crate) use in_key_regions;
+
 fn millis(d: std::time::Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }

@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::PENDING_CHANNEL;
+use super::{PENDING_CHANNEL, in_key_regions};
 use crate::outbox::{Decision, IntentId, IntentState, ItemError, ItemResult, Result};
 
 /// Which intents a decision applies to.
@@ -37,6 +37,9 @@ pub struct ReconcileParams<'a> {
     pub target: ReconcileTarget,
     /// The ruling.
     pub decision: Decision,
+    /// Only intents in these regions, the caller's API key's (empty: any); the others are
+    /// NOT_FOUND.
+    pub key_regions: &'a [String],
     /// Who decided.
     pub actor: &'a str,
     /// Why.
@@ -122,7 +125,8 @@ pub async fn resolve_intents(
         .bind(params.actor)
         .bind(params.reason)
         .bind(params.now)
-        .bind(PENDING_CHANNEL);
+        .bind(PENDING_CHANNEL)
+        .bind(params.key_regions);
     let query = match params.target {
         ReconcileTarget::Ids(ids) => query.bind(ids.into_iter().map(|id| id.0).collect::<Vec<_>>()),
         ReconcileTarget::Filter {
@@ -139,7 +143,7 @@ pub async fn resolve_intents(
             .bind(limit),
     };
     let rows = query.fetch_all(&mut *conn).await?;
-    let current = current_of_unapplied(conn, &rows).await?;
+    let current = current_of_unapplied(conn, &rows, params.key_regions).await?;
     Ok(rows
         .into_iter()
         .map(|row| {
@@ -183,16 +187,21 @@ pub async fn resolve_intents(
 async fn current_of_unapplied(
     conn: &mut PgConnection,
     rows: &[ResolveRow],
+    key_regions: &[String],
 ) -> Result<HashMap<Uuid, IntentState>> {
     let unapplied: Vec<Uuid> = rows.iter().filter(|r| !r.applied).map(|r| r.id).collect();
     if unapplied.is_empty() {
         return Ok(HashMap::new());
     }
     // Also where Ack moves delivered intents: an item naming one is told its state.
-    let current = sqlx::query_as("SELECT id, state FROM outbox.all_intents WHERE id = ANY($1)")
-        .bind(unapplied)
-        .fetch_all(conn)
-        .await?;
+    let current = sqlx::query_as(concat!(
+        "SELECT i.id, i.state FROM outbox.all_intents i WHERE i.id = ANY($1) AND ",
+        in_key_regions!("i", "$2"),
+    ))
+    .bind(unapplied)
+    .bind(key_regions)
+    .fetch_all(conn)
+    .await?;
     Ok(current.into_iter().collect())
 }
 
@@ -207,13 +216,16 @@ fn describe(states: &[IntentState]) -> String {
 const RESOLVE_BY_IDS: &str = concat!(
     r#"
     WITH input AS (
-        SELECT * FROM unnest($7::uuid[]) WITH ORDINALITY AS t(id, ord)
+        SELECT * FROM unnest($8::uuid[]) WITH ORDINALITY AS t(id, ord)
     ),
     target AS (
         SELECT i.id, i.state
         FROM outbox.intent i
         JOIN input ON input.id = i.id
         WHERE i.state = ANY($1)
+          AND "#,
+    in_key_regions!("i", "$7"),
+    r#"
         FOR UPDATE OF i
     ),
     "#,
@@ -234,12 +246,15 @@ const RESOLVE_BY_FILTER: &str = concat!(
         SELECT i.id, i.state
         FROM outbox.intent i
         WHERE i.state = ANY($1)
-          AND i.state = ANY($7)
-          AND ($8::text IS NULL OR i.kind = $8)
-          AND ($9::text IS NULL OR i.region = $9)
-          AND ($10::timestamptz IS NULL OR i.created_at < $10)
+          AND i.state = ANY($8)
+          AND ($9::text IS NULL OR i.kind = $9)
+          AND ($10::text IS NULL OR i.region = $10)
+          AND ($11::timestamptz IS NULL OR i.created_at < $11)
+          AND "#,
+    in_key_regions!("i", "$7"),
+    r#"
         ORDER BY i.id
-        LIMIT $11
+        LIMIT $12
         FOR UPDATE SKIP LOCKED
     ),
     "#,

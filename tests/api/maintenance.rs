@@ -29,6 +29,20 @@ async fn purge_deletes_finished_intents_past_retention_and_keeps_everything_else
     let _ = IntentState::Delivered;
 }
 
+/// Enqueues an intent with a key, claims it and acks it (and the Ack's replay: both OK).
+/// Returns the intent as sent and its id.
+async fn deliver_with_key(app: &TestApp) -> (v1::NewIntent, String) {
+    let mut keyed = intent("job", "{}");
+    keyed.idempotency_key = "k-1".into();
+    let first = app.enqueue(vec![keyed.clone()]).await.unwrap()[0]
+        .id
+        .clone();
+    let lease = app.claim_n("w", 1).await.remove(0);
+    assert_item_ok(&app.ack(&[&lease]).await[0], IntentState::Delivered);
+    assert_item_ok(&app.ack(&[&lease]).await[0], IntentState::Delivered);
+    (keyed, first)
+}
+
 #[tokio::test]
 async fn an_idempotency_key_is_remembered_until_its_intent_is_purged_after_the_key_window() {
     let app = TestApp::spawn_with(|s| {
@@ -36,13 +50,7 @@ async fn an_idempotency_key_is_remembered_until_its_intent_is_purged_after_the_k
         s.maintenance.key_retention = Duration::from_secs(120);
     })
     .await;
-    let mut keyed = intent("job", "{}");
-    keyed.idempotency_key = "k-1".into();
-    let first = app.enqueue(vec![keyed.clone()]).await.unwrap()[0]
-        .id
-        .clone();
-    let lease = app.claim_n("w", 1).await.remove(0);
-    app.ack(&[&lease]).await;
+    let (keyed, first) = deliver_with_key(&app).await;
     let replay = app.enqueue(vec![keyed.clone()]).await.unwrap().remove(0);
     assert!(replay.deduplicated);
     assert_eq!(replay.state(), IntentState::Delivered);
@@ -114,14 +122,8 @@ async fn at_zero_retention_a_delivered_intent_with_a_key_is_kept_for_the_key_win
         s.maintenance.key_retention = Duration::from_secs(300);
     })
     .await;
-    let mut keyed = intent("job", "{}");
-    keyed.idempotency_key = "k-1".into();
-    let first = app.enqueue(vec![keyed.clone()]).await.unwrap()[0]
-        .id
-        .clone();
-    let lease = app.claim_n("w", 1).await.remove(0);
-    assert_item_ok(&app.ack(&[&lease]).await[0], IntentState::Delivered);
-    assert_item_ok(&app.ack(&[&lease]).await[0], IntentState::Delivered);
+    let (keyed, first) = deliver_with_key(&app).await;
+    assert_eq!(app.state(&first).await, IntentState::Delivered);
     let replay = app.enqueue(vec![keyed.clone()]).await.unwrap().remove(0);
     assert!(replay.deduplicated, "the key outlives its Ack");
     assert_eq!(

@@ -696,6 +696,13 @@ impl OutboxService for OutboxHandler {
     ) -> RpcResult<v1::ReconcileResponse> {
         let (caller, scope) = self.access(&request, Permission::Operate).await?;
         let r = validate::reconcile(request.into_inner(), &self.limits)?;
+        if let store::ReconcileTarget::Filter {
+            region: Some(region),
+            ..
+        } = &r.target
+        {
+            caller.require_region("filter.region", region)?;
+        }
         let mut tx = store::begin(&self.pool, &scope).await?;
         let results = store::resolve_intents(
             &mut tx,
@@ -748,6 +755,9 @@ impl OutboxService for OutboxHandler {
     ) -> RpcResult<v1::ListIntentsResponse> {
         let (caller, scope) = self.access(&request, Permission::Operate).await?;
         let list = validate::list(request.into_inner(), &self.limits)?;
+        if let Some(region) = &list.region {
+            caller.require_region("region", region)?;
+        }
         let mut tx = store::begin(&self.pool, &scope).await?;
         let intents = store::list_intents(
             &mut tx,

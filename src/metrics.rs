@@ -585,9 +585,15 @@ mod tests {
             assert_eq!(service, "outbox.v1.OutboxService");
             assert_eq!(method_label(&format!("/{service}/{method}")), method);
         }
-        for (service, method) in methods_of(tonic_health::pb::FILE_DESCRIPTOR_SET) {
-            let path = format!("/{service}/{method}");
-            assert_eq!(method_label(&path), path);
+        for descriptors in [
+            tonic_health::pb::FILE_DESCRIPTOR_SET,
+            tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET,
+            tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET,
+        ] {
+            for (service, method) in methods_of(descriptors) {
+                let path = format!("/{service}/{method}");
+                assert_eq!(method_label(&path), path);
+            }
         }
         for path in [
             "/outbox.v1.OutboxService/DropEverything",

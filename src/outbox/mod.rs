@@ -446,9 +446,10 @@ pub enum Error {
     /// No such intent.
     #[error("intent {0} not found")]
     NotFound(IntentId),
-    /// An idempotency key is already used by an intent with a different kind or payload.
+    /// An idempotency key is already used by an intent with a different kind, payload or
+    /// region.
     #[error(
-        "idempotency key {key:?} is already used by intent {existing} with a different kind or payload"
+        "idempotency key {key:?} is already used by intent {existing} with a different kind, payload or region"
     )]
     IdempotencyConflict {
         /// The key.

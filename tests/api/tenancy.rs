@@ -528,6 +528,8 @@ async fn an_operator_key_bound_to_a_region_sees_and_resolves_only_that_regions_i
             app.fail(&lease, FailOutcome::Unknown).await;
         }
     }
+    // And one of us left pending: the oldest pending intent of eu is none.
+    app.enqueue(vec![in_region("us")]).await.unwrap();
     let key = app.key(&["acme"], &["operate"], &["eu"]).await;
     let mut eu_operator = app.client_with(Some(&key), None).await;
 
@@ -552,16 +554,22 @@ async fn an_operator_key_bound_to_a_region_sees_and_resolves_only_that_regions_i
         .map(|i| i.id)
         .collect();
     assert_eq!(listed, vec![eu.clone(), anywhere.clone()]);
-    let counted: i64 = eu_operator
+    let stats = eu_operator
         .get_queue_stats(v1::GetQueueStatsRequest {})
         .await
         .unwrap()
-        .into_inner()
-        .counts
-        .iter()
-        .map(|c| c.count)
-        .sum();
-    assert_eq!(counted, 2);
+        .into_inner();
+    assert_eq!(stats.counts.iter().map(|c| c.count).sum::<i64>(), 2);
+    assert_eq!(stats.oldest_pending_at, None, "the pending intent is of us");
+    let outside = eu_operator
+        .list_intents(v1::ListIntentsRequest {
+            region: "us".into(),
+            page_size: 10,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_status(&outside, Code::PermissionDenied, "REGION_NOT_ALLOWED", &[]);
 
     let requeue = |ids: Vec<String>| v1::ReconcileRequest {
         target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds { ids })),
@@ -596,4 +604,23 @@ async fn an_operator_key_bound_to_a_region_sees_and_resolves_only_that_regions_i
     let resolved: Vec<&str> = by_filter.iter().map(|r| r.intent_id.as_str()).collect();
     assert_eq!(resolved, vec![anywhere.as_str()], "not the us intent");
     assert_eq!(app.state(us).await, IntentState::NeedsReconcile);
+}
+
+/// A key names one intent: the same key with the same kind and payload but another region
+/// is not that intent (its producer would be told an intent of its region was recorded).
+#[tokio::test]
+async fn an_idempotency_key_held_by_another_regions_intent_is_a_conflict_not_a_replay() {
+    let app = TestApp::spawn().await;
+    let in_region = |region: &str| {
+        let mut i = intent("charge", "{}");
+        i.region = region.into();
+        i.idempotency_key = "k-1".into();
+        i
+    };
+    let us = app.enqueue(vec![in_region("us")]).await.unwrap().remove(0);
+    let replay = app.enqueue(vec![in_region("us")]).await.unwrap().remove(0);
+    assert!(replay.deduplicated);
+    assert_eq!(replay.id, us.id);
+    let status = app.enqueue(vec![in_region("eu")]).await.unwrap_err();
+    assert_status(&status, Code::AlreadyExists, "IDEMPOTENCY_CONFLICT", &[]);
 }

@@ -266,7 +266,8 @@ pub async fn insert_intents(
                existing.id AS existing_id,
                existing.state AS existing_state,
                existing.txn_xid::text AS existing_txn,
-               (existing.kind = input.kind AND existing.payload = input.payload) AS same_content
+               (existing.kind = input.kind AND existing.payload = input.payload
+                AND existing.region = input.region) AS same_content
         FROM input
         LEFT JOIN inserted ON inserted.id = input.id
         LEFT JOIN outbox.intent existing
@@ -342,7 +343,8 @@ async fn find_by_key(
 ) -> Result<Holder> {
     let holder: Option<Holder> = sqlx::query_as(
         r#"
-        SELECT id, state, txn_xid::text AS txn, (kind = $3 AND payload = $4) AS same_content
+        SELECT id, state, txn_xid::text AS txn,
+               (kind = $3 AND payload = $4 AND region = $5) AS same_content
         FROM outbox.intent
         WHERE tenant_id = $1
           AND idempotency_key = $2
@@ -353,6 +355,7 @@ async fn find_by_key(
     .bind(key)
     .bind(&intent.kind)
     .bind(&intent.payload)
+    .bind(&intent.region)
     .fetch_optional(conn)
     .await?;
     holder.ok_or_else(|| Error::KeyHolderGone {

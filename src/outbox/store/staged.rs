@@ -90,15 +90,18 @@ pub async fn find_replay(
     };
     let kinds: Vec<&str> = intents.iter().map(|i| i.kind.as_str()).collect();
     let payloads: Vec<&[u8]> = intents.iter().map(|i| i.payload.as_slice()).collect();
+    let regions: Vec<&str> = intents.iter().map(|i| i.region.as_str()).collect();
     let rows: Vec<(Option<Uuid>, Option<IntentState>)> = sqlx::query_as(
         r#"
         SELECT i.id, i.state
-        FROM unnest($1::text[], $2::text[], $3::bytea[]) WITH ORDINALITY AS t(key, kind, payload, ord)
+        FROM unnest($1::text[], $2::text[], $3::bytea[], $5::text[])
+            WITH ORDINALITY AS t(key, kind, payload, region, ord)
         LEFT JOIN outbox.intent i
             ON i.idempotency_key = t.key
            AND i.txn_xid = $4::text::xid8
            AND i.kind = t.kind
            AND i.payload = t.payload
+           AND i.region = t.region
         ORDER BY t.ord
         "#,
     )
@@ -106,6 +109,7 @@ pub async fn find_replay(
     .bind(&kinds)
     .bind(&payloads)
     .bind(xid.to_string())
+    .bind(&regions)
     .fetch_all(conn)
     .await?;
     Ok(rows

@@ -10,7 +10,7 @@ use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 use tonic::metadata::MetadataMap;
 
-use crate::outbox::store::{self, ApiKeyRecord, TenantScope};
+use crate::outbox::store::{self, ApiKeyRecord, SettleScope, TenantScope};
 use crate::outbox::{Error, Reason, Result};
 
 /// Metadata naming the tenant a request acts for, for keys bound to several tenants.
@@ -124,6 +124,14 @@ impl Caller {
                 self.regions.join(", ")
             ),
         ))
+    }
+
+    /// Whose settles these are: `tenants` (this request's), within this key's regions.
+    pub fn settling<'a>(&'a self, tenants: &'a TenantScope) -> SettleScope<'a> {
+        SettleScope {
+            tenants,
+            key_regions: &self.regions,
+        }
     }
 
     /// The tenants this request acts for: the one named by the `x-outbox-tenant` header

@@ -597,10 +597,11 @@ impl OutboxService for OutboxHandler {
         &self,
         request: Request<v1::ExtendLeaseRequest>,
     ) -> RpcResult<v1::ExtendLeaseResponse> {
-        let (_, scope) = self.access(&request, Permission::Consume).await?;
+        let (caller, scope) = self.access(&request, Permission::Consume).await?;
         let (leases, duration) = validate::extend(request.get_ref(), &self.limits)?;
+        let scope = caller.settling(&scope);
         let results =
-            store::extend_leases(&self.pool, &scope, &leases, duration, self.clock.now()).await?;
+            store::extend_leases(&self.pool, scope, &leases, duration, self.clock.now()).await?;
         Ok(Response::new(v1::ExtendLeaseResponse {
             results: results.into_iter().map(Into::into).collect(),
         }))
@@ -611,10 +612,11 @@ impl OutboxService for OutboxHandler {
         &self,
         request: Request<v1::MarkSubmittedRequest>,
     ) -> RpcResult<v1::MarkSubmittedResponse> {
-        let (_, scope) = self.access(&request, Permission::Consume).await?;
+        let (caller, scope) = self.access(&request, Permission::Consume).await?;
         let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
+        let scope = caller.settling(&scope);
         let results =
-            store::mark_intents_submitted(&self.pool, &scope, &leases, self.clock.now()).await?;
+            store::mark_intents_submitted(&self.pool, scope, &leases, self.clock.now()).await?;
         Ok(Response::new(v1::MarkSubmittedResponse {
             results: results.into_iter().map(Into::into).collect(),
         }))
@@ -627,11 +629,11 @@ impl OutboxService for OutboxHandler {
         err
     )]
     async fn ack(&self, request: Request<v1::AckRequest>) -> RpcResult<v1::AckResponse> {
-        let (_, scope) = self.access(&request, Permission::Consume).await?;
+        let (caller, scope) = self.access(&request, Permission::Consume).await?;
         let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
         let results = store::ack_intents(
             &self.pool,
-            &scope,
+            caller.settling(&scope),
             &leases,
             self.delivered_rows,
             self.clock.now(),
@@ -652,11 +654,11 @@ impl OutboxService for OutboxHandler {
         err
     )]
     async fn fail(&self, request: Request<v1::FailRequest>) -> RpcResult<v1::FailResponse> {
-        let (_, scope) = self.access(&request, Permission::Consume).await?;
+        let (caller, scope) = self.access(&request, Permission::Consume).await?;
         let failures = validate::fail(request.into_inner(), &self.limits)?;
         let results = store::fail_intents(
             &self.pool,
-            &scope,
+            caller.settling(&scope),
             &failures,
             self.backoff,
             self.clock.now(),

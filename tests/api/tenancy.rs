@@ -500,6 +500,19 @@ async fn a_key_bound_to_a_region_cannot_take_another_regions_leases_by_replaying
         theirs[0].lease_id,
         "the worker's own replay still answers them"
     );
+
+    // A settle of another region's intent under a made-up lease learns nothing of it.
+    let mut guessed = lease_ref(&theirs[0]);
+    guessed.lease_id = uuid::Uuid::new_v4().to_string();
+    let results = eu
+        .ack(v1::AckRequest {
+            leases: vec![guessed],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    assert_item_error(&results[0], Code::NotFound, "NOT_FOUND");
 }
 
 /// Data residency: an operator key bound to region eu reads, counts and resolves the

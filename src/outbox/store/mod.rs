@@ -27,8 +27,8 @@ pub use listeners::{hold_listener_lock, others_listen};
 pub use maintenance::{BackoffParams, purge_finished_intents, rescue_expired_leases};
 pub use reconcile::{ReconcileParams, ReconcileTarget, resolve_intents};
 pub use settle::{
-    ACK_AND_DELETE_CALL, ACK_CALL, DeliveredRows, ack_intents, extend_leases, fail_intents,
-    mark_intents_submitted,
+    ACK_AND_DELETE_CALL, ACK_CALL, DeliveredRows, SettleScope, ack_intents, extend_leases,
+    fail_intents, mark_intents_submitted,
 };
 pub use staged::{
     PromotionReport, TokenCheck, TxnStatus, check_token, cluster_identifier, find_replay,

@@ -13,10 +13,19 @@ use sqlx::{PgPool, Postgres};
 use uuid::Uuid;
 
 use super::access::{TenantScope, begin, on_live_connection, scope_settings};
-use super::{BackoffParams, millis};
+use super::{BackoffParams, in_key_regions, millis};
 use crate::outbox::{
     FailOutcome, Failure, IntentId, IntentState, ItemError, ItemResult, LeaseRef, Result,
 };
+
+/// Whose settle it is: the caller's tenants, and the regions of its API key (empty: any).
+#[derive(Debug, Clone, Copy)]
+pub struct SettleScope<'a> {
+    /// The caller's tenants.
+    pub tenants: &'a TenantScope,
+    /// The regions of the caller's API key (empty: any).
+    pub key_regions: &'a [String],
+}
 
 /// One item as the settle statement left it: `state` is set only when it applied.
 #[derive(sqlx::FromRow, Clone)]
@@ -49,8 +58,9 @@ struct Found {
     attempts_used_up: bool,
 }
 
-/// Each intent whose item did not apply, read afresh in a scoped transaction of its own;
-/// no round trip when every item applied.
+/// Each intent whose item did not apply, read afresh in a scoped transaction of its own
+/// (an intent outside `key_regions`, the caller's key's, is not found, as another tenant's
+/// is); no round trip when every item applied.
 ///
 /// Afresh, in a statement of its own, not joined in the settle statement: that statement
 /// reads under the snapshot it started with, so a replay that waited on the row lock of
@@ -60,6 +70,7 @@ struct Found {
 async fn current_of_missed(
     pool: &PgPool,
     scope: &TenantScope,
+    key_regions: &[String],
     rows: &[SettleRow],
 ) -> Result<HashMap<Uuid, Found>> {
     let missed: Vec<Uuid> = rows
@@ -71,11 +82,13 @@ async fn current_of_missed(
         return Ok(HashMap::new());
     }
     let mut tx = begin(pool, scope).await?;
-    let current = sqlx::query_as::<_, Found>(
-        "SELECT id, state, lease_id, attempts >= max_attempts AS attempts_used_up \
-         FROM outbox.all_intents WHERE id = ANY($1)",
-    )
+    let current = sqlx::query_as::<_, Found>(concat!(
+        "SELECT i.id, i.state, i.lease_id, i.attempts >= i.max_attempts AS attempts_used_up \
+         FROM outbox.all_intents i WHERE i.id = ANY($1) AND ",
+        in_key_regions!("i", "$2"),
+    ))
     .bind(&missed)
+    .bind(key_regions)
     .fetch_all(&mut *tx)
     .await?;
     tx.commit().await?;
@@ -141,7 +154,7 @@ fn split(pairs: &[(Uuid, Uuid)]) -> (Vec<Uuid>, Vec<Uuid>) {
 /// [`crate::outbox::Error::Database`].
 pub async fn extend_leases(
     pool: &PgPool,
-    scope: &TenantScope,
+    scope: SettleScope<'_>,
     leases: &[LeaseRef],
     lease_duration: Duration,
     now: Option<DateTime<Utc>>,
@@ -166,7 +179,7 @@ pub async fn extend_leases(
 /// [`crate::outbox::Error::Database`].
 pub async fn mark_intents_submitted(
     pool: &PgPool,
-    scope: &TenantScope,
+    scope: SettleScope<'_>,
     leases: &[LeaseRef],
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<ItemResult>> {
@@ -192,7 +205,7 @@ type SettleCall<'q> = QueryAs<'q, Postgres, SettleRow, PgArguments>;
 /// only when there are some.
 async fn settle_in_one_call(
     pool: &PgPool,
-    scope: &TenantScope,
+    scope: SettleScope<'_>,
     leases: &[LeaseRef],
     call: &'static str,
     bind_rest: impl for<'q> Fn(SettleCall<'q>) -> SettleCall<'q>,
@@ -200,7 +213,7 @@ async fn settle_in_one_call(
 ) -> Result<Vec<ItemResult>> {
     let pairs = pairs(leases.iter().copied());
     let (ids, lease_ids) = split(&pairs);
-    let (tenants, cross) = scope_settings(scope);
+    let (tenants, cross) = scope_settings(scope.tenants);
     let changed: Vec<SettleRow> = on_live_connection(pool, || {
         bind_rest(
             sqlx::query_as(call)
@@ -222,7 +235,7 @@ async fn settle_in_one_call(
                 .unwrap_or_else(|| SettleRow::missed(id))
         })
         .collect();
-    let current = current_of_missed(pool, scope, &rows).await?;
+    let current = current_of_missed(pool, scope.tenants, scope.key_regions, &rows).await?;
     Ok(item_results(&pairs, rows, &current, is_replay))
 }
 
@@ -288,7 +301,7 @@ impl DeliveredRows {
 /// [`crate::outbox::Error::Database`].
 pub async fn ack_intents(
     pool: &PgPool,
-    scope: &TenantScope,
+    scope: SettleScope<'_>,
     leases: &[LeaseRef],
     rows: DeliveredRows,
     now: Option<DateTime<Utc>>,
@@ -320,7 +333,7 @@ pub async fn ack_intents(
 /// [`crate::outbox::Error::Database`].
 pub async fn fail_intents(
     pool: &PgPool,
-    scope: &TenantScope,
+    scope: SettleScope<'_>,
     failures: &[Failure],
     backoff: BackoffParams,
     now: Option<DateTime<Utc>>,

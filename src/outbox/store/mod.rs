@@ -7,6 +7,7 @@
 mod access;
 mod api_keys;
 mod claim;
+mod current;
 mod enqueue;
 mod inspect;
 mod listeners;

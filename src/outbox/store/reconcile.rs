@@ -1,12 +1,11 @@
 //! Operator decisions on intents awaiting one (NEEDS_RECONCILE, DEAD_LETTERED), each
 //! recorded in `outbox.resolution` in the same statement that applies it.
 
-use std::collections::HashMap;
-
 use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
+use super::current::current_intents;
 use super::{PENDING_CHANNEL, in_key_regions};
 use crate::outbox::{Decision, IntentId, IntentState, ItemError, ItemResult, Result};
 
@@ -143,12 +142,14 @@ pub async fn resolve_intents(
             .bind(limit),
     };
     let rows = query.fetch_all(&mut *conn).await?;
-    let current = current_of_unapplied(conn, &rows, params.key_regions).await?;
+    // The state of each item not applied, as it is now (`super::current`).
+    let unapplied: Vec<Uuid> = rows.iter().filter(|r| !r.applied).map(|r| r.id).collect();
+    let current = current_intents(conn, &unapplied, params.key_regions).await?;
     Ok(rows
         .into_iter()
         .map(|row| {
             let id = IntentId(row.id);
-            let state = row.state.or_else(|| current.get(&row.id).copied());
+            let state = row.state.or_else(|| current.get(&row.id).map(|c| c.state));
             let error = match state {
                 _ if row.applied => None,
                 None => Some(ItemError::not_found(id)),
@@ -177,32 +178,6 @@ pub async fn resolve_intents(
             }
         })
         .collect())
-}
-
-/// The state of each intent whose item was not applied, read in a statement of its own:
-/// the decision's statement reads under the snapshot it started with, so after waiting on
-/// a row lock (a worker's Ack, another operator's decision) it would still see the state
-/// the intent had before, and report it. A new statement (READ COMMITTED) sees the
-/// committed outcome. No round trip when every item applied.
-async fn current_of_unapplied(
-    conn: &mut PgConnection,
-    rows: &[ResolveRow],
-    key_regions: &[String],
-) -> Result<HashMap<Uuid, IntentState>> {
-    let unapplied: Vec<Uuid> = rows.iter().filter(|r| !r.applied).map(|r| r.id).collect();
-    if unapplied.is_empty() {
-        return Ok(HashMap::new());
-    }
-    // Also where Ack moves delivered intents: an item naming one is told its state.
-    let current = sqlx::query_as(concat!(
-        "SELECT i.id, i.state FROM outbox.all_intents i WHERE i.id = ANY($1) AND ",
-        in_key_regions!("i", "$2"),
-    ))
-    .bind(unapplied)
-    .bind(key_regions)
-    .fetch_all(conn)
-    .await?;
-    Ok(current.into_iter().collect())
 }
 
 fn describe(states: &[IntentState]) -> String {

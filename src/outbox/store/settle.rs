@@ -13,7 +13,8 @@ use sqlx::{PgPool, Postgres};
 use uuid::Uuid;
 
 use super::access::{TenantScope, begin, on_live_connection, scope_settings};
-use super::{BackoffParams, in_key_regions, millis};
+use super::current::{Current, current_intents};
+use super::{BackoffParams, millis};
 use crate::outbox::{
     FailOutcome, Failure, IntentId, IntentState, ItemError, ItemResult, LeaseRef, Result,
 };
@@ -48,31 +49,14 @@ impl SettleRow {
     }
 }
 
-/// An intent whose settle item did not apply, as read afresh.
-#[derive(sqlx::FromRow, Clone, Copy)]
-struct Found {
-    id: Uuid,
-    state: IntentState,
-    lease_id: Option<Uuid>,
-    /// Its last claim took its last attempt: a RETRY from that lease dead-letters it.
-    attempts_used_up: bool,
-}
-
-/// Each intent whose item did not apply, read afresh in a scoped transaction of its own
-/// (an intent outside `key_regions`, the caller's key's, is not found, as another tenant's
-/// is); no round trip when every item applied.
-///
-/// Afresh, in a statement of its own, not joined in the settle statement: that statement
-/// reads under the snapshot it started with, so a replay that waited on the row lock of
-/// its own first attempt would still see the intent as it was before that attempt
-/// committed, and answer LEASE_LOST to a call that succeeded. A new statement (READ
-/// COMMITTED) sees the committed outcome.
+/// Each intent whose item did not apply, as it is now ([`super::current`]), read in a
+/// scoped transaction of its own; no round trip when every item applied.
 async fn current_of_missed(
     pool: &PgPool,
     scope: &TenantScope,
     key_regions: &[String],
     rows: &[SettleRow],
-) -> Result<HashMap<Uuid, Found>> {
+) -> Result<HashMap<Uuid, Current>> {
     let missed: Vec<Uuid> = rows
         .iter()
         .filter(|r| r.state.is_none())
@@ -82,17 +66,9 @@ async fn current_of_missed(
         return Ok(HashMap::new());
     }
     let mut tx = begin(pool, scope).await?;
-    let current = sqlx::query_as::<_, Found>(concat!(
-        "SELECT i.id, i.state, i.lease_id, i.attempts >= i.max_attempts AS attempts_used_up \
-         FROM outbox.all_intents i WHERE i.id = ANY($1) AND ",
-        in_key_regions!("i", "$2"),
-    ))
-    .bind(&missed)
-    .bind(key_regions)
-    .fetch_all(&mut *tx)
-    .await?;
+    let current = current_intents(&mut tx, &missed, key_regions).await?;
     tx.commit().await?;
-    Ok(current.into_iter().map(|found| (found.id, found)).collect())
+    Ok(current)
 }
 
 /// Per-item results from the statement's `rows` and, for items that did not apply, the
@@ -104,8 +80,8 @@ async fn current_of_missed(
 fn item_results(
     leases: &[(Uuid, Uuid)],
     rows: Vec<SettleRow>,
-    current: &HashMap<Uuid, Found>,
-    is_replay: impl Fn(usize, &Found) -> bool,
+    current: &HashMap<Uuid, Current>,
+    is_replay: impl Fn(usize, &Current) -> bool,
 ) -> Vec<ItemResult> {
     rows.into_iter()
         .zip(leases)
@@ -209,7 +185,7 @@ async fn settle_in_one_call(
     leases: &[LeaseRef],
     call: &'static str,
     bind_rest: impl for<'q> Fn(SettleCall<'q>) -> SettleCall<'q>,
-    is_replay: impl Fn(usize, &Found) -> bool,
+    is_replay: impl Fn(usize, &Current) -> bool,
 ) -> Result<Vec<ItemResult>> {
     let pairs = pairs(leases.iter().copied());
     let (ids, lease_ids) = split(&pairs);

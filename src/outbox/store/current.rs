@@ -1,0 +1,53 @@
+//! Intents as they are now, read in a statement of their own, for the items a batch
+//! statement (a settle, a decision) did not apply. Not joined in that statement: it reads
+//! under the snapshot it started with, so after waiting on a row lock (its own first
+//! attempt's, a worker's Ack, another operator's decision) it would still see the intent
+//! as it was before, and report that. A new statement (READ COMMITTED) sees the committed
+//! outcome.
+
+use std::collections::HashMap;
+
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use super::in_key_regions;
+use crate::outbox::{IntentState, Result};
+
+/// An intent as it is now.
+#[derive(sqlx::FromRow, Debug, Clone, Copy)]
+pub struct Current {
+    /// The intent.
+    pub id: Uuid,
+    /// Its state.
+    pub state: IntentState,
+    /// Its live or last lease.
+    pub lease_id: Option<Uuid>,
+    /// Its last claim took its last attempt: a RETRY from that lease dead-letters it.
+    pub attempts_used_up: bool,
+}
+
+/// The intents of `ids` the transaction's tenants see, within `key_regions` (the caller's
+/// API key's; empty: any): an intent outside them is not found, as another tenant's is.
+/// Delivered intents moved to the history are found too. No round trip for no ids.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn current_intents(
+    conn: &mut PgConnection,
+    ids: &[Uuid],
+    key_regions: &[String],
+) -> Result<HashMap<Uuid, Current>> {
+    if ids.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let current = sqlx::query_as::<_, Current>(concat!(
+        "SELECT i.id, i.state, i.lease_id, i.attempts >= i.max_attempts AS attempts_used_up \
+         FROM outbox.all_intents i WHERE i.id = ANY($1) AND ",
+        in_key_regions!("i", "$2"),
+    ))
+    .bind(ids)
+    .bind(key_regions)
+    .fetch_all(conn)
+    .await?;
+    Ok(current.into_iter().map(|c| (c.id, c)).collect())
+}

@@ -8,8 +8,8 @@ use sqlx::Connection;
 use tonic::Code;
 
 use crate::helpers::{
-    TestApp, assert_item_error, assert_status, claim_request, duration, id_of, intent, lease_ref,
-    populate_globex,
+    TestApp, assert_item_error, assert_item_ok, assert_status, claim_request, duration, failure,
+    id_of, intent, lease_ref, populate_globex,
 };
 
 #[tokio::test]
@@ -513,6 +513,100 @@ async fn a_key_bound_to_a_region_cannot_take_another_regions_leases_by_replaying
         .into_inner()
         .results;
     assert_item_error(&results[0], Code::NotFound, "NOT_FOUND");
+}
+
+/// A lease is not a pass across regions: a key bound to region eu that presents the live
+/// lease of an intent of region us (leaked from that region's worker) settles nothing of
+/// it, by any settle, while the eu intent beside it in the same batch is settled; the
+/// us intent stays as its worker left it, and that worker's lease still works.
+#[tokio::test]
+async fn a_key_bound_to_a_region_cannot_settle_another_regions_intent_even_with_its_live_lease() {
+    let app = TestApp::spawn().await;
+    let in_region = |region: &str| {
+        let mut i = intent("charge", "{}");
+        i.region = region.into();
+        i
+    };
+    app.enqueue(vec![in_region("us"), in_region("eu")])
+        .await
+        .unwrap();
+    let leases = app.claim_n("w", 10).await;
+    let region_of = |l: &v1::Lease| l.intent.as_ref().unwrap().region.clone();
+    let us = leases
+        .iter()
+        .find(|l| region_of(l) == "us")
+        .unwrap()
+        .clone();
+    let eu = leases
+        .iter()
+        .find(|l| region_of(l) == "eu")
+        .unwrap()
+        .clone();
+    let us_before: String = sqlx::query_scalar(
+        "SELECT row_to_json(i)::text FROM outbox.intent i WHERE i.id = $1::uuid",
+    )
+    .bind(id_of(&us))
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+
+    let eu_key = app.key(&["acme"], &["consume"], &["eu"]).await;
+    let mut eu_worker = app.client_with(Some(&eu_key), None).await;
+    let extended = eu_worker
+        .extend_lease(v1::ExtendLeaseRequest {
+            leases: vec![lease_ref(&us), lease_ref(&eu)],
+            lease_duration: Some(duration(Duration::from_secs(600))),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    assert_item_error(&extended[0], Code::NotFound, "NOT_FOUND");
+    assert_item_ok(&extended[1], IntentState::Leased);
+    let submitted = eu_worker
+        .mark_submitted(v1::MarkSubmittedRequest {
+            leases: vec![lease_ref(&us)],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    assert_item_error(&submitted[0], Code::NotFound, "NOT_FOUND");
+    // The us item first, so that the eu item's outcome is read from the second place of
+    // the failures.
+    let failed = eu_worker
+        .fail(v1::FailRequest {
+            failures: vec![
+                failure(&us, FailOutcome::Permanent),
+                failure(&eu, FailOutcome::Unknown),
+            ],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    assert_item_error(&failed[0], Code::NotFound, "NOT_FOUND");
+    assert_item_ok(&failed[1], IntentState::NeedsReconcile);
+    let ack = || v1::AckRequest {
+        leases: vec![lease_ref(&us), lease_ref(&eu)],
+    };
+    let acked = eu_worker.ack(ack()).await.unwrap().into_inner().results;
+    assert_item_error(&acked[0], Code::NotFound, "NOT_FOUND");
+    assert_item_ok(&acked[1], IntentState::Delivered);
+    // Replayed: the eu intent, moved to the history, is answered as a replay.
+    let replayed = eu_worker.ack(ack()).await.unwrap().into_inner().results;
+    assert_item_error(&replayed[0], Code::NotFound, "NOT_FOUND");
+    assert_item_ok(&replayed[1], IntentState::Delivered);
+
+    let us_after: String = sqlx::query_scalar(
+        "SELECT row_to_json(i)::text FROM outbox.intent i WHERE i.id = $1::uuid",
+    )
+    .bind(id_of(&us))
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(us_after, us_before, "the us intent was changed");
+    assert_item_ok(&app.ack(&[&us]).await[0], IntentState::Delivered);
 }
 
 /// Data residency: an operator key bound to region eu reads, counts and resolves the

@@ -188,8 +188,18 @@ async fn settle_in_one_call(
     is_replay: impl Fn(usize, &Current) -> bool,
 ) -> Result<Vec<ItemResult>> {
     let pairs = pairs(leases.iter().copied());
-    let (ids, lease_ids) = split(&pairs);
     let (tenants, cross) = scope_settings(scope.tenants);
+    let (ids, mut lease_ids) = split(&pairs);
+    if !scope.key_regions.is_empty() {
+        keep_to_key_regions(
+            pool,
+            (&tenants, cross),
+            scope.key_regions,
+            &ids,
+            &mut lease_ids,
+        )
+        .await?;
+    }
     let changed: Vec<SettleRow> = on_live_connection(pool, || {
         bind_rest(
             sqlx::query_as(call)
@@ -213,6 +223,39 @@ async fn settle_in_one_call(
         .collect();
     let current = current_of_missed(pool, scope.tenants, scope.key_regions, &rows).await?;
     Ok(item_results(&pairs, rows, &current, is_replay))
+}
+
+/// Replaces the presented lease of each item that is not an intent of the caller's
+/// tenants in `key_regions` (or in no region) with the nil UUID, a lease no intent carries
+/// (lease ids are random v4 UUIDs): the settle cannot apply it, and the lookup of missed
+/// items, filtered by the same regions, answers it NOT_FOUND. The items keep their places,
+/// as the settle functions' parallel arrays (Fail's outcomes, errors, retry delays) need.
+/// One round trip (`outbox.settleable_in_regions`, migration
+/// `20261202000016_settles_keep_to_the_keys_regions`); a region never changes after
+/// Enqueue, so the answer holds until the settle runs.
+async fn keep_to_key_regions(
+    pool: &PgPool,
+    (tenants, cross): (&str, &str),
+    key_regions: &[String],
+    ids: &[Uuid],
+    lease_ids: &mut [Uuid],
+) -> Result<()> {
+    let settleable: Vec<Uuid> = on_live_connection(pool, || {
+        sqlx::query_scalar("SELECT * FROM outbox.settleable_in_regions($1, $2, $3, $4)")
+            .bind(tenants)
+            .bind(cross)
+            .bind(ids)
+            .bind(key_regions)
+            .fetch_all(pool)
+    })
+    .await?;
+    let settleable: std::collections::HashSet<Uuid> = settleable.into_iter().collect();
+    for (id, lease) in ids.iter().zip(lease_ids.iter_mut()) {
+        if !settleable.contains(id) {
+            *lease = Uuid::nil();
+        }
+    }
+    Ok(())
 }
 
 /// The Ack function's call: `$1` tenants, `$2` cross-tenant, `$3` intent ids, `$4` lease

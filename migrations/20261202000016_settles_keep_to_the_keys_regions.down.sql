@@ -1,0 +1,1 @@
+DROP FUNCTION outbox.settleable_in_regions(text, text, uuid[], text[]);

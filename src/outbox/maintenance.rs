@@ -51,7 +51,7 @@ impl MaintenanceConfig {
     /// How long the finished intents that stay in `outbox.intent` are kept: the longer of
     /// the two retentions. Those are the keyed intents (where the unique index on their key
     /// guards it), the DISCARDED ones and those an operator resolved; the delivered intents
-    /// without a key, in `outbox.intent_history` (or deleted by their Ack at retention
+    /// without a key, in the history (`outbox.delivered_batch`; or deleted by their Ack at retention
     /// zero), are kept `retention`. One bound for the whole table, so that the purge reads
     /// its finished rows oldest first and stops at the first it must keep, instead of
     /// walking past every keyed intent of the key window on each sweep.

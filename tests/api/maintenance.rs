@@ -172,7 +172,8 @@ async fn delivered_intents_without_a_key_leave_the_live_table_and_stay_readable_
     let tables = || async {
         sqlx::query_as::<_, (String, String)>(
             "SELECT tableoid::regclass::text, state::text FROM outbox.intent \
-             UNION ALL SELECT tableoid::regclass::text, state::text FROM outbox.intent_history \
+             UNION ALL SELECT b.tableoid::regclass::text, x.state::text \
+             FROM outbox.delivered_batch b CROSS JOIN LATERAL unnest(b.items) x \
              ORDER BY 1",
         )
         .fetch_all(&app.pool)
@@ -183,9 +184,9 @@ async fn delivered_intents_without_a_key_leave_the_live_table_and_stay_readable_
     assert_eq!(
         tables().await,
         vec![
+            delivered("outbox.delivered_batch"),
+            delivered("outbox.delivered_batch"),
             delivered("outbox.intent"),
-            delivered("outbox.intent_history"),
-            delivered("outbox.intent_history"),
         ],
         "the keyed intent stays where its key is guarded; the others moved"
     );
@@ -266,4 +267,206 @@ async fn delivered_intents_without_a_key_leave_the_live_table_and_stay_readable_
     app.advance(Duration::from_secs(3601));
     assert_eq!(app.purge().await, 3);
     assert!(tables().await.is_empty());
+}
+
+/// Ids of intents created `at_ms[k]` milliseconds after a fixed instant: UUIDv7s whose
+/// buckets (`outbox.history_bucket`: the millisecond timestamp / 100) the test chooses.
+fn ids_created_at(at_ms: &[u64]) -> Vec<uuid::Uuid> {
+    const BASE_MS: u64 = 1_790_000_000_000;
+    at_ms
+        .iter()
+        .map(|ms| {
+            let t = BASE_MS + ms;
+            let ts = uuid::Timestamp::from_unix(
+                uuid::NoContext,
+                t / 1000,
+                (t % 1000) as u32 * 1_000_000,
+            );
+            uuid::Uuid::new_v7(ts)
+        })
+        .collect()
+}
+
+fn bucket_of(id: &uuid::Uuid) -> u64 {
+    let b = id.as_bytes();
+    u64::from_be_bytes([0, 0, b[0], b[1], b[2], b[3], b[4], b[5]]) / 100
+}
+
+#[tokio::test]
+async fn delivered_intents_stored_by_batch_are_found_listed_counted_replayed_and_purged_across_buckets()
+ {
+    let app = TestApp::spawn_with(|s| {
+        s.maintenance.retention = Duration::from_secs(3600);
+        s.maintenance.batch_size = 4;
+    })
+    .await;
+    // 24 intents, every third of region eu, created over 1.2 s: several to a bucket, a
+    // dozen buckets. Their ids are rewritten to chosen UUIDv7s before the claim.
+    let mut new_intents = Vec::new();
+    for n in 0..24 {
+        let mut i = intent("job", &format!(r#"{{"n":{n}}}"#));
+        if n % 3 == 0 {
+            i.region = "eu".into();
+        }
+        new_intents.push(i);
+    }
+    let enqueued: Vec<uuid::Uuid> = app
+        .enqueue(new_intents)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.id.parse().unwrap())
+        .collect();
+    let at_ms: Vec<u64> = (0..24).map(|n| (n * 53) % 1200).collect();
+    let chosen = ids_created_at(&at_ms);
+    sqlx::query(
+        "UPDATE outbox.intent i SET id = v.new FROM unnest($1::uuid[], $2::uuid[]) v(old, new) \
+         WHERE i.id = v.old",
+    )
+    .bind(&enqueued)
+    .bind(&chosen)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let payload_of = |id: &str| {
+        let n = chosen.iter().position(|c| c.to_string() == id).unwrap();
+        format!(r#"{{"n":{n}}}"#).into_bytes()
+    };
+
+    let leases = app.claim_n("w", 24).await;
+    assert_eq!(leases.len(), 24);
+    let first: Vec<&v1::Lease> = leases[..10].iter().collect();
+    let second: Vec<&v1::Lease> = leases[10..18].iter().collect();
+    let live: Vec<&v1::Lease> = leases[18..].iter().collect();
+    for result in app.ack(&first).await.iter().chain(&app.ack(&second).await) {
+        assert_item_ok(result, IntentState::Delivered);
+    }
+
+    // One row per Ack, bucket and region (one tenant here), holding 18 intents in all.
+    let rows_of = |acked: &[&v1::Lease]| {
+        let mut keys: Vec<(u64, String)> = acked
+            .iter()
+            .map(|l| {
+                let i = l.intent.as_ref().unwrap();
+                (bucket_of(&i.id.parse().unwrap()), i.region.clone())
+            })
+            .collect();
+        keys.sort();
+        keys.dedup();
+        keys.len() as i64
+    };
+    let (rows, stored): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), sum(cardinality(ids))::bigint FROM outbox.delivered_batch",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(stored, 18);
+    assert_eq!(rows, rows_of(&first) + rows_of(&second));
+    assert!(
+        rows > 2,
+        "the Acks spread over several buckets: {rows} rows"
+    );
+
+    for lease in &leases {
+        let id = id_of(lease);
+        let shown = app.intent(id).await;
+        let acked = !live.iter().any(|l| id_of(l) == id);
+        let state = if acked {
+            IntentState::Delivered
+        } else {
+            IntentState::Leased
+        };
+        assert_eq!(shown.state(), state, "{id}");
+        assert_eq!(shown.payload, payload_of(id), "{id}");
+        assert_eq!(shown.attempts, 1);
+    }
+
+    let list = |states: Vec<i32>| {
+        let mut client = app.client();
+        async move {
+            let mut listed = Vec::new();
+            let mut page_token = String::new();
+            loop {
+                let page = client
+                    .list_intents(v1::ListIntentsRequest {
+                        states: states.clone(),
+                        page_size: 5,
+                        page_token,
+                        include_payload: true,
+                        ..Default::default()
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner();
+                for i in page.intents {
+                    assert_eq!(i.payload, payload_of(&i.id), "{}", i.id);
+                    listed.push(i.id.parse::<uuid::Uuid>().unwrap());
+                }
+                if page.next_page_token.is_empty() {
+                    return listed;
+                }
+                page_token = page.next_page_token;
+            }
+        }
+    };
+    let mut every = chosen.clone();
+    every.sort();
+    assert_eq!(list(vec![]).await, every, "live and delivered, in id order");
+    let mut delivered: Vec<uuid::Uuid> = first
+        .iter()
+        .chain(&second)
+        .map(|l| id_of(l).parse().unwrap())
+        .collect();
+    delivered.sort();
+    assert_eq!(list(vec![IntentState::Delivered as i32]).await, delivered);
+
+    let stats = app
+        .client()
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let count = |state: IntentState, region: &str| {
+        stats
+            .counts
+            .iter()
+            .filter(|c| c.state() == state && c.region == region)
+            .map(|c| c.count)
+            .sum::<i64>()
+    };
+    let acked_in = |region: &str| {
+        first
+            .iter()
+            .chain(&second)
+            .filter(|l| l.intent.as_ref().unwrap().region == region)
+            .count() as i64
+    };
+    assert_eq!(count(IntentState::Delivered, "eu"), acked_in("eu"));
+    assert_eq!(count(IntentState::Delivered, ""), acked_in(""));
+    assert_eq!(
+        count(IntentState::Leased, "") + count(IntentState::Leased, "eu"),
+        6
+    );
+
+    for result in app.ack(&first).await {
+        assert_item_ok(&result, IntentState::Delivered);
+    }
+
+    app.advance(Duration::from_secs(3601));
+    assert_eq!(app.purge().await, 18, "every delivered intent, row by row");
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.delivered_batch")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 0);
+    let status = app
+        .client()
+        .get_intent(v1::GetIntentRequest {
+            id: id_of(first[0]).to_owned(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::NotFound);
+    assert_eq!(app.state(id_of(live[0])).await, IntentState::Leased);
 }

@@ -204,7 +204,11 @@ async fn delivered_history_is_isolated_by_tenant_as_live_intents_are() {
     app.ack(&[&lease]).await;
     let mut conn = app.service_connection().await;
 
-    for table in ["outbox.intent_history", "outbox.all_intents"] {
+    for table in [
+        "outbox.intent_history",
+        "outbox.delivered_batch",
+        "outbox.all_intents",
+    ] {
         let unscoped: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
             .fetch_one(&mut conn)
             .await
@@ -216,7 +220,7 @@ async fn delivered_history_is_isolated_by_tenant_as_live_intents_are() {
         .execute(&mut *tx)
         .await
         .unwrap();
-    for table in ["outbox.intent_history", "outbox.all_intents"] {
+    for table in ["outbox.delivered_batch", "outbox.all_intents"] {
         let tenants: Vec<String> =
             sqlx::query_scalar(&format!("SELECT DISTINCT tenant_id FROM {table}"))
                 .fetch_all(&mut *tx)
@@ -224,23 +228,31 @@ async fn delivered_history_is_isolated_by_tenant_as_live_intents_are() {
                 .unwrap();
         assert_eq!(tenants, vec!["acme"], "{table}");
     }
-    let deleted = sqlx::query("DELETE FROM outbox.intent_history WHERE tenant_id = 'globex'")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    assert_eq!(deleted.rows_affected(), 0);
-    let forged = sqlx::query(
+    for table in ["outbox.intent_history", "outbox.delivered_batch"] {
+        let deleted = sqlx::query(&format!("DELETE FROM {table} WHERE tenant_id = 'globex'"))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        assert_eq!(deleted.rows_affected(), 0, "{table}");
+    }
+    for forge in [
         "INSERT INTO outbox.intent_history (id, tenant_id, kind, payload, state, max_attempts, available_at, created_at, updated_at, finished_at)
          VALUES (gen_random_uuid(), 'globex', 'forged', '', 'delivered', 5, now(), now(), now(), now())",
-    )
-    .execute(&mut *tx)
-    .await
-    .unwrap_err();
-    assert_eq!(
-        forged.as_database_error().unwrap().code().as_deref(),
-        Some("42501"),
-        "{forged}"
-    );
+        "INSERT INTO outbox.delivered_batch (bucket, tenant_id, region, finished_at, ids, items)
+         VALUES (0, 'globex', '', now(), '{}', '{}')",
+    ] {
+        let mut savepoint = tx.begin().await.unwrap();
+        let forged = sqlx::query(forge)
+            .execute(&mut *savepoint)
+            .await
+            .unwrap_err();
+        assert_eq!(
+            forged.as_database_error().unwrap().code().as_deref(),
+            Some("42501"),
+            "{forged}"
+        );
+        savepoint.rollback().await.unwrap();
+    }
     tx.rollback().await.unwrap();
 
     let status = app
@@ -256,7 +268,8 @@ async fn delivered_history_is_isolated_by_tenant_as_live_intents_are() {
         "another tenant's delivered intent"
     );
     let theirs: Vec<String> = sqlx::query_scalar(
-        "SELECT state::text FROM outbox.intent_history WHERE tenant_id = 'globex'",
+        "SELECT x.state::text FROM outbox.delivered_batch b CROSS JOIN LATERAL unnest(b.items) x \
+         WHERE b.tenant_id = 'globex'",
     )
     .fetch_all(&app.pool)
     .await

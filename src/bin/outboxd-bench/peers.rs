@@ -137,7 +137,7 @@ pub async fn pgbench(
         // Fresh, as outboxd's database for it is: not behind the first burn-down's dead
         // index entries.
         let mut conn = PgConnection::connect(url).await?;
-        sqlx::query("TRUNCATE outbox.intent, outbox.intent_history")
+        sqlx::query("TRUNCATE outbox.intent, outbox.intent_history, outbox.delivered_batch")
             .execute(&mut conn)
             .await?;
         conn.close().await?;
@@ -735,7 +735,7 @@ mod tests {
         assert!(script.contains("FROM outbox.claim('bench', 'off', 'pgbench', '', '{}', :batch, 30000, NULL, NULL, NULL) \\gset"), "{script}");
         assert!(
             script
-                .contains("FROM outbox.ack_into_history('bench', 'off', (:ids), (:leases), NULL);"),
+                .contains("FROM outbox.ack_into_batches('bench', 'off', (:ids), (:leases), NULL);"),
             "{script}"
         );
         let deleting = claim_ack_script(store::ACK_AND_DELETE_CALL);

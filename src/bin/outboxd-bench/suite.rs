@@ -312,7 +312,7 @@ fn print_notes() {
          one per section; the load generator is this process, over gRPC on loopback.",
         "**raw SQL (pgbench)**: `pgbench -M prepared` as a superuser, no service in between: \
          the burn-down makes the store's own claim and ack calls (`CLAIM_CALL`, `ACK_CALL`: \
-         the functions `outbox.claim` and `outbox.ack_into_history`; at retention 0 `ACK_AND_DELETE_CALL`, \
+         the functions `outbox.claim` and `outbox.ack_into_batches`; at retention 0 `ACK_AND_DELETE_CALL`, \
          `outbox.ack_and_delete`), one statement each as the server makes them; enqueue is \
          `bench/pgbench/enqueue.sql`, a plain INSERT … SELECT of the batch (no idempotency \
          probe). Its latency is one pgbench transaction: enqueue one batch, or claim + ack one \

@@ -42,7 +42,7 @@ pub async fn current_intents(
     }
     let current = sqlx::query_as::<_, Current>(concat!(
         "SELECT i.id, i.state, i.lease_id, i.attempts >= i.max_attempts AS attempts_used_up \
-         FROM outbox.all_intents i WHERE i.id = ANY($1) AND ",
+         FROM outbox.intents_by_id($1) i WHERE ",
         in_key_regions!("i", "$2"),
     ))
     .bind(ids)

@@ -21,7 +21,7 @@ pub async fn get_intent(
     let intent: Option<Intent> = sqlx::query_as(concat!(
         "SELECT ",
         intent_columns!("i"),
-        " FROM outbox.all_intents i WHERE i.id = $1 AND ",
+        " FROM outbox.intents_by_id(ARRAY[$1]::uuid[]) i WHERE ",
         in_key_regions!("i", "$2"),
     ))
     .bind(id)
@@ -76,28 +76,53 @@ pub struct ListParams {
     pub include_payload: bool,
 }
 
+/// [`list_intents`]' conditions on the intent `$t`: `$1` states (empty: any), `$2` kind,
+/// `$3` region, `$4` the cursor (ids above it), `$6` the key's regions.
+macro_rules! list_filters {
+    ($t:literal) => {
+        concat!(
+            "(cardinality($1::outbox.intent_state[]) = 0 OR ",
+            $t,
+            ".state = ANY($1)) AND ($2::text IS NULL OR ",
+            $t,
+            ".kind = $2) AND ($3::text IS NULL OR ",
+            $t,
+            ".region = $3) AND ",
+            in_key_regions!($t, "$6"),
+            " AND ",
+            $t,
+            ".id > $4"
+        )
+    };
+}
+
 /// Lists intents in id (enqueue) order.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn list_intents(conn: &mut PgConnection, params: ListParams) -> Result<Vec<Intent>> {
+    // Each part is read in id order up to the page's size, then the parts are merged: the
+    // live table and the row history by their primary keys, the batch history by its
+    // bucket index (ids are ordered as their buckets are), sorted within a bucket. The
+    // filters are in every part, so that a part stops at the page's size of matches.
+    // No cursor is the nil UUID, below every id: a bare bound, so that a cached plan still
+    // starts each scan at the cursor.
     let mut intents: Vec<Intent> = sqlx::query_as(concat!(
         "SELECT ",
         intent_columns!("i"),
-        r#"
-        FROM outbox.all_intents i
-        WHERE (cardinality($1::outbox.intent_state[]) = 0 OR i.state = ANY($1))
-          AND ($2::text IS NULL OR i.kind = $2)
-          AND ($3::text IS NULL OR i.region = $3)
-          AND "#,
-        in_key_regions!("i", "$6"),
-        r#"
-          -- No cursor is the nil UUID, below every id: a bare bound, so that a cached
-          -- plan still starts its primary-key scan at the cursor.
-          AND i.id > $4
-        ORDER BY i.id
-        LIMIT $5
-        "#
+        " FROM ((SELECT * FROM outbox.intent i WHERE ",
+        list_filters!("i"),
+        " ORDER BY i.id LIMIT $5) UNION ALL (SELECT * FROM outbox.intent_history i WHERE ",
+        list_filters!("i"),
+        r#" ORDER BY i.id LIMIT $5) UNION ALL (
+            SELECT i.* FROM outbox.delivered_batch b CROSS JOIN LATERAL unnest(b.items) i
+            WHERE (cardinality($1::outbox.intent_state[]) = 0 OR 'delivered' = ANY($1))
+              AND b.bucket >= (SELECT outbox.history_bucket($4))
+              AND ($3::text IS NULL OR b.region = $3) AND "#,
+        in_key_regions!("b", "$6"),
+        " AND ",
+        list_filters!("i"),
+        " ORDER BY b.bucket, i.id LIMIT $5)) i ORDER BY i.id LIMIT $5",
     ))
     .bind(&params.states)
     .bind(&params.kind)
@@ -146,10 +171,16 @@ pub async fn queue_stats(
     regions: &[String],
     now: Option<DateTime<Utc>>,
 ) -> Result<QueueStats> {
+    // The batch history is counted by its rows' id arrays, never unnested.
     let counts: Vec<StateCount> = sqlx::query_as(concat!(
-        "SELECT i.state, i.region, count(*) AS count FROM outbox.all_intents i WHERE ",
+        "SELECT c.state, c.region, sum(c.n)::bigint AS count FROM (",
+        "SELECT i.state, i.region, 1 AS n FROM outbox.intent i WHERE ",
         in_key_regions!("i", "$1"),
-        " GROUP BY i.state, i.region ORDER BY i.state, i.region",
+        " UNION ALL SELECT i.state, i.region, 1 FROM outbox.intent_history i WHERE ",
+        in_key_regions!("i", "$1"),
+        " UNION ALL SELECT 'delivered', b.region, cardinality(b.ids) FROM outbox.delivered_batch b WHERE ",
+        in_key_regions!("b", "$1"),
+        ") c GROUP BY c.state, c.region ORDER BY c.state, c.region",
     ))
     .bind(regions)
     .fetch_all(&mut *conn)

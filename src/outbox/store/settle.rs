@@ -262,7 +262,7 @@ async fn keep_to_key_regions(
 /// ids, `$5` now (or NULL).
 macro_rules! ack_call {
     () => {
-        "outbox.ack_into_history($1, $2, $3, $4, $5)"
+        "outbox.ack_into_batches($1, $2, $3, $4, $5)"
     };
 }
 
@@ -284,8 +284,10 @@ pub const ACK_AND_DELETE_CALL: &str = ack_and_delete_call!();
 pub enum DeliveredRows {
     /// Kept, DELIVERED, until the retention purge: GetIntent shows it, its idempotency
     /// key is remembered, and a replayed Ack is answered OK. An intent without a key is
-    /// moved into `outbox.intent_history`, out of the table claims and settles read; one
-    /// with a key stays where its unique index guards the key (migration
+    /// moved out of the table claims and settles read, into a row of
+    /// `outbox.delivered_batch` that holds the Ack's intents of its tenant, region and
+    /// bucket (migration `20261203000017_delivered_history_by_batch`); one with a key
+    /// stays where its unique index guards the key (migration
     /// `20261201000012_delivered_intents_leave_the_hot_table`).
     Kept,
     /// Deleted by the Ack itself (retention zero, when the purge would delete it next
@@ -313,7 +315,7 @@ impl DeliveredRows {
 /// NEEDS_RECONCILE intent: the worker has learned the outcome, and no other worker was
 /// given the intent meanwhile.
 ///
-/// One round trip: `outbox.ack_into_history` (or `outbox.ack_and_delete`) runs in its own
+/// One round trip: `outbox.ack_into_batches` (or `outbox.ack_and_delete`) runs in its own
 /// transaction, committed before this returns; only items that did not apply cost another.
 ///
 /// # Errors

@@ -2,8 +2,11 @@ DROP FUNCTION outbox.ack_into_batches(text, text, uuid[], uuid[], timestamptz);
 DROP FUNCTION outbox.intents_by_id(uuid[]);
 
 -- The batches go back where the previous release looks for delivered intents, with every
--- tenant's rows (the owner is subject to the policies too).
+-- tenant's rows (the owner is subject to the policies too). Locked first: an Ack of a
+-- server still running this release that commits after the copy's snapshot would
+-- otherwise be dropped with the table.
 SELECT set_config('outbox.cross_tenant', 'on', true);
+LOCK TABLE outbox.delivered_batch IN EXCLUSIVE MODE;
 INSERT INTO outbox.intent_history
     SELECT x.* FROM outbox.delivered_batch b CROSS JOIN LATERAL unnest(b.items) x;
 

@@ -27,8 +27,11 @@
 -- During a rolling upgrade, servers of the previous release keep calling
 -- outbox.ack_into_history (unchanged) and reading outbox.all_intents, which now unnests the
 -- batches too: they find every intent, reading the whole batch table for it (slow on a
--- large history, correct). New servers read outbox.intent_history as well, so nothing a
--- previous server moved there is lost from sight; it is purged as before.
+-- large history, correct). So an upgrade from that release sets
+-- OUTBOX_RETENTION__HISTORY_BY_BATCH false until every replica is new, and the new servers
+-- call outbox.ack_into_history too until then. New servers
+-- read outbox.intent_history as well, so nothing moved there is lost from sight; it is
+-- purged as before.
 
 CREATE TYPE outbox.delivered_intent_v1 AS (
     id uuid,
@@ -115,7 +118,11 @@ CREATE OR REPLACE VIEW outbox.all_intents WITH (security_invoker = true) AS
 -- function, so that PostgreSQL inlines it into the calling query and plans each part by
 -- its index. The buckets are computed in a subquery: under row-level security only a
 -- parameter (or a leakproof expression) can bound an index scan (migration
--- 20261201000008).
+-- 20261201000008). In a bucket, a row is read only if its ids hold a wanted one when few
+-- are wanted (GetIntent): that test compares every id with every wanted one, so for a
+-- batch (a settle's replayed items) the rows of the bucket are read whole instead, and
+-- their items matched through a hash of the wanted ids (a plain `= ANY` of a cached
+-- plan's parameter is a linear search per item).
 CREATE FUNCTION outbox.intents_by_id(wanted_ids uuid[]) RETURNS SETOF outbox.intent
 LANGUAGE sql STABLE
 AS $$
@@ -126,9 +133,11 @@ AS $$
     SELECT x.*
     FROM outbox.delivered_batch b
     CROSS JOIN LATERAL unnest(b.items) x
-    WHERE b.bucket = ANY ((SELECT array_agg(outbox.history_bucket(w)) FROM unnest(wanted_ids) w)::bigint[])
-      AND b.ids && wanted_ids
-      AND x.id = ANY (wanted_ids)
+    WHERE b.bucket = ANY ((
+            SELECT array_agg(DISTINCT outbox.history_bucket(w)) FROM unnest(wanted_ids) w
+          )::bigint[])
+      AND (cardinality(wanted_ids) > 16 OR b.ids && wanted_ids)
+      AND x.id IN (SELECT unnest(wanted_ids))
 $$;
 
 -- Ack at a retention above zero: `intent_ids[k]` under lease `lease_ids[k]`, from a live

@@ -53,6 +53,10 @@ pub struct Settings {
     /// Let a direct Enqueue lease its intents at once to a Claim of this server waiting
     /// for them (`outbox::handoff`), instead of waking it to look.
     pub claim_hand_off: bool,
+    /// Ack stores the intents it delivers a batch to a row (`outbox.delivered_batch`); off,
+    /// a row each (`outbox.intent_history`), as servers before migration 17 do: for a
+    /// rolling upgrade from them, whose reads of the batches are slow.
+    pub history_by_batch: bool,
     /// On shutdown, how long to keep serving while health says NOT_SERVING, so load
     /// balancers stop routing here before the listener closes.
     pub shutdown_drain_delay: Duration,
@@ -174,6 +178,7 @@ impl Default for Settings {
             metrics_refresh_interval: Duration::from_secs(5),
             reflection: true,
             claim_hand_off: true,
+            history_by_batch: true,
             shutdown_drain_delay: Duration::ZERO,
             shutdown_grace: Duration::from_secs(30),
             otel_endpoint: None,
@@ -282,6 +287,11 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "OUTBOX_RETENTION__FINISHED",
         "how long delivered intents without an idempotency key are kept; other finished ones \
          the longer of this and OUTBOX_RETENTION__IDEMPOTENCY_KEYS [24h]",
+    ),
+    (
+        "OUTBOX_RETENTION__HISTORY_BY_BATCH",
+        "Ack stores delivered intents a batch to a row; false: a row each, as releases \
+         before it (for a rolling upgrade from them) [true]",
     ),
     (
         "OUTBOX_RETENTION__IDEMPOTENCY_KEYS",
@@ -444,6 +454,9 @@ impl Settings {
                 "OUTBOX_LEASE__MAX" => duration(value).map(|v| s.limits.max_lease = v),
                 "OUTBOX_CLAIM__MAX_WAIT" => duration(value).map(|v| s.limits.max_wait = v),
                 "OUTBOX_CLAIM__HAND_OFF" => parse(value).map(|v| s.claim_hand_off = v),
+                "OUTBOX_RETENTION__HISTORY_BY_BATCH" => {
+                    parse(value).map(|v| s.history_by_batch = v)
+                }
                 "OUTBOX_RETRY__MAX_ATTEMPTS" => {
                     parse(value).map(|v| s.limits.default_max_attempts = v)
                 }

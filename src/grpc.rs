@@ -175,7 +175,10 @@ impl OutboxHandler {
             claim_floors: Arc::default(),
             drained: Arc::default(),
             hand_off: settings.claim_hand_off,
-            delivered_rows: DeliveredRows::for_retention(settings.maintenance.retention),
+            delivered_rows: DeliveredRows::for_retention(
+                settings.maintenance.retention,
+                settings.history_by_batch,
+            ),
         }
     }
 

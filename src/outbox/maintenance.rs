@@ -25,7 +25,9 @@ pub struct MaintenanceConfig {
     /// How long, at least, a finished intent with an idempotency key is kept, so that its
     /// key is remembered, however short `retention` is: see [`Self::live_table_retention`].
     pub key_retention: Duration,
-    /// Rows per sweep statement, so one sweep never holds many locks for long.
+    /// Rows per sweep statement, so one sweep never holds many locks for long. A row of the
+    /// delivered history holds one Ack's intents of one bucket (up to `limits.max_batch`),
+    /// so its purge deletes up to that many intents per row.
     pub batch_size: i64,
     /// Backoff applied to rescued intents before their next attempt.
     pub backoff: BackoffParams,

@@ -470,3 +470,107 @@ async fn delivered_intents_stored_by_batch_are_found_listed_counted_replayed_and
     assert_eq!(status.code(), Code::NotFound);
     assert_eq!(app.state(id_of(live[0])).await, IntentState::Leased);
 }
+
+#[tokio::test]
+async fn during_an_upgrade_intents_delivered_a_row_each_and_a_batch_to_a_row_are_read_replayed_and_purged_alike()
+ {
+    // A server writing the history a row each (as releases before the batch history do,
+    // and as an upgraded one does until OUTBOX_RETENTION__HISTORY_BY_BATCH is turned on)
+    // beside one writing batches, on one database.
+    let row_each = TestApp::spawn_with(|s| {
+        s.maintenance.retention = Duration::from_secs(3600);
+        s.history_by_batch = false;
+    })
+    .await;
+    let batched = TestApp::spawn_on(row_each.url.clone(), |s| {
+        s.maintenance.retention = Duration::from_secs(3600);
+    })
+    .await;
+    let ids = row_each.enqueue_n("job", 4).await;
+    let leases = row_each.claim_n("w", 4).await;
+    let by_id = |id: &str| leases.iter().find(|l| id_of(l) == id).unwrap();
+    let (to_rows, to_batch) = (
+        [by_id(&ids[0]), by_id(&ids[2])],
+        [by_id(&ids[1]), by_id(&ids[3])],
+    );
+    for result in row_each
+        .ack(&to_rows)
+        .await
+        .iter()
+        .chain(&batched.ack(&to_batch).await)
+    {
+        assert_item_ok(result, IntentState::Delivered);
+    }
+    let stored: Vec<(String, String)> = sqlx::query_as(
+        "SELECT 'row', id::text FROM outbox.intent_history \
+         UNION ALL SELECT 'batch', x.id::text \
+         FROM outbox.delivered_batch b CROSS JOIN LATERAL unnest(b.items) x ORDER BY 2",
+    )
+    .fetch_all(&row_each.pool)
+    .await
+    .unwrap();
+    let layout = ["row", "batch", "row", "batch"];
+    let expected: Vec<(String, String)> = layout
+        .iter()
+        .zip(&ids)
+        .map(|(l, id)| (l.to_string(), id.clone()))
+        .collect();
+    assert_eq!(stored, expected);
+
+    for app in [&row_each, &batched] {
+        for (id, n) in ids.iter().zip(0..) {
+            let shown = app.intent(id).await;
+            assert_eq!(shown.state(), IntentState::Delivered, "{id}");
+            assert_eq!(shown.payload, format!(r#"{{"n":{n}}}"#).into_bytes());
+        }
+        let mut listed = Vec::new();
+        let mut page_token = String::new();
+        loop {
+            let page = app
+                .client()
+                .list_intents(v1::ListIntentsRequest {
+                    page_size: 1,
+                    page_token,
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            listed.extend(page.intents.into_iter().map(|i| i.id));
+            if page.next_page_token.is_empty() {
+                break;
+            }
+            page_token = page.next_page_token;
+        }
+        assert_eq!(listed, ids, "both layouts, in id order");
+        let stats = app
+            .client()
+            .get_queue_stats(v1::GetQueueStatsRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let delivered: i64 = stats
+            .counts
+            .iter()
+            .filter(|c| c.state() == IntentState::Delivered)
+            .map(|c| c.count)
+            .sum();
+        assert_eq!(delivered, 4);
+        let all: Vec<&v1::Lease> = leases.iter().collect();
+        for result in app.ack(&all).await {
+            assert_item_ok(&result, IntentState::Delivered);
+        }
+    }
+
+    batched.advance(Duration::from_secs(3601));
+    assert_eq!(batched.purge().await, 4, "both layouts");
+    assert_eq!(
+        batched
+            .client()
+            .get_intent(v1::GetIntentRequest { id: ids[0].clone() })
+            .await
+            .unwrap_err()
+            .code(),
+        Code::NotFound
+    );
+}

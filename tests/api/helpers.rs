@@ -531,6 +531,46 @@ impl TestApp {
         self.intent(id).await.state()
     }
 
+    /// Every intent ListIntents shows in `states` (empty: all), with payloads, read page
+    /// by page of `page_size`.
+    pub async fn list_all(&self, states: &[v1::IntentState], page_size: i32) -> Vec<v1::Intent> {
+        let mut listed = Vec::new();
+        let mut page_token = String::new();
+        loop {
+            let page = self
+                .client()
+                .list_intents(v1::ListIntentsRequest {
+                    states: states.iter().map(|s| *s as i32).collect(),
+                    page_size,
+                    page_token,
+                    include_payload: true,
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            listed.extend(page.intents);
+            if page.next_page_token.is_empty() {
+                return listed;
+            }
+            page_token = page.next_page_token;
+        }
+    }
+
+    /// GetQueueStats' count of `state` in `region`, or in every region when `None`.
+    pub async fn stat(&self, state: v1::IntentState, region: Option<&str>) -> i64 {
+        self.client()
+            .get_queue_stats(v1::GetQueueStatsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .counts
+            .iter()
+            .filter(|c| c.state() == state && region.is_none_or(|r| c.region == r))
+            .map(|c| c.count)
+            .sum()
+    }
+
     /// Every intent's row as text (delivered history included), to prove a rejected request
     /// changed nothing.
     pub async fn snapshot(&self) -> Vec<String> {

@@ -197,39 +197,14 @@ async fn delivered_intents_without_a_key_leave_the_live_table_and_stay_readable_
         assert_eq!(shown.payload, format!(r#"{{"n":{n}}}"#).into_bytes());
         assert_eq!(shown.attempts, 1);
     }
-    let mut client = app.client();
-    let mut listed = Vec::new();
-    let mut page_token = String::new();
-    loop {
-        let page = client
-            .list_intents(v1::ListIntentsRequest {
-                states: vec![IntentState::Delivered as i32],
-                page_size: 2,
-                page_token,
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        listed.extend(page.intents.into_iter().map(|i| i.id));
-        if page.next_page_token.is_empty() {
-            break;
-        }
-        page_token = page.next_page_token;
-    }
-    assert_eq!(listed, ids, "listed across both tables, in enqueue order");
-    let stats = client
-        .get_queue_stats(v1::GetQueueStatsRequest {})
+    let listed: Vec<String> = app
+        .list_all(&[IntentState::Delivered], 2)
         .await
-        .unwrap()
-        .into_inner();
-    let counted: i64 = stats
-        .counts
-        .iter()
-        .filter(|c| c.state() == IntentState::Delivered)
-        .map(|c| c.count)
-        .sum();
-    assert_eq!(counted, 3);
+        .into_iter()
+        .map(|i| i.id)
+        .collect();
+    assert_eq!(listed, ids, "listed across both tables, in enqueue order");
+    assert_eq!(app.stat(IntentState::Delivered, None).await, 3);
 
     for result in app.ack(&all).await {
         assert_item_ok(&result, IntentState::Delivered);
@@ -382,59 +357,25 @@ async fn delivered_intents_stored_by_batch_are_found_listed_counted_replayed_and
         assert_eq!(shown.attempts, 1);
     }
 
-    let list = |states: Vec<i32>| {
-        let mut client = app.client();
-        async move {
-            let mut listed = Vec::new();
-            let mut page_token = String::new();
-            loop {
-                let page = client
-                    .list_intents(v1::ListIntentsRequest {
-                        states: states.clone(),
-                        page_size: 5,
-                        page_token,
-                        include_payload: true,
-                        ..Default::default()
-                    })
-                    .await
-                    .unwrap()
-                    .into_inner();
-                for i in page.intents {
-                    assert_eq!(i.payload, payload_of(&i.id), "{}", i.id);
-                    listed.push(i.id.parse::<uuid::Uuid>().unwrap());
-                }
-                if page.next_page_token.is_empty() {
-                    return listed;
-                }
-                page_token = page.next_page_token;
-            }
+    let list = |states: &'static [IntentState]| async {
+        let listed = app.list_all(states, 5).await;
+        for i in &listed {
+            assert_eq!(i.payload, payload_of(&i.id), "{}", i.id);
         }
+        let ids: Vec<uuid::Uuid> = listed.iter().map(|i| i.id.parse().unwrap()).collect();
+        ids
     };
     let mut every = chosen.clone();
     every.sort();
-    assert_eq!(list(vec![]).await, every, "live and delivered, in id order");
+    assert_eq!(list(&[]).await, every, "live and delivered, in id order");
     let mut delivered: Vec<uuid::Uuid> = first
         .iter()
         .chain(&second)
         .map(|l| id_of(l).parse().unwrap())
         .collect();
     delivered.sort();
-    assert_eq!(list(vec![IntentState::Delivered as i32]).await, delivered);
+    assert_eq!(list(&[IntentState::Delivered]).await, delivered);
 
-    let stats = app
-        .client()
-        .get_queue_stats(v1::GetQueueStatsRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    let count = |state: IntentState, region: &str| {
-        stats
-            .counts
-            .iter()
-            .filter(|c| c.state() == state && c.region == region)
-            .map(|c| c.count)
-            .sum::<i64>()
-    };
     let acked_in = |region: &str| {
         first
             .iter()
@@ -442,12 +383,13 @@ async fn delivered_intents_stored_by_batch_are_found_listed_counted_replayed_and
             .filter(|l| l.intent.as_ref().unwrap().region == region)
             .count() as i64
     };
-    assert_eq!(count(IntentState::Delivered, "eu"), acked_in("eu"));
-    assert_eq!(count(IntentState::Delivered, ""), acked_in(""));
-    assert_eq!(
-        count(IntentState::Leased, "") + count(IntentState::Leased, "eu"),
-        6
-    );
+    for region in ["eu", ""] {
+        assert_eq!(
+            app.stat(IntentState::Delivered, Some(region)).await,
+            acked_in(region)
+        );
+    }
+    assert_eq!(app.stat(IntentState::Leased, None).await, 6);
 
     for result in app.ack(&first).await {
         assert_item_ok(&result, IntentState::Delivered);
@@ -523,39 +465,14 @@ async fn during_an_upgrade_intents_delivered_a_row_each_and_a_batch_to_a_row_are
             assert_eq!(shown.state(), IntentState::Delivered, "{id}");
             assert_eq!(shown.payload, format!(r#"{{"n":{n}}}"#).into_bytes());
         }
-        let mut listed = Vec::new();
-        let mut page_token = String::new();
-        loop {
-            let page = app
-                .client()
-                .list_intents(v1::ListIntentsRequest {
-                    page_size: 1,
-                    page_token,
-                    ..Default::default()
-                })
-                .await
-                .unwrap()
-                .into_inner();
-            listed.extend(page.intents.into_iter().map(|i| i.id));
-            if page.next_page_token.is_empty() {
-                break;
-            }
-            page_token = page.next_page_token;
-        }
-        assert_eq!(listed, ids, "both layouts, in id order");
-        let stats = app
-            .client()
-            .get_queue_stats(v1::GetQueueStatsRequest {})
+        let listed: Vec<String> = app
+            .list_all(&[], 1)
             .await
-            .unwrap()
-            .into_inner();
-        let delivered: i64 = stats
-            .counts
-            .iter()
-            .filter(|c| c.state() == IntentState::Delivered)
-            .map(|c| c.count)
-            .sum();
-        assert_eq!(delivered, 4);
+            .into_iter()
+            .map(|i| i.id)
+            .collect();
+        assert_eq!(listed, ids, "both layouts, in id order");
+        assert_eq!(app.stat(IntentState::Delivered, None).await, 4);
         let all: Vec<&v1::Lease> = leases.iter().collect();
         for result in app.ack(&all).await {
             assert_item_ok(&result, IntentState::Delivered);

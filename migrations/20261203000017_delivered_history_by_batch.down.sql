@@ -1,5 +1,6 @@
 DROP FUNCTION outbox.ack_into_batches(text, text, uuid[], uuid[], timestamptz);
 DROP FUNCTION outbox.intents_by_id(uuid[]);
+DROP FUNCTION outbox.regrant_service_roles();
 
 -- The batches go back where the previous release looks for delivered intents, with every
 -- tenant's rows (the owner is subject to the policies too). Locked first: an Ack of a

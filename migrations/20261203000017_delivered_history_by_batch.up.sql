@@ -227,8 +227,13 @@ BEGIN
 END;
 $$;
 
--- Roles already granted get the new table here, as in migration 20261201000012.
-DO $$
+-- Roles already granted (servers running now, or a grant made once out of band) get what
+-- outbox.grant_service_role grants now: those that may delete intents, as the service role
+-- does. A function, so that a later migration that grants something new calls it instead
+-- of writing this loop again (migration 20261201000012 wrote it inline).
+CREATE FUNCTION outbox.regrant_service_roles() RETURNS void
+LANGUAGE plpgsql
+AS $$
 DECLARE
     grantee text;
 BEGIN
@@ -242,5 +247,7 @@ BEGIN
     LOOP
         PERFORM outbox.grant_service_role(grantee);
     END LOOP;
-END
+END;
 $$;
+
+SELECT outbox.regrant_service_roles();

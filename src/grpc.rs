@@ -17,7 +17,7 @@ use crate::auth::{Authenticator, Caller, Permission, TENANT_HEADER};
 use crate::config::{Limits, Settings};
 use crate::deadline::{bounded_wait, caller_timeout};
 use crate::metrics::{Metrics, OutcomeLabels};
-use crate::outbox::claim_floor::ClaimFloors;
+use crate::outbox::claim_floor::{ClaimFloors, Leased};
 use crate::outbox::drained::{DrainedGroups, Seen};
 use crate::outbox::enqueue::DirectEnqueues;
 use crate::outbox::handoff::{self, Wanted};
@@ -239,8 +239,8 @@ impl OutboxHandler {
         let filled = intents.len() == params.max_intents as usize;
         if !replayed {
             let now = Instant::now();
-            let newest = intents.iter().map(|i| i.available_at).max();
-            self.claim_floors.record(group, look_from, newest, now);
+            let leased = Leased::of(&intents);
+            self.claim_floors.record(group, look_from, leased, now);
             self.drained.record(group, seen, !filled, again_in, now);
         }
         Ok(Look {

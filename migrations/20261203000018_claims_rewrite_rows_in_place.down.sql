@@ -1,0 +1,1 @@
+ALTER TABLE outbox.intent RESET (fillfactor);

@@ -1,0 +1,20 @@
+-- Room on each page of outbox.intent for the new versions of its rows.
+--
+-- Every transition (a claim above all) writes a new version of the row, and none of them
+-- can be HOT: each changes `state`, which every partial index's predicate reads. With the
+-- pages filled by the Enqueue (fillfactor 100), each new version went to another page: in
+-- a burn-down every claim extended the table, wrote a whole new tuple to the WAL and
+-- dirtied two pages per row. With half of each page free, the new version lands on the
+-- row's own page, where PostgreSQL logs only the bytes that changed (the prefix and suffix
+-- it shares with the old one are left out, unless wal_level is logical) and pruning frees
+-- the old one.
+-- Measured (2-core VM, 1M backlog, batch 1000): WAL per 1k delivered intents 892 -> 720
+-- KiB; the claim's heap_update 8.5% -> 6.5% of PostgreSQL's samples.
+--
+-- The cost: a backlog takes twice the pages at rest. The peak is about the same as before,
+-- when a burn-down moved every row to a page of its own. A claim makes a row larger (its
+-- lease, expiry and worker), so with tiny payloads not every new version fits.
+--
+-- Only pages filled from now on have the room; the table is not rewritten (this takes a
+-- SHARE UPDATE EXCLUSIVE lock, which does not block reads or writes).
+ALTER TABLE outbox.intent SET (fillfactor = 50);

@@ -9,14 +9,15 @@
 //! intent that a look at time `t` could not see yet (it committed after that look began)
 //! has an `available_at` after `t - LOOK_BACK`, unless its transaction took longer than
 //! [`LOOK_BACK`] to commit; and one it could see, up to the newest `available_at` it took,
-//! it took (claims take the oldest first), unless another claim held it locked. The floor
-//! a look leaves is therefore the older of those two times ([`Leased::floor`]): in a live
-//! queue `LOOK_BACK` behind the look, in an older backlog the newest intent it took.
+//! it took (claims take the oldest first), unless another transaction held it locked. The
+//! floor a look leaves is therefore the older of those two times ([`Leased::floor`]): in a
+//! live queue `LOOK_BACK` behind the look, in an older backlog the newest intent it took.
 //!
 //! An intent lands behind the floor only when it becomes claimable more than
-//! [`LOOK_BACK`] after its `available_at`: a transition whose transaction took that long to
-//! commit, an `available_at` set in the past, a claim that skipped a row locked by a claim
-//! that then rolled back, a handed-off lease given back (`super::handoff`: it keeps the
+//! [`LOOK_BACK`] after its `available_at`, or a look passed it over: a transition whose
+//! transaction took that long to commit, an `available_at` set in the past, a claim that
+//! skipped a row locked by a transaction that then left it PENDING (a claim that rolled
+//! back, an operator's call that failed), a handed-off lease given back (`super::handoff`: it keeps the
 //! `available_at` of its enqueue, which a stalled COMMIT may have made older). Those are
 //! found by the group's next look at the whole queue: a claim looks at it once
 //! [`WHOLE_LOOK_EVERY`] has passed since the group's last such look, and a long-polling

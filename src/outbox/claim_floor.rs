@@ -17,8 +17,9 @@
 //! [`LOOK_BACK`] after its `available_at`, or a look passed it over: a transition whose
 //! transaction took that long to commit, an `available_at` set in the past, a claim that
 //! skipped a row locked by a transaction that then left it PENDING (a claim that rolled
-//! back, an operator's call that failed), a handed-off lease given back (`super::handoff`: it keeps the
-//! `available_at` of its enqueue, which a stalled COMMIT may have made older). Those are
+//! back, an operator's call that failed), a handed-off lease given back
+//! (`super::handoff`: it keeps the `available_at` of its enqueue, which a stalled COMMIT
+//! may have made older). Those are
 //! found by the group's next look at the whole queue: a claim looks at it once
 //! [`WHOLE_LOOK_EVERY`] has passed since the group's last such look, and a long-polling
 //! claim whenever its wait ends without a wake-up (its recheck, every 2 s by default, or its
@@ -66,7 +67,7 @@ impl Leased {
     }
 
     /// Where a later look may begin without passing an intent this one left: whatever it
-    /// could see up to `newest` it took (or another claim held locked), and whatever it
+    /// could see up to `newest` it took (or another transaction held locked), and whatever it
     /// could not see yet became PENDING after `at`, so is available from `at - LOOK_BACK`.
     fn floor(self) -> DateTime<Utc> {
         self.newest.min(self.at - LOOK_BACK)

@@ -279,6 +279,35 @@ async fn an_intent_that_becomes_claimable_behind_the_newest_one_claimed_is_still
 }
 
 #[tokio::test]
+async fn in_a_backlog_older_than_the_look_back_a_claim_takes_the_rest_and_what_was_enqueued_meanwhile()
+ {
+    // In a backlog older than the floor's look-back, the floor is the newest intent taken
+    // (not a second behind it): what is left of the backlog, and what became PENDING after
+    // that claim began, are both at or after it, and the next claim takes them at once.
+    let app = TestApp::spawn().await;
+    let backlog = app.enqueue_n("job", 3).await;
+    app.advance(Duration::from_secs(3600));
+    let first = app.claim_n("w", 1).await;
+    assert_eq!(
+        first.iter().map(id_of).collect::<Vec<_>>(),
+        vec![backlog[0].as_str()]
+    );
+
+    let meanwhile = app.enqueue_one("job", "{}").await;
+    let rest: Vec<_> = app
+        .claim_n("w", 10)
+        .await
+        .iter()
+        .map(|l| id_of(l).to_owned())
+        .collect();
+    assert_eq!(
+        rest,
+        vec![backlog[1].clone(), backlog[2].clone(), meanwhile],
+        "the rest of the backlog, oldest first, then the new intent"
+    );
+}
+
+#[tokio::test]
 async fn the_previous_releases_claim_call_still_leases_during_a_rolling_upgrade() {
     // Migration 20261201000008 gave outbox.claim a floor argument; servers of the previous
     // release call it without one until they are replaced.

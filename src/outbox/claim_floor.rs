@@ -69,7 +69,7 @@ impl Leased {
     /// Where a later look may begin without passing an intent this one left: whatever it
     /// could see up to `newest` it took (or another transaction held locked), and whatever it
     /// could not see yet became PENDING after `at`, so is available from `at - LOOK_BACK`.
-    fn floor(self) -> DateTime<Utc> {
+    pub fn floor(self) -> DateTime<Utc> {
         self.newest.min(self.at - LOOK_BACK)
     }
 }

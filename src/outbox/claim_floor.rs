@@ -19,11 +19,10 @@
 //! skipped a row locked by a transaction that then left it PENDING (a claim that rolled
 //! back, an operator's call that failed), a handed-off lease given back
 //! (`super::handoff`: it keeps the `available_at` of its enqueue, which a stalled COMMIT
-//! may have made older). Those are
-//! found by the group's next look at the whole queue: a claim looks at it once
-//! [`WHOLE_LOOK_EVERY`] has passed since the group's last such look, and a long-polling
-//! claim whenever its wait ends without a wake-up (its recheck, every 2 s by default, or its
-//! deadline).
+//! may have made older). Those are found by the group's next look at the whole queue: a
+//! claim looks at it once [`WHOLE_LOOK_EVERY`] has passed since the group's last such look,
+//! and a long-polling claim whenever its wait ends without a wake-up (its recheck, every
+//! 2 s by default, or its deadline).
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
@@ -194,23 +193,9 @@ mod tests {
     #[test]
     fn a_look_leased_intents_at_the_time_the_claim_wrote_and_up_to_the_newest_available() {
         let intent = |available: i64, updated: i64| Intent {
-            id: crate::outbox::IntentId(uuid::Uuid::nil()),
-            state: crate::outbox::IntentState::Leased,
-            kind: String::new(),
-            payload: Vec::new(),
-            content_type: String::new(),
-            region: String::new(),
-            idempotency_key: None,
-            headers: sqlx::types::Json(Default::default()),
-            attempts: 1,
-            max_attempts: 1,
             available_at: at(available),
-            created_at: at(0),
             updated_at: at(updated),
-            lease_id: None,
-            lease_expires_at: None,
-            worker_id: None,
-            last_error: None,
+            ..crate::outbox::leased_intent(crate::outbox::IntentId(uuid::Uuid::nil()))
         };
         assert_eq!(Leased::of(&[]), None);
         assert_eq!(

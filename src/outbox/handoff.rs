@@ -428,30 +428,6 @@ mod tests {
         (handoffs, given_back)
     }
 
-    /// The row an enqueue inserted LEASED to a claimer.
-    fn leased(id: IntentId) -> Intent {
-        let now = chrono::Utc::now();
-        Intent {
-            id,
-            state: super::super::IntentState::Leased,
-            kind: "x".to_owned(),
-            payload: Vec::new(),
-            content_type: String::new(),
-            region: String::new(),
-            idempotency_key: None,
-            headers: sqlx::types::Json(BTreeMap::new()),
-            attempts: 1,
-            max_attempts: 1,
-            available_at: now,
-            created_at: now,
-            updated_at: now,
-            lease_id: Some(super::super::LeaseId(uuid::Uuid::new_v4())),
-            lease_expires_at: Some(now),
-            worker_id: Some("a".to_owned()),
-            last_error: None,
-        }
-    }
-
     fn workers(taken: &Taken) -> Vec<Option<&str>> {
         taken.leases().map(|l| l.map(|(w, _)| w)).collect()
     }
@@ -563,7 +539,7 @@ mod tests {
         let taken = handoffs.take("t", &[intent("x")]).unwrap();
         drop(waiter); // the Claim was cancelled while the enqueue ran
         let id = IntentId(uuid::Uuid::now_v7());
-        taken.hand_over(&[id], vec![leased(id)]);
+        taken.hand_over(&[id], vec![crate::outbox::leased_intent(id)]);
         assert_eq!(*given_back.lock().unwrap(), [id], "nobody received it");
     }
 
@@ -573,7 +549,7 @@ mod tests {
         let waiter = handoffs.wait(wanted("a", &[], 10));
         let taken = handoffs.take("t", &[intent("x")]).unwrap();
         let id = IntentId(uuid::Uuid::now_v7());
-        taken.hand_over(&[id], vec![leased(id)]);
+        taken.hand_over(&[id], vec![crate::outbox::leased_intent(id)]);
         assert!(given_back.lock().unwrap().is_empty(), "the claimer has it");
         drop(waiter); // cancelled between the hand-over and its next poll
         assert_eq!(*given_back.lock().unwrap(), [id]);
@@ -592,7 +568,7 @@ mod tests {
         );
         assert_eq!(started.elapsed(), WITHDRAW_WAIT);
         let id = IntentId(uuid::Uuid::now_v7());
-        taken.hand_over(&[id], vec![leased(id)]);
+        taken.hand_over(&[id], vec![crate::outbox::leased_intent(id)]);
         assert_eq!(*given_back.lock().unwrap(), [id]);
     }
 }

@@ -176,6 +176,31 @@ pub struct Intent {
     pub last_error: Option<String>,
 }
 
+/// A LEASED intent as a claim returns it, now, for unit tests.
+#[cfg(test)]
+pub(crate) fn leased_intent(id: IntentId) -> Intent {
+    let now = Utc::now();
+    Intent {
+        id,
+        state: IntentState::Leased,
+        kind: "x".to_owned(),
+        payload: Vec::new(),
+        content_type: String::new(),
+        region: String::new(),
+        idempotency_key: None,
+        headers: sqlx::types::Json(BTreeMap::new()),
+        attempts: 1,
+        max_attempts: 1,
+        available_at: now,
+        created_at: now,
+        updated_at: now,
+        lease_id: Some(LeaseId(Uuid::new_v4())),
+        lease_expires_at: Some(now),
+        worker_id: Some("a".to_owned()),
+        last_error: None,
+    }
+}
+
 /// Result of enqueueing one intent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Enqueued {

@@ -294,12 +294,7 @@ async fn in_a_backlog_older_than_the_look_back_a_claim_takes_the_rest_and_what_w
     );
 
     let meanwhile = app.enqueue_one("job", "{}").await;
-    let rest: Vec<_> = app
-        .claim_n("w", 10)
-        .await
-        .iter()
-        .map(|l| id_of(l).to_owned())
-        .collect();
+    let rest = app.claim_ids("w", 10).await;
     assert_eq!(
         rest,
         vec![backlog[1].clone(), backlog[2].clone(), meanwhile],

@@ -454,6 +454,12 @@ impl TestApp {
         self.claim(claim_request(worker, n)).await.unwrap()
     }
 
+    /// [`Self::claim_n`], the ids of the intents leased, in the order of the reply.
+    pub async fn claim_ids(&self, worker: &str, n: i32) -> Vec<String> {
+        let leases = self.claim_n(worker, n).await;
+        leases.iter().map(|l| id_of(l).to_owned()).collect()
+    }
+
     pub async fn ack(&self, leases: &[&v1::Lease]) -> Vec<v1::LeaseResult> {
         self.client()
             .ack(v1::AckRequest {

@@ -550,12 +550,7 @@ async fn an_intent_of_a_transaction_held_open_is_available_from_its_commit_and_c
 
     app.advance(Duration::from_secs(3600));
     let newer = app.enqueue_one("order.created", "{}").await;
-    let taken: Vec<_> = app
-        .claim_n("w", 100)
-        .await
-        .iter()
-        .map(|l| id_of(l).to_owned())
-        .collect();
+    let taken = app.claim_ids("w", 100).await;
     assert_eq!(taken, vec![newer]);
 
     tx.commit().await.unwrap();

@@ -5,11 +5,11 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
-use sqlx::{FromRow, PgPool, Row};
+use sqlx::{PgPool, Row, ValueRef};
 use uuid::Uuid;
 
 use super::access::{TenantScope, begin, on_live_connection, scope_settings};
-use super::{intent_columns, millis};
+use super::{INTENT_COLUMNS, intent_at, intent_columns, millis};
 use crate::outbox::{Intent, IntentId, LeaseId, Result};
 
 /// Inputs of [`claim_intents`].
@@ -121,16 +121,22 @@ pub async fn claim_intents(
         next_due_in: None,
         replayed: false,
     };
+    // After the intent's columns: next_due_in, replayed.
+    let (next_due_in, replayed) = (INTENT_COLUMNS, INTENT_COLUMNS + 1);
     if let Some(row) = rows.first()
-        && let Some(seconds) = row.try_get::<Option<f64>, _>("next_due_in")?
+        && let Some(seconds) = row.try_get::<Option<f64>, _>(next_due_in)?
     {
         claimed.next_due_in = Some(Duration::from_secs_f64(seconds.max(0.0)));
     }
-    for row in rows {
-        if row.try_get::<Option<Uuid>, _>("id")?.is_some() {
-            claimed.replayed = row.try_get("replayed")?;
-            claimed.intents.push(Intent::from_row(&row)?);
+    for (n, row) in rows.iter().enumerate() {
+        // A single row of NULLs when nothing was leased.
+        if row.try_get_raw(0)?.is_null() {
+            break;
         }
+        if n == 0 {
+            claimed.replayed = row.try_get(replayed)?;
+        }
+        claimed.intents.push(intent_at(row, n == 0)?);
     }
     claimed.intents.sort_by_key(|i| (i.available_at, i.id));
     Ok(claimed)

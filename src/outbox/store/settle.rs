@@ -29,12 +29,26 @@ pub struct SettleScope<'a> {
 }
 
 /// One item as the settle statement left it: `state` is set only when it applied.
-#[derive(sqlx::FromRow, Clone)]
+#[derive(Clone)]
 struct SettleRow {
     id: Uuid,
     state: Option<IntentState>,
     lease_expires_at: Option<DateTime<Utc>>,
     traceparent: Option<String>,
+}
+
+/// By position, as every settle function returns them (an Ack reads a thousand rows; by
+/// name each value would cost a hash lookup of its column).
+impl<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> for SettleRow {
+    fn from_row(row: &'r sqlx::postgres::PgRow) -> sqlx::Result<Self> {
+        use sqlx::Row as _;
+        Ok(Self {
+            id: row.try_get(0)?,
+            state: row.try_get(1)?,
+            lease_expires_at: row.try_get(2)?,
+            traceparent: row.try_get(3)?,
+        })
+    }
 }
 
 impl SettleRow {

@@ -138,9 +138,9 @@ pub(crate) const INTENT_COLUMNS: usize = 17;
 /// Decodes the [`Intent`](crate::outbox::Intent) in the first [`INTENT_COLUMNS`] columns of
 /// `row`, as [`intent_columns!`] selects them, by position. A claim decodes up to a thousand
 /// rows: by name (`FromRow`) every value costs a hash lookup of its column's name and a
-/// check of its type against the column's, ~3% of the machine in a burn-down. `checked`
-/// does both checks (the names in debug builds): for the first row of a result, whose
-/// columns every later row shares.
+/// check of its type against the column's, about 2% of the machine in a burn-down.
+/// `checked` does both checks (the names in debug builds): for the first row of a result,
+/// whose columns every later row shares.
 pub(crate) fn intent_at(
     row: &sqlx::postgres::PgRow,
     checked: bool,

@@ -89,6 +89,12 @@ pub struct Limits {
     /// Largest gRPC request message in bytes, checked by the transport before decoding
     /// (at least `max_payload_bytes`).
     pub max_message_bytes: usize,
+    /// Largest Claim (or ListIntents) reply in bytes: a Claim whose leases would pass it
+    /// answers with fewer (always at least one) and gives the rest back; a page ends early.
+    /// gRPC clients refuse larger messages
+    /// (4 MiB by default in every official implementation), and a reply refused after its
+    /// leases committed would cost their intents an attempt each, unseen.
+    pub max_reply_bytes: usize,
     /// Most headers on one intent.
     pub max_headers: usize,
     /// Longest header name, in bytes (names are ASCII).
@@ -131,6 +137,7 @@ impl Default for Limits {
             max_batch: 1000,
             max_payload_bytes: 1024 * 1024,
             max_message_bytes: 16 * 1024 * 1024,
+            max_reply_bytes: 4 * 1024 * 1024,
             max_headers: 64,
             max_header_key_length: 128,
             max_header_value_length: 4096,
@@ -432,6 +439,9 @@ impl Settings {
                 "OUTBOX_LIMITS__MAX_MESSAGE_BYTES" => {
                     parse(value).map(|v| s.limits.max_message_bytes = v)
                 }
+                "OUTBOX_LIMITS__MAX_REPLY_BYTES" => {
+                    parse(value).map(|v| s.limits.max_reply_bytes = v)
+                }
                 "OUTBOX_LIMITS__MAX_HEADERS" => parse(value).map(|v| s.limits.max_headers = v),
                 "OUTBOX_LIMITS__MAX_HEADER_KEY_LENGTH" => {
                     parse(value).map(|v| s.limits.max_header_key_length = v)
@@ -537,6 +547,10 @@ impl Settings {
         check(
             l.max_message_bytes >= l.max_payload_bytes,
             "OUTBOX_LIMITS__MAX_MESSAGE_BYTES must be at least OUTBOX_LIMITS__MAX_PAYLOAD_BYTES",
+        );
+        check(
+            l.max_reply_bytes >= l.max_payload_bytes,
+            "OUTBOX_LIMITS__MAX_REPLY_BYTES must be at least OUTBOX_LIMITS__MAX_PAYLOAD_BYTES",
         );
         check(
             l.max_header_key_length >= 1,

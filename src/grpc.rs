@@ -259,6 +259,21 @@ impl OutboxHandler {
     }
 }
 
+/// Splits intents, in the order of their reply, where they would make it more than
+/// `budget` bytes: those that fit (at least one, whatever its size) and the rest.
+fn split_at_reply_budget(mut intents: Vec<Intent>, budget: usize) -> (Vec<Intent>, Vec<Intent>) {
+    let mut bytes = 0usize;
+    let fit = intents
+        .iter()
+        .position(|i| {
+            bytes = bytes.saturating_add(crate::proto::reply_bytes_at_most(i));
+            bytes > budget
+        })
+        .map_or(intents.len(), |n| n.max(1));
+    let rest = intents.split_off(fit);
+    (intents, rest)
+}
+
 /// The gRPC code for a reason, for whole-call and per-item errors alike.
 pub fn code_of(reason: Reason) -> Code {
     match reason {
@@ -574,6 +589,13 @@ impl OutboxService for OutboxHandler {
                 break Vec::new();
             }
         };
+        // A reply larger than the worker's client accepts would be refused after its leases
+        // committed, costing each intent an attempt unseen: answer with those that fit and
+        // give the rest back. Not a replay's: an earlier reply may have delivered them.
+        let (intents, over_budget) = split_at_reply_budget(intents, self.limits.max_reply_bytes);
+        if !over_budget.is_empty() && !replayed {
+            self.direct_enqueues.handoffs().release(&scope, over_budget);
+        }
         let span = tracing::Span::current();
         span.record("messaging.batch.message_count", intents.len());
         telemetry::link_to(
@@ -778,8 +800,12 @@ impl OutboxService for OutboxHandler {
         )
         .await?;
         tx.commit().await.map_err(Error::from)?;
+        // A page the client could not receive would stop the listing: it ends early instead.
+        let (intents, next_pages) = split_at_reply_budget(intents, self.limits.max_reply_bytes);
         let next_page_token = match intents.last() {
-            Some(last) if intents.len() as i64 == list.limit => last.id.to_string(),
+            Some(last) if !next_pages.is_empty() || intents.len() as i64 == list.limit => {
+                last.id.to_string()
+            }
             _ => String::new(),
         };
         Ok(Response::new(v1::ListIntentsResponse {
@@ -798,5 +824,36 @@ impl OutboxService for OutboxHandler {
         let stats = store::queue_stats(&mut tx, &caller.regions, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(stats.into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outbox::leased_intent;
+
+    #[test]
+    fn a_reply_budget_keeps_the_oldest_that_fit_and_always_one() {
+        let intents = |n: usize| -> Vec<Intent> {
+            (0..n)
+                .map(|_| {
+                    let mut i = leased_intent(IntentId(uuid::Uuid::new_v4()));
+                    i.payload = vec![0; 1000];
+                    i
+                })
+                .collect()
+        };
+        let one = crate::proto::reply_bytes_at_most(&intents(1)[0]);
+        let all = intents(5);
+        let order: Vec<IntentId> = all.iter().map(|i| i.id).collect();
+        let (fit, rest) = split_at_reply_budget(all, 3 * one + one / 2);
+        assert_eq!(fit.iter().map(|i| i.id).collect::<Vec<_>>(), order[..3]);
+        assert_eq!(rest.iter().map(|i| i.id).collect::<Vec<_>>(), order[3..]);
+
+        let (fit, rest) = split_at_reply_budget(intents(2), 10);
+        assert_eq!((fit.len(), rest.len()), (1, 1), "one goes, however large");
+
+        let (fit, rest) = split_at_reply_budget(intents(4), usize::MAX);
+        assert_eq!((fit.len(), rest.len()), (4, 0));
     }
 }

@@ -184,8 +184,8 @@ impl Metrics {
         );
         r.register(
             "intents_given_back",
-            "Intents an Enqueue leased to a waiting Claim that never received them, given \
-             back to pending with the attempt uncounted",
+            "Leased intents no Claim received (an Enqueue's for a claimer that had gone, or \
+             past a Claim's reply limit), given back to pending with the attempt uncounted",
             m.given_back.clone(),
         );
         r.register(

@@ -25,10 +25,47 @@ pub fn timestamp(t: DateTime<Utc>) -> prost_types::Timestamp {
     }
 }
 
-/// Domain form of a wire timestamp; `None` when out of chrono's range.
+/// Domain form of a wire timestamp; `None` when out of chrono's range or when `nanos` is
+/// not in 0..=999,999,999 as protobuf requires (chrono would read 1e9 and above as a leap
+/// second, and store the next second).
 pub fn from_timestamp(t: &prost_types::Timestamp) -> Option<DateTime<Utc>> {
-    let nanos = u32::try_from(t.nanos).ok()?;
+    let nanos = u32::try_from(t.nanos).ok().filter(|n| *n < 1_000_000_000)?;
     DateTime::from_timestamp(t.seconds, nanos)
+}
+
+/// At most how many bytes `intent` takes in a reply: in a `ClaimResponse` as its
+/// [`v1::Lease`] (in a `ListIntentsResponse`, as a bare [`v1::Intent`], fewer), the repeated
+/// field's tag and length included; its variable parts as they are, its fixed ones at their
+/// largest. An upper bound, so that a reply cut by it never passes its budget, read from the
+/// domain type so that only a reply's size, not a copy of it, is computed.
+pub fn reply_bytes_at_most(i: &Intent) -> usize {
+    // A length-delimited field: a tag (2 bytes for field numbers up to 2047) and a varint
+    // length (up to 10 bytes); varints up to 10 bytes; a Timestamp, two varints.
+    const FIELD: usize = 2 + 10;
+    const VARINT: usize = 2 + 10;
+    const TIMESTAMP: usize = FIELD + 2 * VARINT;
+    const UUID: usize = FIELD + 36;
+    // Lease: the repeated field, the intent, lease_id, attempt, lease_expires_at.
+    const LEASE: usize = FIELD + FIELD + UUID + VARINT + TIMESTAMP;
+    // Intent: id, state, attempts, max_attempts and four timestamps.
+    const INTENT: usize = UUID + 3 * VARINT + 4 * TIMESTAMP;
+    let bytes = |s: usize| FIELD + s;
+    let headers: usize = i
+        .headers
+        .0
+        .iter()
+        .map(|(k, v)| FIELD + bytes(k.len()) + bytes(v.len()))
+        .sum();
+    LEASE
+        + INTENT
+        + bytes(i.kind.len())
+        + bytes(i.payload.len())
+        + bytes(i.content_type.len())
+        + bytes(i.region.len())
+        + bytes(i.idempotency_key.as_ref().map_or(0, String::len))
+        + headers
+        + bytes(i.worker_id.as_ref().map_or(0, String::len))
+        + bytes(i.last_error.as_ref().map_or(0, String::len))
 }
 
 impl From<IntentState> for v1::IntentState {
@@ -169,6 +206,45 @@ impl From<outbox::store::QueueStats> for v1::GetQueueStatsResponse {
             oldest_pending_at: s.oldest_pending_at.map(timestamp),
             oldest_staged_at: s.oldest_staged_at.map(timestamp),
             reconcile_backlog,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prost::Message as _;
+
+    use super::*;
+    use crate::outbox::{IntentId, leased_intent};
+
+    #[test]
+    fn a_lease_never_encodes_larger_than_its_bound() {
+        let bare = leased_intent(IntentId(uuid::Uuid::new_v4()));
+        let mut full = leased_intent(IntentId(uuid::Uuid::new_v4()));
+        full.kind = "k".repeat(200);
+        full.payload = vec![7; 300_000];
+        full.content_type = "application/json".into();
+        full.region = "eu-west-1".into();
+        full.idempotency_key = Some("é".repeat(200));
+        full.headers.0 = (0..64)
+            .map(|n| (format!("header-{n}"), "v".repeat(4096)))
+            .collect();
+        full.attempts = i32::MAX;
+        full.max_attempts = i32::MIN;
+        full.worker_id = Some("w".repeat(200));
+        full.last_error = Some("x".repeat(4096));
+        for intent in [bare, full] {
+            let bound = reply_bytes_at_most(&intent);
+            let reply = v1::ClaimResponse {
+                leases: vec![intent.into()],
+            };
+            let encoded = reply.encoded_len();
+            assert!(encoded <= bound, "{encoded} bytes encoded, bound {bound}");
+            // Tight enough to cut a reply where it would pass the budget, not far before.
+            assert!(
+                bound - encoded <= 512.max(encoded / 100),
+                "{encoded} bytes encoded, bound {bound}"
+            );
         }
     }
 }

@@ -49,6 +49,54 @@ async fn claim_leases_oldest_first_counts_the_attempt_and_mints_a_fresh_lease() 
     );
 }
 
+/// gRPC clients refuse a reply over 4 MiB by default: a Claim whose leases would pass the
+/// server's reply limit (that, by default) answers with those that fit, and the rest go back
+/// to PENDING uncounted. Before, the client refused the reply after its leases committed,
+/// and each retry cost the intents an attempt no worker saw, until they were dead-lettered.
+#[tokio::test]
+async fn a_claim_too_large_for_one_reply_answers_with_what_fits_and_gives_the_rest_back_uncounted()
+{
+    let app = TestApp::spawn().await;
+    let largest_payload = vec![b'x'; 1024 * 1024];
+    let intents = (0..5)
+        .map(|_| v1::NewIntent {
+            payload: largest_payload.clone(),
+            ..intent("big", "")
+        })
+        .collect();
+    let ids: Vec<String> = app
+        .enqueue(intents)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+
+    let first = app
+        .claim(claim_request("w1", 5))
+        .await
+        .expect("a reply the default client accepts");
+    assert_eq!(
+        first.iter().map(id_of).collect::<Vec<_>>(),
+        ids[..3].iter().map(String::as_str).collect::<Vec<_>>(),
+        "three leases of 1 MiB fit in 4 MiB, a fourth would not"
+    );
+    for id in &ids[3..] {
+        app.wait_for_state(id, v1::IntentState::Pending).await;
+    }
+    let rest = app.claim_n("w2", 5).await;
+    assert_eq!(
+        rest.iter().map(id_of).collect::<Vec<_>>(),
+        ids[3..].iter().map(String::as_str).collect::<Vec<_>>()
+    );
+    for lease in &rest {
+        assert_eq!(
+            lease.attempt, 1,
+            "the claim that gave it back did not count"
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_regional_worker_gets_its_region_and_regionless_intents_only() {
     let app = TestApp::spawn().await;

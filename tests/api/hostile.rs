@@ -712,6 +712,19 @@ async fn hostile_requests_get_their_status_and_change_nothing() {
             whole(a.client().enqueue(req).await)
         }
     );
+    case!(
+        cases,
+        "Enqueue: available_at with nanos of a leap second (1.5e9, which chrono would take)",
+        invalid("intents[0].available_at"),
+        async move {
+            let at = prost_types::Timestamp {
+                seconds: chrono::Utc::now().timestamp(),
+                nanos: 1_500_000_000,
+            };
+            let req = one(|i| i.schedule = Some(v1::new_intent::Schedule::AvailableAt(at)));
+            whole(a.client().enqueue(req).await)
+        }
+    );
 
     // -- Enqueue: bytes a typed client cannot send.
     case!(

@@ -152,3 +152,44 @@ async fn health_reports_the_outbox_service_as_serving() {
     );
     app.stop().await;
 }
+
+/// A page of intents with payloads that would pass the reply limit (gRPC clients' 4 MiB
+/// receive limit by default) ends early with a next_page_token, so the listing goes on.
+#[tokio::test]
+async fn a_listing_with_payloads_too_large_for_one_page_goes_on_to_the_next() {
+    let app = TestApp::spawn().await;
+    let largest_payload = vec![b'x'; 1024 * 1024];
+    let intents = (0..5)
+        .map(|_| v1::NewIntent {
+            payload: largest_payload.clone(),
+            ..intent("big", "")
+        })
+        .collect();
+    let ids: Vec<String> = app
+        .enqueue(intents)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+
+    let first = app
+        .client()
+        .list_intents(v1::ListIntentsRequest {
+            page_size: 5,
+            include_payload: true,
+            ..Default::default()
+        })
+        .await
+        .expect("a page the default client accepts")
+        .into_inner();
+    assert_eq!(first.intents.len(), 3, "three of 1 MiB fit in 4 MiB");
+    assert!(!first.next_page_token.is_empty());
+
+    let listed = app.list_all(&[], 5).await;
+    assert_eq!(
+        listed.iter().map(|i| &i.id).collect::<Vec<_>>(),
+        ids.iter().collect::<Vec<_>>()
+    );
+    assert!(listed.iter().all(|i| i.payload == largest_payload));
+}

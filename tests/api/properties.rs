@@ -20,6 +20,7 @@ fn tiny() -> Limits {
         max_batch: 2,
         max_payload_bytes: 4,
         max_message_bytes: 4,
+        max_reply_bytes: 4,
         max_headers: 1,
         max_header_key_length: 3,
         max_header_value_length: 3,
@@ -806,6 +807,7 @@ fn limit_variables_override_defaults_and_inconsistent_ones_are_refused() {
     };
     let s = Settings::from_vars(vars(&[
         ("OUTBOX_LIMITS__MAX_MESSAGE_BYTES", "4194304"),
+        ("OUTBOX_LIMITS__MAX_REPLY_BYTES", "8388608"),
         ("OUTBOX_LIMITS__MAX_HEADERS", "8"),
         ("OUTBOX_LIMITS__MAX_HEADER_KEY_LENGTH", "16"),
         ("OUTBOX_LIMITS__MAX_HEADER_VALUE_LENGTH", "100"),
@@ -818,6 +820,7 @@ fn limit_variables_override_defaults_and_inconsistent_ones_are_refused() {
     .unwrap();
     let expected = Limits {
         max_message_bytes: 4 * 1024 * 1024,
+        max_reply_bytes: 8 * 1024 * 1024,
         max_headers: 8,
         max_header_key_length: 16,
         max_header_value_length: 100,
@@ -832,6 +835,7 @@ fn limit_variables_override_defaults_and_inconsistent_ones_are_refused() {
 
     let err = Settings::from_vars(vars(&[
         ("OUTBOX_LIMITS__MAX_MESSAGE_BYTES", "1000"),
+        ("OUTBOX_LIMITS__MAX_REPLY_BYTES", "1000"),
         ("OUTBOX_LIMITS__MAX_NAME_LENGTH", "1000"),
         ("OUTBOX_LIMITS__MAX_REGION_LENGTH", "0"),
         ("OUTBOX_LIMITS__MAX_KINDS", "0"),
@@ -842,6 +846,7 @@ fn limit_variables_override_defaults_and_inconsistent_ones_are_refused() {
     .unwrap_err();
     for variable in [
         "OUTBOX_LIMITS__MAX_MESSAGE_BYTES",
+        "OUTBOX_LIMITS__MAX_REPLY_BYTES",
         "OUTBOX_LIMITS__MAX_NAME_LENGTH",
         "OUTBOX_LIMITS__MAX_REGION_LENGTH",
         "OUTBOX_LIMITS__MAX_KINDS",

@@ -21,12 +21,19 @@ use crate::proto::{from_timestamp, v1};
 const MAX_ATTEMPTS: i32 = 1000;
 const DEFAULT_RECONCILE_LIMIT: usize = 100;
 const DEFAULT_PAGE_SIZE: usize = 50;
-/// Most violations listed in one error, and most bytes of field paths and descriptions:
-/// the message and the BadRequest both travel in HTTP/2 headers, which clients cap (16 KiB
-/// for hyper and tonic by default). A request of 1000 bad intents must still get its
-/// INVALID_ARGUMENT, not a protocol error.
+/// Most violations listed in one error, and most bytes of field paths and descriptions as
+/// they are sent ([`header_bytes`]): the message and the BadRequest both travel in HTTP/2
+/// headers, which clients cap (16 KiB for hyper and tonic by default). A request of 1000
+/// bad intents must still get its INVALID_ARGUMENT, not a protocol error.
 const MAX_VIOLATIONS: usize = 32;
 const MAX_VIOLATION_BYTES: usize = 4096;
+/// Bytes `text` takes in the `grpc-message` header, which percent-encodes every non-ASCII
+/// byte (`%F0`): three a byte, so a budget of raw bytes would let non-ASCII field paths
+/// make an error larger than clients accept.
+fn header_bytes(text: &str) -> usize {
+    text.len() + 2 * text.bytes().filter(|b| !b.is_ascii()).count()
+}
+
 /// Characters of a client-chosen map key quoted in a field path.
 const KEY_PREVIEW_CHARS: usize = 32;
 /// Earliest instant accepted (0001-01-01T00:00:00Z): PostgreSQL's `timestamptz` refuses
@@ -49,7 +56,7 @@ impl Check {
     /// Whether one more violation fits in the error; counts its bytes when it does.
     fn room(&mut self, v: &FieldViolation) -> bool {
         let listed = self.invalid.len() + self.too_large.as_ref().map_or(0, |(_, l)| l.len());
-        let bytes = v.field.len() + v.description.len();
+        let bytes = header_bytes(&v.field) + header_bytes(&v.description);
         let fits = listed < MAX_VIOLATIONS && self.listed_bytes + bytes <= MAX_VIOLATION_BYTES;
         if fits {
             self.listed_bytes += bytes;

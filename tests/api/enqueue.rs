@@ -244,3 +244,20 @@ async fn calls_made_on_pooled_connections_that_died_while_idle_are_made_again_on
             .unwrap();
     assert_eq!(stored, 3, "each intent recorded once");
 }
+
+/// A rejection travels in HTTP/2 headers, which clients cap (16 KiB in tonic and hyper):
+/// `grpc-message` percent-encodes every non-ASCII byte as three, and the details are base64.
+/// One naming many non-ASCII header names must still arrive as INVALID_ARGUMENT, not as a
+/// protocol error.
+#[tokio::test]
+async fn a_rejection_naming_many_non_ascii_fields_still_reaches_the_client() {
+    let app = TestApp::spawn().await;
+    let intents = (0..1000)
+        .map(|_| v1::NewIntent {
+            headers: [("😀".repeat(40), "v".to_owned())].into(),
+            ..intent("job", "{}")
+        })
+        .collect();
+    let status = app.enqueue(intents).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+}

@@ -34,6 +34,8 @@ fn header_bytes(text: &str) -> usize {
     text.len() + 2 * text.bytes().filter(|b| !b.is_ascii()).count()
 }
 
+/// Longest list of states a filter may give (each state twice over).
+const MAX_STATES_IN_FILTER: usize = 16;
 /// Characters of a client-chosen map key quoted in a field path.
 const KEY_PREVIEW_CHARS: usize = 32;
 /// Earliest instant accepted (0001-01-01T00:00:00Z): PostgreSQL's `timestamptz` refuses
@@ -109,7 +111,9 @@ impl Check {
         }
     }
 
-    /// A batch must be non-empty and within the limit.
+    /// A batch must be non-empty and within the limit. Its callers check only the first
+    /// `max_batch` items: past the limit the request is refused anyway, and a message of
+    /// millions of empty items must not hold a runtime thread for seconds.
     fn batch(&mut self, field: &str, len: usize, limits: &Limits) {
         if len == 0 {
             self.fail(field, "must contain at least one item");
@@ -118,6 +122,17 @@ impl Check {
                 Reason::BatchTooLarge,
                 field,
                 format!("{len} items; at most {} per request", limits.max_batch),
+            );
+        }
+    }
+
+    /// A filter of states names each at most once or twice: a longer list is a mistake (or
+    /// an attack), refused without reading past [`MAX_STATES_IN_FILTER`] of it.
+    fn states_filter(&mut self, field: &str, len: usize) {
+        if len > MAX_STATES_IN_FILTER {
+            self.fail(
+                field,
+                format!("{len} states; at most {MAX_STATES_IN_FILTER} (there are 8 states)"),
             );
         }
     }
@@ -291,7 +306,7 @@ pub fn enqueue(
     c.batch("intents", req.intents.len(), limits);
     let mut keys = HashSet::new();
     let mut intents = Vec::with_capacity(req.intents.len());
-    for (i, intent) in req.intents.into_iter().enumerate() {
+    for (i, intent) in req.intents.into_iter().take(limits.max_batch).enumerate() {
         let f = |name: &str| format!("intents[{i}].{name}");
         c.name(&f("kind"), &intent.kind, true, limits.max_name_length);
         c.name(
@@ -523,6 +538,7 @@ fn lease_refs(c: &mut Check, leases: &[v1::LeaseRef], limits: &Limits) -> Vec<Le
     let mut seen = HashSet::new();
     leases
         .iter()
+        .take(limits.max_batch)
         .enumerate()
         .map(|(i, l)| lease_ref(c, &|| format!("leases[{i}]"), Some(l), &mut seen))
         .collect()
@@ -563,7 +579,7 @@ pub fn fail(req: v1::FailRequest, limits: &Limits) -> Result<Vec<Failure>> {
     c.batch("failures", req.failures.len(), limits);
     let mut seen = HashSet::new();
     let mut failures = Vec::with_capacity(req.failures.len());
-    for (i, f) in req.failures.into_iter().enumerate() {
+    for (i, f) in req.failures.into_iter().take(limits.max_batch).enumerate() {
         let field = |name: &str| format!("failures[{i}].{name}");
         let lease = lease_ref(&mut c, &|| field("lease"), f.lease.as_ref(), &mut seen);
         c.text(&field("error"), &f.error, false, limits.max_text_length);
@@ -635,6 +651,7 @@ pub fn reconcile(req: v1::ReconcileRequest, limits: &Limits) -> Result<Reconcile
             let ids = ids
                 .ids
                 .iter()
+                .take(limits.max_batch)
                 .enumerate()
                 .map(|(i, id)| {
                     let field = format!("ids.ids[{i}]");
@@ -654,8 +671,9 @@ pub fn reconcile(req: v1::ReconcileRequest, limits: &Limits) -> Result<Reconcile
             if filter.states.is_empty() {
                 c.fail("filter.states", "name NEEDS_RECONCILE and/or DEAD_LETTERED");
             }
+            c.states_filter("filter.states", filter.states.len());
             let mut states = Vec::new();
-            for (i, s) in filter.states.iter().enumerate() {
+            for (i, s) in filter.states.iter().take(MAX_STATES_IN_FILTER).enumerate() {
                 let field = format!("filter.states[{i}]");
                 match c.state(&field, *s) {
                     Some(s) if s.awaits_decision() => states.push(s),
@@ -749,9 +767,11 @@ pub struct List {
 /// [`Error::InvalidArgument`] or [`Error::LimitExceeded`] naming every bad field.
 pub fn list(req: v1::ListIntentsRequest, limits: &Limits) -> Result<List> {
     let mut c = Check::default();
+    c.states_filter("states", req.states.len());
     let states = req
         .states
         .iter()
+        .take(MAX_STATES_IN_FILTER)
         .enumerate()
         .filter_map(|(i, s)| c.state(&format!("states[{i}]"), *s))
         .collect();

@@ -1316,6 +1316,19 @@ async fn hostile_requests_get_their_status_and_change_nothing() {
     );
     case!(
         cases,
+        "Reconcile: filter naming a million states",
+        invalid("filter.states"),
+        async move {
+            let states = vec![IntentState::DeadLettered as i32; 1_000_000];
+            whole(
+                a.client()
+                    .reconcile(reconcile_filter(|f| f.states = states))
+                    .await,
+            )
+        }
+    );
+    case!(
+        cases,
         "Reconcile: created_before in the year -10000",
         invalid("filter.created_before"),
         async move {
@@ -1420,6 +1433,18 @@ async fn hostile_requests_get_their_status_and_change_nothing() {
         async move {
             let req = v1::ListIntentsRequest {
                 states: vec![99],
+                ..Default::default()
+            };
+            whole(a.client().list_intents(req).await)
+        }
+    );
+    case!(
+        cases,
+        "ListIntents: a million states",
+        invalid("states"),
+        async move {
+            let req = v1::ListIntentsRequest {
+                states: vec![IntentState::Pending as i32; 1_000_000],
                 ..Default::default()
             };
             whole(a.client().list_intents(req).await)

@@ -236,7 +236,9 @@ pub struct Authenticator {
 /// Key hash → the caller it resolved to (or none) and when it was looked up.
 type KeyCache = HashMap<[u8; 32], (Option<Caller>, Instant)>;
 
-/// Most cached lookups; beyond it the cache is cleared (bad keys must not grow memory).
+/// Most cached lookups; beyond it unknown keys and stale lookups are dropped, and the whole
+/// cache only if real keys alone fill it (bad keys must not grow memory, nor evict real
+/// keys: a flood of made-up keys would otherwise send every caller to the database).
 const CACHE_LIMIT: usize = 10_000;
 
 impl Authenticator {
@@ -279,7 +281,11 @@ impl Authenticator {
                     .map(Caller::from_record);
                 let mut cache = self.lock();
                 if cache.len() >= CACHE_LIMIT {
-                    cache.clear();
+                    let ttl = self.ttl;
+                    cache.retain(|_, (caller, at)| caller.is_some() && at.elapsed() < ttl);
+                    if cache.len() >= CACHE_LIMIT {
+                        cache.clear();
+                    }
                 }
                 cache.insert(hash, (caller.clone(), Instant::now()));
                 caller

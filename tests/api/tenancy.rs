@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use futures::StreamExt as _;
 use outboxd::proto::v1::{self, FailOutcome, IntentState};
 use sqlx::Connection;
 use tonic::Code;
@@ -743,4 +744,42 @@ async fn an_idempotency_key_held_by_another_regions_intent_is_a_conflict_not_a_r
     assert_eq!(replay.id, us.id);
     let status = app.enqueue(vec![in_region("eu")]).await.unwrap_err();
     assert_status(&status, Code::AlreadyExists, "IDEMPOTENCY_CONFLICT", &[]);
+}
+
+/// The key cache holds at most 10,000 lookups. A flood of made-up keys fills it with
+/// unknown ones; making room drops those, not the real keys cached beside them. Probe: a
+/// revoked key still answers within the cache's TTL only while its lookup stays cached.
+#[tokio::test]
+async fn a_flood_of_unknown_keys_does_not_evict_the_real_ones_from_the_key_cache() {
+    let app = TestApp::spawn_with(|s| s.auth_cache_ttl = Duration::from_secs(3600)).await;
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let mut operator = app.client_with(Some(&key), None).await;
+    operator
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .unwrap();
+    outboxd::outbox::store::revoke_api_key(&app.pool, "test")
+        .await
+        .unwrap();
+
+    let channel = app.client_channel().await;
+    let flood = (0..10_050).map(|n| {
+        let mut client = v1::outbox_service_client::OutboxServiceClient::new(channel.clone());
+        async move {
+            let mut request = tonic::Request::new(v1::GetQueueStatsRequest {});
+            let bearer = format!("Bearer obx_made_up_{n}").parse().unwrap();
+            request.metadata_mut().insert("authorization", bearer);
+            let status = client.get_queue_stats(request).await.unwrap_err();
+            assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+        }
+    });
+    futures::stream::iter(flood)
+        .buffer_unordered(32)
+        .collect::<Vec<()>>()
+        .await;
+
+    operator
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .expect("the real key's lookup is still cached");
 }

@@ -57,20 +57,7 @@ async fn claim_leases_oldest_first_counts_the_attempt_and_mints_a_fresh_lease() 
 async fn a_claim_too_large_for_one_reply_answers_with_what_fits_and_gives_the_rest_back_uncounted()
 {
     let app = TestApp::spawn().await;
-    let largest_payload = vec![b'x'; 1024 * 1024];
-    let intents = (0..5)
-        .map(|_| v1::NewIntent {
-            payload: largest_payload.clone(),
-            ..intent("big", "")
-        })
-        .collect();
-    let ids: Vec<String> = app
-        .enqueue(intents)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|r| r.id)
-        .collect();
+    let ids = app.enqueue_largest_payloads(5).await;
 
     let first = app
         .claim(claim_request("w1", 5))

@@ -434,6 +434,23 @@ impl TestApp {
         let intents = (0..n)
             .map(|i| intent(kind, &format!("{{\"n\":{i}}}")))
             .collect();
+        self.enqueue_ids(intents).await
+    }
+
+    /// Enqueues `n` intents with the default limit's largest payload ([`LARGEST_PAYLOAD`]
+    /// bytes of `x`) and returns their ids in order.
+    pub async fn enqueue_largest_payloads(&self, n: usize) -> Vec<String> {
+        let intents = (0..n)
+            .map(|_| v1::NewIntent {
+                payload: vec![b'x'; LARGEST_PAYLOAD],
+                ..intent("big", "")
+            })
+            .collect();
+        self.enqueue_ids(intents).await
+    }
+
+    /// Enqueues `intents`, which must be accepted, and returns their ids in order.
+    pub async fn enqueue_ids(&self, intents: Vec<v1::NewIntent>) -> Vec<String> {
         self.enqueue(intents)
             .await
             .unwrap()
@@ -602,6 +619,9 @@ pub async fn create_key(
         .unwrap();
     secret
 }
+
+/// The default limit's largest payload (`OUTBOX_LIMITS__MAX_PAYLOAD_BYTES`).
+pub const LARGEST_PAYLOAD: usize = 1024 * 1024;
 
 pub fn intent(kind: &str, payload: &str) -> v1::NewIntent {
     v1::NewIntent {

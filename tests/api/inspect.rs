@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use outboxd::proto::v1::{self, FailOutcome, IntentState};
 use tonic::Code;
 
-use crate::helpers::{TestApp, assert_status, intent};
+use crate::helpers::{LARGEST_PAYLOAD, TestApp, assert_status, intent};
 
 #[tokio::test]
 async fn get_intent_of_an_unknown_or_malformed_id_is_an_error() {
@@ -158,20 +158,7 @@ async fn health_reports_the_outbox_service_as_serving() {
 #[tokio::test]
 async fn a_listing_with_payloads_too_large_for_one_page_goes_on_to_the_next() {
     let app = TestApp::spawn().await;
-    let largest_payload = vec![b'x'; 1024 * 1024];
-    let intents = (0..5)
-        .map(|_| v1::NewIntent {
-            payload: largest_payload.clone(),
-            ..intent("big", "")
-        })
-        .collect();
-    let ids: Vec<String> = app
-        .enqueue(intents)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|r| r.id)
-        .collect();
+    let ids = app.enqueue_largest_payloads(5).await;
 
     let first = app
         .client()
@@ -191,5 +178,9 @@ async fn a_listing_with_payloads_too_large_for_one_page_goes_on_to_the_next() {
         listed.iter().map(|i| &i.id).collect::<Vec<_>>(),
         ids.iter().collect::<Vec<_>>()
     );
-    assert!(listed.iter().all(|i| i.payload == largest_payload));
+    assert!(
+        listed
+            .iter()
+            .all(|i| i.payload == vec![b'x'; LARGEST_PAYLOAD])
+    );
 }

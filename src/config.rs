@@ -91,9 +91,9 @@ pub struct Limits {
     pub max_message_bytes: usize,
     /// Largest Claim (or ListIntents) reply in bytes: a Claim whose leases would pass it
     /// answers with fewer (always at least one) and gives the rest back; a page ends early.
-    /// gRPC clients refuse larger messages
-    /// (4 MiB by default in every official implementation), and a reply refused after its
-    /// leases committed would cost their intents an attempt each, unseen.
+    /// gRPC clients refuse larger messages (4 MiB by default in every official
+    /// implementation), and a reply refused after its leases committed would cost their
+    /// intents an attempt each, unseen.
     pub max_reply_bytes: usize,
     /// Most headers on one intent.
     pub max_headers: usize,

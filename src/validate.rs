@@ -27,15 +27,8 @@ const DEFAULT_PAGE_SIZE: usize = 50;
 /// bad intents must still get its INVALID_ARGUMENT, not a protocol error.
 const MAX_VIOLATIONS: usize = 32;
 const MAX_VIOLATION_BYTES: usize = 4096;
-/// Bytes `text` takes in the `grpc-message` header, which percent-encodes every non-ASCII
-/// byte (`%F0`): three a byte, so a budget of raw bytes would let non-ASCII field paths
-/// make an error larger than clients accept.
-fn header_bytes(text: &str) -> usize {
-    text.len() + 2 * text.bytes().filter(|b| !b.is_ascii()).count()
-}
-
 /// Longest list of states a filter may give (each state twice over).
-const MAX_STATES_IN_FILTER: usize = 16;
+const MAX_STATES_IN_FILTER: usize = 2 * IntentState::ALL.len();
 /// Characters of a client-chosen map key quoted in a field path.
 const KEY_PREVIEW_CHARS: usize = 32;
 /// Earliest instant accepted (0001-01-01T00:00:00Z): PostgreSQL's `timestamptz` refuses
@@ -43,6 +36,13 @@ const KEY_PREVIEW_CHARS: usize = 32;
 const EARLIEST_INSTANT_SECONDS: i64 = -62_135_596_800;
 /// Latest instant accepted as a filter (9999-12-31T23:59:59Z).
 const LATEST_INSTANT_SECONDS: i64 = 253_402_300_799;
+
+/// Bytes `text` takes in the `grpc-message` header, which percent-encodes every non-ASCII
+/// byte (`%F0`): three a byte, so a budget of raw bytes would let non-ASCII field paths
+/// make an error larger than clients accept.
+fn header_bytes(text: &str) -> usize {
+    text.len() + 2 * text.bytes().filter(|b| !b.is_ascii()).count()
+}
 
 /// Collects violations; invalid input is reported all at once.
 #[derive(Default)]
@@ -132,7 +132,10 @@ impl Check {
         if len > MAX_STATES_IN_FILTER {
             self.fail(
                 field,
-                format!("{len} states; at most {MAX_STATES_IN_FILTER} (there are 8 states)"),
+                format!(
+                    "{len} states; at most {MAX_STATES_IN_FILTER} (there are {})",
+                    IntentState::ALL.len()
+                ),
             );
         }
     }

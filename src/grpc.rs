@@ -3,6 +3,7 @@
 //! errors become a `Status` here and nowhere else.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -37,7 +38,7 @@ pub const ERROR_DOMAIN: &str = "outboxd";
 pub struct OutboxHandler {
     pool: PgPool,
     auth: Arc<Authenticator>,
-    cluster_id: String,
+    cluster_id: Arc<str>,
     limits: Limits,
     backoff: BackoffParams,
     clock: Clock,
@@ -164,7 +165,7 @@ impl OutboxHandler {
             direct_enqueues: direct_enqueues(&pool, &pending, &clock, &Metrics::default()),
             pool,
             auth,
-            cluster_id,
+            cluster_id: cluster_id.into(),
             limits: settings.limits.clone(),
             backoff: settings.backoff(),
             clock,
@@ -406,6 +407,21 @@ fn database_reason(e: &sqlx::Error) -> Reason {
 
 type RpcResult<T> = Result<Response<T>, Status>;
 
+/// Runs an RPC's work in a task of its own. tonic drops a handler's future when its caller
+/// goes away (a deadline, a reset stream), and every await would then be a place to stop
+/// half way: a transaction begun and never ended, leases taken and never answered or given
+/// back. In its own task the work always finishes, and an answer nobody waits for is
+/// dropped; Claim alone stops early, told by its `gone` token.
+async fn to_completion<T: Send + 'static>(
+    work: impl Future<Output = RpcResult<T>> + Send + 'static,
+) -> RpcResult<T> {
+    match tokio::spawn(work.in_current_span()).await {
+        Ok(answer) => answer,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => Err(Status::unavailable("the server is shutting down; retry")),
+    }
+}
+
 /// `messaging.system` of every span (OpenTelemetry messaging conventions).
 const MESSAGING_SYSTEM: &str = "outboxd";
 
@@ -429,10 +445,10 @@ struct Look {
     replayed: bool,
 }
 
-#[tonic::async_trait]
-impl OutboxService for OutboxHandler {
-    async fn enqueue(
-        &self,
+/// The RPCs' work, each run to completion by [`to_completion`].
+impl OutboxHandler {
+    async fn enqueue_work(
+        self,
         request: Request<v1::EnqueueRequest>,
     ) -> RpcResult<v1::EnqueueResponse> {
         // Built by hand rather than with #[instrument]: the producer's trace context must
@@ -463,21 +479,11 @@ impl OutboxService for OutboxHandler {
             .inspect_err(|status| tracing::debug!(error = %status, "Enqueue refused"))
     }
 
-    #[tracing::instrument(
-        skip_all,
-        fields(
-            otel.name = "receive",
-            otel.kind = "consumer",
-            messaging.system = MESSAGING_SYSTEM,
-            messaging.operation.type = "receive",
-            messaging.batch.message_count,
-            rpc.method = "Claim",
-            auth.key,
-            claim.worker,
-        ),
-        err
-    )]
-    async fn claim(&self, request: Request<v1::ClaimRequest>) -> RpcResult<v1::ClaimResponse> {
+    async fn claim_work(
+        self,
+        request: Request<v1::ClaimRequest>,
+        gone: CancellationToken,
+    ) -> RpcResult<v1::ClaimResponse> {
         // The caller's timeout runs from here (tonic's from a little before), not from
         // after the key lookup.
         let received = Instant::now();
@@ -539,7 +545,11 @@ impl OutboxService for OutboxHandler {
                 None => {
                     let look = self.look(&scope, &group, params, whole_look, seen).await?;
                     let now = Instant::now();
-                    if !look.intents.is_empty() || now >= deadline || self.shutdown.is_cancelled() {
+                    if !look.intents.is_empty()
+                        || now >= deadline
+                        || self.shutdown.is_cancelled()
+                        || gone.is_cancelled()
+                    {
                         replayed = look.replayed;
                         if look.filled && !replayed {
                             // There may be more: the next waiting claimer of the group looks too.
@@ -573,6 +583,7 @@ impl OutboxService for OutboxHandler {
                 _ = turn.given_since(seen.turns) => false,
                 () = tokio::time::sleep_until(until) => true,
                 () = self.shutdown.cancelled() => false,
+                () = gone.cancelled() => false,
             };
             // An enqueue may have taken this claim just now: then its intents are ours, and
             // the turn that may have woken it goes to the next claimer of the group (it was
@@ -584,11 +595,22 @@ impl OutboxService for OutboxHandler {
                 turn.pass();
                 break self.received_handed_off(intents);
             }
-            // Shutting down: answer without leasing more, as the README promises.
-            if self.shutdown.is_cancelled() {
+            // Shutting down: answer without leasing more, as the README promises. Or nobody
+            // waits for an answer any more.
+            if self.shutdown.is_cancelled() || gone.is_cancelled() {
                 break Vec::new();
             }
         };
+        // The caller went away (while we looked, or as an enqueue handed it intents): nobody
+        // receives these leases, so they go back at once, attempts uncounted, instead of
+        // waiting out their expiry. A replay's belong to an earlier call that may have had
+        // its answer.
+        if gone.is_cancelled() {
+            if !replayed {
+                self.direct_enqueues.handoffs().release(&scope, intents);
+            }
+            return Err(Status::cancelled("the caller went away before its answer"));
+        }
         // A reply larger than the worker's client accepts would be refused after its leases
         // committed, costing each intent an attempt unseen: answer with those that fit and
         // give the rest back. Not a replay's: an earlier reply may have delivered them.
@@ -617,9 +639,8 @@ impl OutboxService for OutboxHandler {
         }))
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "ExtendLease", auth.key), err)]
-    async fn extend_lease(
-        &self,
+    async fn extend_lease_work(
+        self,
         request: Request<v1::ExtendLeaseRequest>,
     ) -> RpcResult<v1::ExtendLeaseResponse> {
         let (caller, scope) = self.access(&request, Permission::Consume).await?;
@@ -632,9 +653,8 @@ impl OutboxService for OutboxHandler {
         }))
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "MarkSubmitted", auth.key), err)]
-    async fn mark_submitted(
-        &self,
+    async fn mark_submitted_work(
+        self,
         request: Request<v1::MarkSubmittedRequest>,
     ) -> RpcResult<v1::MarkSubmittedResponse> {
         let (caller, scope) = self.access(&request, Permission::Consume).await?;
@@ -647,13 +667,7 @@ impl OutboxService for OutboxHandler {
         }))
     }
 
-    #[tracing::instrument(
-        skip_all,
-        fields(otel.name = "settle", otel.kind = "client", messaging.system = MESSAGING_SYSTEM,
-               messaging.operation.type = "settle", rpc.method = "Ack", auth.key),
-        err
-    )]
-    async fn ack(&self, request: Request<v1::AckRequest>) -> RpcResult<v1::AckResponse> {
+    async fn ack_work(self, request: Request<v1::AckRequest>) -> RpcResult<v1::AckResponse> {
         let (caller, scope) = self.access(&request, Permission::Consume).await?;
         let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
         let results = store::ack_intents(
@@ -672,13 +686,7 @@ impl OutboxService for OutboxHandler {
         }))
     }
 
-    #[tracing::instrument(
-        skip_all,
-        fields(otel.name = "settle", otel.kind = "client", messaging.system = MESSAGING_SYSTEM,
-               messaging.operation.type = "settle", rpc.method = "Fail", auth.key),
-        err
-    )]
-    async fn fail(&self, request: Request<v1::FailRequest>) -> RpcResult<v1::FailResponse> {
+    async fn fail_work(self, request: Request<v1::FailRequest>) -> RpcResult<v1::FailResponse> {
         let (caller, scope) = self.access(&request, Permission::Consume).await?;
         let failures = validate::fail(request.into_inner(), &self.limits)?;
         let results = store::fail_intents(
@@ -716,9 +724,8 @@ impl OutboxService for OutboxHandler {
         }))
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "Reconcile", auth.key), err)]
-    async fn reconcile(
-        &self,
+    async fn reconcile_work(
+        self,
         request: Request<v1::ReconcileRequest>,
     ) -> RpcResult<v1::ReconcileResponse> {
         let (caller, scope) = self.access(&request, Permission::Operate).await?;
@@ -758,9 +765,8 @@ impl OutboxService for OutboxHandler {
         }))
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "GetIntent", auth.key), err)]
-    async fn get_intent(
-        &self,
+    async fn get_intent_work(
+        self,
         request: Request<v1::GetIntentRequest>,
     ) -> RpcResult<v1::GetIntentResponse> {
         let (caller, scope) = self.access(&request, Permission::Operate).await?;
@@ -775,9 +781,8 @@ impl OutboxService for OutboxHandler {
         }))
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "ListIntents", auth.key), err)]
-    async fn list_intents(
-        &self,
+    async fn list_intents_work(
+        self,
         request: Request<v1::ListIntentsRequest>,
     ) -> RpcResult<v1::ListIntentsResponse> {
         let (caller, scope) = self.access(&request, Permission::Operate).await?;
@@ -814,9 +819,8 @@ impl OutboxService for OutboxHandler {
         }))
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "GetQueueStats", auth.key), err)]
-    async fn get_queue_stats(
-        &self,
+    async fn get_queue_stats_work(
+        self,
         request: Request<v1::GetQueueStatsRequest>,
     ) -> RpcResult<v1::GetQueueStatsResponse> {
         let (caller, scope) = self.access(&request, Permission::Operate).await?;
@@ -824,6 +828,104 @@ impl OutboxService for OutboxHandler {
         let stats = store::queue_stats(&mut tx, &caller.regions, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(stats.into()))
+    }
+}
+
+#[tonic::async_trait]
+impl OutboxService for OutboxHandler {
+    async fn enqueue(
+        &self,
+        request: Request<v1::EnqueueRequest>,
+    ) -> RpcResult<v1::EnqueueResponse> {
+        to_completion(self.clone().enqueue_work(request)).await
+    }
+
+    #[tracing::instrument(
+        skip_all,
+        fields(
+            otel.name = "receive",
+            otel.kind = "consumer",
+            messaging.system = MESSAGING_SYSTEM,
+            messaging.operation.type = "receive",
+            messaging.batch.message_count,
+            rpc.method = "Claim",
+            auth.key,
+            claim.worker,
+        ),
+        err
+    )]
+    async fn claim(&self, request: Request<v1::ClaimRequest>) -> RpcResult<v1::ClaimResponse> {
+        let gone = CancellationToken::new();
+        let _gone_when_dropped = gone.clone().drop_guard();
+        to_completion(self.clone().claim_work(request, gone)).await
+    }
+
+    #[tracing::instrument(skip_all, fields(rpc.method = "ExtendLease", auth.key), err)]
+    async fn extend_lease(
+        &self,
+        request: Request<v1::ExtendLeaseRequest>,
+    ) -> RpcResult<v1::ExtendLeaseResponse> {
+        to_completion(self.clone().extend_lease_work(request)).await
+    }
+
+    #[tracing::instrument(skip_all, fields(rpc.method = "MarkSubmitted", auth.key), err)]
+    async fn mark_submitted(
+        &self,
+        request: Request<v1::MarkSubmittedRequest>,
+    ) -> RpcResult<v1::MarkSubmittedResponse> {
+        to_completion(self.clone().mark_submitted_work(request)).await
+    }
+
+    #[tracing::instrument(
+        skip_all,
+        fields(otel.name = "settle", otel.kind = "client", messaging.system = MESSAGING_SYSTEM,
+               messaging.operation.type = "settle", rpc.method = "Ack", auth.key),
+        err
+    )]
+    async fn ack(&self, request: Request<v1::AckRequest>) -> RpcResult<v1::AckResponse> {
+        to_completion(self.clone().ack_work(request)).await
+    }
+
+    #[tracing::instrument(
+        skip_all,
+        fields(otel.name = "settle", otel.kind = "client", messaging.system = MESSAGING_SYSTEM,
+               messaging.operation.type = "settle", rpc.method = "Fail", auth.key),
+        err
+    )]
+    async fn fail(&self, request: Request<v1::FailRequest>) -> RpcResult<v1::FailResponse> {
+        to_completion(self.clone().fail_work(request)).await
+    }
+
+    #[tracing::instrument(skip_all, fields(rpc.method = "Reconcile", auth.key), err)]
+    async fn reconcile(
+        &self,
+        request: Request<v1::ReconcileRequest>,
+    ) -> RpcResult<v1::ReconcileResponse> {
+        to_completion(self.clone().reconcile_work(request)).await
+    }
+
+    #[tracing::instrument(skip_all, fields(rpc.method = "GetIntent", auth.key), err)]
+    async fn get_intent(
+        &self,
+        request: Request<v1::GetIntentRequest>,
+    ) -> RpcResult<v1::GetIntentResponse> {
+        to_completion(self.clone().get_intent_work(request)).await
+    }
+
+    #[tracing::instrument(skip_all, fields(rpc.method = "ListIntents", auth.key), err)]
+    async fn list_intents(
+        &self,
+        request: Request<v1::ListIntentsRequest>,
+    ) -> RpcResult<v1::ListIntentsResponse> {
+        to_completion(self.clone().list_intents_work(request)).await
+    }
+
+    #[tracing::instrument(skip_all, fields(rpc.method = "GetQueueStats", auth.key), err)]
+    async fn get_queue_stats(
+        &self,
+        request: Request<v1::GetQueueStatsRequest>,
+    ) -> RpcResult<v1::GetQueueStatsResponse> {
+        to_completion(self.clone().get_queue_stats_work(request)).await
     }
 }
 

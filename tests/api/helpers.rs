@@ -148,6 +148,11 @@ async fn create_database(template: Option<&str>) -> String {
     format!("{base}{name}")
 }
 
+/// The test cluster's server log, when the tests started their own cluster.
+pub fn cluster_log() -> Option<std::path::PathBuf> {
+    cluster()._embedded.as_ref().map(EmbeddedPostgres::log_path)
+}
+
 /// `url` (the superuser's) as the service role.
 fn service_url(url: &str) -> String {
     url.replacen("://postgres@", &format!("://{SERVICE_ROLE}@"), 1)

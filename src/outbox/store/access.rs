@@ -140,18 +140,33 @@ fn begin_statement(scope: &TenantScope, also: &[AlsoAtBegin]) -> Option<String> 
 }
 
 /// Begins a transaction (with `statement`, or a plain BEGIN); see [`on_live_connection`].
+///
+/// In a task of its own, which a caller that goes away (a cancelled RPC) cannot stop half
+/// way: sqlx counts a transaction as begun only once BEGIN is answered, so a BEGIN dropped
+/// in flight would queue no ROLLBACK, and the pool would take the connection back inside a
+/// transaction nobody owns. The next one-statement calls there (Ack, MarkSubmitted, …)
+/// would run inside it and be answered before anything committed. Finished in its task, a
+/// transaction nobody takes is dropped like any other, and sqlx rolls it back.
 async fn begin_on_live_connection(
     pool: &PgPool,
     statement: Option<String>,
 ) -> Result<Transaction<'static, Postgres>> {
-    let begun = on_live_connection(pool, || async {
-        match &statement {
-            Some(sql) => pool.begin_with(sql.clone()).await,
-            None => pool.begin().await,
-        }
-    })
-    .await?;
-    Ok(begun)
+    let pool = pool.clone();
+    let begin = tokio::spawn(async move {
+        on_live_connection(&pool, || async {
+            match &statement {
+                Some(sql) => pool.begin_with(sql.clone()).await,
+                None => pool.begin().await,
+            }
+        })
+        .await
+    });
+    match begin.await {
+        Ok(begun) => Ok(begun?),
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        // The runtime is shutting down.
+        Err(_) => Err(sqlx::Error::PoolClosed.into()),
+    }
 }
 
 /// Runs `call`, the first round trip on a connection from `pool`, again (on another

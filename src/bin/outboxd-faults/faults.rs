@@ -46,11 +46,13 @@ pub enum FaultKind {
     ProducerKill,
     /// `pg_terminate_backend` of a producer session inside its transaction.
     ProducerBackendKilled,
+    /// Clients giving up on calls of every kind 1 to 4 ms in, against every replica.
+    CancelStorm,
 }
 
 impl FaultKind {
     /// Every fault the scheduler injects, in report order.
-    pub const INJECTED: [FaultKind; 10] = [
+    pub const INJECTED: [FaultKind; 11] = [
         Self::OutboxdKill,
         Self::OutboxdStop,
         Self::PostgresCrash,
@@ -61,6 +63,7 @@ impl FaultKind {
         Self::LostResponses,
         Self::ProducerKill,
         Self::ProducerBackendKilled,
+        Self::CancelStorm,
     ];
 
     /// Row label in the report.
@@ -76,6 +79,7 @@ impl FaultKind {
             Self::LostResponses => "lost responses (proxy drops, then resets)",
             Self::ProducerKill => "producer SIGKILL",
             Self::ProducerBackendKilled => "producer backend terminated mid-transaction",
+            Self::CancelStorm => "cancel storm (calls given up after 1-4 ms)",
         }
     }
 
@@ -90,6 +94,7 @@ impl FaultKind {
                 | Self::OutboxdSessionsKilled
                 | Self::LockStall
                 | Self::LostResponses
+                | Self::CancelStorm
         )
     }
 }

@@ -51,6 +51,18 @@ pub enum FailKind {
     Unknown,
 }
 
+/// A settle call whose OK a worker reads back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Settle {
+    /// MarkSubmitted.
+    MarkSubmitted,
+    /// Ack.
+    Ack,
+    /// Fail.
+    Fail,
+}
+
 /// One lease as a Claim returned it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LeaseSeen {
@@ -151,6 +163,16 @@ pub enum Event {
         lease: Uuid,
         result: Outcome,
         expires: Option<i64>,
+    },
+    /// Worker: the intent read back from another session right after `call` was answered
+    /// OK; `committed` is false when the row still shows the state before the call.
+    ReadBack {
+        t: i64,
+        intent: Uuid,
+        lease: Uuid,
+        call: Settle,
+        seen: String,
+        committed: bool,
     },
     /// Worker: a lease too close to its expiry was left to expire instead of acted on.
     Skipped {

@@ -26,11 +26,13 @@ mod journal;
 mod processes;
 mod producer;
 mod proxy;
+mod read_back;
 mod report;
 mod repro;
 mod rng;
 mod rpc;
 mod run;
+mod storm;
 mod worker;
 
 use std::process::ExitCode;

@@ -204,6 +204,11 @@ impl Summary<'_> {
             String::new(),
         );
         table.row(
+            "OKs read back from another session at once",
+            c.read_back.to_string(),
+            "MarkSubmitted, Ack, Fail: each committed on arrival".into(),
+        );
+        table.row(
             "duplicates (at-least-once)",
             v.duplicate_total().to_string(),
             "performed again under a later lease, because:".into(),

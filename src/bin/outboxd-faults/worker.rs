@@ -18,7 +18,8 @@ use outboxd::proto::v1;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::journal::{Event, FailKind, Journal, LeaseSeen, Outcome, now_us, timestamp_us};
+use crate::journal::{Event, FailKind, Journal, LeaseSeen, Outcome, Settle, now_us, timestamp_us};
+use crate::read_back::CommitReader;
 use crate::rng::Rng;
 use crate::rpc::{CALL_TIMEOUT, CallError, Called, Rpc, request};
 use crate::{API_KEY_ENV, PAYMENT_KIND};
@@ -51,6 +52,10 @@ pub struct WorkerArgs {
     /// Lease length asked for, in milliseconds.
     #[arg(long, default_value_t = 2000)]
     pub lease_ms: u64,
+    /// A superuser URL of the outbox database: each OK is read back from there at once,
+    /// to prove its change was committed when it arrived.
+    #[arg(long)]
+    pub database_url: Option<String>,
 }
 
 struct Worker {
@@ -59,6 +64,7 @@ struct Worker {
     rng: Rng,
     journal: Journal,
     lease: Duration,
+    reader: Option<CommitReader>,
 }
 
 /// Runs until SIGTERM, then finishes the batch in hand and exits.
@@ -70,6 +76,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         rng: Rng::new(args.seed.rotate_left(17)),
         journal: Journal::create(&args.journal)?,
         lease: Duration::from_millis(args.lease_ms),
+        reader: args.database_url.map(CommitReader::new),
         name: args.name,
     };
     while !stop.is_cancelled() {
@@ -264,6 +271,9 @@ impl Worker {
             result,
             tries,
         });
+        if ok {
+            self.read_back(Settle::MarkSubmitted, lease).await;
+        }
         ok
     }
 
@@ -328,6 +338,7 @@ impl Worker {
             Err(e) => (vec![e.describe()], None),
         };
         let result = outcome(called.map(|c| first(c.value.results)));
+        let ok = result == Outcome::Ok;
         self.journal.log(&Event::Acked {
             t: now_us(),
             intent: lease.intent,
@@ -337,6 +348,9 @@ impl Worker {
             errors,
             via,
         });
+        if ok {
+            self.read_back(Settle::Ack, lease).await;
+        }
     }
 
     async fn fail(&mut self, lease: &LeaseSeen, kind: FailKind) {
@@ -369,6 +383,7 @@ impl Worker {
             .await;
         let tries = tries_of(&called);
         let result = outcome(called.map(|c| first(c.value.results)));
+        let ok = result == Outcome::Ok;
         self.journal.log(&Event::Failed {
             t: now_us(),
             intent: lease.intent,
@@ -377,6 +392,28 @@ impl Worker {
             result,
             tries,
         });
+        if ok {
+            self.read_back(Settle::Fail, lease).await;
+        }
+    }
+
+    /// Reads the intent back from another session right after `call` was answered OK
+    /// for `lease`, and journals whether its change was already committed.
+    async fn read_back(&mut self, call: Settle, lease: &LeaseSeen) {
+        let Some(reader) = &mut self.reader else {
+            return;
+        };
+        // Unreadable (PostgreSQL down): nothing to judge.
+        if let Some(seen) = reader.read(lease.intent).await {
+            self.journal.log(&Event::ReadBack {
+                t: now_us(),
+                intent: lease.intent,
+                lease: lease.lease,
+                call,
+                committed: call.committed(&seen, lease.lease),
+                seen: seen.state,
+            });
+        }
     }
 }
 

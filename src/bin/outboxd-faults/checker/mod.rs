@@ -49,11 +49,13 @@ pub enum Guarantee {
     DuplicatesExplained,
     /// The three sources disagree in a way no fault explains.
     Consistency,
+    /// An OK arrived before its change was committed (read back from another session).
+    OkCommittedOnArrival,
 }
 
 impl Guarantee {
     /// Every guarantee, in report order.
-    pub const ALL: [Guarantee; 8] = [
+    pub const ALL: [Guarantee; 9] = [
         Self::NoneLost,
         Self::AbortedNeverClaimed,
         Self::NoOverlappingLeases,
@@ -62,6 +64,7 @@ impl Guarantee {
         Self::HolderAckRefused,
         Self::DuplicatesExplained,
         Self::Consistency,
+        Self::OkCommittedOnArrival,
     ];
 
     /// Row label in the report.
@@ -75,6 +78,7 @@ impl Guarantee {
             Self::SubmittedNotReHanded => "SUBMITTED intents re-handed w/o operator",
             Self::DuplicatesExplained => "duplicates no fault explains",
             Self::Consistency => "inconsistent observations",
+            Self::OkCommittedOnArrival => "OKs not committed when answered",
         }
     }
 }
@@ -184,6 +188,8 @@ pub struct Counts {
     pub claim_replays: u64,
     /// Leases an Enqueue minted for a Claim waiting for them (the hand-off).
     pub handed_off: u64,
+    /// OKs of MarkSubmitted, Ack and Fail read back from another session at once.
+    pub read_back: u64,
     /// Latency (µs) of answered Ack attempts, by replica index.
     pub ack_latency: BTreeMap<usize, Vec<i64>>,
 }
@@ -254,7 +260,34 @@ pub fn check(
     let leases = leases::collect_leases(observations, &mut verdict);
     leases::check_leases(snapshot, &produced, &leases, faults, exits, &mut verdict);
     leases::check_final_states(snapshot, &leases, &mut verdict);
+    check_read_backs(observations, &mut verdict);
     verdict
+}
+
+/// Every OK a worker read back must show its change already committed.
+fn check_read_backs(observations: &Observations, v: &mut Verdict) {
+    for (worker, events) in &observations.workers {
+        for event in events {
+            if let Event::ReadBack {
+                t,
+                intent,
+                call,
+                seen,
+                committed,
+                ..
+            } = event
+            {
+                v.counts.read_back += 1;
+                if !committed {
+                    let detail = format!(
+                        "{worker}'s {call:?} answered OK, yet read back at {} it was still {seen}",
+                        clock(*t)
+                    );
+                    v.violate(Guarantee::OkCommittedOnArrival, Some(*intent), detail);
+                }
+            }
+        }
+    }
 }
 
 fn count_retry(v: &mut Verdict, rpc: &'static str, tries: u32) {

@@ -101,6 +101,23 @@ impl Suite {
                 });
                 Ok(Some(said))
             }
+            FaultKind::CancelStorm => {
+                let how_long = self.rng().millis(2000, 4000);
+                let seed = self.rng().next_u64();
+                let said = format!("{} ms on every replica", how_long.as_millis());
+                let suite = self.clone();
+                self.recover(async move {
+                    let endpoints = suite.direct_endpoints();
+                    let keys = &suite.cluster.keys;
+                    let storm = crate::storm::storm(&endpoints, keys, how_long, seed).await;
+                    let detail = format!(
+                        "{} calls given up after 1-4 ms, {} answered in time",
+                        storm.calls, storm.answered
+                    );
+                    suite.record(kind, "every replica", start, detail);
+                });
+                Ok(Some(said))
+            }
             FaultKind::LockStall => {
                 // Past the 5 s pool acquire timeout at times: calls queued on the small
                 // pool behind blocked ones then fail with UNAVAILABLE.

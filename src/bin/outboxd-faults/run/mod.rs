@@ -216,7 +216,12 @@ impl Suite {
         };
         let mut workers = Vec::new();
         for i in 1..=args.workers {
-            let extra = vec!["--lease-ms".to_owned(), args.lease.as_millis().to_string()];
+            let extra = vec![
+                "--lease-ms".to_owned(),
+                args.lease.as_millis().to_string(),
+                "--database-url".to_owned(),
+                cluster.owner_url.clone(),
+            ];
             let launcher = client("worker", cluster.keys.worker.clone(), extra, rng.next_u64());
             workers.push(Supervised::new(format!("w{i}"), launcher));
         }

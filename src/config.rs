@@ -690,12 +690,12 @@ mod tests {
     }
 
     #[test]
-    fn every_variable_is_documented_in_the_readme_table() {
-        let readme = include_str!("../README.md");
+    fn every_variable_is_documented_in_the_configuration_table() {
+        let table = include_str!("../docs/configuration.md");
         for (name, _) in VARIABLES {
             assert!(
-                readme.contains(&format!("| `{name}` |")),
-                "{name} is missing from README.md"
+                table.contains(&format!("| `{name}` |")),
+                "{name} is missing from docs/configuration.md"
             );
         }
     }

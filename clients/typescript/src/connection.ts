@@ -1,0 +1,136 @@
+// Transports to outboxd endpoints, the API key, and retries with endpoint rotation.
+import { Code, createClient, type CallOptions, type Client, type Interceptor } from "@connectrpc/connect";
+import { Http2SessionManager, createGrpcTransport, type GrpcTransportOptions } from "@connectrpc/connect-node";
+import { OutboxService } from "./gen/outbox/v1/outbox_pb.js";
+import { OutboxError } from "./errors.js";
+
+/** The generated Connect client of `outbox.v1.OutboxService`. */
+export type OutboxServiceClient = Client<typeof OutboxService>;
+
+/** How to reach outboxd; shared by `Worker` and `Outbox`. */
+export interface ConnectionOptions {
+  /**
+   * outboxd replicas: `host:port` (plaintext), `http://host:port` or `https://host:port`
+   * (TLS; CA and client certificate through `transportOptions.nodeOptions`). Calls go to
+   * one endpoint and move to the next when it answers UNAVAILABLE.
+   */
+  endpoints: readonly string[];
+  /** `obx_…` key from `outboxd keys create`, sent as `authorization: Bearer …`. */
+  apiKey: string;
+  /** Sent as `x-outbox-tenant`: needed by Enqueue when the key has several tenants. */
+  tenant?: string;
+  /** Connect interceptors, run after the SDK's own (logging, metrics, tests). */
+  interceptors?: readonly Interceptor[];
+  /**
+   * Passed to `createGrpcTransport` of `@connectrpc/connect-node`: `nodeOptions` (TLS CA,
+   * client certificate), HTTP/2 pings, message limits.
+   */
+  transportOptions?: Partial<Omit<GrpcTransportOptions, "baseUrl" | "interceptors" | "sessionManager">>;
+}
+
+/** How a logical call is retried. */
+export interface RetryPolicy {
+  /** Give up retrying after this long (the last error is thrown). */
+  budgetMs: number;
+  /** Deadline of each try (sent as `grpc-timeout`). */
+  tryTimeoutMs: number;
+  /** Cancels the call and its retries. */
+  signal?: AbortSignal | undefined;
+  /** Which failures are worth another try; default: UNAVAILABLE and DEADLINE_EXCEEDED. */
+  retryable?: (error: OutboxError) => boolean;
+}
+
+const BACKOFF_BASE_MS = 50;
+const BACKOFF_CAP_MS = 2_000;
+
+/** A failure that another try, maybe on another endpoint, may not see. */
+export function transient(error: OutboxError): boolean {
+  if (error.code === Code.Unavailable || error.code === Code.DeadlineExceeded) return true;
+  // A connection that broke mid-call surfaces as INTERNAL, UNKNOWN or CANCELED made here.
+  return !error.fromServer && (error.code === Code.Internal || error.code === Code.Unknown || error.code === Code.Canceled);
+}
+
+export class Connection {
+  private readonly clients: OutboxServiceClient[];
+  private readonly sessions: Http2SessionManager[] = [];
+  private current: number;
+
+  constructor(options: ConnectionOptions) {
+    if (options.endpoints.length === 0) throw new TypeError("outboxd: at least one endpoint is needed");
+    if (!options.apiKey) throw new TypeError("outboxd: an apiKey is needed (outboxd keys create)");
+    const auth: Interceptor = (next) => (request) => {
+      request.header.set("authorization", `Bearer ${options.apiKey}`);
+      if (options.tenant) request.header.set("x-outbox-tenant", options.tenant);
+      return next(request);
+    };
+    const transport = options.transportOptions ?? {};
+    this.clients = options.endpoints.map((endpoint) => {
+      const url = baseUrl(endpoint);
+      const session = new Http2SessionManager(url, transport, transport.nodeOptions);
+      this.sessions.push(session);
+      return createClient(
+        OutboxService,
+        createGrpcTransport({
+          ...transport,
+          baseUrl: url,
+          sessionManager: session,
+          interceptors: [auth, ...(options.interceptors ?? [])],
+        }),
+      );
+    });
+    // Replicas share the load: each process starts at a random one.
+    this.current = Math.floor(Math.random() * this.clients.length);
+  }
+
+  /**
+   * Runs `call` until it succeeds, fails with a non-retryable error, or the budget is
+   * spent, moving to the next endpoint after each retryable failure. The caller makes
+   * the call safe to repeat (the same request_id, lease or idempotency key).
+   */
+  async call<T>(call: (client: OutboxServiceClient, options: CallOptions) => Promise<T>, policy: RetryPolicy): Promise<T> {
+    const started = Date.now();
+    const retryable = policy.retryable ?? transient;
+    for (let attempt = 0; ; attempt++) {
+      const client = this.clients[this.current % this.clients.length];
+      if (client === undefined) throw new Error("unreachable: no client");
+      try {
+        return await call(client, { timeoutMs: policy.tryTimeoutMs, signal: policy.signal });
+      } catch (thrown) {
+        const error = OutboxError.from(thrown);
+        if (policy.signal?.aborted === true) throw error;
+        if (!retryable(error)) throw error;
+        this.current = (this.current + 1) % this.clients.length;
+        const delay = Math.random() * Math.min(BACKOFF_CAP_MS, BACKOFF_BASE_MS * 2 ** attempt);
+        if (Date.now() - started + delay >= policy.budgetMs) throw error;
+        await sleep(delay, policy.signal);
+      }
+    }
+  }
+
+  /** Closes the HTTP/2 connections (calls in flight fail). */
+  close(): void {
+    for (const session of this.sessions) session.abort();
+  }
+}
+
+function baseUrl(endpoint: string): string {
+  if (/^https?:\/\//.test(endpoint)) return endpoint;
+  return `http://${endpoint}`;
+}
+
+/** Resolves after `ms`, or at once when `signal` aborts. */
+export function sleep(ms: number, signal?: AbortSignal): Promise<void> {
+  return new Promise((resolve) => {
+    if (signal?.aborted === true) {
+      resolve();
+      return;
+    }
+    const done = (): void => {
+      clearTimeout(timer);
+      signal?.removeEventListener("abort", done);
+      resolve();
+    };
+    const timer = setTimeout(done, ms);
+    signal?.addEventListener("abort", done, { once: true });
+  });
+}

@@ -1,0 +1,674 @@
+// The worker: claims for free slots only, long-polls with request_id replay, heartbeats
+// every live lease, batches Acks and Fails, and drains on SIGTERM/SIGINT or stop().
+import { randomUUID } from "node:crypto";
+import { hostname } from "node:os";
+import { create } from "@bufbuild/protobuf";
+import { durationFromMs } from "@bufbuild/protobuf/wkt";
+import { Code, type CallOptions } from "@connectrpc/connect";
+import {
+  FailOutcome,
+  FailureSchema,
+  LeaseRefSchema,
+  type Failure,
+  type Lease,
+  type LeaseResult,
+} from "./gen/outbox/v1/outbox_pb.js";
+import { Connection, sleep, transient, type ConnectionOptions, type OutboxServiceClient } from "./connection.js";
+import { LeaseLostError, OutboxError, Permanent, Retry, ShutdownError, Unknown } from "./errors.js";
+import { intentOf, type Intent } from "./intent.js";
+import { loadTracing, traced } from "./tracing.js";
+
+/** What a handler gets besides the intent. */
+export interface HandlerContext {
+  /**
+   * Fires when the lease is lost (a heartbeat was refused, or it expired before one got
+   * through: `reason` is a `LeaseLostError`) or when shutdown's grace ends (`ShutdownError`).
+   * Pass it to fetch, database drivers, timers.
+   */
+  readonly signal: AbortSignal;
+  /** True once the lease is known lost; whatever the handler reports then is not counted. */
+  readonly leaseLost: boolean;
+  /** This worker's id (sent with Claim). */
+  readonly workerId: string;
+  /**
+   * Marks the intent SUBMITTED (`MarkSubmitted`), then runs `call`: the non-idempotent
+   * external call. From then on an outcome nobody knows (the call throws, the worker dies,
+   * the lease expires) sends the intent to NEEDS_RECONCILE, never to a blind retry. Throw
+   * `Retry` or `Permanent` from inside when the target said for sure that nothing happened.
+   */
+  submitting<T>(call: () => Promise<T> | T): Promise<T>;
+}
+
+/** Handles one intent: return (Ack), or throw `Retry`, `Permanent`, `Unknown` or any error (RETRY). */
+export type Handler = (intent: Intent, context: HandlerContext) => Promise<void> | void;
+
+/** What the worker reports through `onEvent`. */
+export type WorkerEvent =
+  | { type: "claimed"; count: number; replayed: boolean }
+  | { type: "acked"; intent: Intent }
+  | { type: "failed"; intent: Intent; outcome: "retry" | "permanent" | "unknown"; error: string }
+  | { type: "leaseLost"; intent: Intent; reason: string }
+  | { type: "settleRejected"; intent: Intent; call: "ack" | "fail"; code: number; reason: string; message: string }
+  | { type: "settleFailed"; intent: Intent; call: "ack" | "fail"; error: OutboxError }
+  | { type: "claimFailed"; error: OutboxError }
+  | { type: "heartbeatFailed"; error: OutboxError; leases: number }
+  | { type: "abandoned"; intent: Intent; outcome: "retry" | "expire" };
+
+/** Counters since the worker was made. */
+export interface WorkerStats {
+  /** Leases received from Claim. */
+  claimed: number;
+  /** Acks the server applied. */
+  acked: number;
+  /** Fails the server applied (any outcome). */
+  failed: number;
+  /** Leases found lost (heartbeat or settle refused with LEASE_LOST, or expired locally). */
+  leaseLost: number;
+  /** ExtendLease calls that failed as a whole. */
+  heartbeatFailures: number;
+  /** Claim calls retried after a transient failure (the same request_id). */
+  claimRetries: number;
+  /** Handlers running now. */
+  running: number;
+}
+
+export interface WorkerOptions extends ConnectionOptions {
+  /** Handlers running at once; the worker never leases more than it can start. Default 8. */
+  concurrency?: number;
+  /** The worker's region: it gets that region's intents and region-less ones. */
+  region?: string;
+  /** Sent as `worker_id`. Default `<hostname>-<pid>-<random>`. */
+  workerId?: string;
+  /**
+   * Which kinds to claim: `"handled"` (default) the kinds with a handler; `"all"` every
+   * kind (an intent without a handler is then dead-lettered with a clear error); or a list.
+   */
+  kinds?: "handled" | "all" | readonly string[];
+  /** Lease length asked for. Default 30 s. */
+  leaseMs?: number;
+  /** How often live leases are extended. Default a third of `leaseMs`. */
+  heartbeatMs?: number;
+  /** Long-poll of each Claim. Default 20 s. */
+  claimWaitMs?: number;
+  /** Most leases per Claim. Default 100. */
+  claimBatch?: number;
+  /** Most leases per Ack or Fail call. Default 500. */
+  settleBatch?: number;
+  /** Acks and Fails wait at most this long to share a call. Default 2 ms. */
+  settleDelayMs?: number;
+  /** How long running handlers may finish after a stop. Default 30 s. */
+  shutdownGraceMs?: number;
+  /** Stop on SIGTERM and SIGINT (a second one ends the grace at once). Default true. */
+  handleSignals?: boolean;
+  /** Every event; default: warnings for failures on stderr. */
+  onEvent?: (event: WorkerEvent) => void;
+}
+
+type Outcome =
+  | { kind: "ack" }
+  | { kind: "fail"; outcome: FailOutcome; error: string; retryAfterMs: number | undefined }
+  | { kind: "lost" };
+
+interface Live {
+  readonly intent: Intent;
+  readonly leaseId: string;
+  readonly controller: AbortController;
+  /** Local estimate of the expiry: when the Claim or ExtendLease was sent, plus the lease. */
+  expiresAt: number;
+  extending: boolean;
+  submitted: boolean;
+  /** The server said the lease is gone: nothing more is reported for it. */
+  lost: boolean;
+  /** The local estimate of the expiry passed: the signal fired; the server decides the settle. */
+  expired: boolean;
+  done: boolean;
+  settled: (() => void) | undefined;
+}
+
+interface PendingSettle {
+  live: Live;
+  failure: Failure | undefined;
+}
+
+const OUTCOME_NAMES = {
+  [FailOutcome.UNSPECIFIED]: "retry",
+  [FailOutcome.RETRY]: "retry",
+  [FailOutcome.PERMANENT]: "permanent",
+  [FailOutcome.UNKNOWN]: "unknown",
+} as const;
+
+export class Worker {
+  readonly workerId: string;
+  private readonly options: WorkerOptions;
+  private readonly connection: Connection;
+  private readonly handlers = new Map<string, Handler>();
+  private readonly live = new Map<string, Live>();
+  private readonly acks: PendingSettle[] = [];
+  private readonly fails: PendingSettle[] = [];
+  private readonly counters: Omit<WorkerStats, "running"> = {
+    claimed: 0,
+    acked: 0,
+    failed: 0,
+    leaseLost: 0,
+    heartbeatFailures: 0,
+    claimRetries: 0,
+  };
+  private running = 0;
+  private settling = 0;
+  private flushTimer: NodeJS.Timeout | undefined;
+  private wake: (() => void) | undefined;
+  private readonly stopping = new AbortController();
+  private readonly graceOver = new AbortController();
+  private runPromise: Promise<void> | undefined;
+
+  private readonly concurrency: number;
+  private readonly leaseMs: number;
+  private readonly heartbeatMs: number;
+  private readonly claimWaitMs: number;
+  private readonly claimBatch: number;
+  private readonly settleBatch: number;
+  private readonly settleDelayMs: number;
+  private readonly graceMs: number;
+
+  constructor(options: WorkerOptions) {
+    this.options = options;
+    this.connection = new Connection(options);
+    this.workerId = options.workerId ?? `${hostname()}-${process.pid}-${randomUUID().slice(0, 8)}`;
+    this.concurrency = positive("concurrency", options.concurrency ?? 8);
+    this.leaseMs = positive("leaseMs", options.leaseMs ?? 30_000);
+    this.heartbeatMs = positive("heartbeatMs", options.heartbeatMs ?? Math.max(50, Math.floor(this.leaseMs / 3)));
+    this.claimWaitMs = positive("claimWaitMs", options.claimWaitMs ?? 20_000);
+    this.claimBatch = positive("claimBatch", options.claimBatch ?? 100);
+    this.settleBatch = positive("settleBatch", options.settleBatch ?? 500);
+    this.settleDelayMs = options.settleDelayMs ?? 2;
+    this.graceMs = options.shutdownGraceMs ?? 30_000;
+    if (this.heartbeatMs >= this.leaseMs) throw new RangeError("outboxd: heartbeatMs must be shorter than leaseMs");
+  }
+
+  /** Registers the handler of one kind (one per kind). */
+  handle(kind: string, handler: Handler): this {
+    if (this.handlers.has(kind)) throw new Error(`outboxd: kind ${kind} already has a handler`);
+    this.handlers.set(kind, handler);
+    return this;
+  }
+
+  /** Counters since the worker was made. */
+  stats(): WorkerStats {
+    return { ...this.counters, running: this.running };
+  }
+
+  /**
+   * Claims and handles intents until `stop()` or SIGTERM/SIGINT, then drains: no new
+   * claims, running handlers get the grace to finish, their Acks and Fails are flushed.
+   * Handlers still running when the grace ends see their `signal` fire; their leases are
+   * failed RETRY (or left to expire into NEEDS_RECONCILE once submitted).
+   */
+  run(): Promise<void> {
+    this.runPromise ??= this.loop();
+    return this.runPromise;
+  }
+
+  /** Starts the drain; resolves when `run()` does (at once if it never ran). */
+  stop(): Promise<void> {
+    this.stopping.abort();
+    this.wake?.();
+    return this.runPromise ?? Promise.resolve();
+  }
+
+  private async loop(): Promise<void> {
+    const kinds = this.claimKinds();
+    const tracing = await loadTracing();
+    const onSignal = (): void => {
+      if (this.stopping.signal.aborted) this.graceOver.abort();
+      else void this.stop();
+    };
+    if (this.options.handleSignals ?? true) {
+      process.on("SIGTERM", onSignal);
+      process.on("SIGINT", onSignal);
+    }
+    const heartbeat = setInterval(() => this.heartbeat(), Math.max(20, Math.floor(this.heartbeatMs / 2)));
+    try {
+      await this.claimLoop(kinds, tracing);
+      await this.drain();
+    } finally {
+      clearInterval(heartbeat);
+      if (this.options.handleSignals ?? true) {
+        process.off("SIGTERM", onSignal);
+        process.off("SIGINT", onSignal);
+      }
+      this.connection.close();
+    }
+  }
+
+  private claimKinds(): string[] {
+    const kinds = this.options.kinds ?? "handled";
+    if (kinds === "all") return [];
+    if (kinds === "handled") {
+      if (this.handlers.size === 0) throw new Error("outboxd: no handler registered (worker.handle(kind, fn))");
+      return [...this.handlers.keys()];
+    }
+    return [...kinds];
+  }
+
+  private async claimLoop(kinds: string[], tracing: Awaited<ReturnType<typeof loadTracing>>): Promise<void> {
+    let failures = 0;
+    while (!this.stopping.signal.aborted) {
+      if (this.running >= this.concurrency || this.settling > 4 * this.settleBatch) {
+        await new Promise<void>((resolve) => (this.wake = resolve));
+        this.wake = undefined;
+        continue;
+      }
+      const requestId = randomUUID();
+      const sentAt = Date.now();
+      let tries = 0;
+      let leases: Lease[];
+      try {
+        const reply = await this.connection.call(
+          (client, options) => {
+            tries++;
+            return client.claim(
+              {
+                workerId: this.workerId,
+                region: this.options.region ?? "",
+                kinds,
+                maxIntents: Math.min(this.concurrency - this.running, this.claimBatch),
+                leaseDuration: durationFromMs(this.leaseMs),
+                wait: durationFromMs(this.claimWaitMs),
+                // A retry after a lost answer gets the leases the first try took.
+                requestId,
+              },
+              options,
+            );
+          },
+          {
+            budgetMs: this.leaseMs,
+            tryTimeoutMs: this.claimWaitMs + 10_000,
+            signal: this.stopping.signal,
+          },
+        );
+        leases = reply.leases;
+        failures = 0;
+      } catch (thrown) {
+        if (this.stopping.signal.aborted) break;
+        const error = OutboxError.from(thrown);
+        this.emit({ type: "claimFailed", error });
+        await sleep(Math.random() * Math.min(5_000, 100 * 2 ** failures++), this.stopping.signal);
+        continue;
+      } finally {
+        this.counters.claimRetries += Math.max(0, tries - 1);
+      }
+      if (leases.length > 0) {
+        this.counters.claimed += leases.length;
+        this.emit({ type: "claimed", count: leases.length, replayed: tries > 1 });
+      }
+      for (const lease of leases) this.start(lease, sentAt, tracing);
+    }
+  }
+
+  private start(lease: Lease, sentAt: number, tracing: Awaited<ReturnType<typeof loadTracing>>): void {
+    const live: Live = {
+      intent: intentOf(lease),
+      leaseId: lease.leaseId,
+      controller: new AbortController(),
+      expiresAt: sentAt + this.leaseMs,
+      extending: false,
+      submitted: false,
+      lost: false,
+      expired: false,
+      done: false,
+      settled: undefined,
+    };
+    this.live.set(live.leaseId, live);
+    this.running++;
+    void this.execute(live, tracing);
+  }
+
+  private async execute(live: Live, tracing: Awaited<ReturnType<typeof loadTracing>>): Promise<void> {
+    const { intent } = live;
+    const handler = this.handlers.get(intent.kind);
+    let outcome: Outcome;
+    if (handler === undefined) {
+      outcome = fail(
+        FailOutcome.PERMANENT,
+        `no handler for kind "${intent.kind}" on worker ${this.workerId} (register one with worker.handle)`,
+      );
+    } else {
+      try {
+        const context = this.context(live);
+        await traced(
+          tracing,
+          intent.headers,
+          { id: intent.id, kind: intent.kind, attempt: intent.attempt, workerId: this.workerId },
+          async () => {
+            await handler(intent, context);
+          },
+        );
+        outcome = { kind: "ack" };
+      } catch (error) {
+        outcome = outcomeOf(error, live.submitted);
+      }
+    }
+    this.running--;
+    this.wake?.();
+    if (live.done) return; // abandoned at the end of the grace
+    if (live.lost) {
+      this.lose(live, "the lease was lost before the handler finished");
+      return;
+    }
+    if (outcome.kind === "lost") {
+      // The handler gave up on a lease it saw expire; the server may still hold it for us.
+      outcome = fail(live.submitted ? FailOutcome.UNKNOWN : FailOutcome.RETRY, "the handler stopped: its lease expired");
+    }
+    const settle: PendingSettle = {
+      live,
+      failure:
+        outcome.kind === "fail"
+          ? create(FailureSchema, {
+              lease: { intentId: intent.id, leaseId: live.leaseId },
+              outcome: outcome.outcome,
+              error: outcome.error.slice(0, 1000),
+              ...(outcome.retryAfterMs !== undefined ? { retryAfter: durationFromMs(outcome.retryAfterMs) } : {}),
+            })
+          : undefined,
+    };
+    await new Promise<void>((resolve) => {
+      live.settled = resolve;
+      (settle.failure ? this.fails : this.acks).push(settle);
+      this.settling++;
+      this.scheduleFlush();
+    });
+  }
+
+  private context(live: Live): HandlerContext {
+    const worker = this;
+    return {
+      signal: live.controller.signal,
+      workerId: this.workerId,
+      get leaseLost() {
+        return live.lost;
+      },
+      async submitting<T>(call: () => Promise<T> | T): Promise<T> {
+        await worker.markSubmitted(live);
+        return await call();
+      },
+    };
+  }
+
+  private async markSubmitted(live: Live): Promise<void> {
+    if (live.lost) throw new LeaseLostError(live.intent.id, "the lease was lost before MarkSubmitted");
+    let result: LeaseResult | undefined;
+    try {
+      const reply = await this.connection.call(
+        (client, options) =>
+          client.markSubmitted({ leases: [{ intentId: live.intent.id, leaseId: live.leaseId }] }, options),
+        {
+          budgetMs: Math.max(0, live.expiresAt - Date.now()),
+          tryTimeoutMs: Math.min(5_000, this.leaseMs),
+          signal: live.controller.signal,
+        },
+      );
+      result = reply.results[0];
+    } catch (thrown) {
+      // Whether it applied is unknown; the call did not start, so a retry is safe either way.
+      throw new Retry(`MarkSubmitted failed: ${OutboxError.from(thrown).message}`);
+    }
+    if (result?.error) {
+      if (result.error.reason === "LEASE_LOST" || result.error.code === Code.NotFound) {
+        live.lost = true;
+        throw new LeaseLostError(live.intent.id, `MarkSubmitted refused: ${result.error.message}`);
+      }
+      throw new Retry(`MarkSubmitted refused: ${result.error.reason} ${result.error.message}`);
+    }
+    live.submitted = true;
+  }
+
+  /** Extends leases past a third of their life; fires the signal of those already expired. */
+  private heartbeat(): void {
+    const now = Date.now();
+    const due: Live[] = [];
+    for (const live of this.live.values()) {
+      if (live.lost || live.expired || live.done) continue;
+      if (live.expiresAt <= now) {
+        // Not yet known lost: a settle is still sent, and the server fences it.
+        live.expired = true;
+        live.controller.abort(
+          new LeaseLostError(live.intent.id, "the lease expired before a heartbeat got through"),
+        );
+        continue;
+      }
+      if (!live.extending && live.expiresAt - now < this.leaseMs - this.heartbeatMs) due.push(live);
+    }
+    for (let i = 0; i < due.length; i += 1000) void this.extend(due.slice(i, i + 1000));
+  }
+
+  private async extend(leases: Live[]): Promise<void> {
+    for (const live of leases) live.extending = true;
+    const sentAt = Date.now();
+    const earliest = Math.min(...leases.map((l) => l.expiresAt));
+    try {
+      const reply = await this.connection.call(
+        (client, options) =>
+          client.extendLease(
+            {
+              leases: leases.map((l) => create(LeaseRefSchema, { intentId: l.intent.id, leaseId: l.leaseId })),
+              leaseDuration: durationFromMs(this.leaseMs),
+            },
+            options,
+          ),
+        {
+          budgetMs: Math.max(0, earliest - sentAt),
+          tryTimeoutMs: Math.max(50, Math.min(this.heartbeatMs, 5_000)),
+          signal: this.graceOver.signal,
+        },
+      );
+      reply.results.forEach((result, i) => {
+        const live = leases[i];
+        if (live === undefined || live.done) return;
+        if (result.error) {
+          if (!live.lost) {
+            live.lost = true;
+            this.counters.leaseLost++;
+            live.controller.abort(
+              new LeaseLostError(live.intent.id, `heartbeat refused: ${result.error.reason} ${result.error.message}`),
+            );
+          }
+        } else if (!live.lost) {
+          live.expiresAt = sentAt + this.leaseMs;
+        }
+      });
+    } catch (thrown) {
+      this.counters.heartbeatFailures++;
+      this.emit({ type: "heartbeatFailed", error: OutboxError.from(thrown), leases: leases.length });
+    } finally {
+      for (const live of leases) live.extending = false;
+    }
+  }
+
+  private scheduleFlush(): void {
+    if (this.acks.length >= this.settleBatch || this.fails.length >= this.settleBatch) {
+      this.flush();
+      return;
+    }
+    this.flushTimer ??= setTimeout(() => this.flush(), this.settleDelayMs);
+  }
+
+  private flush(): void {
+    if (this.flushTimer !== undefined) clearTimeout(this.flushTimer);
+    this.flushTimer = undefined;
+    while (this.acks.length > 0) void this.sendAcks(this.acks.splice(0, this.settleBatch));
+    while (this.fails.length > 0) void this.sendFails(this.fails.splice(0, this.settleBatch));
+  }
+
+  private async sendAcks(batch: PendingSettle[]): Promise<void> {
+    await this.settle("ack", batch, (client, options) =>
+      client
+        .ack({ leases: batch.map(({ live }) => ({ intentId: live.intent.id, leaseId: live.leaseId })) }, options)
+        .then((r) => r.results),
+    );
+  }
+
+  private async sendFails(batch: PendingSettle[]): Promise<void> {
+    await this.settle("fail", batch, (client, options) =>
+      client.fail({ failures: batch.flatMap(({ failure }) => (failure ? [failure] : [])) }, options).then((r) => r.results),
+    );
+  }
+
+  private async settle(
+    call: "ack" | "fail",
+    batch: PendingSettle[],
+    send: (client: OutboxServiceClient, options: CallOptions) => Promise<LeaseResult[]>,
+  ): Promise<void> {
+    try {
+      // Repeating a settle with the same leases is a replay: answered OK if it applied.
+      const results = await this.connection.call(send, {
+        budgetMs: Math.max(this.leaseMs, 30_000),
+        tryTimeoutMs: 10_000,
+        retryable: (error) => transient(error) || (error.code === Code.Aborted && error.reason === "CONFLICT"),
+      });
+      batch.forEach(({ live, failure }, i) => {
+        const result = results[i];
+        if (result?.error) {
+          if (result.error.reason === "LEASE_LOST") {
+            this.lose(live, `${call} refused: ${result.error.message}`);
+          } else {
+            this.emit({
+              type: "settleRejected",
+              intent: live.intent,
+              call,
+              code: result.error.code,
+              reason: result.error.reason,
+              message: result.error.message,
+            });
+          }
+        } else if (failure) {
+          this.counters.failed++;
+          this.emit({
+            type: "failed",
+            intent: live.intent,
+            outcome: OUTCOME_NAMES[failure.outcome],
+            error: failure.error,
+          });
+        } else {
+          this.counters.acked++;
+          this.emit({ type: "acked", intent: live.intent });
+        }
+      });
+    } catch (thrown) {
+      const error = OutboxError.from(thrown);
+      for (const { live } of batch) this.emit({ type: "settleFailed", intent: live.intent, call, error });
+    } finally {
+      for (const { live } of batch) this.finish(live);
+      this.settling -= batch.length;
+      this.wake?.();
+    }
+  }
+
+  private lose(live: Live, reason: string): void {
+    if (!live.lost) {
+      live.lost = true;
+      this.counters.leaseLost++;
+    }
+    live.controller.abort(new LeaseLostError(live.intent.id, reason));
+    this.emit({ type: "leaseLost", intent: live.intent, reason });
+    this.finish(live);
+  }
+
+  private finish(live: Live): void {
+    live.done = true;
+    this.live.delete(live.leaseId);
+    live.settled?.();
+  }
+
+  private async drain(): Promise<void> {
+    const deadline = Date.now() + this.graceMs;
+    while (this.running > 0 && Date.now() < deadline && !this.graceOver.signal.aborted) {
+      await sleep(Math.min(20, deadline - Date.now()), this.graceOver.signal);
+    }
+    if (this.running > 0) {
+      // The grace is over: tell the handlers, then give their leases back.
+      const abandoned: Live[] = [];
+      for (const live of this.live.values()) {
+        if (live.done || live.settled !== undefined) continue;
+        live.controller.abort(new ShutdownError());
+        abandoned.push(live);
+      }
+      const failures: Failure[] = [];
+      for (const live of abandoned) {
+        live.done = true;
+        this.live.delete(live.leaseId);
+        if (live.submitted) {
+          // Its external call may be under way: the expiry sends it to an operator.
+          this.emit({ type: "abandoned", intent: live.intent, outcome: "expire" });
+        } else {
+          failures.push(
+            create(FailureSchema, {
+              lease: { intentId: live.intent.id, leaseId: live.leaseId },
+              outcome: FailOutcome.RETRY,
+              error: `worker ${this.workerId} shut down before the handler finished`,
+            }),
+          );
+          this.emit({ type: "abandoned", intent: live.intent, outcome: "retry" });
+        }
+      }
+      for (let i = 0; i < failures.length; i += this.settleBatch) {
+        const chunk = failures.slice(i, i + this.settleBatch);
+        try {
+          await this.connection.call((client, options) => client.fail({ failures: chunk }, options), {
+            budgetMs: 5_000,
+            tryTimeoutMs: 2_000,
+          });
+        } catch {
+          // Their leases expire instead.
+        }
+      }
+    }
+    this.flush();
+    while (this.settling > 0) await new Promise<void>((resolve) => setTimeout(resolve, 5));
+  }
+
+  private emit(event: WorkerEvent): void {
+    const onEvent = this.options.onEvent;
+    if (onEvent) {
+      try {
+        onEvent(event);
+      } catch {
+        // A throwing callback must not break the lease loop.
+      }
+      return;
+    }
+    switch (event.type) {
+      case "claimFailed":
+      case "heartbeatFailed":
+        console.warn(`outboxd worker ${this.workerId}: ${event.type}: ${event.error.message}`);
+        break;
+      case "settleFailed":
+        console.warn(`outboxd worker ${this.workerId}: ${event.call} of ${event.intent.id} failed: ${event.error.message}`);
+        break;
+      case "settleRejected":
+        console.warn(`outboxd worker ${this.workerId}: ${event.call} of ${event.intent.id} refused: ${event.reason}`);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+function fail(outcome: FailOutcome, error: string, retryAfterMs?: number): Outcome {
+  return { kind: "fail", outcome, error, retryAfterMs };
+}
+
+/** Maps what a handler threw to what is reported. */
+function outcomeOf(error: unknown, submitted: boolean): Outcome {
+  if (error instanceof LeaseLostError) return { kind: "lost" };
+  if (error instanceof Retry) return fail(FailOutcome.RETRY, error.message, error.afterMs);
+  if (error instanceof Permanent) return fail(FailOutcome.PERMANENT, error.message);
+  if (error instanceof Unknown) return fail(FailOutcome.UNKNOWN, error.message);
+  const message = error instanceof Error ? `${error.name}: ${error.message}` : String(error);
+  // Once submitted, an error means nobody knows whether the external call happened.
+  return fail(submitted ? FailOutcome.UNKNOWN : FailOutcome.RETRY, message);
+}
+
+function positive(name: string, value: number): number {
+  if (!Number.isFinite(value) || value <= 0) throw new RangeError(`outboxd: ${name} must be positive`);
+  return value;
+}

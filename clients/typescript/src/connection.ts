@@ -12,7 +12,7 @@ export interface ConnectionOptions {
   /**
    * outboxd replicas: `host:port` (plaintext), `http://host:port` or `https://host:port`
    * (TLS; CA and client certificate through `transportOptions.nodeOptions`). Calls go to
-   * one endpoint and move to the next when it answers UNAVAILABLE.
+   * the first and move to the next when one answers UNAVAILABLE (or the connection breaks).
    */
   endpoints: readonly string[];
   /** `obx_…` key from `outboxd keys create`, sent as `authorization: Bearer …`. */
@@ -78,8 +78,9 @@ export class Connection {
         }),
       );
     });
-    // Replicas share the load: each process starts at a random one.
-    this.current = Math.floor(Math.random() * this.clients.length);
+    // The first endpoint first, the next after a failure: predictable, and a Kubernetes
+    // Service name as the one endpoint spreads the load anyway.
+    this.current = 0;
   }
 
   /**

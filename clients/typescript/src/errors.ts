@@ -80,7 +80,8 @@ export class OutboxError extends Error {
     const connect = ConnectError.from(error);
     return new OutboxError(connect.message, connect.code, reasonOf(connect), {
       cause: error,
-      fromServer: connect.isWireError,
+      // The server answered with a status of its own (a trailer), not a broken connection.
+      fromServer: connect.metadata.has("grpc-status"),
     });
   }
 }

@@ -92,6 +92,8 @@ export interface WorkerOptions extends ConnectionOptions {
   claimWaitMs?: number;
   /** Most leases per Claim. Default 100. */
   claimBatch?: number;
+  /** Claims in flight at once while there is a backlog (one long poll when idle). Default 2. */
+  claimers?: number;
   /** Most leases per Ack or Fail call. Default 500. */
   settleBatch?: number;
   /** Acks and Fails wait at most this long to share a call. Default 2 ms. */
@@ -156,7 +158,9 @@ export class Worker {
   private running = 0;
   private settling = 0;
   private flushTimer: NodeJS.Timeout | undefined;
-  private wake: (() => void) | undefined;
+  private readonly waiters = new Set<() => void>();
+  private reserved = 0;
+  private backlog = false;
   private readonly stopping = new AbortController();
   private readonly graceOver = new AbortController();
   private runPromise: Promise<void> | undefined;
@@ -166,6 +170,7 @@ export class Worker {
   private readonly heartbeatMs: number;
   private readonly claimWaitMs: number;
   private readonly claimBatch: number;
+  private readonly claimers: number;
   private readonly settleBatch: number;
   private readonly settleDelayMs: number;
   private readonly graceMs: number;
@@ -179,6 +184,7 @@ export class Worker {
     this.heartbeatMs = positive("heartbeatMs", options.heartbeatMs ?? Math.max(50, Math.floor(this.leaseMs / 3)));
     this.claimWaitMs = positive("claimWaitMs", options.claimWaitMs ?? 20_000);
     this.claimBatch = positive("claimBatch", options.claimBatch ?? 100);
+    this.claimers = positive("claimers", options.claimers ?? 2);
     this.settleBatch = positive("settleBatch", options.settleBatch ?? 500);
     this.settleDelayMs = options.settleDelayMs ?? 2;
     this.graceMs = options.shutdownGraceMs ?? 30_000;
@@ -211,7 +217,7 @@ export class Worker {
   /** Starts the drain; resolves when `run()` does (at once if it never ran). */
   stop(): Promise<void> {
     this.stopping.abort();
-    this.wake?.();
+    this.wakeAll();
     return this.runPromise ?? Promise.resolve();
   }
 
@@ -251,13 +257,25 @@ export class Worker {
   }
 
   private async claimLoop(kinds: string[], tracing: Awaited<ReturnType<typeof loadTracing>>): Promise<void> {
+    const loops = Array.from({ length: this.claimers }, (_, i) => this.claimer(i, kinds, tracing));
+    await Promise.all(loops);
+  }
+
+  /**
+   * One claim loop. Claimer 0 always runs; the others claim only while the last reply was
+   * full (a backlog), so an idle worker holds a single long poll.
+   */
+  private async claimer(index: number, kinds: string[], tracing: Awaited<ReturnType<typeof loadTracing>>): Promise<void> {
     let failures = 0;
     while (!this.stopping.signal.aborted) {
-      if (this.running >= this.concurrency || this.settling > 4 * this.settleBatch) {
-        await new Promise<void>((resolve) => (this.wake = resolve));
-        this.wake = undefined;
+      const free = this.concurrency - this.running - this.reserved;
+      if (free <= 0 || this.settling > 4 * this.settleBatch || (index > 0 && !this.backlog)) {
+        await new Promise<void>((resolve) => this.waiters.add(resolve));
         continue;
       }
+      // Reserved before the call: never lease more than can be started.
+      const max = Math.min(free, this.claimBatch);
+      this.reserved += max;
       const requestId = randomUUID();
       const sentAt = Date.now();
       let tries = 0;
@@ -271,7 +289,7 @@ export class Worker {
                 workerId: this.workerId,
                 region: this.options.region ?? "",
                 kinds,
-                maxIntents: Math.min(this.concurrency - this.running, this.claimBatch),
+                maxIntents: max,
                 leaseDuration: durationFromMs(this.leaseMs),
                 wait: durationFromMs(this.claimWaitMs),
                 // A retry after a lost answer gets the leases the first try took.
@@ -289,6 +307,7 @@ export class Worker {
         leases = reply.leases;
         failures = 0;
       } catch (thrown) {
+        this.reserved -= max;
         if (this.stopping.signal.aborted) break;
         const error = OutboxError.from(thrown);
         this.emit({ type: "claimFailed", error });
@@ -297,12 +316,21 @@ export class Worker {
       } finally {
         this.counters.claimRetries += Math.max(0, tries - 1);
       }
+      this.reserved -= max;
+      this.backlog = leases.length >= max;
       if (leases.length > 0) {
         this.counters.claimed += leases.length;
         this.emit({ type: "claimed", count: leases.length, replayed: tries > 1 });
       }
       for (const lease of leases) this.start(lease, sentAt, tracing);
+      if (this.backlog) this.wakeAll();
     }
+  }
+
+  private wakeAll(): void {
+    const waiters = [...this.waiters];
+    this.waiters.clear();
+    for (const wake of waiters) wake();
   }
 
   private start(lease: Lease, sentAt: number, tracing: Awaited<ReturnType<typeof loadTracing>>): void {
@@ -349,7 +377,7 @@ export class Worker {
       }
     }
     this.running--;
-    this.wake?.();
+    this.wakeAll();
     if (live.done) return; // abandoned at the end of the grace
     if (live.lost) {
       this.lose(live, "the lease was lost before the handler finished");
@@ -559,7 +587,7 @@ export class Worker {
     } finally {
       for (const { live } of batch) this.finish(live);
       this.settling -= batch.length;
-      this.wake?.();
+      this.wakeAll();
     }
   }
 

@@ -1,0 +1,58 @@
+"""OpenTelemetry, when `opentelemetry-api` is installed: the intent's `traceparent` becomes
+the parent of the handler's span, a producer's current context is carried in the headers,
+and the worker's counters are OpenTelemetry counters. Without it, all of this is a no-op."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Mapping, MutableMapping
+
+try:  # pragma: no cover - exercised only where the extra is installed
+    from opentelemetry import metrics as _metrics
+    from opentelemetry import propagate as _propagate
+    from opentelemetry import trace as _trace
+
+    AVAILABLE = True
+except ImportError:  # pragma: no cover
+    AVAILABLE = False
+
+
+@contextlib.contextmanager
+def handler_span(kind: str, intent_id: str, attempt: int, headers: Mapping[str, str]) -> Iterator[None]:
+    """A CONSUMER span around one handler call, child of the producer's traceparent."""
+    if not AVAILABLE:
+        yield
+        return
+    parent = _propagate.extract(dict(headers))
+    tracer = _trace.get_tracer("outboxd")
+    with tracer.start_as_current_span(
+        f"outboxd handle {kind}",
+        context=parent,
+        kind=_trace.SpanKind.CONSUMER,
+        attributes={"intent.id": intent_id, "intent.kind": kind, "intent.attempt": attempt},
+    ):
+        yield
+
+
+def inject(headers: MutableMapping[str, str]) -> None:
+    """Adds the current trace context (`traceparent`, …) unless the caller set one."""
+    if AVAILABLE and "traceparent" not in headers:
+        _propagate.inject(headers)
+
+
+class Counters:
+    """OpenTelemetry counters for the worker (no-op without an SDK's meter provider)."""
+
+    def __init__(self) -> None:
+        self._counters: dict[str, Any] = {}
+        if AVAILABLE:
+            self._meter: Any = _metrics.get_meter("outboxd")
+
+    def add(self, name: str, n: int, attributes: Mapping[str, str]) -> None:
+        if not AVAILABLE:
+            return
+        counter = self._counters.get(name)
+        if counter is None:
+            counter = self._meter.create_counter(f"outboxd.worker.{name}", unit="{intent}")
+            self._counters[name] = counter
+        counter.add(n, dict(attributes))

@@ -1,0 +1,417 @@
+"""The producer: `Outbox.enqueue(conn, ...)` records intents that exist if and only if the
+caller's open transaction commits (the two-phase token), `enqueue_direct` records them at
+once. `AsyncOutbox` is the same over asyncio (psycopg's AsyncConnection, SQLAlchemy's
+AsyncSession)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Iterable, Literal, Mapping, Optional, Sequence, Union
+
+import grpc
+
+from ._errors import OutboxError, TransactionRequired
+from ._intent import EnqueueResult, NewIntent, Payload
+from ._proto.outbox.v1 import outbox_pb2 as pb
+from ._rpc import AsyncClient, Config, SyncClient, transient
+
+TokenMode = Literal["auto", "function", "sql"]
+
+# The token in plain SQL, for databases of the cluster other than the outbox's (docs/producers.md).
+PLAIN_TOKEN_SQL = (
+    "SELECT 'v2.' || system_identifier || '.' || "
+    "(extract(epoch FROM least(pg_stat_get_bgwriter_stat_reset_time(), "
+    "(SELECT stats_reset FROM pg_stat_archiver))) * 1000000)::bigint "
+    "|| '.' || pg_current_xact_id() FROM pg_control_system()"
+)
+FUNCTION_TOKEN_SQL = "SELECT outbox.txn_token()"
+# Whether this database holds the outbox schema (and so its promote-at-once function).
+DETECT_SQL = "SELECT to_regprocedure('outbox.txn_token()') IS NOT NULL"
+
+
+def _enqueue_retry(intents: Sequence[pb.NewIntent]) -> Any:
+    """Which failures an Enqueue may retry: a lost answer may have recorded the intents, so
+    a retry is safe only when every intent has an idempotency key (the replay returns them);
+    otherwise only a definite 'nothing happened' from the server is retried."""
+    keyed = all(i.idempotency_key for i in intents)
+
+    def retry(code: grpc.StatusCode, reason: str) -> bool:
+        if keyed:
+            return transient(code, reason) or reason == "COMMIT_OUTCOME_UNKNOWN"
+        return (code == grpc.StatusCode.UNAVAILABLE and reason == "UNAVAILABLE") or (
+            code == grpc.StatusCode.ABORTED and reason == "CONFLICT"
+        )
+
+    return retry
+
+
+def _intents(
+    kind: str,
+    payload: Payload,
+    idempotency_key: str,
+    headers: Optional[Mapping[str, str]],
+    content_type: str,
+    region: str,
+    max_attempts: int,
+    delay: Optional[float],
+    available_at: Optional[dt.datetime],
+) -> list[NewIntent]:
+    return [
+        NewIntent(
+            kind=kind,
+            payload=payload,
+            idempotency_key=idempotency_key,
+            headers=dict(headers or {}),
+            content_type=content_type,
+            region=region,
+            max_attempts=max_attempts,
+            delay=delay,
+            available_at=available_at,
+        )
+    ]
+
+
+def _is_psycopg(conn: Any) -> bool:
+    return type(conn).__module__.startswith("psycopg") and hasattr(conn, "info")
+
+
+def _check_psycopg(conn: Any) -> None:
+    from psycopg.pq import TransactionStatus
+
+    status = conn.info.transaction_status
+    if status == TransactionStatus.INERROR:
+        raise TransactionRequired("the transaction on this connection has failed: roll it back")
+    if status != TransactionStatus.INTRANS:
+        raise TransactionRequired(
+            "enqueue(conn, ...) needs an open transaction on conn (with conn.transaction(): ...); "
+            "use enqueue_direct(...) to enqueue without one"
+        )
+
+
+def _check_sqlalchemy(conn: Any) -> None:
+    in_transaction = getattr(conn, "in_transaction", None)
+    if in_transaction is None:
+        raise TypeError(
+            f"enqueue needs a psycopg 3 connection or an SQLAlchemy Session/Connection, not {type(conn).__name__}"
+        )
+    if not in_transaction():
+        raise TransactionRequired(
+            "enqueue(session, ...) needs an open transaction (with session.begin(): ...); "
+            "use enqueue_direct(...) to enqueue without one"
+        )
+
+
+def _cache_key(conn: Any) -> Any:
+    if _is_psycopg(conn):
+        info = conn.info
+        return ("psycopg", info.host, info.port, info.dbname)
+    bind = conn.get_bind() if hasattr(conn, "get_bind") else getattr(conn, "engine", None)
+    url = getattr(bind, "url", None)
+    return ("sqlalchemy", str(url)) if url is not None else None
+
+
+class _Base:
+    def __init__(
+        self,
+        endpoints: Union[str, Sequence[str]],
+        api_key: str,
+        *,
+        tenant: Optional[str],
+        credentials: Optional[grpc.ChannelCredentials],
+        timeout: float,
+        token: TokenMode,
+    ) -> None:
+        if token not in ("auto", "function", "sql"):
+            raise ValueError("token must be 'auto', 'function' or 'sql'")
+        self._config = Config(
+            endpoints=[endpoints] if isinstance(endpoints, str) else list(endpoints),
+            api_key=api_key,
+            tenant=tenant,
+            credentials=credentials,
+        )
+        self.timeout = timeout
+        self.token_mode = token
+        self._has_function: dict[Any, bool] = {}
+
+    def _token_sql(self, key: Any, detected: Optional[bool]) -> str:
+        if self.token_mode == "function":
+            return FUNCTION_TOKEN_SQL
+        if self.token_mode == "sql":
+            return PLAIN_TOKEN_SQL
+        return FUNCTION_TOKEN_SQL if detected else PLAIN_TOKEN_SQL
+
+    @staticmethod
+    def _request(intents: Iterable[NewIntent], token: str) -> pb.EnqueueRequest:
+        messages = [i.to_pb() for i in intents]
+        if not messages:
+            raise ValueError("nothing to enqueue")
+        return pb.EnqueueRequest(intents=messages, txn_token=token)
+
+
+class Outbox(_Base):
+    """A producer's handle on outboxd (thread-safe; make one per process).
+
+    ```python
+    outbox = Outbox(endpoints=["outboxd:50051"], api_key=key)
+    with conn.transaction():                      # psycopg 3
+        conn.execute("INSERT INTO orders ...")
+        outbox.enqueue(conn, kind="order.created", payload={"id": 7},
+                       idempotency_key="orders/7/created")
+    ```
+
+    `token`: `"auto"` takes `outbox.txn_token()` where the connection's database holds the
+    outbox schema (promoted the moment you commit) and the plain-SQL token elsewhere in the
+    cluster (promoted by outboxd's sweep within ~100 ms); `"function"` or `"sql"` forces one.
+    `timeout` bounds each call, retries included: a transaction is never held open on a
+    stuck call.
+    """
+
+    def __init__(
+        self,
+        endpoints: Union[str, Sequence[str]],
+        api_key: str,
+        *,
+        tenant: Optional[str] = None,
+        credentials: Optional[grpc.ChannelCredentials] = None,
+        timeout: float = 10.0,
+        token: TokenMode = "auto",
+    ) -> None:
+        super().__init__(endpoints, api_key, tenant=tenant, credentials=credentials, timeout=timeout, token=token)
+        self._client = SyncClient(self._config)
+
+    def __enter__(self) -> Outbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes the channels."""
+        self._client.close()
+
+    def txn_token(self, conn: Any) -> str:
+        """The two-phase token naming the open transaction of `conn` (psycopg 3 Connection,
+        SQLAlchemy Session or Connection). Raises TransactionRequired outside one."""
+        if _is_psycopg(conn):
+            _check_psycopg(conn)
+
+            def scalar(sql: str) -> Any:
+                row = conn.execute(sql).fetchone()
+                return row[0] if row else None
+        else:
+            _check_sqlalchemy(conn)
+            from sqlalchemy import text
+
+            def scalar(sql: str) -> Any:
+                return conn.execute(text(sql)).scalar_one()
+
+        key = _cache_key(conn)
+        detected = None
+        if self.token_mode == "auto":
+            detected = self._has_function.get(key)
+            if detected is None:
+                detected = bool(scalar(DETECT_SQL))
+                if key is not None:
+                    self._has_function[key] = detected
+        token = scalar(self._token_sql(key, detected))
+        if not token:
+            # Empty would mean direct mode: intents of a transaction that may roll back.
+            raise OutboxError(grpc.StatusCode.INTERNAL, "NO_TOKEN", "the token query returned nothing")
+        return str(token)
+
+    def enqueue(
+        self,
+        conn: Any,
+        kind: str,
+        payload: Payload = b"",
+        *,
+        idempotency_key: str = "",
+        headers: Optional[Mapping[str, str]] = None,
+        content_type: str = "",
+        region: str = "",
+        max_attempts: int = 0,
+        delay: Optional[float] = None,
+        available_at: Optional[dt.datetime] = None,
+    ) -> EnqueueResult:
+        """Enqueues one intent in the open transaction of `conn`: STAGED now, PENDING when
+        that transaction commits, DISCARDED if it rolls back. Raises TransactionRequired
+        outside a transaction, OutboxError when outboxd refuses."""
+        intents = _intents(
+            kind, payload, idempotency_key, headers, content_type, region, max_attempts, delay, available_at
+        )
+        return self.enqueue_many(conn, intents)[0]
+
+    def enqueue_many(self, conn: Any, intents: Iterable[NewIntent]) -> list[EnqueueResult]:
+        """Enqueues a batch (all or none, at most 1,000) in the open transaction of `conn`."""
+        request = self._request(intents, self.txn_token(conn))
+        return self._send(request)
+
+    def enqueue_direct(
+        self,
+        kind: str,
+        payload: Payload = b"",
+        *,
+        idempotency_key: str = "",
+        headers: Optional[Mapping[str, str]] = None,
+        content_type: str = "",
+        region: str = "",
+        max_attempts: int = 0,
+        delay: Optional[float] = None,
+        available_at: Optional[dt.datetime] = None,
+    ) -> EnqueueResult:
+        """Enqueues one intent outside any transaction: PENDING as soon as this returns."""
+        intents = _intents(
+            kind, payload, idempotency_key, headers, content_type, region, max_attempts, delay, available_at
+        )
+        return self.enqueue_direct_many(intents)[0]
+
+    def enqueue_direct_many(self, intents: Iterable[NewIntent]) -> list[EnqueueResult]:
+        """Enqueues a batch (all or none) outside any transaction."""
+        return self._send(self._request(intents, ""))
+
+    def _send(self, request: pb.EnqueueRequest) -> list[EnqueueResult]:
+        answer = self._client.call(
+            "Enqueue",
+            request,
+            pb.EnqueueResponse,
+            timeout=self.timeout,
+            budget=self.timeout,
+            retry=_enqueue_retry(request.intents),
+        )
+        return [EnqueueResult.from_pb(r) for r in answer.results]
+
+    def get_intent(self, intent_id: str) -> pb.GetIntentResponse:
+        """The intent with its payload and resolution history (needs the operate scope)."""
+        return self._client.call(
+            "GetIntent",
+            pb.GetIntentRequest(id=intent_id),
+            pb.GetIntentResponse,
+            timeout=self.timeout,
+            budget=self.timeout,
+        )
+
+
+class AsyncOutbox(_Base):
+    """`Outbox` over asyncio: psycopg's AsyncConnection or SQLAlchemy's AsyncSession /
+    AsyncConnection. Same arguments and semantics; every call is awaited."""
+
+    def __init__(
+        self,
+        endpoints: Union[str, Sequence[str]],
+        api_key: str,
+        *,
+        tenant: Optional[str] = None,
+        credentials: Optional[grpc.ChannelCredentials] = None,
+        timeout: float = 10.0,
+        token: TokenMode = "auto",
+    ) -> None:
+        super().__init__(endpoints, api_key, tenant=tenant, credentials=credentials, timeout=timeout, token=token)
+        self._client_: Optional[AsyncClient] = None
+
+    @property
+    def _client(self) -> AsyncClient:
+        # grpc.aio channels bind to the loop that first uses them: create them lazily.
+        if self._client_ is None:
+            self._client_ = AsyncClient(self._config)
+        return self._client_
+
+    async def __aenter__(self) -> AsyncOutbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Closes the channels."""
+        if self._client_ is not None:
+            await self._client_.close()
+            self._client_ = None
+
+    async def txn_token(self, conn: Any) -> str:
+        """The token naming the open transaction of `conn` (see `Outbox.txn_token`)."""
+        if _is_psycopg(conn):
+            _check_psycopg(conn)
+
+            async def scalar(sql: str) -> Any:
+                cur = await conn.execute(sql)
+                row = await cur.fetchone()
+                return row[0] if row else None
+        else:
+            _check_sqlalchemy(conn)
+            from sqlalchemy import text
+
+            async def scalar(sql: str) -> Any:
+                result = await conn.execute(text(sql))
+                return result.scalar_one()
+
+        key = _cache_key(conn)
+        detected = None
+        if self.token_mode == "auto":
+            detected = self._has_function.get(key)
+            if detected is None:
+                detected = bool(await scalar(DETECT_SQL))
+                if key is not None:
+                    self._has_function[key] = detected
+        token = await scalar(self._token_sql(key, detected))
+        if not token:
+            raise OutboxError(grpc.StatusCode.INTERNAL, "NO_TOKEN", "the token query returned nothing")
+        return str(token)
+
+    async def enqueue(
+        self,
+        conn: Any,
+        kind: str,
+        payload: Payload = b"",
+        *,
+        idempotency_key: str = "",
+        headers: Optional[Mapping[str, str]] = None,
+        content_type: str = "",
+        region: str = "",
+        max_attempts: int = 0,
+        delay: Optional[float] = None,
+        available_at: Optional[dt.datetime] = None,
+    ) -> EnqueueResult:
+        """See `Outbox.enqueue`."""
+        intents = _intents(
+            kind, payload, idempotency_key, headers, content_type, region, max_attempts, delay, available_at
+        )
+        return (await self.enqueue_many(conn, intents))[0]
+
+    async def enqueue_many(self, conn: Any, intents: Iterable[NewIntent]) -> list[EnqueueResult]:
+        """See `Outbox.enqueue_many`."""
+        request = self._request(intents, await self.txn_token(conn))
+        return await self._send(request)
+
+    async def enqueue_direct(
+        self,
+        kind: str,
+        payload: Payload = b"",
+        *,
+        idempotency_key: str = "",
+        headers: Optional[Mapping[str, str]] = None,
+        content_type: str = "",
+        region: str = "",
+        max_attempts: int = 0,
+        delay: Optional[float] = None,
+        available_at: Optional[dt.datetime] = None,
+    ) -> EnqueueResult:
+        """See `Outbox.enqueue_direct`."""
+        intents = _intents(
+            kind, payload, idempotency_key, headers, content_type, region, max_attempts, delay, available_at
+        )
+        return (await self.enqueue_direct_many(intents))[0]
+
+    async def enqueue_direct_many(self, intents: Iterable[NewIntent]) -> list[EnqueueResult]:
+        """See `Outbox.enqueue_direct_many`."""
+        return await self._send(self._request(intents, ""))
+
+    async def _send(self, request: pb.EnqueueRequest) -> list[EnqueueResult]:
+        answer = await self._client.call(
+            "Enqueue",
+            request,
+            pb.EnqueueResponse,
+            timeout=self.timeout,
+            budget=self.timeout,
+            retry=_enqueue_retry(request.intents),
+        )
+        return [EnqueueResult.from_pb(r) for r in answer.results]

@@ -1,0 +1,760 @@
+"""The worker: claims intents only for free handler slots, runs handlers (threads for plain
+functions, tasks for `async def`), keeps every live lease extended, settles in batches and
+drains on shutdown. One asyncio loop drives it; `Worker.run()` owns that loop."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime as dt
+import inspect
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence, TypeVar, Union
+
+import grpc
+
+from . import _otel
+from ._errors import LeaseLost, OutboxError, Permanent, Retry, Unknown
+from ._intent import duration
+from ._proto.outbox.v1 import outbox_pb2 as pb
+from ._rpc import AsyncClient, Backoff, Config, transient
+
+log = logging.getLogger("outboxd")
+
+Handler = Callable[["Intent"], Union[Awaitable[None], None]]
+H = TypeVar("H", bound=Callable[..., Any])
+
+# Per-item reasons meaning "this lease is not ours any more".
+_LOST_REASONS = frozenset({"LEASE_LOST", "NOT_FOUND", "INVALID_STATE"})
+
+
+@dataclass
+class WorkerStats:
+    """Counters since the worker started (a snapshot: `worker.stats`)."""
+
+    claimed: int = 0
+    acked: int = 0
+    failed: int = 0
+    lease_lost: int = 0
+    heartbeat_failures: int = 0
+    claim_retries: int = 0
+    settle_errors: int = 0
+
+
+class _Lease:
+    """What the worker knows about one lease it holds."""
+
+    __slots__ = (
+        "abandoned",
+        "expires",
+        "intent",
+        "lease_id",
+        "lost",
+        "lost_event",
+        "settling",
+        "submitted",
+        "task",
+    )
+
+    def __init__(self, intent: Intent, lease_id: str, expires: float) -> None:
+        self.intent = intent
+        self.lease_id = lease_id
+        # Local monotonic expiry, counted from when the Claim/ExtendLease was sent: no clock skew.
+        self.expires = expires
+        self.submitted = False
+        self.lost = False
+        self.abandoned = False
+        self.settling = False
+        self.task: Optional[asyncio.Task[None]] = None
+        self.lost_event = threading.Event()
+
+    def ref(self) -> pb.LeaseRef:
+        return pb.LeaseRef(intent_id=self.intent.id, lease_id=self.lease_id)
+
+
+class Intent:
+    """One leased intent, as a handler sees it.
+
+    `payload` is the bytes the producer sent (`json()` decodes them), `attempt` counts from 1,
+    `headers` carry the producer's metadata (and its W3C `traceparent`).
+    """
+
+    def __init__(self, worker: Worker, lease: pb.Lease) -> None:
+        i = lease.intent
+        self._worker = worker
+        self.id: str = i.id
+        self.kind: str = i.kind
+        self.payload: bytes = i.payload
+        self.content_type: str = i.content_type
+        self.headers: Mapping[str, str] = dict(i.headers)
+        self.region: str = i.region
+        self.idempotency_key: str = i.idempotency_key
+        self.attempt: int = lease.attempt
+        self.max_attempts: int = i.max_attempts
+        self.created_at: dt.datetime = i.created_at.ToDatetime(dt.timezone.utc)
+        self.lease_id: str = lease.lease_id
+        self._state: Optional[_Lease] = None
+
+    def __repr__(self) -> str:
+        return f"Intent(id={self.id!r}, kind={self.kind!r}, attempt={self.attempt})"
+
+    def json(self) -> Any:
+        """The payload decoded as JSON."""
+        return json.loads(self.payload)
+
+    @property
+    def lease_lost(self) -> bool:
+        """True once the lease is gone: whatever the handler does now is not reported."""
+        return self._st.lost or self._st.abandoned
+
+    def wait_lease_lost(self, timeout: Optional[float] = None) -> bool:
+        """Blocks (sync handlers) until the lease is lost or `timeout`; returns lease_lost."""
+        return self._st.lost_event.wait(timeout)
+
+    @property
+    def submitted(self) -> bool:
+        """True once MarkSubmitted succeeded for this lease."""
+        return self._st.submitted
+
+    def submitting(self) -> Submitting:
+        """Marks the intent SUBMITTED before a non-idempotent external call.
+
+        `with intent.submitting(): psp.charge(...)` (or `async with` in an async handler).
+        On entry MarkSubmitted is called (raises `LeaseLost` if the lease is gone, so the
+        call is never started). From then on an exception, inside the block or after it,
+        fails the intent UNKNOWN (NEEDS_RECONCILE, never re-delivered) unless the handler
+        raises `Retry` or `Permanent` itself: it knows the call did not happen.
+        """
+        return Submitting(self)
+
+    @property
+    def _st(self) -> _Lease:
+        assert self._state is not None
+        return self._state
+
+
+class Submitting:
+    """The context manager `intent.submitting()` returns (sync and async)."""
+
+    def __init__(self, intent: Intent) -> None:
+        self._intent = intent
+
+    def __enter__(self) -> Intent:
+        worker = self._intent._worker
+        loop = worker._loop
+        if loop is None:
+            raise RuntimeError("the worker is not running")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            raise RuntimeError("in an async handler use `async with intent.submitting()`")
+        future = asyncio.run_coroutine_threadsafe(worker._mark_submitted(self._intent._st), loop)
+        future.result()
+        return self._intent
+
+    def __exit__(
+        self,
+        et: Optional[type[BaseException]],
+        ev: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        return None
+
+    async def __aenter__(self) -> Intent:
+        await self._intent._worker._mark_submitted(self._intent._st)
+        return self._intent
+
+    async def __aexit__(
+        self,
+        et: Optional[type[BaseException]],
+        ev: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        return None
+
+
+class _ThreadPool:
+    """Daemon threads for sync handlers: a handler still running when the process exits
+    after the shutdown grace must not hold the exit (ThreadPoolExecutor joins at exit)."""
+
+    def __init__(self, size: int, name: str) -> None:
+        self._queue: queue.SimpleQueue[Optional[tuple[Callable[[], None]]]] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(size)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            item[0]()
+
+    def submit(self, loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = loop.create_future()
+
+        def settle_ok() -> None:
+            if not future.done():
+                future.set_result(None)
+
+        def settle_error(error: BaseException) -> None:
+            if not future.done():
+                future.set_exception(error)
+
+        def job() -> None:
+            try:
+                fn()
+            except BaseException as error:  # noqa: BLE001 - handed to the loop as is
+                loop.call_soon_threadsafe(settle_error, error)
+            else:
+                loop.call_soon_threadsafe(settle_ok)
+
+        self._queue.put((job,))
+        return future
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+
+
+@dataclass
+class _Settle:
+    lease: _Lease
+    outcome: int  # 0: Ack, else a pb.FailOutcome
+    error: str = ""
+    retry_after: Optional[float] = None
+
+
+class Worker:
+    """Leases intents from outboxd and runs the handler registered for their kind.
+
+    ```python
+    worker = Worker(endpoints=["outboxd-0:50051"], api_key=key, concurrency=16)
+
+    @worker.handler("email.send")
+    def send(intent): mailer.send(intent.json())
+
+    worker.run()   # until SIGTERM/SIGINT, then drains
+    ```
+
+    A handler that returns normally is acked; `raise Retry(after=10)` retries, `raise
+    Permanent(...)` dead-letters, any other exception retries with the server's backoff
+    (UNKNOWN once `intent.submitting()` was entered). Handlers may be `async def`.
+
+    Options: `region` (claim that region's intents and region-less ones), `concurrency`
+    (handler slots: never more leases than free slots), `lease` (seconds asked per lease;
+    heartbeats extend it every `lease / 3`), `claim_wait` (long-poll), `grace` (seconds
+    running handlers get after a stop), `kinds` (claim filter; default: the handler
+    kinds), `worker_id`, `tenant`, `credentials` (grpc.ChannelCredentials for TLS),
+    `settle_delay` (how long an Ack/Fail waits to share a call), `on_count` (a callback
+    `(counter, n)` for the counters in `WorkerStats`).
+    """
+
+    def __init__(
+        self,
+        endpoints: Union[str, Sequence[str]],
+        api_key: str,
+        *,
+        region: str = "",
+        concurrency: int = 16,
+        lease: float = 30.0,
+        claim_wait: float = 5.0,
+        grace: float = 30.0,
+        kinds: Optional[Sequence[str]] = None,
+        worker_id: Optional[str] = None,
+        tenant: Optional[str] = None,
+        credentials: Optional[grpc.ChannelCredentials] = None,
+        settle_delay: float = 0.002,
+        call_timeout: float = 10.0,
+        on_count: Optional[Callable[[str, int], None]] = None,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if lease < 1.0:
+            raise ValueError("lease must be at least 1 second")
+        self._config = Config(
+            endpoints=[endpoints] if isinstance(endpoints, str) else list(endpoints),
+            api_key=api_key,
+            tenant=tenant,
+            credentials=credentials,
+        )
+        self.region = region
+        self.concurrency = concurrency
+        self.lease = lease
+        self.claim_wait = claim_wait
+        self.grace = grace
+        self.kinds = list(kinds) if kinds is not None else None
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.settle_delay = settle_delay
+        self.call_timeout = call_timeout
+        self.heartbeat_interval = lease / 3
+        self._on_count = on_count
+        self._handlers: dict[str, Handler] = {}
+        self._stats = WorkerStats()
+        self._stats_lock = threading.Lock()
+        self._otel = _otel.Counters()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._stop: Optional[asyncio.Event] = None
+        self._stop_requested = False
+        self._force = False
+
+    # Registration -------------------------------------------------------------------
+
+    def handler(self, kind: str) -> Callable[[H], H]:
+        """Decorator: `@worker.handler("email.send")` registers a handler for a kind."""
+
+        def register(fn: H) -> H:
+            self.add_handler(kind, fn)
+            return fn
+
+        return register
+
+    def add_handler(self, kind: str, fn: Handler) -> None:
+        """Registers `fn` (a plain or `async def` function of one Intent) for `kind`."""
+        if kind in self._handlers:
+            raise ValueError(f"a handler for {kind!r} is already registered")
+        self._handlers[kind] = fn
+
+    @property
+    def stats(self) -> WorkerStats:
+        """A snapshot of the counters."""
+        with self._stats_lock:
+            return dataclasses.replace(self._stats)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        if n == 0:
+            return
+        with self._stats_lock:
+            setattr(self._stats, name, getattr(self._stats, name) + n)
+        self._otel.add(name, n, {"worker.id": self.worker_id})
+        if self._on_count is not None:
+            self._on_count(name, n)
+
+    # Running ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Runs until SIGTERM or SIGINT (or `stop()`), then drains and returns."""
+        asyncio.run(self.run_async(handle_signals=threading.current_thread() is threading.main_thread()))
+
+    def stop(self) -> None:
+        """Asks the worker to drain and stop; safe from any thread or a signal handler.
+        A second call skips the rest of the grace."""
+        loop = self._loop
+        if self._stop_requested:
+            self._force = True
+        self._stop_requested = True
+        if loop is not None and self._stop is not None:
+            loop.call_soon_threadsafe(self._stop.set)
+
+    async def run_async(self, *, handle_signals: bool = False) -> None:
+        """Runs on the current event loop until `stop()` (or a signal, with
+        `handle_signals`), then drains: no new claims, running handlers get `grace`
+        seconds, settles are flushed, unfinished handlers' intents are failed RETRY
+        (UNKNOWN once submitted) and their late results discarded."""
+        if not self._handlers and not self.kinds:
+            raise ValueError("no handlers registered")
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._stop = asyncio.Event()
+        if self._stop_requested:
+            self._stop.set()
+        self._client = AsyncClient(self._config)
+        self._active: dict[str, _Lease] = {}
+        self._running = 0
+        self._slot_freed = asyncio.Event()
+        self._settles: asyncio.Queue[_Settle] = asyncio.Queue()
+        self._flushes: set[asyncio.Task[None]] = set()
+        self._fatal: Optional[BaseException] = None
+        self._pool: Optional[_ThreadPool] = None
+        if any(not inspect.iscoroutinefunction(h) for h in self._handlers.values()):
+            self._pool = _ThreadPool(self.concurrency, f"outboxd-{self.worker_id}")
+        if handle_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop)
+        heartbeat = asyncio.create_task(self._heartbeat_loop())
+        settler = asyncio.create_task(self._settle_loop())
+        try:
+            await self._claim_loop()
+            await self._drain()
+        finally:
+            heartbeat.cancel()
+            settler.cancel()
+            await asyncio.gather(heartbeat, settler, return_exceptions=True)
+            if handle_signals:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+            if self._pool is not None:
+                self._pool.shutdown()
+            await self._client.close()
+            self._loop = None
+        if self._fatal is not None:
+            raise self._fatal
+
+    # Claiming -----------------------------------------------------------------------
+
+    async def _claim_loop(self) -> None:
+        assert self._stop is not None
+        stop_wait = asyncio.create_task(self._stop.wait())
+        try:
+            while not self._stop.is_set():
+                free = self.concurrency - self._running
+                if free <= 0:
+                    self._slot_freed.clear()
+                    slot = asyncio.create_task(self._slot_freed.wait())
+                    await asyncio.wait({slot, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                    slot.cancel()
+                    continue
+                claim = asyncio.create_task(self._claim(min(free, 1000)))
+                await asyncio.wait({claim, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if not claim.done():
+                    # A long-poll may hold the shutdown. A cancelled Claim gives back
+                    # whatever it leased (the server sees the caller gone).
+                    claim.cancel()
+                    await asyncio.gather(claim, return_exceptions=True)
+                    break
+                try:
+                    leases, sent = claim.result()
+                except OutboxError as error:
+                    # Not transient (refused key, scope, bad request): stop loudly.
+                    self._fatal = error
+                    log.error("outboxd worker %s: Claim refused: %s", self.worker_id, error)
+                    self._stop.set()
+                    break
+                # Leases already taken are run even if a stop came meanwhile: they were
+                # claimed before it, and they get the grace like any other.
+                for lease in leases:
+                    self._start(lease, sent)
+        finally:
+            stop_wait.cancel()
+
+    async def _claim(self, n: int) -> tuple[Sequence[pb.Lease], float]:
+        """One logical Claim: retried with the same request_id until it is answered, so a
+        lost answer's leases are returned by the replay instead of stranded."""
+        request = pb.ClaimRequest(
+            worker_id=self.worker_id,
+            region=self.region,
+            kinds=self.kinds if self.kinds is not None else sorted(self._handlers),
+            max_intents=n,
+            lease_duration=duration(self.lease),
+            wait=duration(self.claim_wait),
+            request_id=str(uuid.uuid4()),
+        )
+        backoff = Backoff()
+        while True:
+            # Counted from the first send: a replay returns leases that first attempt took.
+            sent = time.monotonic()
+            try:
+                answer = await self._client.call(
+                    "Claim",
+                    request,
+                    pb.ClaimResponse,
+                    timeout=self.claim_wait + self.call_timeout,
+                    budget=self.claim_wait + self.call_timeout,
+                    on_retry=lambda _: self._count("claim_retries"),
+                )
+                return answer.leases, sent
+            except OutboxError as error:
+                if not transient(error.code, error.reason):
+                    raise
+                # Budget spent: keep the request_id and keep trying, slower.
+                log.warning("outboxd worker %s: Claim: %s", self.worker_id, error)
+                self._count("claim_retries")
+                await asyncio.sleep(backoff.next())
+
+    def _start(self, lease: pb.Lease, sent: float) -> None:
+        self._count("claimed")
+        intent = Intent(self, lease)
+        state = _Lease(intent, lease.lease_id, sent + self.lease)
+        intent._state = state
+        self._active[intent.id] = state
+        self._running += 1
+        state.task = asyncio.create_task(self._execute(state))
+
+    # Handling -----------------------------------------------------------------------
+
+    async def _execute(self, lease: _Lease) -> None:
+        intent = lease.intent
+        handler = self._handlers.get(intent.kind)
+        settle: Optional[_Settle]
+        try:
+            if handler is None:
+                known = ", ".join(sorted(self._handlers)) or "none"
+                settle = _Settle(
+                    lease,
+                    pb.FAIL_OUTCOME_PERMANENT,
+                    f"no handler for kind {intent.kind!r} in worker {self.worker_id} (handlers: {known})",
+                )
+                log.error("outboxd worker %s: %s", self.worker_id, settle.error)
+            else:
+                settle = await self._call(handler, lease)
+        finally:
+            self._running -= 1
+            self._slot_freed.set()
+        if settle is None or lease.lost or lease.abandoned:
+            if lease.lost:
+                self._forget(lease)
+            return
+        lease.settling = True
+        self._settles.put_nowait(settle)
+
+    async def _call(self, handler: Handler, lease: _Lease) -> Optional[_Settle]:
+        intent = lease.intent
+        try:
+            if inspect.iscoroutinefunction(handler):
+                with _otel.handler_span(intent.kind, intent.id, intent.attempt, intent.headers):
+                    await handler(intent)
+            else:
+                assert self._pool is not None and self._loop is not None
+
+                def run() -> None:
+                    with _otel.handler_span(intent.kind, intent.id, intent.attempt, intent.headers):
+                        handler(intent)
+
+                await self._pool.submit(self._loop, run)
+        except asyncio.CancelledError:
+            # Lease lost or shutdown past the grace: nothing to report from here.
+            if lease.lost or lease.abandoned:
+                return None
+            raise
+        except LeaseLost:
+            self._mark_lost(lease)
+            return None
+        except Retry as e:
+            return _Settle(lease, pb.FAIL_OUTCOME_RETRY, str(e), e.after)
+        except Permanent as e:
+            return _Settle(lease, pb.FAIL_OUTCOME_PERMANENT, _describe(e))
+        except Unknown as e:
+            return _Settle(lease, pb.FAIL_OUTCOME_UNKNOWN, _describe(e))
+        except Exception as e:
+            outcome = pb.FAIL_OUTCOME_UNKNOWN if lease.submitted else pb.FAIL_OUTCOME_RETRY
+            log.warning(
+                "outboxd worker %s: handler for %s %s raised %s",
+                self.worker_id,
+                intent.kind,
+                intent.id,
+                _describe(e),
+                exc_info=e,
+            )
+            return _Settle(lease, outcome, _describe(e))
+        return _Settle(lease, 0)
+
+    async def _mark_submitted(self, lease: _Lease) -> None:
+        if lease.submitted:
+            return
+        if lease.lost or lease.abandoned:
+            raise LeaseLost(f"lease on {lease.intent.id} lost before MarkSubmitted")
+        answer = await self._client.call(
+            "MarkSubmitted",
+            pb.MarkSubmittedRequest(leases=[lease.ref()]),
+            pb.MarkSubmittedResponse,
+            timeout=self.call_timeout,
+            budget=max(0.5, lease.expires - time.monotonic()),
+        )
+        item = answer.results[0]
+        if item.HasField("error"):
+            if item.error.reason in _LOST_REASONS:
+                self._mark_lost(lease)
+                raise LeaseLost(f"{item.error.reason}: {item.error.message}")
+            raise OutboxError(grpc.StatusCode.FAILED_PRECONDITION, item.error.reason, item.error.message)
+        lease.submitted = True
+
+    def _mark_lost(self, lease: _Lease) -> None:
+        if lease.lost:
+            return
+        lease.lost = True
+        lease.lost_event.set()
+        self._count("lease_lost")
+        log.warning("outboxd worker %s: lease on %s lost", self.worker_id, lease.intent.id)
+        task = lease.task
+        if task is not None and not task.done() and not lease.settling:
+            # Async handlers get a cancellation; sync ones see intent.lease_lost.
+            if inspect.iscoroutinefunction(self._handlers.get(lease.intent.kind)):
+                task.cancel()
+        if lease.task is None or lease.task.done() or lease.settling:
+            self._forget(lease)
+
+    def _forget(self, lease: _Lease) -> None:
+        if self._active.get(lease.intent.id) is lease:
+            del self._active[lease.intent.id]
+
+    # Heartbeats ---------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        """Extends every live lease each `heartbeat_interval`; a lease whose local expiry
+        passes without an extension is lost (it may be rescued and re-leased by now)."""
+        last = time.monotonic()
+        tick = min(self.heartbeat_interval, 0.25)
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for lease in list(self._active.values()):
+                if now >= lease.expires and not lease.lost:
+                    self._mark_lost(lease)
+            if now - last >= self.heartbeat_interval:
+                last = now
+                await self._extend_all()
+
+    async def _extend_all(self) -> None:
+        leases = [x for x in self._active.values() if not x.lost]
+        for start in range(0, len(leases), 1000):
+            chunk = leases[start : start + 1000]
+            sent = time.monotonic()
+            try:
+                answer = await self._client.call(
+                    "ExtendLease",
+                    pb.ExtendLeaseRequest(leases=[x.ref() for x in chunk], lease_duration=duration(self.lease)),
+                    pb.ExtendLeaseResponse,
+                    timeout=min(self.call_timeout, self.heartbeat_interval),
+                    budget=self.heartbeat_interval,
+                )
+            except (OutboxError, grpc.RpcError) as error:
+                self._count("heartbeat_failures")
+                log.warning("outboxd worker %s: ExtendLease: %s", self.worker_id, error)
+                continue
+            for lease, item in zip(chunk, answer.results):
+                if not item.HasField("error"):
+                    lease.expires = sent + self.lease
+                elif item.error.reason in _LOST_REASONS:
+                    self._mark_lost(lease)
+                else:
+                    self._count("heartbeat_failures")
+
+    # Settling -----------------------------------------------------------------------
+
+    async def _settle_loop(self) -> None:
+        """Collects Acks and Fails for `settle_delay` and sends each kind as one call."""
+        while True:
+            first = await self._settles.get()
+            if self.settle_delay > 0:
+                await asyncio.sleep(self.settle_delay)
+            batch = [first]
+            while len(batch) < 1000 and not self._settles.empty():
+                batch.append(self._settles.get_nowait())
+            task = asyncio.create_task(self._flush(batch))
+            self._flushes.add(task)
+            task.add_done_callback(self._flushes.discard)
+            if len(self._flushes) >= 4:
+                await asyncio.wait(set(self._flushes), return_when=asyncio.FIRST_COMPLETED)
+
+    async def _flush(self, batch: list[_Settle]) -> None:
+        batch = [s for s in batch if not s.lease.lost]
+        acks = [s for s in batch if s.outcome == 0]
+        fails = [s for s in batch if s.outcome != 0]
+        calls = []
+        if acks:
+            calls.append(self._send_acks(acks))
+        if fails:
+            calls.append(self._send_fails(fails))
+        await asyncio.gather(*calls)
+
+    async def _send_acks(self, acks: list[_Settle]) -> None:
+        try:
+            answer = await self._client.call(
+                "Ack",
+                pb.AckRequest(leases=[s.lease.ref() for s in acks]),
+                pb.AckResponse,
+                timeout=self.call_timeout,
+                budget=max(self.lease, self.call_timeout),
+            )
+        except OutboxError as error:
+            self._settle_failed(acks, error)
+            return
+        self._apply(acks, answer.results, "acked")
+
+    async def _send_fails(self, fails: list[_Settle]) -> None:
+        failures = []
+        for s in fails:
+            f = pb.Failure(lease=s.lease.ref(), error=s.error[:4000], outcome=s.outcome)  # type: ignore[arg-type]
+            if s.outcome == pb.FAIL_OUTCOME_RETRY and s.retry_after is not None:
+                f.retry_after.CopyFrom(duration(max(s.retry_after, 0.001)))
+            failures.append(f)
+        try:
+            answer = await self._client.call(
+                "Fail",
+                pb.FailRequest(failures=failures),
+                pb.FailResponse,
+                timeout=self.call_timeout,
+                budget=max(self.lease, self.call_timeout),
+            )
+        except OutboxError as error:
+            self._settle_failed(fails, error)
+            return
+        self._apply(fails, answer.results, "failed")
+
+    def _apply(self, batch: list[_Settle], results: Sequence[pb.LeaseResult], counter: str) -> None:
+        done = 0
+        for settle, item in zip(batch, results):
+            if not item.HasField("error"):
+                done += 1
+            elif item.error.reason in _LOST_REASONS:
+                settle.lease.lost = True
+                settle.lease.lost_event.set()
+                self._count("lease_lost")
+            else:
+                self._count("settle_errors")
+                log.error(
+                    "outboxd worker %s: settle of %s refused: %s %s",
+                    self.worker_id,
+                    settle.lease.intent.id,
+                    item.error.reason,
+                    item.error.message,
+                )
+            self._forget(settle.lease)
+        self._count(counter, done)
+
+    def _settle_failed(self, batch: list[_Settle], error: OutboxError) -> None:
+        # No answer within a lease's time: the leases expire and the intents come back.
+        log.error("outboxd worker %s: settle of %d intents failed: %s", self.worker_id, len(batch), error)
+        self._count("settle_errors", len(batch))
+        for s in batch:
+            self._forget(s.lease)
+
+    # Shutdown -----------------------------------------------------------------------
+
+    async def _drain(self) -> None:
+        """After the claim loop stopped: the grace for running handlers, then settles."""
+        running = [x.task for x in self._active.values() if x.task is not None and not x.task.done()]
+        deadline = time.monotonic() + self.grace
+        while running and not self._force and time.monotonic() < deadline:
+            _, pending = await asyncio.wait(running, timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+            running = list(pending)
+        abandoned = []
+        for lease in list(self._active.values()):
+            if lease.task is not None and not lease.task.done():
+                lease.abandoned = True
+                lease.lost_event.set()
+                lease.task.cancel()
+                if not lease.lost:
+                    # It did not finish: give it back now instead of waiting for the lease
+                    # to expire. Once submitted, nobody knows whether the call happened.
+                    outcome = pb.FAIL_OUTCOME_UNKNOWN if lease.submitted else pb.FAIL_OUTCOME_RETRY
+                    abandoned.append(_Settle(lease, outcome, "worker shut down before the handler finished"))
+        if abandoned:
+            log.warning(
+                "outboxd worker %s: %d handlers did not finish within the grace", self.worker_id, len(abandoned)
+            )
+        for s in abandoned:
+            s.lease.settling = True
+            self._settles.put_nowait(s)
+        # Flush everything queued, then wait for the calls in flight (bounded by their budgets).
+        while not self._settles.empty() or self._flushes:
+            await asyncio.sleep(max(self.settle_delay, 0.001))
+            if self._flushes:
+                await asyncio.wait(set(self._flushes), timeout=self.call_timeout)
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__

@@ -40,6 +40,10 @@ RESPONSES: dict[str, type[Message]] = {
 }
 
 
+def _serialize(message: Message) -> bytes:
+    return message.SerializeToString()
+
+
 def transient(code: grpc.StatusCode, reason: str) -> bool:
     """Failures that a retry of the same request may cure."""
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -121,7 +125,7 @@ class AsyncClient:
         if cached is None:
             cached = self._channels[index].unary_unary(
                 SERVICE + name,
-                request_serializer=Message.SerializeToString,
+                request_serializer=_serialize,
                 response_deserializer=RESPONSES[name].FromString,
             )
             self._methods[index][name] = cached
@@ -186,7 +190,7 @@ class SyncClient:
         if cached is None:
             cached = self._channels[index].unary_unary(
                 SERVICE + name,
-                request_serializer=Message.SerializeToString,
+                request_serializer=_serialize,
                 response_deserializer=RESPONSES[name].FromString,
             )
             self._methods[index][name] = cached

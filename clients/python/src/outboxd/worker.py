@@ -376,6 +376,8 @@ class Worker:
         self._slot_freed = asyncio.Event()
         self._settles: asyncio.Queue[_Settle] = asyncio.Queue()
         self._flushes: set[asyncio.Task[None]] = set()
+        self._unsettled = 0
+        self._all_settled = asyncio.Event()
         self._fatal: Optional[BaseException] = None
         self._pool: Optional[_ThreadPool] = None
         if any(not inspect.iscoroutinefunction(h) for h in self._handlers.values()):
@@ -506,8 +508,7 @@ class Worker:
             if lease.lost:
                 self._forget(lease)
             return
-        lease.settling = True
-        self._settles.put_nowait(settle)
+        self._queue_settle(settle)
 
     async def _call(self, handler: Handler, lease: _Lease) -> Optional[_Settle]:
         intent = lease.intent
@@ -648,7 +649,20 @@ class Worker:
             if len(self._flushes) >= 4:
                 await asyncio.wait(set(self._flushes), return_when=asyncio.FIRST_COMPLETED)
 
+    def _queue_settle(self, settle: _Settle) -> None:
+        settle.lease.settling = True
+        self._unsettled += 1
+        self._settles.put_nowait(settle)
+
     async def _flush(self, batch: list[_Settle]) -> None:
+        try:
+            await self._flush_batch(batch)
+        finally:
+            self._unsettled -= len(batch)
+            if self._unsettled == 0:
+                self._all_settled.set()
+
+    async def _flush_batch(self, batch: list[_Settle]) -> None:
         batch = [s for s in batch if not s.lease.lost]
         acks = [s for s in batch if s.outcome == 0]
         fails = [s for s in batch if s.outcome != 0]
@@ -746,13 +760,11 @@ class Worker:
                 "outboxd worker %s: %d handlers did not finish within the grace", self.worker_id, len(abandoned)
             )
         for s in abandoned:
-            s.lease.settling = True
-            self._settles.put_nowait(s)
-        # Flush everything queued, then wait for the calls in flight (bounded by their budgets).
-        while not self._settles.empty() or self._flushes:
-            await asyncio.sleep(max(self.settle_delay, 0.001))
-            if self._flushes:
-                await asyncio.wait(set(self._flushes), timeout=self.call_timeout)
+            self._queue_settle(s)
+        # Every settle queued or in flight is answered (or runs out of its budget).
+        self._all_settled.clear()
+        if self._unsettled:
+            await self._all_settled.wait()
 
 
 def _describe(e: BaseException) -> str:

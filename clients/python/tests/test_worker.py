@@ -1,0 +1,219 @@
+"""The worker against two real outboxd replicas: delivery, heartbeats, outcomes, replays."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from typing import Callable
+
+import pytest
+from conftest import Running, list_intents, state, wait_state
+from harness import Stack, wait_for
+from proxy import Cuts, FaultProxy
+
+import outboxd
+from outboxd import Intent, NewIntent, Permanent, Retry, Worker, pb
+
+
+def enqueue(outbox: outboxd.Outbox, kind: str, n: int, size: int = 0) -> list[str]:
+    ids: list[str] = []
+    for start in range(0, n, 1000):
+        batch = [NewIntent(kind=kind, payload=b"x" * size or f"{i}".encode()) for i in range(start, min(n, start + 1000))]
+        ids += [r.id for r in outbox.enqueue_direct_many(batch)]
+    return ids
+
+
+def test_two_workers_of_concurrency_8_drain_2000_intents_across_two_replicas_exactly_once(
+    stack: Stack, kind: Callable[[str], str]
+) -> None:
+    k = kind("drain")
+    a, b = stack.endpoints
+    # Half enqueued through each replica; each worker prefers a different one.
+    with outboxd.Outbox([a], stack.api_key) as via_a, outboxd.Outbox([b], stack.api_key) as via_b:
+        ids = enqueue(via_a, k, 1000) + enqueue(via_b, k, 1000)
+    seen: collections.Counter[str] = collections.Counter()
+    lock = threading.Lock()
+    workers = [Worker([a, b], stack.api_key, concurrency=8), Worker([b, a], stack.api_key, concurrency=8)]
+
+    def handle(intent: Intent) -> None:
+        with lock:
+            seen[intent.id] += 1
+
+    async def handle_async(intent: Intent) -> None:
+        seen[intent.id] += 1  # the loop thread: no lock needed against itself
+
+    workers[0].add_handler(k, handle)
+    workers[1].add_handler(k, handle_async)
+    with Running(workers[0]), Running(workers[1]):
+        wait_for("2000 acks", lambda: sum(w.stats.acked for w in workers) >= 2000, timeout=90)
+    assert set(seen) == set(ids)
+    assert max(seen.values()) == 1, "an intent was handled twice"
+    assert sum(w.stats.claimed for w in workers) == 2000
+    assert all(w.stats.claimed > 0 for w in workers), [w.stats for w in workers]
+    states = collections.Counter(i.state for i in list_intents(stack_outbox(stack), k).values())
+    assert states == {pb.INTENT_STATE_DELIVERED: 2000}
+
+
+def stack_outbox(stack: Stack) -> outboxd.Outbox:
+    return outboxd.Outbox(stack.endpoints, stack.api_key)
+
+
+def test_a_handler_running_10s_under_a_2s_lease_is_never_redelivered(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    k = kind("slow")
+    [intent_id] = enqueue(outbox, k, 1)
+    calls: list[int] = []
+    # A rival worker on the other replica would get the intent if its lease ever expired.
+    rival_calls: list[int] = []
+    slow = Worker(stack.endpoints[:1], stack.api_key, lease=2, concurrency=1)
+    rival = Worker(stack.endpoints[1:], stack.api_key, lease=2, concurrency=1, claim_wait=1)
+
+    @slow.handler(k)
+    def work(intent: Intent) -> None:
+        calls.append(intent.attempt)
+        assert not intent.wait_lease_lost(10.0), "lease lost while heartbeating"
+
+    @rival.handler(k)
+    def steal(intent: Intent) -> None:
+        rival_calls.append(intent.attempt)
+
+    with Running(rival), Running(slow):
+        wait_for("the slow handler acked", lambda: slow.stats.acked == 1, timeout=30)
+    assert calls == [1]
+    assert rival_calls == []
+    assert slow.stats.heartbeat_failures == 0
+    assert slow.stats.lease_lost == 0
+    delivered = wait_state(outbox, intent_id, "DELIVERED")
+    assert delivered.attempts == 1
+
+
+def test_a_lease_whose_heartbeats_are_blocked_is_lost_and_its_late_ack_is_not_counted(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    k = kind("blocked")
+    [intent_id] = enqueue(outbox, k, 1)
+    blocked = Worker(stack.endpoints[:1], stack.api_key, lease=2, concurrency=1)
+    held: list[Intent] = []
+
+    async def no_heartbeat() -> None:
+        blocked._count("heartbeat_failures")  # as if every ExtendLease were lost
+
+    blocked._extend_all = no_heartbeat  # type: ignore[method-assign]
+
+    @blocked.handler(k)
+    def hang(intent: Intent) -> None:
+        held.append(intent)
+        # Still working when the lease is lost: then finishes as if successful.
+        assert intent.wait_lease_lost(20.0)
+
+    with Running(blocked):
+        wait_for("the handler started", lambda: held, timeout=15)
+        wait_for("the lease lost", lambda: blocked.stats.lease_lost == 1, timeout=10)
+        # The server rescues the expired lease; another worker gets the intent.
+        rival = Worker(stack.endpoints[1:], stack.api_key, concurrency=1)
+        attempts: list[int] = []
+        rival.add_handler(k, lambda intent: attempts.append(intent.attempt))
+        with Running(rival):
+            wait_for("the rival acked", lambda: rival.stats.acked == 1, timeout=20)
+    assert attempts == [2]
+    assert blocked.stats.acked == 0 and blocked.stats.failed == 0
+    assert blocked.stats.heartbeat_failures >= 1
+    # The fencing token of the lost lease is refused by the server too.
+    late = outbox._client.call(
+        "Ack",
+        pb.AckRequest(leases=[pb.LeaseRef(intent_id=intent_id, lease_id=held[0].lease_id)]),
+        pb.AckResponse,
+        timeout=5,
+        budget=5,
+    )
+    assert late.results[0].error.reason == "LEASE_LOST"
+    assert wait_state(outbox, intent_id, "DELIVERED").worker_id == rival.worker_id
+
+
+def test_handler_outcomes_map_to_ack_retry_dead_letter_and_reconcile(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    kinds = {name: kind(name) for name in ("ok", "retry", "boom", "permanent", "submit_boom", "async", "orphan")}
+    ids = {name: outbox.enqueue_direct(k, b"{}").id for name, k in kinds.items()}
+    # The orphan kind is claimed (kinds= lists it) but has no handler.
+    worker = Worker(stack.endpoints, stack.api_key, concurrency=4, kinds=sorted(kinds.values()))
+    attempts: collections.Counter[str] = collections.Counter()
+
+    @worker.handler(kinds["ok"])
+    def ok(intent: Intent) -> None:
+        attempts["ok"] += 1
+
+    @worker.handler(kinds["retry"])
+    def retry(intent: Intent) -> None:
+        attempts["retry"] += 1
+        if intent.attempt == 1:
+            raise Retry("not yet", after=0.2)
+
+    @worker.handler(kinds["boom"])
+    def boom(intent: Intent) -> None:
+        attempts["boom"] += 1
+        if intent.attempt == 1:
+            raise ValueError("flaky")  # RETRY with the server's backoff (1 s)
+
+    @worker.handler(kinds["permanent"])
+    def permanent(intent: Intent) -> None:
+        raise Permanent("bad address")
+
+    @worker.handler(kinds["submit_boom"])
+    def submit_boom(intent: Intent) -> None:
+        with intent.submitting():
+            raise TimeoutError("PSP timed out")
+
+    @worker.handler(kinds["async"])
+    async def is_async(intent: Intent) -> None:
+        async with intent.submitting():
+            await asyncio.sleep(0)
+        attempts["async"] += 1
+
+    with Running(worker):
+        wait_state(outbox, ids["ok"], "DELIVERED")
+        wait_state(outbox, ids["retry"], "DELIVERED")
+        wait_state(outbox, ids["boom"], "DELIVERED")
+        assert "bad address" in wait_state(outbox, ids["permanent"], "DEAD_LETTERED").last_error
+        assert "PSP timed out" in wait_state(outbox, ids["submit_boom"], "NEEDS_RECONCILE").last_error
+        wait_state(outbox, ids["async"], "DELIVERED")
+        orphan = wait_state(outbox, ids["orphan"], "DEAD_LETTERED")
+        assert "no handler for kind" in orphan.last_error
+    assert attempts == {"ok": 1, "retry": 2, "boom": 2, "async": 1}
+    assert worker.stats.acked == 4 and worker.stats.failed == 5
+
+
+def test_lost_claim_answers_are_replayed_and_strand_no_lease(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    k = kind("lost")
+    # Claim answers of 5 KiB payloads are the only large server→client chunks: the proxies
+    # drop the first one and reset the connection, after the server committed its leases.
+    ids = enqueue(outbox, k, 5, size=5000)
+    cuts = Cuts(1, threshold=4000)
+    with FaultProxy(stack.endpoints[0], cuts) as pa, FaultProxy(stack.endpoints[1], cuts) as pb_:
+        worker = Worker([pa.addr, pb_.addr], stack.api_key, concurrency=8, lease=30)
+        handled: collections.Counter[str] = collections.Counter()
+        worker.add_handler(k, lambda intent: handled.update([intent.id]))
+        started = time.monotonic()
+        with Running(worker):
+            wait_for("5 acks", lambda: worker.stats.acked == 5, timeout=20)
+        took = time.monotonic() - started
+    assert cuts.done == 1
+    assert worker.stats.claim_retries >= 1
+    assert handled == {i: 1 for i in ids}
+    # Not rescued after 30 s of lease (that would be attempt 2): the replay returned them.
+    assert took < 20
+    assert all(i.attempts == 1 for i in list_intents(outbox, k).values())
+    assert all(state(outbox, i) == "DELIVERED" for i in ids)
+
+
+def test_a_refused_api_key_stops_the_worker_loudly(stack: Stack, kind: Callable[[str], str]) -> None:
+    worker = Worker(stack.endpoints, "obx_not-a-key", concurrency=1)
+    worker.add_handler(kind("x"), lambda intent: None)
+    with pytest.raises(outboxd.OutboxError) as refused:
+        asyncio.run(worker.run_async())
+    assert refused.value.code.name == "UNAUTHENTICATED"

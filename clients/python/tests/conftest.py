@@ -18,10 +18,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Stack, wait_for  # noqa: E402
+from harness import Stack, wait_for
 
-import outboxd  # noqa: E402
-from outboxd import pb  # noqa: E402
+import outboxd
+from outboxd import pb
 
 
 @pytest.fixture(scope="session")

@@ -109,7 +109,7 @@ class Cluster:
         import psycopg
 
         with psycopg.connect(self.url(db), autocommit=True) as conn:
-            conn.execute(query)  # type: ignore[arg-type]
+            conn.execute(query)
 
 
 class Server:

@@ -20,7 +20,9 @@ from outboxd import Intent, NewIntent, Permanent, Retry, Worker, pb
 def enqueue(outbox: outboxd.Outbox, kind: str, n: int, size: int = 0) -> list[str]:
     ids: list[str] = []
     for start in range(0, n, 1000):
-        batch = [NewIntent(kind=kind, payload=b"x" * size or f"{i}".encode()) for i in range(start, min(n, start + 1000))]
+        batch = [
+            NewIntent(kind=kind, payload=b"x" * size or f"{i}".encode()) for i in range(start, min(n, start + 1000))
+        ]
         ids += [r.id for r in outbox.enqueue_direct_many(batch)]
     return ids
 
@@ -80,8 +82,10 @@ def test_a_handler_running_10s_under_a_2s_lease_is_never_redelivered(
     def steal(intent: Intent) -> None:
         rival_calls.append(intent.attempt)
 
-    with Running(rival), Running(slow):
-        wait_for("the slow handler acked", lambda: slow.stats.acked == 1, timeout=30)
+    with Running(slow):
+        wait_for("the slow handler started", lambda: calls, timeout=15)
+        with Running(rival):
+            wait_for("the slow handler acked", lambda: slow.stats.acked == 1, timeout=30)
     assert calls == [1]
     assert rival_calls == []
     assert slow.stats.heartbeat_failures == 0

@@ -19,7 +19,7 @@ import outboxd
 
 def main() -> None:
     config = json.loads(sys.argv[1])
-    events = open(config["events"], "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+    events = open(config["events"], "a", buffering=1)
     lock = threading.Lock()
 
     def emit(event: str, **fields: Any) -> None:

@@ -1,0 +1,157 @@
+"""The producer: intents that exist iff the caller's transaction commits."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Callable
+
+import psycopg
+import pytest
+from conftest import Running, list_intents, state, wait_state
+from harness import Stack, wait_for
+from sqlalchemy import create_engine, text
+from sqlalchemy.orm import Session
+
+import outboxd
+from outboxd import AsyncOutbox, Intent, NewIntent, Outbox, TransactionRequired, Worker
+
+
+@pytest.fixture(scope="module")
+def orders(stack: Stack) -> None:
+    for db in ("app", "shop"):
+        with psycopg.connect(stack.cluster.url(db), autocommit=True) as conn:
+            conn.execute("CREATE TABLE IF NOT EXISTS orders (id bigserial PRIMARY KEY, customer text NOT NULL)")
+
+
+def place(conn: psycopg.Connection[tuple[int]], outbox: Outbox, kind: str, customer: str, commit: bool) -> str:
+    with conn.transaction():
+        row = conn.execute("INSERT INTO orders (customer) VALUES (%s) RETURNING id", (customer,)).fetchone()
+        assert row is not None
+        result = outbox.enqueue(
+            conn, kind=kind, payload={"order_id": row[0]}, idempotency_key=f"orders/{kind}/{row[0]}/created"
+        )
+        assert result.state == "STAGED"
+        if not commit:
+            raise psycopg.Rollback()
+    return result.id
+
+
+@pytest.mark.parametrize("db", ["app", "shop"])
+def test_a_committed_intent_is_delivered_and_a_rolled_back_one_is_discarded_and_never_delivered(
+    stack: Stack, outbox: Outbox, kind: Callable[[str], str], orders: None, db: str
+) -> None:
+    # app holds the outbox schema (token from outbox.txn_token()); shop does not (plain SQL).
+    k = kind("order.created")
+    delivered: collections.Counter[str] = collections.Counter()
+    payloads: list[object] = []
+    worker = Worker(stack.endpoints, stack.api_key, concurrency=2, claim_wait=1)
+
+    @worker.handler(k)
+    def handle(intent: Intent) -> None:
+        delivered[intent.id] += 1
+        payloads.append(intent.json())
+
+    with Running(worker), psycopg.connect(stack.cluster.url(db), autocommit=True) as conn:
+        committed = place(conn, outbox, k, "ada", commit=True)
+        rolled_back = place(conn, outbox, k, "bob", commit=False)
+        wait_state(outbox, committed, "DELIVERED")
+        wait_state(outbox, rolled_back, "DISCARDED")
+        # Once the rolled-back intent is resolved, anything claimable would come next:
+        # a sentinel enqueued now proves the worker claimed past it.
+        sentinel = outbox.enqueue_direct(k, b"{}").id
+        wait_for("the sentinel", lambda: delivered[sentinel], timeout=10)
+    assert delivered == {committed: 1, sentinel: 1}
+    assert rolled_back not in delivered
+    assert isinstance(payloads[0], dict) and "order_id" in payloads[0]
+
+
+def test_enqueue_outside_a_transaction_raises_and_records_nothing(
+    stack: Stack, outbox: Outbox, kind: Callable[[str], str], orders: None
+) -> None:
+    k = kind("nowhere")
+    with psycopg.connect(stack.cluster.url("app"), autocommit=True) as conn:
+        with pytest.raises(TransactionRequired):
+            outbox.enqueue(conn, kind=k, payload=b"x")
+    # Not autocommit, but no statement yet: no transaction either (no implicit BEGIN).
+    with psycopg.connect(stack.cluster.url("app")) as conn:
+        with pytest.raises(TransactionRequired):
+            outbox.enqueue(conn, kind=k, payload=b"x")
+        # A failed transaction is refused too, with a hint to roll back.
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            conn.execute("SELECT 1/0")
+        with pytest.raises(TransactionRequired, match="roll it back"):
+            outbox.enqueue(conn, kind=k, payload=b"x")
+    with Session(create_engine(stack.cluster.url("app").replace("postgres://", "postgresql+psycopg://"))) as session:
+        with pytest.raises(TransactionRequired):
+            outbox.enqueue(session, kind=k, payload=b"x")
+    assert list_intents(outbox, k) == {}
+
+
+def test_a_batch_an_sqlalchemy_session_and_idempotency_keys(
+    stack: Stack, outbox: Outbox, kind: Callable[[str], str], orders: None
+) -> None:
+    k = kind("batch")
+    engine = create_engine(stack.cluster.url("app").replace("postgres://", "postgresql+psycopg://"))
+    with Session(engine) as session, session.begin():
+        session.execute(text("INSERT INTO orders (customer) VALUES ('cy')"))
+        results = outbox.enqueue_many(
+            session,
+            [
+                NewIntent(kind=k, payload={"n": n}, idempotency_key=f"{k}/{n}", headers={"x-n": str(n)})
+                for n in range(3)
+            ],
+        )
+        # The same keys again in the same transaction: the same intents.
+        again = outbox.enqueue_many(session, [NewIntent(kind=k, payload={"n": 0}, idempotency_key=f"{k}/0")])
+    assert [r.state for r in results] == ["STAGED"] * 3
+    assert again[0].id == results[0].id and again[0].deduplicated
+    for r in results:
+        wait_state(outbox, r.id, "PENDING")
+    with Session(engine) as session, session.begin():
+        rolled = outbox.enqueue(session, kind=k, payload=b"no")
+        session.rollback()
+    wait_state(outbox, rolled.id, "DISCARDED")
+    direct = outbox.enqueue_direct(k, "plain text", delay=60)
+    assert direct.state == "PENDING"
+    got = outbox.get_intent(direct.id).intent
+    assert got.payload == b"plain text" and got.available_at.seconds > got.created_at.seconds + 50
+    assert outbox.get_intent(results[2].id).intent.headers["x-n"] == "2"
+
+
+def test_the_async_producer_with_psycopg_async_connection(
+    stack: Stack, outbox: Outbox, kind: Callable[[str], str], orders: None
+) -> None:
+    k = kind("async")
+
+    async def produce() -> tuple[str, str]:
+        async with AsyncOutbox(stack.endpoints, stack.api_key) as aoutbox:
+            async with await psycopg.AsyncConnection.connect(stack.cluster.url("app"), autocommit=True) as conn:
+                with pytest.raises(TransactionRequired):
+                    await aoutbox.enqueue(conn, kind=k, payload=b"x")
+                async with conn.transaction():
+                    await conn.execute("INSERT INTO orders (customer) VALUES ('dee')")
+                    kept = await aoutbox.enqueue(conn, kind=k, payload={"ok": True})
+                try:
+                    async with conn.transaction():
+                        dropped = await aoutbox.enqueue(conn, kind=k, payload={"ok": False})
+                        raise RuntimeError("a later step failed")
+                except RuntimeError:
+                    pass
+                return kept.id, dropped.id
+
+    kept, dropped = asyncio.run(produce())
+    wait_state(outbox, kept, "PENDING")
+    wait_state(outbox, dropped, "DISCARDED")
+    assert state(outbox, kept) == "PENDING"
+
+
+def test_refusals_carry_the_servers_reason(stack: Stack, outbox: Outbox, kind: Callable[[str], str]) -> None:
+    k = kind("refused")
+    outbox.enqueue_direct(k, b"a", idempotency_key=f"{k}/1")
+    with pytest.raises(outboxd.OutboxError) as conflict:
+        outbox.enqueue_direct(k, b"b", idempotency_key=f"{k}/1")
+    assert conflict.value.reason == "IDEMPOTENCY_CONFLICT"
+    with pytest.raises(outboxd.OutboxError) as invalid:
+        outbox.enqueue_direct("", b"b")
+    assert invalid.value.reason == "INVALID_ARGUMENT"

@@ -4,8 +4,8 @@
 #
 #   bash examples/check.sh
 #
-# It installs each producer's dependencies in isolation, generates the Python stubs from
-# proto/, starts outboxd on free ports in a fresh temporary directory, runs both producers
+# It installs each producer's dependencies in isolation (Python: the SDK in clients/python),
+# starts outboxd on free ports in a fresh temporary directory, runs both producers
 # (each commits one order and rolls back another), then acts as a worker with the outboxd
 # CLI: every committed intent must become claimable (and is acked), every rolled-back one
 # must end DISCARDED and never be claimed, and the business rows must match. It ends with
@@ -65,7 +65,7 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-step "Python producer: dependencies and stubs generated from proto/"
+step "Python producer: dependencies (the SDK in clients/python)"
 if python3 -m venv "$WORK/venv" >"$WORK/venv.log" 2>&1; then
   PY=("$WORK/venv/bin/python")
 else
@@ -80,11 +80,6 @@ if [ -x "$WORK/venv/bin/python" ]; then
   "${PY[@]}" -m pip install --quiet --disable-pip-version-check \
     -r examples/python/requirements.txt || abort "Python dependencies install"
 fi
-rm -rf examples/python/gen && mkdir -p examples/python/gen
-"${PY[@]}" -m grpc_tools.protoc -I proto --python_out=examples/python/gen \
-  --grpc_python_out=examples/python/gen proto/outbox/v1/outbox.proto ||
-  abort "Python stubs generated from proto/outbox/v1/outbox.proto"
-echo "stubs: $(cd examples/python/gen && echo outbox/v1/*.py)"
 
 step "Node producer: dependencies (the client is built from proto/ when it starts)"
 npm ci --prefix examples/node --no-audit --no-fund --loglevel=error ||

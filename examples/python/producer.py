@@ -1,16 +1,15 @@
 """An outboxd producer in Python: a business row and its outbox intent, in one transaction.
 
-The orders table lives in the same database as the outbox (the `outbox` schema), so the
-token comes from `outbox.txn_token()`, which also makes outboxd promote the intent the
-moment we commit. (From another database of the same cluster, see ../node/producer.js.)
+It uses the SDK in clients/python (`outboxd.Outbox`). The orders table lives in the same
+database as the outbox (the `outbox` schema), so the SDK takes the token from
+`outbox.txn_token()`, which also makes outboxd promote the intent the moment we commit.
+(From another database of the same cluster the SDK takes the plain-SQL token instead,
+automatically; ../node/producer.js shows that token by hand.)
 
-Setup, from the repository root (stubs are generated from the project's proto):
+Setup, from the repository root:
 
     python3 -m venv examples/python/.venv
     examples/python/.venv/bin/pip install -r examples/python/requirements.txt
-    examples/python/.venv/bin/python -m grpc_tools.protoc -I proto \
-        --python_out=examples/python/gen --grpc_python_out=examples/python/gen \
-        proto/outbox/v1/outbox.proto
 
 Run, with outboxd serving:
 
@@ -24,19 +23,13 @@ with one JSON line: {"committed": [...], "rolled_back": [...]}.
 import argparse
 import json
 import os
-import sys
-from pathlib import Path
 
-import grpc
 import psycopg
 
-# The stubs generated from proto/ (see Setup above) live in ./gen.
-sys.path.insert(0, str(Path(__file__).resolve().parent / "gen"))
-from outbox.v1 import outbox_pb2 as pb  # noqa: E402
-from outbox.v1 import outbox_pb2_grpc  # noqa: E402
+from outboxd import Outbox
 
 
-def place_order(conn, outbox, credentials, customer, total_cents, *, commit=True):
+def place_order(conn, outbox, customer, total_cents, *, commit=True):
     """Inserts an order and enqueues its "order.created" intent, atomically.
 
     Either both exist (COMMIT) or neither does (ROLLBACK): outboxd ties the intent to
@@ -48,36 +41,24 @@ def place_order(conn, outbox, credentials, customer, total_cents, *, commit=True
             (customer, total_cents),
         ).fetchone()[0]
 
-        # Phase 1: a token naming this still-open transaction. Enqueue must come before
-        # COMMIT; a token whose transaction already ended is refused.
-        token = conn.execute("SELECT outbox.txn_token()").fetchone()[0]
-        event = {"order_id": order_id, "customer": customer, "total_cents": total_cents}
-        reply = outbox.Enqueue(
-            pb.EnqueueRequest(
-                txn_token=token,
-                intents=[
-                    pb.NewIntent(
-                        kind="order.created",
-                        payload=json.dumps(event).encode(),
-                        content_type="application/json",
-                        # Derived from the business fact: retrying this Enqueue (say,
-                        # after a timeout) returns the same intent instead of a second one.
-                        idempotency_key=f"orders/{order_id}/created",
-                    )
-                ],
-            ),
-            metadata=credentials,  # [("authorization", "Bearer obx_…")]
-            timeout=10,  # never hold the transaction open on a stuck call
-        )
-        intent = reply.results[0]  # STAGED: recorded, but invisible to workers for now
+        # Phase 1: the SDK takes a token naming this still-open transaction and enqueues
+        # with it (outside a transaction it raises instead of enqueuing directly).
+        intent = outbox.enqueue(
+            conn,
+            kind="order.created",
+            # JSON-encoded, content type application/json.
+            payload={"order_id": order_id, "customer": customer, "total_cents": total_cents},
+            # Derived from the business fact: retrying this enqueue (say, after a
+            # timeout) returns the same intent instead of a second one.
+            idempotency_key=f"orders/{order_id}/created",
+        )  # STAGED: recorded, but invisible to workers for now
 
         if not commit:
             raise psycopg.Rollback()  # e.g. a later step failed: the intent is discarded
 
     # Phase 2 was our own COMMIT (or ROLLBACK); outboxd learns the outcome from PostgreSQL.
     # Workers then get the intent at least once, so they must tolerate a repeat.
-    state = pb.IntentState.Name(intent.state)
-    return {"order_id": order_id, "intent_id": intent.id, "state": state}
+    return {"order_id": order_id, "intent_id": intent.id, "state": f"INTENT_STATE_{intent.state}"}
 
 
 def main():
@@ -89,8 +70,8 @@ def main():
     )
     parser.add_argument(
         "--server",
-        # Same variable as the outboxd CLI, which takes a URL: accept both forms.
-        default=os.environ.get("OUTBOX_SERVER", "127.0.0.1:50051").removeprefix("http://"),
+        # Same variable as the outboxd CLI, which takes a URL: the SDK accepts both forms.
+        default=os.environ.get("OUTBOX_SERVER", "127.0.0.1:50051"),
         help="outboxd gRPC address, host:port [$OUTBOX_SERVER, 127.0.0.1:50051]",
     )
     parser.add_argument(
@@ -103,21 +84,19 @@ def main():
         parser.error("set OUTBOX_PRODUCER_DATABASE_URL or pass --database-url")
     if not args.api_key:
         parser.error("set OUTBOX_API_KEY or pass --api-key")
-    credentials = [("authorization", f"Bearer {args.api_key}")]
 
-    # autocommit: no implicit transaction; each `conn.transaction()` block is one.
+    # timeout: each enqueue, retries included, is bounded: the transaction is never held
+    # open on a stuck call. autocommit: each `conn.transaction()` block is one transaction.
     with (
-        grpc.insecure_channel(args.server) as channel,
+        Outbox(endpoints=[args.server], api_key=args.api_key, timeout=10) as outbox,
         psycopg.connect(args.database_url, autocommit=True) as conn,
     ):
         conn.execute(
             "CREATE TABLE IF NOT EXISTS orders"
             " (id bigserial PRIMARY KEY, customer text NOT NULL, total_cents int NOT NULL)"
         )
-        outbox = outbox_pb2_grpc.OutboxServiceStub(channel)
-
-        committed = place_order(conn, outbox, credentials, "ada", 4200)
-        rolled_back = place_order(conn, outbox, credentials, "bob", 1700, commit=False)
+        committed = place_order(conn, outbox, "ada", 4200)
+        rolled_back = place_order(conn, outbox, "bob", 1700, commit=False)
 
     for outcome, r in (("committed:  ", committed), ("rolled back:", rolled_back)):
         print(f"{outcome} order {r['order_id']}, intent {r['intent_id']} ({r['state']} at enqueue)")

@@ -101,6 +101,7 @@ def test_a_lease_whose_heartbeats_are_blocked_is_lost_and_its_late_ack_is_not_co
     [intent_id] = enqueue(outbox, k, 1)
     blocked = Worker(stack.endpoints[:1], stack.api_key, lease=2, concurrency=1)
     held: list[Intent] = []
+    release = threading.Event()
 
     async def no_heartbeat() -> None:
         blocked._count("heartbeat_failures")  # as if every ExtendLease were lost
@@ -110,8 +111,10 @@ def test_a_lease_whose_heartbeats_are_blocked_is_lost_and_its_late_ack_is_not_co
     @blocked.handler(k)
     def hang(intent: Intent) -> None:
         held.append(intent)
-        # Still working when the lease is lost: then finishes as if successful.
+        # Still working when the lease is lost; finishes "successfully" only once the
+        # intent was delivered by another worker (holding its only slot until then).
         assert intent.wait_lease_lost(20.0)
+        assert release.wait(30.0)
 
     with Running(blocked):
         wait_for("the handler started", lambda: held, timeout=15)
@@ -122,6 +125,8 @@ def test_a_lease_whose_heartbeats_are_blocked_is_lost_and_its_late_ack_is_not_co
         rival.add_handler(k, lambda intent: attempts.append(intent.attempt))
         with Running(rival):
             wait_for("the rival acked", lambda: rival.stats.acked == 1, timeout=20)
+        release.set()
+        wait_for("the late handler returned", lambda: blocked._running == 0, timeout=10)
     assert attempts == [2]
     assert blocked.stats.acked == 0 and blocked.stats.failed == 0
     assert blocked.stats.heartbeat_failures >= 1

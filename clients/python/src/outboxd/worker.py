@@ -401,6 +401,7 @@ class Worker:
                 self._pool.shutdown()
             await self._client.close()
             self._loop = None
+            self._stop_requested = self._force = False
         if self._fatal is not None:
             raise self._fatal
 

@@ -10,7 +10,7 @@ from typing import Callable
 
 import pytest
 from conftest import Running, list_intents, state, wait_state
-from harness import Stack, wait_for
+from harness import Stack, free_port, wait_for
 from proxy import Cuts, FaultProxy
 
 import outboxd
@@ -226,3 +226,19 @@ def test_a_refused_api_key_stops_the_worker_loudly(stack: Stack, kind: Callable[
     with pytest.raises(outboxd.OutboxError) as refused:
         asyncio.run(worker.run_async())
     assert refused.value.code.name == "UNAUTHENTICATED"
+
+
+def test_an_unreachable_endpoint_is_skipped_for_the_next_one(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    k = kind("failover")
+    ids = enqueue(outbox, k, 10)
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    # Start on the first endpoint (normally a random one).
+    monkeypatch.setattr("outboxd._rpc.random.randrange", lambda n: 0)
+    worker = Worker([dead, dead, stack.endpoints[1]], stack.api_key, concurrency=4)
+    handled: list[str] = []
+    worker.add_handler(k, lambda intent: handled.append(intent.id))
+    with Running(worker):
+        wait_for("10 acks", lambda: worker.stats.acked == 10, timeout=20)
+    assert sorted(handled) == sorted(ids)

@@ -484,7 +484,10 @@ async fn scenario(args: &FailoverArgs, seed: u64, dir: &Path) -> anyhow::Result<
     ));
     tokio::time::sleep(args.before).await;
 
-    // The failover.
+    // The failover, right after the COMMIT of a token-only transaction is acknowledged:
+    // with a commit that is not flushed (and not replicated) before its answer, only
+    // another commit's flush within that instant would save it.
+    let sentinel = sentinel(&shared, &mut rng, clusters.primary_port).await?;
     shared.phase.store(OUTAGE, Ordering::Relaxed);
     let crashed_at = shared.now();
     let primary = clusters.primary.clone();
@@ -541,7 +544,7 @@ async fn scenario(args: &FailoverArgs, seed: u64, dir: &Path) -> anyhow::Result<
     let r2_final = r2.terminate(GRACE * 3).await;
     forwarder.stop.cancel();
 
-    let verdict = check(&shared, &admin, crashed_at, drained, r2_stop).await?;
+    let verdict = check(&shared, &admin, crashed_at, drained, r2_stop, &sentinel).await?;
     println!(
         "{}",
         verdict.render(seed, r1_stop, r2_final, &shared.seen().errors)
@@ -708,6 +711,36 @@ async fn transaction(
     };
     shared.seen().txns.push(txn);
     healthy
+}
+
+/// A token-only transaction on the primary, committed; returns its intents once the
+/// COMMIT is acknowledged.
+async fn sentinel(shared: &Shared, rng: &mut Rng, primary_port: u16) -> anyhow::Result<Vec<Uuid>> {
+    let mut conn = PgConnection::connect(&url(primary_port, "postgres")).await?;
+    let intents = vec![v1::NewIntent {
+        kind: "failover.sentinel".to_owned(),
+        payload: b"{}".to_vec(),
+        content_type: "application/json".to_owned(),
+        idempotency_key: "sentinel".to_owned(),
+        ..Default::default()
+    }];
+    let committed = transaction(
+        shared,
+        rng,
+        &mut conn,
+        "sentinel",
+        TxnKind::TokenOnly,
+        intents,
+        true,
+    )
+    .await;
+    let seen = shared.seen();
+    let txn = seen
+        .txns
+        .last()
+        .filter(|t| t.ending == Ending::Committed && committed);
+    txn.map(|t| t.ids.clone())
+        .context("the sentinel transaction did not commit")
 }
 
 /// One worker: long-polling Claims, each lease acked at once, until `stop`.
@@ -900,6 +933,7 @@ async fn check(
     crashed_at: u64,
     drained: String,
     r2_stop: Option<Duration>,
+    sentinel: &[Uuid],
 ) -> anyhow::Result<Verdict> {
     let states: HashMap<Uuid, String> =
         sqlx::query_as::<_, (Uuid, String)>("SELECT id, state::text FROM outbox.all_intents")
@@ -956,6 +990,13 @@ async fn check(
             lost.is_empty() && !committed.is_empty(),
         ));
     }
+
+    let sentinel_states: Vec<&str> = sentinel.iter().map(state).collect();
+    rows.push((
+        "token-only COMMIT acknowledged just before the crash: delivered".to_owned(),
+        format!("{sentinel_states:?}"),
+        !sentinel.is_empty() && sentinel_states.iter().all(|s| *s == "delivered"),
+    ));
 
     // Aborted transactions: nothing claimed or delivered.
     let aborted: Vec<&Txn> = seen

@@ -3,7 +3,8 @@
 # workers and three outboxd replicas as real processes against a real PostgreSQL while
 # injecting crashes, stops, lost responses, killed sessions, lock stalls, a pinned xmin
 # and an exhausted pool; drains; checks the guarantees and prints the summary table.
-# Bounded: about 1.5 minutes of run time on a 2-core machine (plus the build).
+# Then a PostgreSQL failover (primary, synchronous standby, promotion; `outboxd-faults
+# failover`). Bounded: about 2 minutes of run time on a 2-core machine (plus the build).
 #
 #   bash ci/faults.sh                      # CI mode: 60 s of faults
 #   bash ci/faults.sh --duration 30m       # soak: same checks, longer
@@ -28,5 +29,14 @@ for arg in "$@"; do
 done
 
 cargo build --locked --bin outboxd --bin outboxd-faults
-exec timeout --kill-after=30s "${FAULTS_TIMEOUT:-$limit}" \
-  target/debug/outboxd-faults run "$@"
+status=0
+timeout --kill-after=30s "${FAULTS_TIMEOUT:-$limit}" \
+  target/debug/outboxd-faults run "$@" || status=$?
+
+# PostgreSQL failover under load (issue 33): a primary with a synchronous standby, an
+# immediate stop of the primary, the standby promoted, the servers moved to it. About
+# 25 s; its own checks and table.
+failover=0
+timeout --kill-after=30s 5m target/debug/outboxd-faults failover || failover=$?
+if [ "$status" -eq 0 ]; then status=$failover; fi
+exit "$status"

@@ -49,6 +49,9 @@ pub enum EmbeddedError {
     /// `initdb` exited unsuccessfully; `output` is its stdout and stderr.
     #[error("initdb failed ({status}):\n{output}")]
     InitdbFailed { status: ExitStatus, output: String },
+    /// `pg_basebackup` exited unsuccessfully; `output` is its stdout and stderr.
+    #[error("pg_basebackup failed ({status}):\n{output}")]
+    BaseBackupFailed { status: ExitStatus, output: String },
     /// The postmaster exited before it accepted connections; `log` is the log path and tail.
     #[error("postgres exited during startup ({status}); end of {log}")]
     ServerExited { status: ExitStatus, log: String },
@@ -281,14 +284,88 @@ impl EmbeddedPostgres {
     }
 
     /// pg_ctl's own test (PostgreSQL 10+): postmaster.pid names our child and says "ready" once
-    /// startup and crash recovery are done. A bare TCP connect would also succeed during recovery
-    /// (sessions are then refused) or against another server holding the port ours failed to bind.
+    /// startup and crash recovery are done ("standby" for a hot standby accepting read-only
+    /// sessions). A bare TCP connect would also succeed during recovery (sessions are then
+    /// refused) or against another server holding the port ours failed to bind.
     fn is_ready(&self, pid: u32) -> bool {
         let pidfile = fs::read_to_string(self.data_dir.join("postmaster.pid")).unwrap_or_default();
         let lines: Vec<&str> = pidfile.lines().map(str::trim).collect();
         lines.first() == Some(&pid.to_string().as_str())
-            && lines.get(7) == Some(&"ready")
+            && matches!(lines.get(7), Some(&"ready" | &"standby"))
             && TcpStream::connect((Ipv4Addr::LOCALHOST, self.port)).is_ok()
+    }
+
+    /// Takes a base backup of this running cluster into `data_dir` (created, and owned by
+    /// the server's user) set up as its streaming standby (`pg_basebackup -R`), whose
+    /// walreceiver names itself `application_name` (what `synchronous_standby_names`
+    /// lists); `extra_config` lines are appended to its `postgresql.auto.conf`. Start it
+    /// with [`EmbeddedPostgres::start`]. For failover tests: needs `max_wal_senders` > 0
+    /// and a `replication` line in `pg_hba.conf` (initdb's defaults have both).
+    pub fn base_backup_standby(
+        &self,
+        data_dir: &Path,
+        application_name: &str,
+        extra_config: &[String],
+    ) -> Result<(), EmbeddedError> {
+        let shown = data_dir.display().to_string();
+        fs::create_dir_all(data_dir).map_err(io_err(format!("creating {shown}")))?;
+        let data_dir = fs::canonicalize(data_dir).map_err(io_err(format!("resolving {shown}")))?;
+        self.give_to_server(&data_dir)?;
+        // pg_basebackup keeps the mode of a directory that exists; PostgreSQL wants 0700.
+        fs::set_permissions(
+            &data_dir,
+            std::os::unix::fs::PermissionsExt::from_mode(0o700),
+        )
+        .map_err(io_err(format!("chmod {shown}")))?;
+        // Beside the server binary it runs (PATH may link only initdb and postgres).
+        let program = [
+            self.bin_dir.clone(),
+            fs::canonicalize(self.bin_dir.join("postgres"))
+                .ok()
+                .and_then(|p| p.parent().map(Path::to_path_buf))
+                .unwrap_or_default(),
+        ]
+        .into_iter()
+        .map(|dir| dir.join("pg_basebackup"))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| PathBuf::from("pg_basebackup"));
+        let mut cmd = Command::new(program);
+        let port = self.port.to_string();
+        cmd.arg("-D").arg(&data_dir);
+        cmd.args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &port,
+            "-U",
+            "postgres",
+            "-X",
+            "stream",
+            "-R",
+            // A fast checkpoint: the default, spread, one takes minutes.
+            "-c",
+            "fast",
+        ]);
+        let out = self.as_server_user(&mut cmd).output();
+        let out = out.map_err(io_err("running pg_basebackup"))?;
+        if !out.status.success() {
+            let output =
+                String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+            let (status, output) = (out.status, output.trim_end().to_owned());
+            return Err(EmbeddedError::BaseBackupFailed { status, output });
+        }
+        let conf = data_dir.join("postgresql.auto.conf");
+        let mut lines = vec![format!(
+            "primary_conninfo = 'host=127.0.0.1 port={port} user=postgres \
+             application_name={application_name}'"
+        )];
+        lines.extend(extra_config.iter().cloned());
+        let text = format!("\n{}\n", lines.join("\n"));
+        OpenOptions::new()
+            .append(true)
+            .open(&conf)
+            .and_then(|mut file| io::Write::write_all(&mut file, text.as_bytes()))
+            .map_err(io_err(format!("appending to {}", conf.display())))
     }
 
     /// A `postmaster.pid` left by a killed run would otherwise need manual cleanup.

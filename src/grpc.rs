@@ -389,19 +389,39 @@ impl From<Error> for Status {
 /// Classifies database failures: transient conflicts may be retried at once, outages with
 /// backoff, anything else is a bug.
 fn database_reason(e: &sqlx::Error) -> Reason {
+    if is_outage(e) {
+        return Reason::Unavailable;
+    }
     match e {
-        sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_) => {
-            Reason::Unavailable
+        sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("40001" | "40P01")) => {
+            Reason::Conflict
         }
-        sqlx::Error::Database(db) => match db.code().as_deref() {
-            Some("40001" | "40P01") => Reason::Conflict,
-            // Connection failures, admin shutdown, crash recovery, too many connections.
-            Some(c) if c.starts_with("08") || c.starts_with("57P") || c == "53300" => {
-                Reason::Unavailable
-            }
-            _ => Reason::Internal,
-        },
         _ => Reason::Internal,
+    }
+}
+
+/// Whether the database could not be reached or used, rather than refused the statement:
+/// every connection-level failure (refused, reset, closed mid-handshake or mid-statement,
+/// as by a proxy or load balancer with no live backend during a failover; TLS; a garbled
+/// or truncated reply; the pool's timeout or closing; its connection task gone), and what
+/// PostgreSQL says while it cannot serve (connection errors, shutdown, crash recovery, too
+/// many connections, a server still in recovery or demoted to a standby).
+fn is_outage(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => match db.code().as_deref() {
+            // 08: connection exception; 57P: operator intervention (shutdown, crash,
+            // cannot connect now); 53300: too many connections; 25006: read-only
+            // transaction (the address still leads to a standby, or a demoted primary).
+            Some(c) => c.starts_with("08") || c.starts_with("57P") || c == "53300" || c == "25006",
+            None => false,
+        },
+        _ => false,
     }
 }
 
@@ -957,5 +977,26 @@ mod tests {
 
         let (fit, rest) = split_at_reply_budget(intents(4), usize::MAX);
         assert_eq!((fit.len(), rest.len()), (4, 0));
+    }
+
+    #[test]
+    fn every_connection_level_failure_is_unavailable() {
+        let eof = || std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+        for e in [
+            sqlx::Error::Io(eof()),
+            sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset)),
+            sqlx::Error::Tls(Box::new(eof())),
+            sqlx::Error::Protocol("unexpected end of file".into()),
+            sqlx::Error::PoolTimedOut,
+            sqlx::Error::PoolClosed,
+            sqlx::Error::WorkerCrashed,
+        ] {
+            assert_eq!(database_reason(&e), Reason::Unavailable, "{e:?}");
+        }
+        assert_eq!(database_reason(&sqlx::Error::RowNotFound), Reason::Internal);
+        assert_eq!(
+            database_reason(&sqlx::Error::ColumnNotFound("x".into())),
+            Reason::Internal
+        );
     }
 }

@@ -296,6 +296,8 @@ pub struct Application {
     grace: Duration,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     background: Vec<JoinHandle<()>>,
+    /// Closed by [`Application::run_until_stopped`] within the grace.
+    pool: PgPool,
 }
 
 impl Application {
@@ -346,7 +348,7 @@ impl Application {
         )));
         let auth = Arc::new(Authenticator::new(pool.clone(), settings.auth_cache_ttl));
         let handler = OutboxHandler::new(
-            pool,
+            pool.clone(),
             auth,
             cluster_id,
             settings,
@@ -409,6 +411,7 @@ impl Application {
             grace: settings.shutdown_grace,
             server,
             background,
+            pool,
         })
     }
 
@@ -424,12 +427,21 @@ impl Application {
 
     /// Drains and stops: health turns NOT_SERVING (overall and per service) and stays so
     /// for the drain delay while calls are still served; then new connections are refused,
-    /// waiting long-polls answer, and in-flight calls get the grace period to finish.
+    /// waiting long-polls answer, and in-flight calls and background tasks get the grace
+    /// period to finish, together: what is still running then is cut. With the database
+    /// gone, a call or a sweep may be waiting for a connection (up to the pool's 5 s
+    /// acquire timeout) or on a statement that never answers; the grace must bound the
+    /// exit anyway (an orchestrator kills what outlives it, with no log of why).
     /// Leases held by workers are not touched: they are acked, or expire and are rescued.
     ///
     /// # Errors
     /// The server task failed.
     pub async fn stop(self) -> anyhow::Result<()> {
+        self.stop_with_deadline().await.0
+    }
+
+    /// [`Application::stop`], returning also when the grace ends.
+    async fn stop_with_deadline(self) -> (anyhow::Result<()>, tokio::time::Instant) {
         self.health
             .set_not_serving::<OutboxServiceServer<OutboxHandler>>()
             .await;
@@ -437,30 +449,47 @@ impl Application {
             .set_service_status("", tonic_health::ServingStatus::NotServing)
             .await;
         tokio::time::sleep(self.drain_delay).await;
+        let deadline = tokio::time::Instant::now() + self.grace;
         self.shutdown.cancel();
         let mut server = self.server;
-        let served = match tokio::time::timeout(self.grace, &mut server).await {
-            Ok(joined) => joined?,
+        let served = match tokio::time::timeout_at(deadline, &mut server).await {
+            Ok(joined) => joined.map_err(anyhow::Error::from),
             Err(_) => {
                 tracing::warn!(grace = ?self.grace, "in-flight calls outlived the grace period; cutting them");
                 server.abort();
-                Ok(())
+                Ok(Ok(()))
             }
         };
-        for task in self.background {
-            let _ = task.await;
+        for mut task in self.background {
+            // Background tasks stop at the next turn of their loop, which a sweep waiting
+            // for an unreachable database may not reach before the deadline.
+            if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
+                tracing::warn!(grace = ?self.grace, "a background task outlived the grace period; cutting it");
+                task.abort();
+            }
         }
-        served.context("gRPC server failed")
+        let served = served.and_then(|s| s.context("gRPC server failed"));
+        (served, deadline)
     }
 
-    /// Serves until Ctrl-C or SIGTERM, then stops gracefully.
+    /// Serves until Ctrl-C or SIGTERM, then stops gracefully and closes the pool, all
+    /// within the drain delay and the grace.
     ///
     /// # Errors
     /// The server task failed.
     pub async fn run_until_stopped(self) -> anyhow::Result<()> {
         shutdown_signal().await;
         tracing::info!("shutdown requested; draining");
-        self.stop().await
+        let pool = self.pool.clone();
+        let (served, deadline) = self.stop_with_deadline().await;
+        // Closing waits for every connection to come back; the ones cut above were dropped.
+        if tokio::time::timeout_at(deadline, pool.close())
+            .await
+            .is_err()
+        {
+            tracing::warn!("database connections still closing at the end of the grace period");
+        }
+        served
     }
 }
 

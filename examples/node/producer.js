@@ -34,13 +34,15 @@ const { OutboxService } = grpc.loadPackageDefinition(definition).outbox.v1;
 
 // Names the current transaction (and assigns it an id):
 // 'v2.<system id>.<server incarnation>.<xid>'; the incarnation changes when PostgreSQL
-// recovers from a crash, which may hand the same xid to another transaction.
+// recovers from a crash, which may hand the same xid to another transaction. The
+// logical-decoding message makes the transaction write WAL, so its COMMIT is flushed (and
+// replicated to a synchronous standby) even when it wrote nothing else.
 const TOKEN_SQL = `SELECT 'v2.' || system_identifier || '.' ||
                           (extract(epoch FROM least(pg_stat_get_bgwriter_stat_reset_time(),
                                                     (SELECT stats_reset FROM pg_stat_archiver)))
                            * 1000000)::bigint
                           || '.' || pg_current_xact_id() AS token
-                   FROM pg_control_system()`;
+                   FROM pg_control_system(), pg_logical_emit_message(true, 'outboxd', '')`;
 
 // The API key (scope `produce`, from `outboxd keys create`) goes with every call.
 function credentials() {

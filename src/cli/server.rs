@@ -18,9 +18,10 @@ pub(super) async fn serve(settings: Settings) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(settings.listen_addr)
         .await
         .with_context(|| format!("cannot listen on {}", settings.listen_addr))?;
-    let app = Application::start(&settings, pool.clone(), listener, Runtime::default()).await?;
+    let app = Application::start(&settings, pool, listener, Runtime::default()).await?;
+    // Closes the pool too, within the grace (waiting here for a connection stuck on a
+    // database that is gone would outlive it).
     let served = app.run_until_stopped().await;
-    pool.close().await;
     stop_embedded(database.embedded).await?;
     served
 }

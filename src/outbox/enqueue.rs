@@ -226,13 +226,16 @@ pub async fn enqueue(
     let same_life = check.incarnation == token.incarnation;
     match check.status {
         TxnStatus::InProgress | TxnStatus::Future | TxnStatus::Aborted if !same_life => {
-            return Err(Error::TxnAborted(format!(
-                "PostgreSQL recovered from a crash (or a restore) after this token was \
-                 taken, which ended the producer transaction {}; its intents must not \
-                 exist (transaction ids are handed out again after a crash, so this id may \
-                 now name another transaction)",
-                token.xid
-            )));
+            return Err(stale_token(token.xid));
+        }
+        // A replay is answered even from an earlier server life: intents recorded with
+        // the token were committed by an outboxd transaction whose id is higher than
+        // the producer's, so crash recovery, which resumes handing out ids above every
+        // id in the WAL, cannot have given the producer's id to anyone else.
+        TxnStatus::Committed | TxnStatus::Forgotten if !same_life => {
+            return store::find_replay(&mut tx, token.xid, &intents)
+                .await?
+                .ok_or_else(|| stale_token(token.xid));
         }
         TxnStatus::InProgress => {}
         TxnStatus::Future => {
@@ -253,10 +256,6 @@ pub async fn enqueue(
                 token.xid
             )));
         }
-        // A commit is trusted even from an earlier server life: intents recorded with
-        // the token were committed by an outboxd transaction whose id is higher than
-        // the producer's, so crash recovery, which resumes handing out ids above every
-        // id in the WAL, cannot have given the producer's id to anyone else.
         TxnStatus::Committed => {
             return store::find_replay(&mut tx, token.xid, &intents)
                 .await?
@@ -296,6 +295,19 @@ async fn commit(tx: sqlx::Transaction<'static, sqlx::Postgres>) -> Result<()> {
         );
         Error::CommitOutcomeUnknown
     })
+}
+
+/// The answer to a token of an earlier server life that is not a replay: whatever its
+/// transaction id reads now (open, committed, aborted), it may be a stranger's, handed
+/// out again after the crash, a restore or a failover; the token's own transaction ended
+/// with that server life without committing anything outboxd recorded.
+fn stale_token(xid: u64) -> Error {
+    Error::TxnAborted(format!(
+        "PostgreSQL recovered from a crash (or a restore, or a standby was promoted) after \
+         this token was taken, which ended the producer transaction {xid}; its intents must \
+         not exist (transaction ids are handed out again after a crash, so this id may now \
+         name another transaction)"
+    ))
 }
 
 fn bad_token(description: String) -> Error {

@@ -12,10 +12,17 @@ use std::str::FromStr;
 /// The SQL that makes a token from any database of the cluster: the same value
 /// `outbox.txn_token()` returns (without its commit notification), for producers whose
 /// tables live in another database. README and the examples quote it.
+///
+/// Like `outbox.txn_token()`, it writes a transactional logical-decoding message: a
+/// transaction that wrote no WAL has its COMMIT acknowledged before it is flushed (and
+/// without waiting for a synchronous standby), so a producer that wrote nothing but its
+/// token could be told COMMIT OK and lose it in a crash or a failover (migration
+/// `…19_token_transaction_writes_wal`).
 pub const PLAIN_TOKEN_SQL: &str = "SELECT 'v2.' || system_identifier || '.' || \
      (extract(epoch FROM least(pg_stat_get_bgwriter_stat_reset_time(), \
      (SELECT stats_reset FROM pg_stat_archiver))) * 1000000)::bigint || '.' || \
-     pg_current_xact_id() FROM pg_control_system()";
+     pg_current_xact_id() FROM pg_control_system(), \
+     pg_logical_emit_message(true, 'outboxd', '')";
 
 /// A parsed two-phase token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

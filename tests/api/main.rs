@@ -14,6 +14,7 @@ mod long_poll;
 mod maintenance;
 mod model;
 mod observability;
+mod outage;
 mod properties;
 mod protocol;
 mod reconcile;

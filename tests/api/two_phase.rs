@@ -368,12 +368,18 @@ async fn replaying_an_enqueue_after_commit_returns_the_recorded_intents() {
 /// A server on a PostgreSQL cluster of its own, for tests that crash it: crashing the
 /// shared one would break every other test.
 async fn app_on_own_cluster() -> (TestApp, EmbeddedPostgres) {
+    app_on_own_cluster_with(Vec::new()).await
+}
+
+/// [`app_on_own_cluster`] with extra server settings.
+async fn app_on_own_cluster_with(settings: Vec<(String, String)>) -> (TestApp, EmbeddedPostgres) {
     let dir = std::env::temp_dir().join(format!("outboxd-crash-{}", uuid::Uuid::new_v4().simple()));
-    let cluster =
-        tokio::task::spawn_blocking(move || EmbeddedPostgres::start(EmbeddedConfig::new(dir)))
-            .await
-            .unwrap()
-            .unwrap();
+    let mut config = EmbeddedConfig::new(dir);
+    config.settings = settings;
+    let cluster = tokio::task::spawn_blocking(move || EmbeddedPostgres::start(config))
+        .await
+        .unwrap()
+        .unwrap();
     let url = cluster.url("postgres");
     let pool = outboxd::startup::connect(&url, 4).await.unwrap();
     outboxd::startup::migrate(&pool).await.unwrap();
@@ -443,14 +449,108 @@ async fn a_postgres_crash_discards_open_transactions_and_keeps_committed_intents
     stop_own_cluster(app, cluster).await;
 }
 
+/// The plain-SQL token as it was before it wrote WAL (a producer on the older README's
+/// SQL): its transaction id reaches the disk only with the transaction's first write, so
+/// crash recovery may hand it out again.
+const TOKEN_WRITING_NO_WAL: &str = "SELECT 'v2.' || system_identifier || '.' || \
+     outbox.server_incarnation() || '.' || pg_current_xact_id() FROM pg_control_system()";
+
 #[tokio::test]
-async fn a_token_from_before_a_postgres_crash_is_refused_though_its_xid_now_names_another_transaction()
- {
+async fn a_commit_of_a_transaction_that_wrote_nothing_but_its_token_survives_a_postgres_crash() {
+    // No autovacuum: its commits, flushing the WAL, would flush the producer's too.
+    let settings = vec![("autovacuum".to_owned(), "off".to_owned())];
+    let (app, mut cluster) = app_on_own_cluster_with(settings).await;
+    let url = app.url.clone();
+    app.stop().await;
+    // One crash each: a flushed commit flushes every commit record before its own.
+    for (sql, how) in [
+        (PLAIN_TOKEN_SQL, "the plain-SQL token"),
+        ("SELECT outbox.txn_token()", "outbox.txn_token()"),
+    ] {
+        let app = TestApp::spawn_on(url.clone(), |_| {}).await;
+        // A producer that writes no row: a notification from a read-only flow.
+        let mut producer = app.producer().await;
+        let mut tx = producer.begin().await.unwrap();
+        let token: String = sqlx::query_scalar(sql).fetch_one(&mut *tx).await.unwrap();
+        let id = enqueue_in(&app, &token, vec![intent("read.only", "{}")])
+            .await
+            .unwrap()[0]
+            .id
+            .clone();
+        // outboxd must not promote (its own commit would flush the producer's): its
+        // server stops before the producer's COMMIT.
+        let pool = app.pool.clone();
+        app.stop().await;
+        // The WAL writer flushes what commits left unflushed within wal_writer_delay
+        // (200 ms), or at once when it was idle: stopped, it cannot, so the crash finds
+        // only what the COMMIT flushed itself, as a crash right after it would.
+        let wal_writer = stop_wal_writer(&pool).await;
+        tx.commit().await.unwrap();
+        // PostgreSQL crashes right after acknowledging the COMMIT (the WAL writer killed
+        // first, or the immediate stop would wait for it).
+        // SAFETY: kill(2) of a server process this test stopped; it cannot exit meanwhile.
+        unsafe { libc::kill(wal_writer, libc::SIGKILL) };
+        cluster = crash_and_restart(cluster).await;
+        drop(producer);
+
+        let state: String =
+            sqlx::query_scalar("SELECT state::text FROM outbox.intent WHERE id = $1::uuid")
+                .bind(&id)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(state, "staged", "nothing promoted it before the crash");
+        let app = TestApp::spawn_on(url.clone(), |_| {}).await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            let now = app.state(&id).await;
+            assert_ne!(
+                now,
+                IntentState::Discarded,
+                "the acknowledged COMMIT of a transaction that took its token with {how} (and \
+                 wrote nothing else) was lost in the crash"
+            );
+            if now == IntentState::Pending {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "{id} stayed {now:?}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        app.stop().await;
+        pool.close().await;
+    }
+    tokio::task::spawn_blocking(move || {
+        cluster.stop().unwrap();
+        let _ = std::fs::remove_dir_all(cluster.data_dir());
+    })
+    .await
+    .unwrap();
+}
+
+/// SIGSTOPs the cluster's WAL writer; returns its pid.
+async fn stop_wal_writer(pool: &sqlx::PgPool) -> libc::pid_t {
+    let pid: i32 =
+        sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    // SAFETY: kill(2) of the live server process just read from pg_stat_activity.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    pid
+}
+
+/// A token taken in a transaction that PostgreSQL's crash ended before anything of it
+/// reached the disk, and a stranger's connection whose open transaction crash recovery
+/// gave the same transaction id.
+async fn token_whose_xid_a_stranger_holds() -> (TestApp, EmbeddedPostgres, String, PgConnection) {
     let (app, cluster) = app_on_own_cluster().await;
     // The producer takes its token (assigning its xid, which nothing writes to disk)...
     let mut producer = app.producer().await;
     sqlx::raw_sql("BEGIN").execute(&mut producer).await.unwrap();
-    let token = token_of(&mut producer).await;
+    let token: String = sqlx::query_scalar(TOKEN_WRITING_NO_WAL)
+        .fetch_one(&mut producer)
+        .await
+        .unwrap();
     let xid: u64 = token.rsplit('.').next().unwrap().parse().unwrap();
     // ...and PostgreSQL crashes before its Enqueue gets through.
     let cluster = crash_and_restart(cluster).await;
@@ -481,6 +581,13 @@ async fn a_token_from_before_a_postgres_crash_is_refused_though_its_xid_now_name
         .await
         .unwrap();
     assert_eq!(stranger_xid, xid.to_string());
+    (app, cluster, token, stranger)
+}
+
+#[tokio::test]
+async fn a_token_from_before_a_postgres_crash_is_refused_though_its_xid_now_names_another_transaction()
+ {
+    let (app, cluster, token, mut stranger) = token_whose_xid_a_stranger_holds().await;
 
     // The producer's Enqueue, retried now, must not join the stranger's transaction.
     let status = enqueue_in(&app, &token, vec![intent("of.the.dead", "{}")])
@@ -496,6 +603,36 @@ async fn a_token_from_before_a_postgres_crash_is_refused_though_its_xid_now_name
         .execute(&mut stranger)
         .await
         .unwrap();
+    assert_eq!(
+        app.snapshot().await,
+        Vec::<String>::new(),
+        "nothing was stored"
+    );
+    stop_own_cluster(app, cluster).await;
+}
+
+#[tokio::test]
+async fn a_token_from_before_a_postgres_crash_is_aborted_though_a_stranger_committed_its_xid() {
+    let (app, cluster, token, mut stranger) = token_whose_xid_a_stranger_holds().await;
+    business_table(&mut stranger).await;
+    sqlx::raw_sql("INSERT INTO orders (customer) VALUES ('stranger'); COMMIT")
+        .execute(&mut stranger)
+        .await
+        .unwrap();
+
+    // The producer's transaction never committed: its retry is told so, not that it
+    // already committed (which would tell it to do the wrong thing).
+    let mut keyed = intent("of.the.dead", "{}");
+    keyed.idempotency_key = "orders/1/created".to_owned();
+    for intents in [vec![intent("of.the.dead", "{}")], vec![keyed]] {
+        let status = enqueue_in(&app, &token, intents).await.unwrap_err();
+        assert_status(&status, Code::Aborted, "TXN_ABORTED", &[]);
+        assert!(
+            status.message().contains("crash"),
+            "the reason names the crash: {}",
+            status.message()
+        );
+    }
     assert_eq!(
         app.snapshot().await,
         Vec::<String>::new(),

@@ -10,16 +10,19 @@
 //! target/debug/outboxd-faults run                     # CI: 60 s of faults, drain, checks
 //! target/debug/outboxd-faults run --duration 30m      # soak, same checks
 //! target/debug/outboxd-faults repro xid-reuse         # a bug the suite found, exit 1 while present
+//! target/debug/outboxd-faults failover                # primary crash, standby promoted, checks
 //! ```
 //!
 //! Modules: `cluster` (PostgreSQL), `processes` (children and their supervision), `proxy`
 //! (lost responses), `rpc` (clients that retry the same request), `producer`, `worker` and
 //! `idle` (the load and the pinned xmin), `journal` (what they observed), `faults` (kinds
 //! and timeline), `run` (orchestration; `run::inject` the fault scheduler), `checker` (the
-//! guarantees), `report` (the table), `repro` (deterministic reproductions of found bugs).
+//! guarantees), `report` (the table), `repro` (deterministic reproductions of found bugs), `failover` (a PostgreSQL failover
+//! under load, issue 33).
 
 mod checker;
 mod cluster;
+mod failover;
 mod faults;
 mod idle;
 mod journal;
@@ -65,6 +68,9 @@ enum Command {
     Run(run::RunArgs),
     /// Deterministic reproduction of a bug the suite found (exit 1 while outboxd has it).
     Repro(repro::ReproArgs),
+    /// A PostgreSQL failover under load: primary, synchronous standby, immediate stop,
+    /// promotion, servers moved (exit 1 if a check failed).
+    Failover(failover::FailoverArgs),
     /// A worker process (started by `run`).
     #[command(hide = true)]
     Worker(worker::WorkerArgs),
@@ -78,10 +84,12 @@ fn main() -> ExitCode {
     let runtime = match &cli.command {
         // The orchestrator forks children from its worker threads, which must outlive
         // them (PR_SET_PDEATHSIG follows the forking thread): a fixed multi-thread pool.
-        Command::Run(_) | Command::Repro(_) => tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build(),
+        Command::Run(_) | Command::Repro(_) | Command::Failover(_) => {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+        }
         _ => tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build(),
@@ -97,6 +105,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Run(args) => run::run(args).await,
             Command::Repro(args) => repro::run(args).await,
+            Command::Failover(args) => failover::run(args).await,
             Command::Worker(args) => worker::run(args).await.map(|()| true),
             Command::Producer(args) => producer::run(args).await.map(|()| true),
         }

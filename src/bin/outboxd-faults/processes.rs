@@ -127,13 +127,13 @@ impl Supervised {
     }
 
     /// SIGTERM (after SIGCONT), then SIGKILL if it has not exited within `grace`.
-    pub async fn terminate(&self, grace: Duration) {
+    /// Returns how long it took to exit on SIGTERM (None: nothing ran, or it was killed).
+    pub async fn terminate(&self, grace: Duration) -> Option<Duration> {
         let mut inner = self.inner.lock().await;
         inner.wanted = false;
         inner.stopped = false;
-        let Some(mut child) = inner.child.take() else {
-            return;
-        };
+        let mut child = inner.child.take()?;
+        let sent = std::time::Instant::now();
         if let Some(pid) = child.id() {
             // SAFETY: as in `pause`.
             unsafe {
@@ -143,7 +143,9 @@ impl Supervised {
         }
         if tokio::time::timeout(grace, child.wait()).await.is_err() {
             let _ = child.kill().await;
+            return None;
         }
+        Some(sent.elapsed())
     }
 
     /// Restarts the slot if its generation exited while wanted; records the exit.

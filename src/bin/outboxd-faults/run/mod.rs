@@ -77,7 +77,7 @@ pub struct RunArgs {
 
 mod inject;
 
-fn parse_duration(value: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(value: &str) -> Result<Duration, String> {
     outboxd::config::duration(value)
 }
 
@@ -517,8 +517,13 @@ impl Suite {
 /// The environment of an outboxd replica listening on `port`: the suite's database, no
 /// metrics endpoint, fast rescue and short backoffs so a run sees many cycles.
 pub fn replica_env(cluster: &Cluster, port: u16) -> Vec<(String, String)> {
+    replica_env_on(&cluster.service_url, port)
+}
+
+/// [`replica_env`] with the database at `service_url`.
+pub fn replica_env_on(service_url: &str, port: u16) -> Vec<(String, String)> {
     [
-        ("OUTBOX_DATABASE__URL", cluster.service_url.as_str()),
+        ("OUTBOX_DATABASE__URL", service_url),
         ("OUTBOX_LISTEN_ADDR", &format!("127.0.0.1:{port}")),
         ("OUTBOX_METRICS__LISTEN_ADDR", ""),
         ("OUTBOX_MAINTENANCE__RESCUE_INTERVAL", "200ms"),

@@ -1,0 +1,277 @@
+//! The database gone behind the server: every RPC answers UNAVAILABLE (the code clients
+//! retry), never INTERNAL, and the server still stops within its shutdown grace. The
+//! server's pool reaches PostgreSQL through a proxy in the test, which a failover's load
+//! balancer imitates: it accepts and closes at once, or accepts and never answers.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use outboxd::proto::v1;
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+use tonic::Code;
+
+use crate::helpers::{
+    TestApp, assert_status, claim_request, duration, failure, fresh_database, id_of, intent,
+    lease_ref,
+};
+
+/// What the proxy does with a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Forwards to PostgreSQL.
+    Forward,
+    /// Accepts and closes at once (a load balancer with no live backend).
+    Close,
+    /// Accepts and never answers (a backend that vanished without a reset).
+    Hang,
+}
+
+/// A TCP proxy on loopback in front of the test cluster.
+struct Proxy {
+    addr: SocketAddr,
+    state: Arc<Mutex<(Mode, CancellationToken)>>,
+}
+
+impl Proxy {
+    async fn start(backend: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let state = Arc::new(Mutex::new((Mode::Forward, CancellationToken::new())));
+        let shared = state.clone();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((mut client, _)) = listener.accept().await {
+                let (mode, cut) = shared.lock().unwrap().clone();
+                match mode {
+                    Mode::Close => drop(client),
+                    Mode::Hang => held.push(client),
+                    Mode::Forward => {
+                        tokio::spawn(async move {
+                            let Ok(mut server) = TcpStream::connect(backend).await else {
+                                return;
+                            };
+                            tokio::select! {
+                                _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                                _ = cut.cancelled() => {}
+                            }
+                        });
+                    }
+                }
+            }
+        });
+        Self { addr, state }
+    }
+
+    /// From now on connections get `mode`; the forwarded ones are cut.
+    fn set(&self, mode: Mode) {
+        let mut state = self.state.lock().unwrap();
+        state.1.cancel();
+        *state = (mode, CancellationToken::new());
+    }
+}
+
+/// A server (and the test's own pool) reaching a fresh database through a proxy.
+async fn app_behind_proxy(
+    configure: impl FnOnce(&mut outboxd::config::Settings),
+) -> (TestApp, Proxy) {
+    let url = fresh_database().await;
+    let (head, tail) = url.rsplit_once('@').unwrap();
+    let (host_port, database) = tail.split_once('/').unwrap();
+    let proxy = Proxy::start(host_port.parse().unwrap()).await;
+    let proxied = format!("{head}@{}/{database}", proxy.addr);
+    (TestApp::spawn_on(proxied, configure).await, proxy)
+}
+
+#[tokio::test]
+async fn every_rpc_answers_unavailable_when_the_database_address_accepts_and_closes() {
+    // No key cache: the key is read from the database on every call, as after its TTL.
+    let (app, proxy) = app_behind_proxy(|s| s.auth_cache_ttl = Duration::ZERO).await;
+    let ids = app.enqueue_n("outage", 3).await;
+    let leases = app.claim_n("w", 2).await;
+    let (lease, other) = (&leases[0], &leases[1]);
+    let mut producer = app.producer().await;
+    let token: String = sqlx::query_scalar("SELECT outbox.txn_token()")
+        .fetch_one(&mut producer)
+        .await
+        .unwrap();
+
+    proxy.set(Mode::Close);
+    let client = app.client();
+    let mut waiting = claim_request("w", 1);
+    waiting.wait = Some(duration(Duration::from_secs(1)));
+    let calls: Vec<(&str, Result<(), tonic::Status>)> = vec![
+        (
+            "Enqueue",
+            client
+                .clone()
+                .enqueue(v1::EnqueueRequest {
+                    intents: vec![intent("k", "{}")],
+                    txn_token: String::new(),
+                })
+                .await
+                .map(drop),
+        ),
+        (
+            "Enqueue (token)",
+            client
+                .clone()
+                .enqueue(v1::EnqueueRequest {
+                    intents: vec![intent("k", "{}")],
+                    txn_token: token,
+                })
+                .await
+                .map(drop),
+        ),
+        (
+            "Claim",
+            client.clone().claim(claim_request("w", 1)).await.map(drop),
+        ),
+        (
+            "Claim (wait)",
+            client.clone().claim(waiting).await.map(drop),
+        ),
+        (
+            "Ack",
+            client
+                .clone()
+                .ack(v1::AckRequest {
+                    leases: vec![lease_ref(lease)],
+                })
+                .await
+                .map(drop),
+        ),
+        (
+            "Fail",
+            client
+                .clone()
+                .fail(v1::FailRequest {
+                    failures: vec![failure(other, v1::FailOutcome::Retry)],
+                })
+                .await
+                .map(drop),
+        ),
+        (
+            "ExtendLease",
+            client
+                .clone()
+                .extend_lease(v1::ExtendLeaseRequest {
+                    leases: vec![lease_ref(lease)],
+                    lease_duration: Some(duration(Duration::from_secs(30))),
+                })
+                .await
+                .map(drop),
+        ),
+        (
+            "MarkSubmitted",
+            client
+                .clone()
+                .mark_submitted(v1::MarkSubmittedRequest {
+                    leases: vec![lease_ref(lease)],
+                })
+                .await
+                .map(drop),
+        ),
+        (
+            "Reconcile",
+            client
+                .clone()
+                .reconcile(v1::ReconcileRequest {
+                    target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
+                        ids: vec![id_of(lease).to_owned()],
+                    })),
+                    decision: v1::Decision::Delivered as i32,
+                    actor: "alice".into(),
+                    reason: "outage".into(),
+                    limit: 0,
+                })
+                .await
+                .map(drop),
+        ),
+        (
+            "GetIntent",
+            client
+                .clone()
+                .get_intent(v1::GetIntentRequest { id: ids[2].clone() })
+                .await
+                .map(drop),
+        ),
+        (
+            "ListIntents",
+            client
+                .clone()
+                .list_intents(v1::ListIntentsRequest {
+                    page_size: 10,
+                    ..Default::default()
+                })
+                .await
+                .map(drop),
+        ),
+        (
+            "GetQueueStats",
+            client
+                .clone()
+                .get_queue_stats(v1::GetQueueStatsRequest {})
+                .await
+                .map(drop),
+        ),
+    ];
+    for (rpc, result) in calls {
+        let status = result.expect_err(rpc);
+        assert_eq!(status.code(), Code::Unavailable, "{rpc}: {status:?}");
+        assert_status(&status, Code::Unavailable, "UNAVAILABLE", &[]);
+    }
+
+    // The database back: the same calls work again.
+    proxy.set(Mode::Forward);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while app
+        .client()
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .is_err()
+    {
+        assert!(Instant::now() < deadline, "the server never recovered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn the_server_stops_within_its_grace_with_the_database_gone() {
+    let grace = Duration::from_secs(1);
+    let (mut app, proxy) = app_behind_proxy(|s| s.shutdown_grace = grace).await;
+    app.enqueue_n("outage", 1).await;
+    // Every new connection now hangs until the pool's acquire timeout (5 s), and the
+    // ones open are cut: calls and background sweeps wait for a connection.
+    proxy.set(Mode::Hang);
+    let client = app.client();
+    let calls: Vec<_> = (0..3)
+        .map(|_| {
+            let mut client = client.clone();
+            tokio::spawn(async move {
+                client
+                    .enqueue(v1::EnqueueRequest {
+                        intents: vec![intent("k", "{}")],
+                        txn_token: String::new(),
+                    })
+                    .await
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let started = Instant::now();
+    app.take_application().stop().await.unwrap();
+    let took = started.elapsed();
+    assert!(
+        took < grace + Duration::from_millis(500),
+        "stopped in {took:?}, past its grace of {grace:?}"
+    );
+    // The calls' own handlers may still wait for the pool (their connection tasks are
+    // not the server's); in the binary the process exits with them.
+    for call in calls {
+        call.abort();
+    }
+}

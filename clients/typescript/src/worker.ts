@@ -523,8 +523,8 @@ export class Worker {
   private flush(): void {
     if (this.flushTimer !== undefined) clearTimeout(this.flushTimer);
     this.flushTimer = undefined;
-    while (this.acks.length > 0) void this.sendAcks(this.acks.splice(0, this.settleBatch));
-    while (this.fails.length > 0) void this.sendFails(this.fails.splice(0, this.settleBatch));
+    for (const batch of batches(this.acks.splice(0), this.settleBatch)) void this.sendAcks(batch);
+    for (const batch of batches(this.fails.splice(0), this.settleBatch)) void this.sendFails(batch);
   }
 
   private async sendAcks(batch: PendingSettle[]): Promise<void> {
@@ -583,12 +583,20 @@ export class Worker {
       });
     } catch (thrown) {
       const error = OutboxError.from(thrown);
+      if (error.code === Code.InvalidArgument && batch.length > 1) {
+        // One bad item refuses the whole call: settle each alone, so the others apply.
+        this.settling -= batch.length;
+        for (const item of batch) {
+          this.settling++;
+          void (call === "ack" ? this.sendAcks([item]) : this.sendFails([item]));
+        }
+        return;
+      }
       for (const { live } of batch) this.emit({ type: "settleFailed", intent: live.intent, call, error });
-    } finally {
-      for (const { live } of batch) this.finish(live);
-      this.settling -= batch.length;
-      this.wakeAll();
     }
+    for (const { live } of batch) this.finish(live);
+    this.settling -= batch.length;
+    this.wakeAll();
   }
 
   private lose(live: Live, reason: string): void {
@@ -679,6 +687,26 @@ export class Worker {
         break;
     }
   }
+}
+
+/**
+ * Splits settles into calls of at most `size`, never naming one intent twice in a call (a
+ * worker may hold an expired lease and a new one on the same intent; a batch naming an
+ * intent twice is refused whole).
+ */
+function batches(items: PendingSettle[], size: number): PendingSettle[][] {
+  const out: { ids: Set<string>; items: PendingSettle[] }[] = [];
+  for (const item of items) {
+    const id = item.live.intent.id;
+    let batch = out.find((b) => b.items.length < size && !b.ids.has(id));
+    if (batch === undefined) {
+      batch = { ids: new Set(), items: [] };
+      out.push(batch);
+    }
+    batch.ids.add(id);
+    batch.items.push(item);
+  }
+  return out.map((b) => b.items);
 }
 
 function fail(outcome: FailOutcome, error: string, retryAfterMs?: number): Outcome {

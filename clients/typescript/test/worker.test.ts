@@ -1,0 +1,276 @@
+// The worker against two real outboxd replicas on one PostgreSQL.
+import assert from "node:assert/strict";
+import { after, afterEach, before, describe, test } from "node:test";
+import { ConnectError, type Interceptor } from "@connectrpc/connect";
+import { context, trace } from "@opentelemetry/api";
+import { AsyncLocalStorageContextManager } from "@opentelemetry/context-async-hooks";
+import { Code, LeaseLostError, Outbox, Permanent, Retry, ShutdownError, Worker, type WorkerOptions } from "../src/index.js";
+import { Fixture, freePort, waitFor } from "./harness.js";
+
+let fx: Fixture;
+let outbox: Outbox;
+before(async () => {
+  fx = await Fixture.start(2);
+  outbox = new Outbox({ endpoints: fx.endpoints, apiKey: fx.apiKey });
+});
+after(async () => {
+  outbox?.close();
+  await fx?.stop();
+});
+
+const started: Worker[] = [];
+afterEach(async () => {
+  // A failed test must not leave its workers claiming.
+  await Promise.all(started.splice(0).map((w) => w.stop()));
+});
+
+function worker(options: Partial<WorkerOptions> = {}): Worker {
+  return track(new Worker({ endpoints: fx.endpoints, apiKey: fx.apiKey, handleSignals: false, claimWaitMs: 2_000, ...options }));
+}
+
+function track(w: Worker): Worker {
+  started.push(w);
+  return w;
+}
+
+async function enqueue(kind: string, count: number): Promise<string[]> {
+  const ids: string[] = [];
+  for (let i = 0; i < count; i += 500) {
+    const batch = Array.from({ length: Math.min(500, count - i) }, (_, j) => ({ kind, json: { n: i + j } }));
+    ids.push(...(await outbox.enqueueDirect(batch)).map((r) => r.id));
+  }
+  return ids;
+}
+
+describe("delivery", () => {
+  test("two workers of concurrency 8 on two replicas drain 2,000 intents, each delivered exactly once", async () => {
+    const ids = await enqueue("drain.exact", 2_000);
+    const deliveries = new Map<string, number>();
+    const workers = fx.endpoints.map((endpoint) => {
+      const w = worker({ endpoints: [endpoint], concurrency: 8 });
+      w.handle("drain.exact", async (intent) => {
+        deliveries.set(intent.id, (deliveries.get(intent.id) ?? 0) + 1);
+        await new Promise((r) => setImmediate(r));
+      });
+      return w;
+    });
+    const runs = workers.map((w) => w.run());
+    await waitFor("2,000 acks", () => workers.reduce((n, w) => n + w.stats().acked, 0) >= 2_000, 120_000);
+    await Promise.all(workers.map((w) => w.stop()));
+    await Promise.all(runs);
+    assert.equal(deliveries.size, 2_000);
+    assert.deepEqual([...deliveries.keys()].sort(), [...ids].sort());
+    assert.ok([...deliveries.values()].every((n) => n === 1), "an intent was delivered twice");
+    for (const w of workers) {
+      assert.ok(w.stats().acked > 0, `worker ${w.workerId} on its own replica acked nothing`);
+      assert.equal(w.stats().leaseLost, 0);
+    }
+    const sample = await Promise.all(ids.slice(0, 20).map((id) => fx.intent(id)));
+    assert.ok(sample.every((i) => i.state === "DELIVERED" && i.attempts === 1), JSON.stringify(sample));
+    const counts = await fx.counts();
+    assert.equal(counts["PENDING"] ?? 0, 0);
+    assert.equal(counts["LEASED"] ?? 0, 0);
+  });
+
+  test("a 10 s handler under a 2 s lease is never re-delivered: heartbeats keep it", async () => {
+    const invocations: string[] = [];
+    let aborted = false;
+    const make = (): Worker => {
+      const w = worker({ leaseMs: 2_000, concurrency: 1 });
+      w.handle("slow.handler", async (_intent, { signal, workerId }) => {
+        invocations.push(workerId);
+        await new Promise((r) => setTimeout(r, 10_000));
+        aborted = signal.aborted;
+      });
+      return w;
+    };
+    const [a, b] = [make(), make()];
+    const runs = [a.run(), b.run()];
+    const [id] = await enqueue("slow.handler", 1);
+    assert.ok(id);
+    await waitFor("the Ack", () => a.stats().acked + b.stats().acked === 1, 30_000);
+    await Promise.all([a.stop(), b.stop()]);
+    await Promise.all(runs);
+    assert.equal(invocations.length, 1, `invoked by ${invocations.join(", ")}`);
+    assert.equal(aborted, false, "the handler's signal fired");
+    const intent = await fx.intent(id);
+    assert.equal(intent.state, "DELIVERED");
+    assert.equal(intent.attempts, 1);
+    assert.equal(a.stats().leaseLost + b.stats().leaseLost, 0);
+  });
+
+  test("a worker whose heartbeat is blocked loses the lease: its signal fires and its late Ack is not counted", async () => {
+    const blockHeartbeats: Interceptor = (next) => async (request) => {
+      if (request.method.name === "ExtendLease") {
+        await new Promise((_, reject) =>
+          request.signal.addEventListener("abort", () => reject(new ConnectError("blocked", Code.DeadlineExceeded))),
+        );
+      }
+      return next(request);
+    };
+    let reason: unknown;
+    let startedA!: () => void;
+    const started = new Promise<void>((r) => (startedA = r));
+    let deliveredByB!: () => void;
+    const delivered = new Promise<void>((r) => (deliveredByB = r));
+    const eventsA: string[] = [];
+    const a = worker({
+      leaseMs: 2_000,
+      concurrency: 1, // busy with the lost lease: it cannot claim the intent again
+      interceptors: [blockHeartbeats],
+      endpoints: [fx.endpoints[0] ?? ""],
+      onEvent: (e) => eventsA.push(JSON.stringify(e)),
+    });
+    a.handle("blocked.heartbeat", async (_intent, { signal }) => {
+      startedA();
+      await new Promise<void>((r) => signal.addEventListener("abort", () => r()));
+      reason = signal.reason;
+      await delivered; // the side effect "finishes" late, after another worker delivered it
+    });
+    const runA = a.run();
+    const [id] = await enqueue("blocked.heartbeat", 1);
+    assert.ok(id);
+    await started;
+    const b = worker({ endpoints: [fx.endpoints[1] ?? ""] });
+    b.handle("blocked.heartbeat", () => {
+      deliveredByB();
+    });
+    const runB = b.run();
+    await waitFor("B's Ack", () => b.stats().acked === 1, 30_000);
+    await waitFor("A's late Ack refused", () => a.stats().leaseLost === 1, 10_000).catch((e: unknown) => {
+      throw new Error(`${String(e)}; A's events: ${eventsA.join("\n")}`);
+    });
+    await Promise.all([a.stop(), b.stop()]);
+    await Promise.all([runA, runB]);
+    assert.ok(reason instanceof LeaseLostError, `signal reason: ${String(reason)}`);
+    assert.equal(a.stats().acked, 0);
+    const intent = await fx.intent(id);
+    assert.equal(intent.state, "DELIVERED");
+    assert.equal(intent.attempts, 2);
+    assert.equal(intent.workerId, b.workerId);
+  });
+});
+
+describe("outcomes", () => {
+  test("Retry, Permanent, a plain error, and errors around submitting() map to RETRY, PERMANENT and UNKNOWN", async () => {
+    const w = worker({ concurrency: 8 });
+    w.handle("outcome.retry", (intent) => {
+      if (intent.attempt === 1) throw new Retry("not yet", 50);
+    });
+    w.handle("outcome.error", (intent) => {
+      if (intent.attempt === 1) throw new Error("flaky target");
+    });
+    w.handle("outcome.permanent", () => {
+      throw new Permanent("bad address");
+    });
+    w.handle("outcome.unknown", async (_intent, ctx) => {
+      await ctx.submitting(async () => {
+        throw new Error("PSP timed out");
+      });
+    });
+    w.handle("outcome.refused", async (intent, ctx) => {
+      if (intent.attempt === 1) {
+        await ctx.submitting(async () => {
+          throw new Retry("the PSP refused the call: nothing happened");
+        });
+      }
+    });
+    const run = w.run();
+    const [retry] = await enqueue("outcome.retry", 1);
+    const [error] = await enqueue("outcome.error", 1);
+    const [permanent] = await enqueue("outcome.permanent", 1);
+    const [unknown] = await enqueue("outcome.unknown", 1);
+    const [refused] = await enqueue("outcome.refused", 1);
+    const states = async (): Promise<string> =>
+      (await Promise.all([retry, error, permanent, unknown, refused].map((id) => fx.intent(id ?? "")))).map((i) => `${i.state}/${i.attempts}`).join(" ");
+    await waitFor(
+      "every outcome applied",
+      async () => (await states()) === "DELIVERED/2 DELIVERED/2 DEAD_LETTERED/1 NEEDS_RECONCILE/1 DELIVERED/2",
+      20_000,
+    );
+    await w.stop();
+    await run;
+    assert.match((await fx.intent(permanent ?? "")).lastError, /bad address/);
+    assert.match((await fx.intent(unknown ?? "")).lastError, /PSP timed out/);
+  });
+
+  test("an intent of a kind the worker claims but has no handler for is dead-lettered with a clear error", async () => {
+    const w = worker({ kinds: ["orphan.kind", "adopted.kind"] });
+    w.handle("adopted.kind", () => {});
+    const run = w.run();
+    const [id] = await enqueue("orphan.kind", 1);
+    await waitFor("dead letter", async () => (await fx.intent(id ?? "")).state === "DEAD_LETTERED");
+    await w.stop();
+    await run;
+    assert.match((await fx.intent(id ?? "")).lastError, /no handler for kind "orphan.kind"/);
+  });
+
+  test("a handler still running when the shutdown grace ends sees its signal fire; its lease is given back", async () => {
+    const reasons: unknown[] = [];
+    const w = worker({ shutdownGraceMs: 300, concurrency: 2 });
+    w.handle("grace.end", async (intent, { signal }) => {
+      if (intent.json<{ n: number }>().n === 0) {
+        await new Promise<void>((r) => signal.addEventListener("abort", () => r()));
+        reasons.push(signal.reason);
+        signal.throwIfAborted();
+      }
+      await new Promise(() => {}); // ignores the signal: run() must resolve anyway
+    });
+    const run = w.run();
+    const ids = await enqueue("grace.end", 2);
+    await waitFor("two handlers running", () => w.stats().running === 2);
+    const stopped = Date.now();
+    await w.stop();
+    await run;
+    assert.ok(Date.now() - stopped < 5_000);
+    assert.equal(reasons.length, 1);
+    assert.ok(reasons[0] instanceof ShutdownError);
+    for (const id of ids) {
+      const intent = await fx.intent(id);
+      assert.equal(intent.state, "PENDING", JSON.stringify(intent));
+      assert.match(intent.lastError, /shut down before the handler finished/);
+    }
+  });
+});
+
+describe("transport", () => {
+  test("an unreachable endpoint is skipped: calls move to the next one", async () => {
+    const dead = `127.0.0.1:${await freePort()}`;
+    const w = worker({ endpoints: [dead, fx.endpoints[0] ?? ""] });
+    w.handle("rotate.endpoint", () => {});
+    const run = w.run();
+    await enqueue("rotate.endpoint", 20);
+    await waitFor("20 acks", () => w.stats().acked === 20);
+    await w.stop();
+    await run;
+  });
+
+  test("the handler runs in a span whose parent is the producer's trace context", async () => {
+    const manager = new AsyncLocalStorageContextManager().enable();
+    context.setGlobalContextManager(manager);
+    try {
+      const traceId = "4bf92f3577b34da6a3ce929d0e0e4736";
+      const producerSpan = trace.wrapSpanContext({ traceId, spanId: "00f067aa0ba902b7", traceFlags: 1 });
+      // Enqueued inside the producer's span: the SDK adds its traceparent to the headers.
+      const [result] = await context.with(trace.setSpan(context.active(), producerSpan), () =>
+        outbox.enqueueDirect({ kind: "traced.kind", payload: "{}" }),
+      );
+      let seen: string | undefined;
+      let header: string | undefined;
+      const w = worker();
+      w.handle("traced.kind", (intent) => {
+        header = intent.headers["traceparent"];
+        seen = trace.getActiveSpan()?.spanContext().traceId;
+      });
+      const run = w.run();
+      await waitFor("the Ack", () => w.stats().acked === 1);
+      await w.stop();
+      await run;
+      assert.ok(result);
+      assert.equal(header, `00-${traceId}-00f067aa0ba902b7-01`);
+      assert.equal(seen, traceId);
+    } finally {
+      context.disable();
+    }
+  });
+});

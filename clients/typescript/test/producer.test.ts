@@ -1,0 +1,166 @@
+// The producer: intents exist if and only if the caller's transaction commits.
+import assert from "node:assert/strict";
+import { after, before, describe, test } from "node:test";
+import knexFactory from "knex";
+import pg from "pg";
+import { NotInTransactionError, Outbox, Worker, type PrismaTransactionLike } from "../src/index.js";
+import { Fixture, waitFor } from "./harness.js";
+
+let fx: Fixture;
+let outbox: Outbox;
+let pool: pg.Pool; // the outbox's own database: token from outbox.txn_token()
+let shop: pg.Pool; // another database of the cluster: the plain-SQL token
+before(async () => {
+  fx = await Fixture.start(1);
+  outbox = new Outbox({ endpoints: fx.endpoints, apiKey: fx.apiKey });
+  await fx.postgres.sql("postgres", "CREATE DATABASE shop");
+  pool = new pg.Pool({ connectionString: fx.postgres.url("outbox") });
+  shop = new pg.Pool({ connectionString: fx.postgres.url("shop") });
+  for (const p of [pool, shop]) {
+    await p.query("CREATE TABLE orders (id bigserial PRIMARY KEY, customer text NOT NULL)");
+  }
+});
+after(async () => {
+  outbox?.close();
+  await pool?.end();
+  await shop?.end();
+  await fx?.stop();
+});
+
+async function placeOrder(db: pg.Pool, customer: string, end: "COMMIT" | "ROLLBACK"): Promise<{ orderId: string; intentId: string; state: string }> {
+  const client = await db.connect();
+  try {
+    await client.query("BEGIN");
+    const { rows } = await client.query<{ id: string }>("INSERT INTO orders (customer) VALUES ($1) RETURNING id", [customer]);
+    const orderId = rows[0]?.id ?? "";
+    const [intent] = await outbox.enqueue(client, {
+      kind: "order.created",
+      json: { orderId, customer },
+      idempotencyKey: `orders/${customer}/${orderId}/created`,
+    });
+    await client.query(end);
+    return { orderId, intentId: intent?.id ?? "", state: intent?.state ?? "" };
+  } finally {
+    client.release();
+  }
+}
+
+describe("node-postgres", () => {
+  test("commit: the intent is STAGED at enqueue, then delivered to a worker", async () => {
+    const seen: string[] = [];
+    const w = new Worker({ endpoints: fx.endpoints, apiKey: fx.apiKey, handleSignals: false, claimWaitMs: 2_000 });
+    w.handle("order.created", (intent) => {
+      seen.push(intent.id);
+    });
+    const run = w.run();
+    try {
+      const order = await placeOrder(pool, "ada", "COMMIT");
+      assert.equal(order.state, "STAGED");
+      await waitFor("the worker's Ack", () => seen.includes(order.intentId));
+      assert.equal((await fx.intent(order.intentId)).state, "DELIVERED");
+    } finally {
+      await w.stop();
+      await run;
+    }
+  });
+
+  test("rollback: the intent ends DISCARDED and is never delivered", async () => {
+    const seen: string[] = [];
+    const w = new Worker({ endpoints: fx.endpoints, apiKey: fx.apiKey, handleSignals: false, claimWaitMs: 1_000 });
+    w.handle("order.created", (intent) => {
+      seen.push(intent.id);
+    });
+    const run = w.run();
+    try {
+      const order = await placeOrder(pool, "linus", "ROLLBACK");
+      assert.equal(order.state, "STAGED");
+      await waitFor("DISCARDED", async () => (await fx.intent(order.intentId)).state === "DISCARDED");
+      // An intent committed after it is delivered: the worker was claiming all along.
+      const later = await placeOrder(pool, "grace", "COMMIT");
+      await waitFor("the later order delivered", () => seen.includes(later.intentId));
+      assert.ok(!seen.includes(order.intentId));
+      const { rows } = await pool.query("SELECT count(*)::int AS n FROM orders WHERE id = $1", [order.orderId]);
+      assert.equal(rows[0].n, 0);
+    } finally {
+      await w.stop();
+      await run;
+    }
+  });
+
+  test("outside a transaction, or in a failed one, enqueue refuses and records nothing", async () => {
+    const client = await pool.connect();
+    try {
+      await assert.rejects(outbox.enqueue(client, { kind: "never.recorded" }), NotInTransactionError);
+      await client.query("BEGIN");
+      await assert.rejects(client.query("SELECT 1/0"));
+      await assert.rejects(outbox.enqueue(client, { kind: "never.recorded" }), NotInTransactionError);
+      await client.query("ROLLBACK");
+    } finally {
+      client.release();
+    }
+    const reply = await fx.ops.call((c, o) => c.listIntents({ kind: "never.recorded" }, o), { budgetMs: 5_000, tryTimeoutMs: 5_000 });
+    assert.equal(reply.intents.length, 0);
+  });
+
+  test("from another database of the cluster the plain-SQL token is used: commit → PENDING, rollback → DISCARDED", async () => {
+    const committed = await placeOrder(shop, "barbara", "COMMIT");
+    const rolledBack = await placeOrder(shop, "edsger", "ROLLBACK");
+    await waitFor("both resolved", async () => {
+      const [c, r] = await Promise.all([fx.intent(committed.intentId), fx.intent(rolledBack.intentId)]);
+      return c.state !== "STAGED" && r.state === "DISCARDED";
+    });
+    assert.notEqual((await fx.intent(committed.intentId)).state, "DISCARDED");
+  });
+
+  test("a repeated idempotency key returns the intent already recorded", async () => {
+    const [first] = await outbox.enqueueDirect({ kind: "dedup.kind", payload: "same", idempotencyKey: "dedup/1" });
+    const [second] = await outbox.enqueueDirect({ kind: "dedup.kind", payload: "same", idempotencyKey: "dedup/1" });
+    assert.equal(first?.state, "PENDING");
+    assert.equal(second?.id, first?.id);
+    assert.equal(second?.deduplicated, true);
+  });
+});
+
+describe("ORM transactions", () => {
+  test("Knex: enqueueKnex inside knex.transaction commits with it; outside one it refuses", async () => {
+    const knex = knexFactory({ client: "pg", connection: fx.postgres.url("outbox"), pool: { min: 0, max: 2 } });
+    try {
+      const [intent] = await knex.transaction(async (trx) => {
+        await trx("orders").insert({ customer: "knex" });
+        return outbox.enqueueKnex(trx, { kind: "knex.created", payload: "{}" });
+      });
+      assert.equal(intent?.state, "STAGED");
+      await waitFor("PENDING", async () => (await fx.intent(intent?.id ?? "")).state === "PENDING");
+      await assert.rejects(
+        knex.transaction(async (trx) => {
+          const [staged] = await outbox.enqueueKnex(trx, { kind: "knex.created", payload: "{}" });
+          throw new Error(`roll back ${staged?.id ?? ""}`);
+        }),
+        /roll back/,
+      );
+      const fake = { isTransaction: false, isCompleted: () => false, raw: (sql: string) => knex.raw(sql) };
+      await assert.rejects(outbox.enqueueKnex(fake, { kind: "knex.created" }), NotInTransactionError);
+    } finally {
+      await knex.destroy();
+    }
+  });
+
+  test("Prisma: enqueuePrisma works through $queryRawUnsafe in a transaction and refuses outside one", async () => {
+    const client = await pool.connect();
+    // What Prisma's interactive transaction client offers, over node-postgres.
+    const tx: PrismaTransactionLike = {
+      $queryRawUnsafe: async <T>(sql: string) => (await client.query(sql)).rows as T,
+      $executeRawUnsafe: async (sql: string) => (await client.query(sql)).rowCount ?? 0,
+    };
+    try {
+      await assert.rejects(outbox.enqueuePrisma(tx, { kind: "prisma.created" }), NotInTransactionError);
+      await client.query("BEGIN");
+      const [intent] = await outbox.enqueuePrisma(tx, { kind: "prisma.created", payload: "{}" });
+      assert.equal(intent?.state, "STAGED");
+      await client.query("COMMIT");
+      await waitFor("PENDING", async () => (await fx.intent(intent?.id ?? "")).state === "PENDING");
+    } finally {
+      client.release();
+    }
+  });
+});

@@ -1,0 +1,55 @@
+// A loopback TCP proxy that can lose one answer: armed, it swallows the next chunk from
+// the server of at least `minBytes` and cuts that connection, as a network that fails
+// after the server committed and replied.
+import { createServer, connect, type Server, type Socket, type AddressInfo } from "node:net";
+
+export class LossyProxy {
+  readonly endpoint: string;
+  dropped = 0;
+  private armedFor: number | undefined;
+  private readonly server: Server;
+  private readonly sockets = new Set<Socket>();
+
+  private constructor(server: Server, endpoint: string) {
+    this.server = server;
+    this.endpoint = endpoint;
+  }
+
+  static async start(upstream: string): Promise<LossyProxy> {
+    const [host, port] = upstream.split(":");
+    let proxy: LossyProxy | undefined;
+    const server = createServer((client) => {
+      const server = connect(Number(port), host ?? "127.0.0.1");
+      proxy?.sockets.add(client).add(server);
+      const cut = (): void => {
+        client.destroy();
+        server.destroy();
+      };
+      client.on("error", cut).on("close", cut);
+      server.on("error", cut).on("close", cut);
+      client.on("data", (chunk: Buffer) => server.write(chunk));
+      server.on("data", (chunk: Buffer) => {
+        if (proxy?.armedFor !== undefined && chunk.length >= proxy.armedFor) {
+          proxy.armedFor = undefined;
+          proxy.dropped++;
+          cut();
+          return;
+        }
+        client.write(chunk);
+      });
+    });
+    await new Promise<void>((r) => server.listen(0, "127.0.0.1", r));
+    proxy = new LossyProxy(server, `127.0.0.1:${(server.address() as AddressInfo).port}`);
+    return proxy;
+  }
+
+  /** Loses the next answer of at least `minBytes`. */
+  arm(minBytes: number): void {
+    this.armedFor = minBytes;
+  }
+
+  async stop(): Promise<void> {
+    for (const socket of this.sockets) socket.destroy();
+    await new Promise((r) => this.server.close(r));
+  }
+}

@@ -1,0 +1,70 @@
+// A Claim whose answer is lost is retried with the same request_id and gets the same leases.
+import assert from "node:assert/strict";
+import { after, before, test } from "node:test";
+import type { Interceptor } from "@connectrpc/connect";
+import { Outbox, Worker, type WorkerEvent } from "../src/index.js";
+import { Fixture, waitFor } from "./harness.js";
+import { LossyProxy } from "./proxy.js";
+
+let fx: Fixture;
+let proxy: LossyProxy;
+before(async () => {
+  fx = await Fixture.start(1);
+  proxy = await LossyProxy.start(fx.endpoints[0] ?? "");
+});
+after(async () => {
+  await proxy?.stop();
+  await fx?.stop();
+});
+
+test("a lost Claim answer is replayed with its request_id: the same leases, no lease stranded", async () => {
+  const claimsSent: string[] = [];
+  const spy: Interceptor = (next) => async (request) => {
+    if (request.method.name === "Claim") claimsSent.push((request.message as unknown as { requestId: string }).requestId);
+    return next(request);
+  };
+  const events: WorkerEvent[] = [];
+  const delivered = new Map<string, number>();
+  const w = new Worker({
+    endpoints: [proxy.endpoint],
+    apiKey: fx.apiKey,
+    handleSignals: false,
+    claimers: 1,
+    concurrency: 50,
+    claimWaitMs: 10_000,
+    leaseMs: 30_000,
+    interceptors: [spy],
+    onEvent: (e) => events.push(e),
+  });
+  w.handle("replay.claim", (intent) => {
+    delivered.set(intent.id, (delivered.get(intent.id) ?? 0) + 1);
+  });
+  const run = w.run();
+  try {
+    await waitFor("a Claim long-polling", () => claimsSent.length >= 1);
+    // The 20 intents' leases travel back in one answer of a few kB: that one is lost.
+    proxy.arm(1_000);
+    const outbox = new Outbox({ endpoints: fx.endpoints, apiKey: fx.apiKey });
+    const ids = (
+      await outbox.enqueueDirect(Array.from({ length: 20 }, (_, i) => ({ kind: "replay.claim", json: { i, pad: "x".repeat(100) } })))
+    ).map((r) => r.id);
+    outbox.close();
+    await waitFor("20 acks", () => w.stats().acked === 20, 20_000);
+    assert.equal(proxy.dropped, 1, "no answer was lost");
+    assert.ok(w.stats().claimRetries >= 1);
+    const replayed = events.filter((e) => e.type === "claimed" && e.replayed);
+    assert.ok(replayed.length >= 1, `no replayed claim among ${JSON.stringify(events.map((e) => e.type))}`);
+    const retried = claimsSent.filter((id, i) => claimsSent.indexOf(id) !== i);
+    assert.ok(retried.length >= 1, "no Claim was sent twice with one request_id");
+    assert.deepEqual([...delivered.keys()].sort(), [...ids].sort());
+    assert.ok([...delivered.values()].every((n) => n === 1));
+    for (const id of ids) {
+      // Attempt 1: the replay handed over the first claim's leases, none expired and came back.
+      assert.deepEqual(await fx.intent(id).then((i) => [i.state, i.attempts]), ["DELIVERED", 1]);
+    }
+    assert.equal((await fx.counts())["LEASED"] ?? 0, 0);
+  } finally {
+    await w.stop();
+    await run;
+  }
+});

@@ -17,12 +17,15 @@ from ._rpc import AsyncClient, Config, SyncClient, transient
 
 TokenMode = Literal["auto", "function", "sql"]
 
-# The token in plain SQL, for databases of the cluster other than the outbox's (docs/producers.md).
+# The token in plain SQL, for databases of the cluster other than the outbox's
+# (docs/producers.md). The logical-decoding message makes the transaction write WAL, so its
+# COMMIT is flushed (and replicated to a synchronous standby) even if it wrote nothing else.
 PLAIN_TOKEN_SQL = (
     "SELECT 'v2.' || system_identifier || '.' || "
     "(extract(epoch FROM least(pg_stat_get_bgwriter_stat_reset_time(), "
     "(SELECT stats_reset FROM pg_stat_archiver))) * 1000000)::bigint "
-    "|| '.' || pg_current_xact_id() FROM pg_control_system()"
+    "|| '.' || pg_current_xact_id() "
+    "FROM pg_control_system(), pg_logical_emit_message(true, 'outboxd', '')"
 )
 FUNCTION_TOKEN_SQL = "SELECT outbox.txn_token()"
 # Whether this database holds the outbox schema (and so its promote-at-once function).

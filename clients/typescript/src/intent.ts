@@ -26,7 +26,8 @@ export interface Intent {
   readonly createdAt: Date | undefined;
   /** The lease (fencing token) this delivery holds. */
   readonly leaseId: string;
-  /** Parses the payload as JSON. */
+  /** Parses the payload as JSON (the type is the caller's claim, not checked). */
+  // eslint-disable-next-line @typescript-eslint/no-unnecessary-type-parameters -- a typed JSON.parse, as Response.json() is used
   json<T = unknown>(): T;
 }
 
@@ -46,6 +47,7 @@ export function intentOf(lease: Lease): Intent {
     maxAttempts: wire?.maxAttempts ?? 0,
     createdAt: wire?.createdAt ? timestampDate(wire.createdAt) : undefined,
     leaseId: lease.leaseId,
+    // eslint-disable-next-line @typescript-eslint/no-unnecessary-type-parameters -- see Intent.json
     json<T = unknown>(): T {
       return JSON.parse(payload.toString("utf8")) as T;
     },

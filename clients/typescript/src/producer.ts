@@ -58,7 +58,7 @@ export interface Enqueued {
 /** A node-postgres `Client` or `PoolClient` (or anything with the same `query`). */
 export interface PgClientLike {
   query(text: string): Promise<{ rows: unknown[] }>;
-  /** node-postgres ≥ 8.17: `I` idle, `T` in a transaction, `E` in a failed one. */
+  /** Recent node-postgres: `I` idle, `T` in a transaction, `E` in a failed one. */
   getTransactionStatus?: () => string | null;
 }
 
@@ -156,7 +156,7 @@ export class Outbox {
 
   /** `enqueue` in Prisma's interactive transaction (`prisma.$transaction(async (tx) => …)`). */
   async enqueuePrisma(tx: PrismaTransactionLike, intents: IntentInput | readonly IntentInput[]): Promise<Enqueued[]> {
-    const query: Query = async (sql) => ((await tx.$queryRawUnsafe<Record<string, unknown>[]>(sql)) ?? [])[0];
+    const query: Query = async (sql) => (await tx.$queryRawUnsafe<Record<string, unknown>[]>(sql))[0];
     await this.probeTransaction(query, (sql) => tx.$executeRawUnsafe(sql));
     return this.enqueueWithToken(await this.token(tx, query), intents);
   }
@@ -267,7 +267,8 @@ function enqueued(result: EnqueueResult): Enqueued {
 
 /** `IntentState.PENDING` → `"PENDING"`. */
 export function stateName(state: IntentState): IntentStateName {
-  return (IntentState[state] ?? "UNSPECIFIED") as IntentStateName;
+  // A state newer than this client has no name here.
+  return (state in IntentState ? IntentState[state] : "UNSPECIFIED") as IntentStateName;
 }
 
 async function activeTraceparent(): Promise<string | undefined> {

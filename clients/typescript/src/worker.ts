@@ -221,6 +221,10 @@ export class Worker {
     return this.runPromise ?? Promise.resolve();
   }
 
+  private get stopped(): boolean {
+    return this.stopping.signal.aborted;
+  }
+
   private async loop(): Promise<void> {
     const kinds = this.claimKinds();
     const tracing = await loadTracing();
@@ -232,7 +236,9 @@ export class Worker {
       process.on("SIGTERM", onSignal);
       process.on("SIGINT", onSignal);
     }
-    const heartbeat = setInterval(() => this.heartbeat(), Math.max(20, Math.floor(this.heartbeatMs / 2)));
+    const heartbeat = setInterval(() => {
+      this.heartbeat();
+    }, Math.max(20, Math.floor(this.heartbeatMs / 2)));
     try {
       await this.claimLoop(kinds, tracing);
       await this.drain();
@@ -308,7 +314,7 @@ export class Worker {
         failures = 0;
       } catch (thrown) {
         this.reserved -= max;
-        if (this.stopping.signal.aborted) break;
+        if (this.stopped) break;
         const error = OutboxError.from(thrown);
         this.emit({ type: "claimFailed", error });
         await sleep(Math.random() * Math.min(5_000, 100 * 2 ** failures++), this.stopping.signal);
@@ -408,17 +414,17 @@ export class Worker {
   }
 
   private context(live: Live): HandlerContext {
-    const worker = this;
+    const submitting = async <T>(call: () => Promise<T> | T): Promise<T> => {
+      await this.markSubmitted(live);
+      return await call();
+    };
     return {
       signal: live.controller.signal,
       workerId: this.workerId,
       get leaseLost() {
         return live.lost;
       },
-      async submitting<T>(call: () => Promise<T> | T): Promise<T> {
-        await worker.markSubmitted(live);
-        return await call();
-      },
+      submitting,
     };
   }
 
@@ -441,7 +447,7 @@ export class Worker {
       throw new Retry(`MarkSubmitted failed: ${OutboxError.from(thrown).message}`);
     }
     if (result?.error) {
-      if (result.error.reason === "LEASE_LOST" || result.error.code === Code.NotFound) {
+      if (result.error.reason === "LEASE_LOST" || result.error.code === (Code.NotFound as number)) {
         live.lost = true;
         throw new LeaseLostError(live.intent.id, `MarkSubmitted refused: ${result.error.message}`);
       }
@@ -517,7 +523,9 @@ export class Worker {
       this.flush();
       return;
     }
-    this.flushTimer ??= setTimeout(() => this.flush(), this.settleDelayMs);
+    this.flushTimer ??= setTimeout(() => {
+      this.flush();
+    }, this.settleDelayMs);
   }
 
   private flush(): void {

@@ -8,6 +8,7 @@ import { dirname, join, resolve } from "node:path";
 import { fileURLToPath } from "node:url";
 import pg from "pg";
 import { Connection } from "../src/index.js";
+import { IntentState } from "../src/gen/outbox/v1/outbox_pb.js";
 
 export const REPO = resolve(dirname(fileURLToPath(import.meta.url)), "../../../..");
 export const PACKAGE = resolve(REPO, "clients/typescript");
@@ -33,12 +34,12 @@ export async function waitFor<T>(what: string, check: () => Promise<T> | T, time
   for (;;) {
     try {
       const value = await check();
-      if (value) return value as NonNullable<T>;
+      if (value) return value;
     } catch (error) {
       last = error;
     }
     if (Date.now() > deadline) {
-      throw new Error(`timed out after ${timeoutMs} ms waiting for ${what}${last ? `: ${String(last)}` : ""}`);
+      throw new Error(`timed out after ${timeoutMs} ms waiting for ${what}${last instanceof Error ? `: ${last.message}` : ""}`);
     }
     await new Promise((r) => setTimeout(r, 20));
   }
@@ -235,7 +236,7 @@ export class Fixture {
     const intent = reply.intent;
     const { stateName } = await import("../src/producer.js");
     return {
-      state: stateName(intent?.state ?? 0),
+      state: stateName(intent?.state ?? IntentState.UNSPECIFIED),
       attempts: intent?.attempts ?? 0,
       lastError: intent?.lastError ?? "",
       workerId: intent?.workerId ?? "",

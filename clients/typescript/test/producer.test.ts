@@ -79,8 +79,8 @@ describe("node-postgres", () => {
       const later = await placeOrder(pool, "grace", "COMMIT");
       await waitFor("the later order delivered", () => seen.includes(later.intentId));
       assert.ok(!seen.includes(order.intentId));
-      const { rows } = await pool.query("SELECT count(*)::int AS n FROM orders WHERE id = $1", [order.orderId]);
-      assert.equal(rows[0].n, 0);
+      const { rows } = await pool.query<{ n: number }>("SELECT count(*)::int AS n FROM orders WHERE id = $1", [order.orderId]);
+      assert.equal(rows[0]?.n, 0);
     } finally {
       await w.stop();
       await run;

@@ -17,10 +17,11 @@ export class LossyProxy {
 
   static async start(upstream: string): Promise<LossyProxy> {
     const [host, port] = upstream.split(":");
-    let proxy: LossyProxy | undefined;
+    const state: { proxy?: LossyProxy } = {};
     const server = createServer((client) => {
       const server = connect(Number(port), host ?? "127.0.0.1");
-      proxy?.sockets.add(client).add(server);
+      const proxy = (): LossyProxy | undefined => state.proxy;
+      proxy()?.sockets.add(client).add(server);
       const cut = (): void => {
         client.destroy();
         server.destroy();
@@ -29,9 +30,10 @@ export class LossyProxy {
       server.on("error", cut).on("close", cut);
       client.on("data", (chunk: Buffer) => server.write(chunk));
       server.on("data", (chunk: Buffer) => {
-        if (proxy?.armedFor !== undefined && chunk.length >= proxy.armedFor) {
-          proxy.armedFor = undefined;
-          proxy.dropped++;
+        const p = proxy();
+        if (p?.armedFor !== undefined && chunk.length >= p.armedFor) {
+          p.armedFor = undefined;
+          p.dropped++;
           cut();
           return;
         }
@@ -39,8 +41,8 @@ export class LossyProxy {
       });
     });
     await new Promise<void>((r) => server.listen(0, "127.0.0.1", r));
-    proxy = new LossyProxy(server, `127.0.0.1:${(server.address() as AddressInfo).port}`);
-    return proxy;
+    state.proxy = new LossyProxy(server, `127.0.0.1:${(server.address() as AddressInfo).port}`);
+    return state.proxy;
   }
 
   /** Loses the next answer of at least `minBytes`. */

@@ -519,6 +519,7 @@ impl Suite {
 pub fn replica_env(cluster: &Cluster, port: u16) -> Vec<(String, String)> {
     [
         ("OUTBOX_DATABASE__URL", cluster.service_url.as_str()),
+        ("OUTBOX_DATABASE__FLEET_URL", cluster.fleet_url.as_str()),
         ("OUTBOX_LISTEN_ADDR", &format!("127.0.0.1:{port}")),
         ("OUTBOX_METRICS__LISTEN_ADDR", ""),
         ("OUTBOX_MAINTENANCE__RESCUE_INTERVAL", "200ms"),

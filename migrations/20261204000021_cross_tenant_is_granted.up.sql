@@ -94,7 +94,7 @@ BEGIN
     IF missing IS NOT NULL THEN
         RAISE EXCEPTION 'tables without a policy for outboxd_fleet: %', missing;
     END IF;
-    SELECT string_agg(polname, ', ') INTO missing
+    SELECT string_agg(policyname, ', ') INTO missing
     FROM pg_policies
     WHERE schemaname = 'outbox'
       AND (coalesce(qual, '') || coalesce(with_check, '')) LIKE '%cross_tenant%';

@@ -122,8 +122,9 @@ pub async fn start_embedded(settings: &Settings) -> anyhow::Result<(EmbeddedPost
 pub struct Database {
     /// URL of the service role.
     pub service_url: String,
-    /// URL of the fleet role (a member of [`FLEET_ROLE`]), for work across tenants.
-    pub fleet_url: String,
+    /// URL of the fleet role (a member of [`FLEET_ROLE`]), for work across tenants; `None`
+    /// when `OUTBOX_DATABASE__FLEET_URL` is not set, which only `outboxd migrate` accepts.
+    pub fleet_url: Option<String>,
     /// The embedded cluster, if any.
     pub embedded: Option<EmbeddedPostgres>,
 }
@@ -131,12 +132,11 @@ pub struct Database {
 /// Gets the database ready to serve: the embedded cluster started, migrated and given its
 /// service and fleet roles; or, for an external database, migrated with
 /// `OUTBOX_DATABASE__MIGRATION_URL` when it is set (granting the service role of
-/// `OUTBOX_DATABASE__URL` what it needs, and making the role of `OUTBOX_DATABASE__FLEET_URL`
-/// a member of `outboxd_fleet` if it is not one yet).
+/// `OUTBOX_DATABASE__URL` what it needs, and making the role of `OUTBOX_DATABASE__FLEET_URL`,
+/// when set, a member of `outboxd_fleet` if it is not one yet).
 ///
 /// # Errors
-/// The cluster does not start, `OUTBOX_DATABASE__FLEET_URL` is missing, a migration fails,
-/// or the grants fail.
+/// The cluster does not start, a migration fails, or the grants fail.
 pub async fn prepare_database(settings: &Settings) -> anyhow::Result<Database> {
     let Some(service_url) = &settings.database_url else {
         let (cluster, owner_url) = start_embedded(settings).await?;
@@ -160,15 +160,10 @@ pub async fn prepare_database(settings: &Settings) -> anyhow::Result<Database> {
         );
         return Ok(Database {
             service_url,
-            fleet_url,
+            fleet_url: Some(fleet_url),
             embedded: Some(cluster),
         });
     };
-    let fleet_url = settings.fleet_url.as_ref().context(
-        "OUTBOX_DATABASE__FLEET_URL is not set: outboxd needs a second role, a member of \
-         outboxd_fleet, for the work of every tenant (lease rescue, retention, promotion, keys \
-         bound to all tenants); see \"An external PostgreSQL\" in the README",
-    )?;
     if let Some(owner_url) = &settings.migration_url {
         let user = |url: &str, variable: &str| {
             url.parse::<PgConnectOptions>()
@@ -176,16 +171,18 @@ pub async fn prepare_database(settings: &Settings) -> anyhow::Result<Database> {
                 .map(|o| o.get_username().to_owned())
         };
         let role = user(service_url, "OUTBOX_DATABASE__URL")?;
-        let fleet_role = user(fleet_url, "OUTBOX_DATABASE__FLEET_URL")?;
         let owner = connect(owner_url, 2).await?;
         migrate(&owner).await?;
         grant_service_role(&owner, &role, false).await?;
-        grant_fleet_role(&owner, &fleet_role, false).await?;
+        if let Some(fleet_url) = &settings.fleet_url {
+            let fleet_role = user(fleet_url, "OUTBOX_DATABASE__FLEET_URL")?;
+            grant_fleet_role(&owner, &fleet_role, false).await?;
+        }
         owner.close().await;
     }
     Ok(Database {
         service_url: service_url.clone(),
-        fleet_url: fleet_url.clone(),
+        fleet_url: settings.fleet_url.clone(),
         embedded: None,
     })
 }
@@ -194,14 +191,19 @@ pub async fn prepare_database(settings: &Settings) -> anyhow::Result<Database> {
 /// ([`verify_service_role`], [`verify_fleet_role`]), with up to `max_connections` each.
 ///
 /// # Errors
-/// A pool does not connect, or its role is not fit for it.
+/// No fleet URL, a pool does not connect, or its role is not fit for it.
 pub async fn connect_pools(
     database: &Database,
     max_connections: u32,
 ) -> anyhow::Result<store::Pools> {
+    let fleet_url = database.fleet_url.as_deref().context(
+        "OUTBOX_DATABASE__FLEET_URL is not set: outboxd needs a second role, a member of \
+         outboxd_fleet, for the work of every tenant (lease rescue, retention, promotion, queue \
+         gauges, keys bound to all tenants); see \"An external PostgreSQL\" in the README",
+    )?;
     let tenant = connect(&database.service_url, max_connections).await?;
     verify_service_role(&tenant).await?;
-    let fleet = connect(&database.fleet_url, max_connections)
+    let fleet = connect(fleet_url, max_connections)
         .await
         .context("the fleet role (OUTBOX_DATABASE__FLEET_URL)")?;
     verify_fleet_role(&fleet).await?;

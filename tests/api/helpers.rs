@@ -230,7 +230,7 @@ impl TestApp {
         let service_pools = startup::connect_pools(
             &startup::Database {
                 service_url: service_url(&url),
-                fleet_url: fleet_url(&url),
+                fleet_url: Some(fleet_url(&url)),
                 embedded: None,
             },
             20,

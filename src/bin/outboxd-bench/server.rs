@@ -32,7 +32,7 @@ pub async fn serve_child(args: &ServeChildArgs, settings: Settings) -> anyhow::R
     let pools = startup::connect_pools(
         &startup::Database {
             service_url: args.service_url.clone(),
-            fleet_url: args.fleet_url.clone(),
+            fleet_url: Some(args.fleet_url.clone()),
             embedded: None,
         },
         settings.max_connections,

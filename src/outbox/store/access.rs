@@ -65,7 +65,7 @@ impl Pools {
     }
 
     /// The pool whose role may act for `scope`: the one place that chooses.
-    pub(crate) fn for_scope(&self, scope: &TenantScope) -> &PgPool {
+    pub fn for_scope(&self, scope: &TenantScope) -> &PgPool {
         match scope {
             TenantScope::Tenants(_) => &self.tenant,
             TenantScope::All => &self.fleet,

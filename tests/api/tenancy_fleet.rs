@@ -116,16 +116,25 @@ async fn the_service_role_cannot_see_another_tenant_whatever_it_sets() {
             claimed.iter().all(|t| t == "acme"),
             "after `{attempt}`, the claim leased {claimed:?}"
         );
-        let acked: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM outbox.ack_into_batches(coalesce(current_setting('outbox.tenants', \
-             true), ''), 'on', $1, $2, NULL)",
-        )
-        .bind(vec![id_of(&leased).parse::<Uuid>().unwrap()])
-        .bind(vec![leased.lease_id.parse::<Uuid>().unwrap()])
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
-        assert_eq!(acked, 0, "after `{attempt}`, globex's lease was acked");
+        for settle in [
+            "outbox.extend_leases(T, 'on', $1, $2, 60000, NULL)",
+            "outbox.mark_submitted(T, 'on', $1, $2, NULL)",
+            "outbox.ack_into_batches(T, 'on', $1, $2, NULL)",
+            "outbox.ack_and_delete(T, 'on', $1, $2, NULL)",
+        ] {
+            let settle =
+                settle.replace("T", "coalesce(current_setting('outbox.tenants', true), '')");
+            let settled: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {settle}"))
+                .bind(vec![id_of(&leased).parse::<Uuid>().unwrap()])
+                .bind(vec![leased.lease_id.parse::<Uuid>().unwrap()])
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+            assert_eq!(
+                settled, 0,
+                "after `{attempt}`, {settle} settled globex's lease"
+            );
+        }
         tx.rollback().await.unwrap();
     }
 

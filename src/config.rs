@@ -223,7 +223,8 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ),
     (
         "OUTBOX_DATABASE__MAX_CONNECTIONS",
-        "connection pool size (the LISTEN connection is one more) [16]",
+        "size of each connection pool, the request-serving and the fleet one (the LISTEN \
+         connection is one more) [16]",
     ),
     (
         "OUTBOX_EMBEDDED__DATA_DIR",

@@ -276,7 +276,7 @@ impl Authenticator {
         let caller = match cached {
             Some(caller) => caller,
             None => {
-                let caller = store::find_api_key(&self.pool, &hash)
+                let caller = store::lookup_api_key(&self.pool, &hash)
                     .await?
                     .map(Caller::from_record);
                 let mut cache = self.lock();

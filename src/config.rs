@@ -18,6 +18,9 @@ pub struct Settings {
     /// External PostgreSQL, as the service role (owns nothing); `None` starts the embedded
     /// cluster.
     pub database_url: Option<String>,
+    /// External PostgreSQL, as a member of `outboxd_fleet` (the role granted every tenant):
+    /// the pool for work across tenants (docs/tenancy.md). Required with `database_url`.
+    pub fleet_url: Option<String>,
     /// The schema owner's URL, for migrations and key management; `None`: do not migrate
     /// at start (external) or use the embedded superuser.
     pub migration_url: Option<String>,
@@ -169,6 +172,7 @@ impl Default for Settings {
         Self {
             listen_addr: SocketAddr::from(([127, 0, 0, 1], 50051)),
             database_url: None,
+            fleet_url: None,
             migration_url: None,
             max_connections: 16,
             embedded_data_dir: PathBuf::from(".outboxd/pgdata"),
@@ -209,12 +213,18 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "PostgreSQL URL; unset starts the embedded cluster",
     ),
     (
+        "OUTBOX_DATABASE__FLEET_URL",
+        "PostgreSQL URL of a member of outboxd_fleet, for work across tenants; required with \
+         OUTBOX_DATABASE__URL",
+    ),
+    (
         "OUTBOX_DATABASE__MIGRATION_URL",
         "the schema owner's URL: migrations and grants at start, `migrate`, `keys` [unset]",
     ),
     (
         "OUTBOX_DATABASE__MAX_CONNECTIONS",
-        "connection pool size (the LISTEN connection is one more) [16]",
+        "size of each connection pool, the request-serving and the fleet one (the LISTEN \
+         connection is one more) [16]",
     ),
     (
         "OUTBOX_EMBEDDED__DATA_DIR",
@@ -389,6 +399,10 @@ impl Settings {
                 "OUTBOX_LISTEN_ADDR" => parse(value).map(|v| s.listen_addr = v),
                 "OUTBOX_DATABASE__URL" => {
                     s.database_url = (!value.is_empty()).then(|| value.to_owned());
+                    Ok(())
+                }
+                "OUTBOX_DATABASE__FLEET_URL" => {
+                    s.fleet_url = (!value.is_empty()).then(|| value.to_owned());
                     Ok(())
                 }
                 "OUTBOX_DATABASE__MIGRATION_URL" => {

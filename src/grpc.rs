@@ -7,7 +7,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::PgPool;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tonic::{Code, Request, Response, Status};
@@ -23,7 +22,7 @@ use crate::outbox::drained::{DrainedGroups, Seen};
 use crate::outbox::enqueue::DirectEnqueues;
 use crate::outbox::handoff::{self, Wanted};
 use crate::outbox::notify::PendingSignal;
-use crate::outbox::store::{self, BackoffParams, ClaimParams, DeliveredRows, TenantScope};
+use crate::outbox::store::{self, BackoffParams, ClaimParams, DeliveredRows, Pools, TenantScope};
 use crate::outbox::{self, Clock, Error, FieldViolation, Intent, IntentId, IntentState, Reason};
 use crate::proto::v1::outbox_service_server::{OutboxService, OutboxServiceServer};
 use crate::proto::v1::{self};
@@ -33,10 +32,10 @@ use crate::validate;
 /// Domain of every `ErrorInfo` outboxd sends.
 pub const ERROR_DOMAIN: &str = "outboxd";
 
-/// Serves `OutboxService` over a PostgreSQL pool.
+/// Serves `OutboxService` over the tenant and fleet pools (`store::Pools`).
 #[derive(Debug, Clone)]
 pub struct OutboxHandler {
-    pool: PgPool,
+    pools: Pools,
     auth: Arc<Authenticator>,
     cluster_id: Arc<str>,
     limits: Limits,
@@ -55,15 +54,15 @@ pub struct OutboxHandler {
 }
 
 /// Direct enqueues counted into `metrics`, giving the leases no claimer received back
-/// through `pool` (`outbox::handoff`).
+/// through `pools` (`outbox::handoff`).
 fn direct_enqueues(
-    pool: &PgPool,
+    pools: &Pools,
     pending: &PendingSignal,
     clock: &Clock,
     metrics: &Metrics,
 ) -> Arc<DirectEnqueues> {
     let release = handoff::give_back(
-        pool.clone(),
+        pools.clone(),
         pending.clone(),
         clock.clone(),
         metrics.given_back.clone(),
@@ -107,7 +106,7 @@ impl OutboxHandler {
         }
         let direct = token.is_none();
         let results = outbox::enqueue::enqueue(
-            &self.pool,
+            &self.pools,
             &self.direct_enqueues,
             &self.cluster_id,
             &tenant,
@@ -153,7 +152,7 @@ impl OutboxHandler {
     /// A handler for the cluster whose `system_identifier` is `cluster_id` (tokens must
     /// name it); `shutdown` ends waiting long-polls early (they answer with no leases).
     pub fn new(
-        pool: PgPool,
+        pools: Pools,
         auth: Arc<Authenticator>,
         cluster_id: String,
         settings: &Settings,
@@ -162,8 +161,8 @@ impl OutboxHandler {
         shutdown: CancellationToken,
     ) -> Self {
         Self {
-            direct_enqueues: direct_enqueues(&pool, &pending, &clock, &Metrics::default()),
-            pool,
+            direct_enqueues: direct_enqueues(&pools, &pending, &clock, &Metrics::default()),
+            pools,
             auth,
             cluster_id: cluster_id.into(),
             limits: settings.limits.clone(),
@@ -185,7 +184,7 @@ impl OutboxHandler {
 
     /// Records into `metrics` (by default into a private registry nobody reads).
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
-        self.direct_enqueues = direct_enqueues(&self.pool, &self.pending, &self.clock, &metrics);
+        self.direct_enqueues = direct_enqueues(&self.pools, &self.pending, &self.clock, &metrics);
         self.metrics = metrics;
         self
     }
@@ -233,7 +232,7 @@ impl OutboxHandler {
             intents,
             next_due_in,
             replayed,
-        } = store::claim_intents(&self.pool, scope, params).await?;
+        } = store::claim_intents(&self.pools, scope, params).await?;
         let again_in = next_due_in.map_or(self.long_poll_recheck, |due| {
             due.min(self.long_poll_recheck)
         });
@@ -667,7 +666,7 @@ impl OutboxHandler {
         let (leases, duration) = validate::extend(request.get_ref(), &self.limits)?;
         let scope = caller.settling(&scope);
         let results =
-            store::extend_leases(&self.pool, scope, &leases, duration, self.clock.now()).await?;
+            store::extend_leases(&self.pools, scope, &leases, duration, self.clock.now()).await?;
         Ok(Response::new(v1::ExtendLeaseResponse {
             results: results.into_iter().map(Into::into).collect(),
         }))
@@ -681,7 +680,7 @@ impl OutboxHandler {
         let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
         let scope = caller.settling(&scope);
         let results =
-            store::mark_intents_submitted(&self.pool, scope, &leases, self.clock.now()).await?;
+            store::mark_intents_submitted(&self.pools, scope, &leases, self.clock.now()).await?;
         Ok(Response::new(v1::MarkSubmittedResponse {
             results: results.into_iter().map(Into::into).collect(),
         }))
@@ -691,7 +690,7 @@ impl OutboxHandler {
         let (caller, scope) = self.access(&request, Permission::Consume).await?;
         let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
         let results = store::ack_intents(
-            &self.pool,
+            &self.pools,
             caller.settling(&scope),
             &leases,
             self.delivered_rows,
@@ -710,7 +709,7 @@ impl OutboxHandler {
         let (caller, scope) = self.access(&request, Permission::Consume).await?;
         let failures = validate::fail(request.into_inner(), &self.limits)?;
         let results = store::fail_intents(
-            &self.pool,
+            &self.pools,
             caller.settling(&scope),
             &failures,
             self.backoff,
@@ -757,7 +756,7 @@ impl OutboxHandler {
         {
             caller.require_region("filter.region", region)?;
         }
-        let mut tx = store::begin(&self.pool, &scope).await?;
+        let mut tx = store::begin(&self.pools, &scope).await?;
         let results = store::resolve_intents(
             &mut tx,
             store::ReconcileParams {
@@ -791,7 +790,7 @@ impl OutboxHandler {
     ) -> RpcResult<v1::GetIntentResponse> {
         let (caller, scope) = self.access(&request, Permission::Operate).await?;
         let id = validate::intent_id("id", &request.get_ref().id)?;
-        let mut tx = store::begin(&self.pool, &scope).await?;
+        let mut tx = store::begin(&self.pools, &scope).await?;
         let found = store::get_intent(&mut tx, id, &caller.regions).await?;
         tx.commit().await.map_err(Error::from)?;
         let (intent, resolutions) = found.ok_or(Error::NotFound(id))?;
@@ -810,7 +809,7 @@ impl OutboxHandler {
         if let Some(region) = &list.region {
             caller.require_region("region", region)?;
         }
-        let mut tx = store::begin(&self.pool, &scope).await?;
+        let mut tx = store::begin(&self.pools, &scope).await?;
         let intents = store::list_intents(
             &mut tx,
             store::ListParams {
@@ -844,7 +843,7 @@ impl OutboxHandler {
         request: Request<v1::GetQueueStatsRequest>,
     ) -> RpcResult<v1::GetQueueStatsResponse> {
         let (caller, scope) = self.access(&request, Permission::Operate).await?;
-        let mut tx = store::begin(&self.pool, &scope).await?;
+        let mut tx = store::begin(&self.pools, &scope).await?;
         let stats = store::queue_stats(&mut tx, &caller.regions, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(stats.into()))

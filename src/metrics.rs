@@ -16,12 +16,11 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
-use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::outbox::IntentState;
 use crate::outbox::maintenance::SweepReport;
-use crate::outbox::store::{self, AlsoAtBegin, PromotionReport, TenantScope};
+use crate::outbox::store::{self, AlsoAtBegin, Pools, PromotionReport, TenantScope};
 
 /// Labels of RPC metrics.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -291,10 +290,11 @@ impl Metrics {
     ///
     /// # Errors
     /// [`crate::outbox::Error::Database`].
-    pub async fn refresh(&self, pool: &PgPool) -> crate::outbox::Result<()> {
+    pub async fn refresh(&self, pools: &Pools) -> crate::outbox::Result<()> {
         // Index plans: under row-level security the planner misjudges these counts by
         // orders of magnitude and would scan the table for them as it grows.
-        let mut tx = store::begin_with(pool, &TenantScope::All, &[AlsoAtBegin::IndexPlans]).await?;
+        let mut tx =
+            store::begin_with(pools, &TenantScope::All, &[AlsoAtBegin::IndexPlans]).await?;
         let depth = store::queue_depth(&mut tx).await?;
         tx.commit().await?;
         self.intents.clear();
@@ -367,13 +367,13 @@ fn next_refresh_in(interval: Duration, took: Duration) -> Duration {
 /// `shutdown`.
 pub async fn refresh_until_stopped(
     metrics: Arc<Metrics>,
-    pool: PgPool,
+    pools: Pools,
     interval: Duration,
     shutdown: CancellationToken,
 ) {
     loop {
         let started = tokio::time::Instant::now();
-        if let Err(e) = metrics.refresh(&pool).await {
+        if let Err(e) = metrics.refresh(&pools).await {
             tracing::warn!(error.message = %e, "refreshing queue metrics failed");
         }
         let wait = next_refresh_in(interval, started.elapsed());

@@ -78,6 +78,14 @@ pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
 /// security applies to it.
 pub const EMBEDDED_SERVICE_ROLE: &str = "outboxd_service";
 
+/// The role granted every tenant (migration `20261204000021_cross_tenant_is_granted`): its
+/// members' sessions see every tenant's rows, and the service role must not be one.
+pub const FLEET_ROLE: &str = "outboxd_fleet";
+
+/// Login role the embedded cluster's fleet pool connects as: a member of [`FLEET_ROLE`]
+/// that owns nothing.
+pub const EMBEDDED_FLEET_ROLE: &str = "outboxd_fleet_service";
+
 /// Starts the embedded cluster of `settings` (blocking work, run off the runtime) and
 /// makes sure its `outbox` database exists. Returns the cluster and the superuser URL of
 /// that database.
@@ -109,18 +117,23 @@ pub async fn start_embedded(settings: &Settings) -> anyhow::Result<(EmbeddedPost
     Ok((cluster, url))
 }
 
-/// The database a server uses: the URL to serve through, and the embedded cluster when
+/// The database a server uses: the URLs to serve through, and the embedded cluster when
 /// outboxd runs its own (stopped by the caller after serving).
 pub struct Database {
     /// URL of the service role.
     pub service_url: String,
+    /// URL of the fleet role (a member of [`FLEET_ROLE`]), for work across tenants; `None`
+    /// when `OUTBOX_DATABASE__FLEET_URL` is not set, which only `outboxd migrate` accepts.
+    pub fleet_url: Option<String>,
     /// The embedded cluster, if any.
     pub embedded: Option<EmbeddedPostgres>,
 }
 
 /// Gets the database ready to serve: the embedded cluster started, migrated and given its
-/// service role; or, for an external database, migrated with `OUTBOX_DATABASE__MIGRATION_URL`
-/// when it is set (granting the service role of `OUTBOX_DATABASE__URL` what it needs).
+/// service and fleet roles; or, for an external database, migrated with
+/// `OUTBOX_DATABASE__MIGRATION_URL` when it is set (granting the service role of
+/// `OUTBOX_DATABASE__URL` what it needs, and making the role of `OUTBOX_DATABASE__FLEET_URL`,
+/// when set, a member of `outboxd_fleet` if it is not one yet).
 ///
 /// # Errors
 /// The cluster does not start, a migration fails, or the grants fail.
@@ -130,9 +143,14 @@ pub async fn prepare_database(settings: &Settings) -> anyhow::Result<Database> {
         let owner = connect(&owner_url, 2).await?;
         migrate(&owner).await?;
         grant_service_role(&owner, EMBEDDED_SERVICE_ROLE, true).await?;
+        grant_fleet_role(&owner, EMBEDDED_FLEET_ROLE, true).await?;
         owner.close().await;
         let service_url = format!(
             "postgres://{EMBEDDED_SERVICE_ROLE}@127.0.0.1:{}/{EMBEDDED_DATABASE}",
+            cluster.port()
+        );
+        let fleet_url = format!(
+            "postgres://{EMBEDDED_FLEET_ROLE}@127.0.0.1:{}/{EMBEDDED_DATABASE}",
             cluster.port()
         );
         tracing::info!(
@@ -142,24 +160,110 @@ pub async fn prepare_database(settings: &Settings) -> anyhow::Result<Database> {
         );
         return Ok(Database {
             service_url,
+            fleet_url: Some(fleet_url),
             embedded: Some(cluster),
         });
     };
     if let Some(owner_url) = &settings.migration_url {
-        let role = service_url
-            .parse::<PgConnectOptions>()
-            .context("OUTBOX_DATABASE__URL is not a valid PostgreSQL URL")?
-            .get_username()
-            .to_owned();
+        let user = |url: &str, variable: &str| {
+            url.parse::<PgConnectOptions>()
+                .with_context(|| format!("{variable} is not a valid PostgreSQL URL"))
+                .map(|o| o.get_username().to_owned())
+        };
+        let role = user(service_url, "OUTBOX_DATABASE__URL")?;
         let owner = connect(owner_url, 2).await?;
         migrate(&owner).await?;
         grant_service_role(&owner, &role, false).await?;
+        if let Some(fleet_url) = &settings.fleet_url {
+            let fleet_role = user(fleet_url, "OUTBOX_DATABASE__FLEET_URL")?;
+            grant_fleet_role(&owner, &fleet_role, false).await?;
+        }
         owner.close().await;
     }
     Ok(Database {
         service_url: service_url.clone(),
+        fleet_url: settings.fleet_url.clone(),
         embedded: None,
     })
+}
+
+/// The service and fleet pools of `database`, each checked to be what its role must be
+/// ([`verify_service_role`], [`verify_fleet_role`]), with up to `max_connections` each.
+///
+/// # Errors
+/// No fleet URL, a pool does not connect, or its role is not fit for it.
+pub async fn connect_pools(
+    database: &Database,
+    max_connections: u32,
+) -> anyhow::Result<store::Pools> {
+    let fleet_url = database.fleet_url.as_deref().context(
+        "OUTBOX_DATABASE__FLEET_URL is not set: outboxd needs a second role, a member of \
+         outboxd_fleet, for the work of every tenant (lease rescue, retention, promotion, queue \
+         gauges, keys bound to all tenants); see \"An external PostgreSQL\" in the README",
+    )?;
+    let tenant = connect(&database.service_url, max_connections).await?;
+    verify_service_role(&tenant).await?;
+    let fleet = connect(fleet_url, max_connections)
+        .await
+        .context("the fleet role (OUTBOX_DATABASE__FLEET_URL)")?;
+    verify_fleet_role(&fleet).await?;
+    Ok(store::Pools::new(tenant, fleet))
+}
+
+/// Makes `role` a member of `outboxd_fleet` (`outbox.grant_fleet_role`, which does nothing
+/// when it already is one), creating it as a login role first when `create` is set (the
+/// embedded cluster and the tests, trust auth).
+///
+/// # Errors
+/// A role name that is not a plain identifier, or a failed grant.
+pub async fn grant_fleet_role(owner: &PgPool, role: &str, create: bool) -> anyhow::Result<()> {
+    if create {
+        create_login_role(owner, role).await?;
+    } else {
+        check_identifier(role)?;
+    }
+    sqlx::query("SELECT outbox.grant_fleet_role($1)")
+        .bind(role)
+        .execute(owner)
+        .await
+        .with_context(|| format!("making {role:?} a member of outboxd_fleet"))?;
+    Ok(())
+}
+
+fn check_identifier(role: &str) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !role.is_empty()
+            && role
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),
+        "role {role:?} must be a lowercase identifier"
+    );
+    Ok(())
+}
+
+/// Creates `role` as a login role unless it exists.
+async fn create_login_role(owner: &PgPool, role: &str) -> anyhow::Result<()> {
+    check_identifier(role)?;
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = $1)")
+            .bind(role)
+            .fetch_one(owner)
+            .await?;
+    if !exists {
+        // Checked above to be a plain identifier; CREATE ROLE takes no parameters.
+        match sqlx::query(&format!("CREATE ROLE {role} LOGIN"))
+            .execute(owner)
+            .await
+        {
+            // 42710: another replica created it meanwhile (23505: at the same moment).
+            Err(sqlx::Error::Database(e))
+                if matches!(e.code().as_deref(), Some("42710" | "23505")) => {}
+            other => {
+                other?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Gives `role` the privileges the service needs (`outbox.grant_service_role`), creating
@@ -168,32 +272,10 @@ pub async fn prepare_database(settings: &Settings) -> anyhow::Result<Database> {
 /// # Errors
 /// A role name that is not a plain identifier, or a failed grant.
 pub async fn grant_service_role(owner: &PgPool, role: &str, create: bool) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        !role.is_empty()
-            && role
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),
-        "service role {role:?} must be a lowercase identifier"
-    );
     if create {
-        let exists: bool =
-            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = $1)")
-                .bind(role)
-                .fetch_one(owner)
-                .await?;
-        if !exists {
-            // Checked above to be a plain identifier; CREATE ROLE takes no parameters.
-            match sqlx::query(&format!("CREATE ROLE {role} LOGIN"))
-                .execute(owner)
-                .await
-            {
-                // 42710: another replica created it meanwhile.
-                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42710") => {}
-                other => {
-                    other?;
-                }
-            }
-        }
+        create_login_role(owner, role).await?;
+    } else {
+        check_identifier(role)?;
     }
     sqlx::query("SELECT outbox.grant_service_role($1)")
         .bind(role)
@@ -203,18 +285,31 @@ pub async fn grant_service_role(owner: &PgPool, role: &str, create: bool) -> any
     Ok(())
 }
 
-/// Refuses to serve through a role for which row-level security would not apply.
+/// Refuses to serve requests through a role for which row-level security would not
+/// isolate tenants: one that bypasses it, owns the tables (or may become their owner), sees
+/// every tenant (a member of `outboxd_fleet`), or could make itself a member (CREATEROLE,
+/// which in PostgreSQL 15 grants any role that is no superuser).
 ///
 /// # Errors
-/// The role is a superuser, bypasses RLS, or owns the outbox tables.
+/// The role is any of those.
 pub async fn verify_service_role(pool: &PgPool) -> anyhow::Result<()> {
-    let (role, superuser, bypass, owner): (String, bool, bool, bool) = sqlx::query_as(
+    let (role, superuser, bypass, owner, fleet, createrole): (
+        String,
+        bool,
+        bool,
+        bool,
+        bool,
+        bool,
+    ) = sqlx::query_as(
         r#"
-        SELECT r.rolname::text, r.rolsuper, r.rolbypassrls, pg_has_role(r.oid, c.relowner, 'USAGE')
-        FROM pg_roles r, pg_class c
-        WHERE r.rolname = current_user
-          AND c.oid = 'outbox.intent'::regclass
-        "#,
+            SELECT r.rolname::text, r.rolsuper, r.rolbypassrls,
+                   pg_has_role(r.oid, c.relowner, 'MEMBER'),
+                   pg_has_role(r.oid, 'outboxd_fleet', 'MEMBER'),
+                   r.rolcreaterole
+            FROM pg_roles r, pg_class c
+            WHERE r.rolname = current_user
+              AND c.oid = 'outbox.intent'::regclass
+            "#,
     )
     .fetch_one(pool)
     .await
@@ -224,7 +319,11 @@ pub async fn verify_service_role(pool: &PgPool) -> anyhow::Result<()> {
     } else if bypass {
         "has BYPASSRLS"
     } else if owner {
-        "owns the outbox tables"
+        "owns the outbox tables (or is a member of their owner)"
+    } else if fleet {
+        "is a member of outboxd_fleet, which sees every tenant"
+    } else if createrole {
+        "has CREATEROLE, and so could make itself a member of outboxd_fleet"
     } else {
         return Ok(());
     };
@@ -233,6 +332,28 @@ pub async fn verify_service_role(pool: &PgPool) -> anyhow::Result<()> {
          tenants. Connect with a role that owns nothing and run \
          `SELECT outbox.grant_service_role('<role>')` as the schema owner (see README)"
     )
+}
+
+/// Refuses a fleet pool whose role does not see every tenant: it must have the privileges
+/// of `outboxd_fleet` (be a member that inherits them), or the sweeps would find nothing.
+///
+/// # Errors
+/// The role has not the privileges of `outboxd_fleet`.
+pub async fn verify_fleet_role(pool: &PgPool) -> anyhow::Result<()> {
+    let (role, fleet): (String, bool) = sqlx::query_as(
+        "SELECT current_user::text, pg_has_role(current_user, 'outboxd_fleet', 'USAGE')",
+    )
+    .fetch_one(pool)
+    .await
+    .context("cannot inspect the fleet role (are the migrations applied?)")?;
+    anyhow::ensure!(
+        fleet,
+        "the fleet pool connects as role {role:?}, which is no member of outboxd_fleet (or does \
+         not inherit its privileges): it would see no tenant's rows. Run \
+         `SELECT outbox.grant_fleet_role('{role}')` (or `GRANT outboxd_fleet TO {role}`) as a \
+         role that may grant outboxd_fleet (see docs/tenancy.md)"
+    );
+    Ok(())
 }
 
 /// The schema owner's URL, for `migrate` and key management: `OUTBOX_DATABASE__MIGRATION_URL`,
@@ -297,29 +418,31 @@ pub struct Application {
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     background: Vec<JoinHandle<()>>,
     /// Closed by [`Application::run_until_stopped`] within the grace.
-    pool: PgPool,
+    pools: store::Pools,
 }
 
 impl Application {
-    /// Serves on `listener` over `pool` (already migrated) until [`Application::stop`]
-    /// or [`Application::run_until_stopped`] ends it.
+    /// Serves on `listener` over `pools` (already migrated: the service role's, and the
+    /// fleet role's for work across tenants) until [`Application::stop`] or
+    /// [`Application::run_until_stopped`] ends it.
     ///
     /// # Errors
     /// A listener without a local address, an unusable TLS or metrics configuration, or an
     /// invalid reflection descriptor.
     pub async fn start(
         settings: &Settings,
-        pool: PgPool,
+        pools: store::Pools,
         listener: TcpListener,
         runtime: Runtime,
     ) -> anyhow::Result<Self> {
+        let pool = pools.tenant().clone();
         let local_addr = listener.local_addr()?;
         let shutdown = CancellationToken::new();
         let pending = PendingSignal::default();
         let metrics = Arc::new(Metrics::new());
         let cluster_id = store::cluster_identifier(&pool).await?;
         let mut background =
-            spawn_background(settings, &pool, &runtime, &pending, &metrics, &shutdown);
+            spawn_background(settings, &pools, &runtime, &pending, &metrics, &shutdown);
         let metrics_addr = match settings.metrics_addr {
             Some(addr) => {
                 let listener = metrics::bind(addr)
@@ -342,13 +465,13 @@ impl Application {
             .set_serving::<OutboxServiceServer<OutboxHandler>>()
             .await;
         background.push(tokio::spawn(watch_database(
-            pool.clone(),
+            pools.clone(),
             health.clone(),
             shutdown.clone(),
         )));
         let auth = Arc::new(Authenticator::new(pool.clone(), settings.auth_cache_ttl));
         let handler = OutboxHandler::new(
-            pool.clone(),
+            pools.clone(),
             auth,
             cluster_id,
             settings,
@@ -411,7 +534,7 @@ impl Application {
             grace: settings.shutdown_grace,
             server,
             background,
-            pool,
+            pools: pools.clone(),
         })
     }
 
@@ -480,10 +603,10 @@ impl Application {
     pub async fn run_until_stopped(self) -> anyhow::Result<()> {
         shutdown_signal().await;
         tracing::info!("shutdown requested; draining");
-        let pool = self.pool.clone();
+        let pools = self.pools.clone();
         let (served, deadline) = self.stop_with_deadline().await;
         // Closing waits for every connection to come back; the ones cut above were dropped.
-        if tokio::time::timeout_at(deadline, pool.close())
+        if tokio::time::timeout_at(deadline, pools.close())
             .await
             .is_err()
         {
@@ -499,14 +622,17 @@ const DATABASE_CHECK_INTERVAL: Duration = Duration::from_secs(2);
 /// Keeps health in step with the database: NOT_SERVING while PostgreSQL is unreachable or
 /// the service role lacks its grants (every call would fail), SERVING again once it is
 /// back, until shutdown (which owns the status from then on).
-async fn watch_database(pool: PgPool, health: HealthReporter, shutdown: CancellationToken) {
+async fn watch_database(pools: store::Pools, health: HealthReporter, shutdown: CancellationToken) {
     let mut serving = true;
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(DATABASE_CHECK_INTERVAL) => {}
         }
-        let probe = store::probe(&pool).await;
+        let probe = match store::probe(pools.tenant()).await {
+            Ok(()) => store::probe(pools.fleet()).await,
+            failed => failed,
+        };
         if shutdown.is_cancelled() || probe.is_ok() == serving {
             continue;
         }
@@ -535,12 +661,13 @@ async fn watch_database(pool: PgPool, health: HealthReporter, shutdown: Cancella
 /// the runtime drives them itself) and the metrics gauges.
 fn spawn_background(
     settings: &Settings,
-    pool: &PgPool,
+    pools: &store::Pools,
     runtime: &Runtime,
     pending: &PendingSignal,
     metrics: &Arc<Metrics>,
     shutdown: &CancellationToken,
 ) -> Vec<JoinHandle<()>> {
+    let pool = pools.tenant();
     let txn_committed = Arc::new(Notify::new());
     let mut tasks = vec![
         tokio::spawn(pending.clone().listen_until_stopped(
@@ -555,7 +682,7 @@ fn spawn_background(
                 .announce_until_stopped(pool.clone(), shutdown.clone()),
         ),
         tokio::spawn(promotion::run_until_stopped(
-            pool.clone(),
+            pools.clone(),
             runtime.clock.clone(),
             txn_committed,
             settings.txn_resolve_interval,
@@ -565,14 +692,14 @@ fn spawn_background(
         )),
         tokio::spawn(metrics::refresh_until_stopped(
             metrics.clone(),
-            pool.clone(),
+            pools.clone(),
             settings.metrics_refresh_interval,
             shutdown.clone(),
         )),
     ];
     if runtime.maintenance {
         tasks.push(tokio::spawn(maintenance::run_until_stopped(
-            pool.clone(),
+            pools.clone(),
             settings.maintenance.clone(),
             runtime.clock.clone(),
             metrics.clone(),

@@ -269,6 +269,8 @@ def check_wiring(docs, image, binary):
             env = env_map(c)
             url = env.get("OUTBOX_DATABASE__URL", {})
             check("secretKeyRef" in url.get("valueFrom", {}), f"{where}: database URL not from a Secret")
+            fleet = env.get("OUTBOX_DATABASE__FLEET_URL", {})
+            check("secretKeyRef" in fleet.get("valueFrom", {}), f"{where}: fleet URL not from a Secret")
             unknown = binary.unknown([n for n in names if n.startswith("OUTBOX_")])
             check(not unknown, f"{where}: this outboxd refuses {unknown} as unknown variables")
             # Every file path handed to outboxd must be a key of a mounted Secret.
@@ -305,7 +307,8 @@ def expect_default(docs, notes):
     check(server["args"] == ["serve"], f"server args {server['args']}")
     env = {n: e.get("value") for n, e in env_map(server).items()}
     check(env == {
-        "OUTBOX_LISTEN_ADDR": "0.0.0.0:50051", "OUTBOX_DATABASE__URL": None, "OUTBOX_LOG__FORMAT": "json",
+        "OUTBOX_LISTEN_ADDR": "0.0.0.0:50051", "OUTBOX_DATABASE__URL": None,
+        "OUTBOX_DATABASE__FLEET_URL": None, "OUTBOX_LOG__FORMAT": "json",
         "OUTBOX_ALLOW_PLAINTEXT": "true", "OUTBOX_METRICS__LISTEN_ADDR": "0.0.0.0:9090",
         "OUTBOX_SHUTDOWN__DRAIN_DELAY": "5s", "OUTBOX_SHUTDOWN__GRACE": "20s",
     }, f"server env {env}")
@@ -320,9 +323,12 @@ def expect_default(docs, notes):
     owner = env_map(job["spec"]["template"]["spec"]["containers"][0])["OUTBOX_DATABASE__MIGRATION_URL"]
     check(owner["valueFrom"]["secretKeyRef"] == {"name": "ci-outboxd-database-owner", "key": "url"}, f"owner URL {owner}")
     check("OUTBOX_DATABASE__MIGRATION_URL" not in env, "the server got the owner's URL")
-    for secret in ("ci-outboxd-database ", "ci-outboxd-database-owner "):
+    fleet = env_map(server)["OUTBOX_DATABASE__FLEET_URL"]
+    check(fleet["valueFrom"]["secretKeyRef"] == {"name": "ci-outboxd-database-fleet", "key": "url"}, f"fleet URL {fleet}")
+    for secret in ("ci-outboxd-database ", "ci-outboxd-database-fleet ", "ci-outboxd-database-owner "):
         check(f"kubectl -n outboxd-ci create secret generic {secret}" in notes, f"NOTES lack the {secret}Secret command")
     check("grant_service_role" in notes, "NOTES lack the grant step")
+    check("GRANT outboxd_fleet TO" in notes, "NOTES lack the fleet grant step")
 
 
 def expect_tls(docs, notes):
@@ -698,11 +704,15 @@ def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool
     db = pg.fresh_database(f"outbox_chart_{mode.lower()}{'_tls' if tls else ''}")
     # The service role owns nothing and is no superuser (outboxd refuses one that could
     # bypass row-level security); the owner (here the cluster's superuser) migrates.
-    role = "outboxd"
-    pg.psql(f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') "
-            f"THEN CREATE ROLE {role} LOGIN; END IF; END $$")
+    # The fleet role: a login the owner makes a member of outboxd_fleet (which the first
+    # migration creates) for the work of every tenant.
+    role, fleet_role = "outboxd", "outboxd_fleet_login"
+    for r in (role, fleet_role):
+        pg.psql(f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{r}') "
+                f"THEN CREATE ROLE {r} LOGIN; END IF; END $$")
     secrets = {
         ("ci-outboxd-database", "url"): pg.url_for(role, db),
+        ("ci-outboxd-database-fleet", "url"): pg.url_for(fleet_role, db),
         ("ci-outboxd-database-owner", "url"): pg.url_for(pg.user, db),
     }
     values: dict = {}
@@ -756,6 +766,10 @@ def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool
                 # The owner's one-time step that NOTES.txt and the README ask for.
                 pg.psql(f"SELECT outbox.grant_service_role('{role}')", db)
                 notes.append(f"operator step from NOTES.txt: SELECT outbox.grant_service_role('{role}')")
+            member = pg.psql(f"SELECT pg_has_role('{fleet_role}', 'outboxd_fleet', 'USAGE')", db)
+            if member != "t":
+                pg.psql(f"GRANT outboxd_fleet TO {fleet_role}", db)
+                notes.append(f"operator step from NOTES.txt: GRANT outboxd_fleet TO {fleet_role}")
 
         # 2. The server, probed like kubelet: startup until it passes, then readiness, liveness.
         log = work / "server.log"

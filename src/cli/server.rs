@@ -13,13 +13,12 @@ pub(super) async fn serve(settings: Settings) -> anyhow::Result<()> {
         settings.otel_endpoint.as_deref(),
     )?;
     let database = startup::prepare_database(&settings).await?;
-    let pool = startup::connect(&database.service_url, settings.max_connections).await?;
-    startup::verify_service_role(&pool).await?;
+    let pools = startup::connect_pools(&database, settings.max_connections).await?;
     let listener = tokio::net::TcpListener::bind(settings.listen_addr)
         .await
         .with_context(|| format!("cannot listen on {}", settings.listen_addr))?;
-    let app = Application::start(&settings, pool, listener, Runtime::default()).await?;
-    // Closes the pool too, within the grace (waiting here for a connection stuck on a
+    let app = Application::start(&settings, pools, listener, Runtime::default()).await?;
+    // Closes the pools too, within the grace (waiting here for a connection stuck on a
     // database that is gone would outlive it).
     let served = app.run_until_stopped().await;
     stop_embedded(database.embedded).await?;

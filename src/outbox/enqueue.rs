@@ -6,11 +6,10 @@ use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use prometheus_client::metrics::counter::Counter;
-use sqlx::PgPool;
 
 use super::group_commit::GroupCommit;
 use super::handoff::{Handoffs, Release};
-use super::store::{self, AlsoAtBegin, EnqueueParams, TenantScope, TxnStatus};
+use super::store::{self, AlsoAtBegin, EnqueueParams, Pools, TenantScope, TxnStatus};
 use super::token::TxnToken;
 use super::{Enqueued, Error, FieldViolation, NewIntent, Result};
 use crate::metrics::Metrics;
@@ -94,12 +93,12 @@ fn commit_outcome_unknown(e: &Error) -> Option<Error> {
 /// A transaction for `tenant_id`'s enqueue: its statements are planned once per
 /// connection (see `AlsoAtBegin::GenericPlans`).
 async fn begin_enqueue(
-    pool: &PgPool,
+    pools: &Pools,
     tenant_id: &str,
 ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
     let scope = TenantScope::one(tenant_id);
     store::begin_with(
-        pool,
+        pools,
         &scope,
         &[AlsoAtBegin::IndexPlans, AlsoAtBegin::GenericPlans],
     )
@@ -110,13 +109,13 @@ async fn begin_enqueue(
 /// committed, leasing what it can to the claimers waiting in `direct.handoffs`; the
 /// results of each call, in order.
 async fn insert_direct(
-    pool: &PgPool,
+    pools: &Pools,
     direct: &DirectInserts,
     tenant_id: &str,
     calls: &[Arc<Vec<NewIntent>>],
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<Vec<Enqueued>>> {
-    let mut tx = begin_enqueue(pool, tenant_id).await?;
+    let mut tx = begin_enqueue(pools, tenant_id).await?;
     let flat;
     let intents: &[NewIntent] = match calls {
         [one] => one,
@@ -178,7 +177,7 @@ async fn insert_direct(
 /// - [`Error::CommitOutcomeUnknown`]: the COMMIT lost its answer (the intents may exist);
 /// - [`Error::IdempotencyConflict`], [`Error::Database`].
 pub async fn enqueue(
-    pool: &PgPool,
+    pools: &Pools,
     direct: &DirectEnqueues,
     cluster_id: &str,
     tenant_id: &str,
@@ -191,29 +190,29 @@ pub async fn enqueue(
             // In a task of its own, as a shared transaction is: a call cancelled while it
             // commits must not take with it the answer to the claims it handed intents to
             // (`super::handoff`).
-            let (pool, inserts, tenant) =
-                (pool.clone(), direct.inserts.clone(), tenant_id.to_owned());
+            let (pools, inserts, tenant) =
+                (pools.clone(), direct.inserts.clone(), tenant_id.to_owned());
             let calls = [Arc::new(intents)];
             let results =
                 tokio::spawn(
-                    async move { insert_direct(&pool, &inserts, &tenant, &calls, now).await },
+                    async move { insert_direct(&pools, &inserts, &tenant, &calls, now).await },
                 )
                 .await
                 .unwrap_or_else(|_| Err(sqlx::Error::WorkerCrashed.into()))?;
             return Ok(results.into_iter().next().unwrap_or_default());
         }
-        let (pool, tenant) = (pool.clone(), tenant_id.to_owned());
+        let (pools, tenant) = (pools.clone(), tenant_id.to_owned());
         let inserts = direct.inserts.clone();
         let run = move |calls: Vec<Arc<Vec<NewIntent>>>| {
-            let (pool, tenant, inserts) = (pool.clone(), tenant.clone(), inserts.clone());
-            async move { insert_direct(&pool, &inserts, &tenant, &calls, now).await }
+            let (pools, tenant, inserts) = (pools.clone(), tenant.clone(), inserts.clone());
+            async move { insert_direct(&pools, &inserts, &tenant, &calls, now).await }
         };
         return direct
             .groups
             .submit((tenant_id.to_owned(), now), intents, run)
             .await;
     };
-    let mut tx = begin_enqueue(pool, tenant_id).await?;
+    let mut tx = begin_enqueue(pools, tenant_id).await?;
     if token.system_identifier.to_string() != cluster_id {
         return Err(bad_token(format!(
             "names the PostgreSQL cluster {}, but outboxd stores intents in cluster \

@@ -29,12 +29,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
-use sqlx::PgPool;
 use tokio::sync::oneshot;
 
 use super::clock::Clock;
 use super::notify::PendingSignal;
-use super::store::{self, TenantScope};
+use super::store::{self, Pools, TenantScope};
 use super::{Intent, IntentId, NewIntent, Schedule};
 
 /// How long a claimer whose wait ended waits for the outcome of an enqueue that had taken
@@ -50,7 +49,7 @@ pub type Release = Arc<dyn Fn(&TenantScope, Vec<Intent>) + Send + Sync>;
 /// into `given_back` and announces them as claimable. Where that fails they stay leased
 /// until they expire.
 pub fn give_back(
-    pool: PgPool,
+    pools: Pools,
     pending: PendingSignal,
     clock: Clock,
     given_back: Counter,
@@ -67,15 +66,15 @@ pub fn give_back(
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (pool, pending, clock, scope, given_back) = (
-            pool.clone(),
+        let (pools, pending, clock, scope, given_back) = (
+            pools.clone(),
             pending.clone(),
             clock.clone(),
             scope.clone(),
             given_back.clone(),
         );
         runtime.spawn(async move {
-            match store::release_leases(&pool, &scope, &leases, clock.now()).await {
+            match store::release_leases(&pools, &scope, &leases, clock.now()).await {
                 Ok(0) => {}
                 Ok(released) => {
                     tracing::debug!(released, "gave back leases no claimer received");

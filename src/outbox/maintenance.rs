@@ -5,10 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use super::store::{self, AlsoAtBegin, BackoffParams, TenantScope};
+use super::store::{self, AlsoAtBegin, BackoffParams, Pools, TenantScope};
 use super::{Clock, IntentState, Result};
 use crate::metrics::Metrics;
 
@@ -80,13 +79,14 @@ pub struct SweepReport {
 /// # Errors
 /// [`super::Error::Database`].
 pub async fn rescue_all(
-    pool: &PgPool,
+    pools: &Pools,
     config: &MaintenanceConfig,
     clock: &Clock,
 ) -> Result<SweepReport> {
     let mut report = SweepReport::default();
     loop {
-        let mut tx = store::begin_with(pool, &TenantScope::All, &[AlsoAtBegin::IndexPlans]).await?;
+        let mut tx =
+            store::begin_with(pools, &TenantScope::All, &[AlsoAtBegin::IndexPlans]).await?;
         let states =
             store::rescue_expired_leases(&mut *tx, config.backoff, config.batch_size, clock.now())
                 .await?;
@@ -116,10 +116,11 @@ pub async fn rescue_all(
 ///
 /// # Errors
 /// [`super::Error::Database`].
-pub async fn purge_all(pool: &PgPool, config: &MaintenanceConfig, clock: &Clock) -> Result<u64> {
+pub async fn purge_all(pools: &Pools, config: &MaintenanceConfig, clock: &Clock) -> Result<u64> {
     let mut purged = 0;
     loop {
-        let mut tx = store::begin_with(pool, &TenantScope::All, &[AlsoAtBegin::IndexPlans]).await?;
+        let mut tx =
+            store::begin_with(pools, &TenantScope::All, &[AlsoAtBegin::IndexPlans]).await?;
         let n = store::purge_finished_intents(
             &mut *tx,
             config.live_table_retention(),
@@ -141,20 +142,20 @@ pub async fn purge_all(pool: &PgPool, config: &MaintenanceConfig, clock: &Clock)
 /// its own schedule, so a long purge (a large backlog past retention) never holds up the
 /// lease rescue.
 pub async fn run_until_stopped(
-    pool: PgPool,
+    pools: Pools,
     config: MaintenanceConfig,
     clock: Clock,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) {
     let rescue = every(config.rescue_interval, &shutdown, || async {
-        match rescue_all(&pool, &config, &clock).await {
+        match rescue_all(&pools, &config, &clock).await {
             Ok(report) => metrics.record_sweep(&report),
             Err(e) => tracing::warn!(error.message = %e, "lease rescue failed; will retry"),
         }
     });
     let purge = every(config.purge_interval, &shutdown, || async {
-        match purge_all(&pool, &config, &clock).await {
+        match purge_all(&pools, &config, &clock).await {
             Ok(0) => {}
             Ok(n) => {
                 metrics.purged.inc_by(n);

@@ -6,12 +6,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::notify::PendingSignal;
-use super::store::{self, AlsoAtBegin, PromotionReport, TenantScope};
+use super::store::{self, AlsoAtBegin, Pools, PromotionReport, TenantScope};
 use super::{Clock, Result};
 use crate::metrics::Metrics;
 
@@ -22,10 +21,11 @@ const BATCH: i64 = 1000;
 ///
 /// # Errors
 /// [`super::Error::Database`].
-pub async fn promote_all(pool: &PgPool, clock: &Clock) -> Result<PromotionReport> {
+pub async fn promote_all(pools: &Pools, clock: &Clock) -> Result<PromotionReport> {
     let mut total = PromotionReport::default();
     loop {
-        let mut tx = store::begin_with(pool, &TenantScope::All, &[AlsoAtBegin::IndexPlans]).await?;
+        let mut tx =
+            store::begin_with(pools, &TenantScope::All, &[AlsoAtBegin::IndexPlans]).await?;
         let r = store::promote_staged_intents(&mut *tx, BATCH, clock.now()).await?;
         tx.commit().await?;
         total.promoted += r.promoted;
@@ -39,7 +39,7 @@ pub async fn promote_all(pool: &PgPool, clock: &Clock) -> Result<PromotionReport
 
 /// Promotes on every kick and at least every `interval`, until `shutdown`.
 pub async fn run_until_stopped(
-    pool: PgPool,
+    pools: Pools,
     clock: Clock,
     kick: Arc<Notify>,
     interval: Duration,
@@ -53,7 +53,7 @@ pub async fn run_until_stopped(
             _ = kick.notified() => {}
             _ = tokio::time::sleep(interval) => {}
         }
-        match promote_all(&pool, &clock).await {
+        match promote_all(&pools, &clock).await {
             Ok(r) => {
                 metrics.record_promotion(&r);
                 if r.promoted > 0 {

@@ -11,6 +11,7 @@ use outboxd::config::Settings;
 use outboxd::embedded::{EmbeddedConfig, EmbeddedPostgres};
 use outboxd::outbox::Clock;
 use outboxd::outbox::maintenance::{self, MaintenanceConfig, SweepReport};
+use outboxd::outbox::store::Pools;
 use outboxd::proto::v1;
 use outboxd::startup::{self, Application, Runtime};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -24,6 +25,10 @@ pub use outboxd::client::Client;
 /// The role the test servers connect as: it owns nothing, so row-level security applies
 /// exactly as in production.
 pub const SERVICE_ROLE: &str = "outboxd_service";
+
+/// The role the test servers' fleet pools connect as: a member of `outboxd_fleet`, which
+/// sees every tenant (sweeps, promotion, metrics, keys bound to all tenants).
+pub const FLEET_ROLE: &str = "outboxd_fleet_service";
 
 /// The tenant of `TestApp`'s default key.
 pub const TENANT: &str = "acme";
@@ -84,6 +89,9 @@ fn cluster() -> &'static Cluster {
                     let template = PgPool::connect(&format!("{base}{TEMPLATE}")).await.unwrap();
                     startup::migrate(&template).await.unwrap();
                     startup::grant_service_role(&template, SERVICE_ROLE, true)
+                        .await
+                        .unwrap();
+                    startup::grant_fleet_role(&template, FLEET_ROLE, true)
                         .await
                         .unwrap();
                     template.close().await;
@@ -158,15 +166,20 @@ fn service_url(url: &str) -> String {
     url.replacen("://postgres@", &format!("://{SERVICE_ROLE}@"), 1)
 }
 
+/// `url` (the superuser's) as the fleet role.
+fn fleet_url(url: &str) -> String {
+    url.replacen("://postgres@", &format!("://{FLEET_ROLE}@"), 1)
+}
+
 /// A server on its own database, with a manual clock and no background sweeps.
 pub struct TestApp {
     /// Client with the default key: tenant `acme`, every scope.
     pub client: Client,
     /// The superuser's pool: for what a test inspects or sets up behind the server's back.
     pub pool: PgPool,
-    /// The server's own pool (its service role, under row-level security and its grants
-    /// only): the sweeps run on it, as the server runs them.
-    service_pool: PgPool,
+    /// The server's own pools (its service role, under row-level security and its grants
+    /// only, and its fleet role): the sweeps run on them, as the server runs them.
+    service_pools: Pools,
     pub clock: Clock,
     pub settings: Settings,
     pub addr: std::net::SocketAddr,
@@ -214,8 +227,16 @@ impl TestApp {
             .connect(&url)
             .await
             .unwrap();
-        let service_pool = startup::connect(&service_url(&url), 20).await.unwrap();
-        startup::verify_service_role(&service_pool).await.unwrap();
+        let service_pools = startup::connect_pools(
+            &startup::Database {
+                service_url: service_url(&url),
+                fleet_url: Some(fleet_url(&url)),
+                embedded: None,
+            },
+            20,
+        )
+        .await
+        .unwrap();
         let clock = Clock::manual(Utc::now());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let mut runtime = Runtime {
@@ -227,7 +248,7 @@ impl TestApp {
             listener_probe_every: Duration::from_secs(3600),
         };
         tune(&mut runtime);
-        let app = Application::start(&settings, service_pool.clone(), listener, runtime)
+        let app = Application::start(&settings, service_pools.clone(), listener, runtime)
             .await
             .unwrap();
         let key = create_key(&pool, "test", &[TENANT], &["admin"], &[]).await;
@@ -239,7 +260,7 @@ impl TestApp {
         Self {
             client,
             pool,
-            service_pool,
+            service_pools,
             clock,
             settings,
             addr: app.local_addr(),
@@ -255,6 +276,11 @@ impl TestApp {
         PgConnection::connect(&service_url(&self.url))
             .await
             .unwrap()
+    }
+
+    /// A connection of its own as the server's fleet role (every tenant).
+    pub async fn fleet_connection(&self) -> PgConnection {
+        PgConnection::connect(&fleet_url(&self.url)).await.unwrap()
     }
 
     /// A client with the default key (clones share the connection).
@@ -395,14 +421,14 @@ impl TestApp {
 
     /// Runs the lease rescue as the background sweep would, at the manual clock's time.
     pub async fn rescue(&self) -> SweepReport {
-        maintenance::rescue_all(&self.service_pool, &self.maintenance(), &self.clock)
+        maintenance::rescue_all(&self.service_pools, &self.maintenance(), &self.clock)
             .await
             .unwrap()
     }
 
     /// Runs the retention purge as the background sweep would.
     pub async fn purge(&self) -> u64 {
-        maintenance::purge_all(&self.service_pool, &self.maintenance(), &self.clock)
+        maintenance::purge_all(&self.service_pools, &self.maintenance(), &self.clock)
             .await
             .unwrap()
     }

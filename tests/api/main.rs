@@ -20,6 +20,7 @@ mod protocol;
 mod reconcile;
 mod settle;
 mod tenancy;
+mod tenancy_fleet;
 mod tls;
 mod traces;
 mod two_phase;

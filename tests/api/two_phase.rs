@@ -386,6 +386,9 @@ async fn app_on_own_cluster_with(settings: Vec<(String, String)>) -> (TestApp, E
     outboxd::startup::grant_service_role(&pool, crate::helpers::SERVICE_ROLE, true)
         .await
         .unwrap();
+    outboxd::startup::grant_fleet_role(&pool, crate::helpers::FLEET_ROLE, true)
+        .await
+        .unwrap();
     pool.close().await;
     (TestApp::spawn_on(url, |_| {}).await, cluster)
 }

@@ -102,6 +102,11 @@ only as an ImagePullBackOff.
 {{- .Values.database.existingSecret | default (include "outbox.suffixedName" (list . "database")) }}
 {{- end }}
 
+{{/* Secret holding the fleet role's URL (never created by the chart). */}}
+{{- define "outbox.fleetSecretName" -}}
+{{- .Values.database.fleet.existingSecret | default (include "outbox.suffixedName" (list . "database-fleet")) }}
+{{- end }}
+
 {{/* Secret holding the schema owner's URL (never created by the chart). */}}
 {{- define "outbox.migrationSecretName" -}}
 {{- .Values.database.migration.existingSecret | default (include "outbox.suffixedName" (list . "database-owner")) }}
@@ -150,6 +155,11 @@ Call with (dict "root" $ "migrate" true|false).
     secretKeyRef:
       name: {{ include "outbox.databaseSecretName" . }}
       key: {{ .Values.database.existingSecretKey }}
+- name: OUTBOX_DATABASE__FLEET_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "outbox.fleetSecretName" . }}
+      key: {{ .Values.database.fleet.existingSecretKey }}
 {{- /* The owner's URL goes where migrations run: the migration containers, or the server itself with mode none. */}}
 {{- if and .Values.database.migration.enabled (or $.migrate (eq .Values.migrations.mode "none")) }}
 - name: OUTBOX_DATABASE__MIGRATION_URL

@@ -9,8 +9,9 @@ use clap::Args;
 use outboxd::client::{Client, Credentials};
 use outboxd::config::Settings;
 use outboxd::embedded::{EmbeddedConfig, EmbeddedPostgres};
+use outboxd::outbox::store::Pools;
 use outboxd::proto::v1;
-use outboxd::startup::{self, Application, EMBEDDED_SERVICE_ROLE, Runtime};
+use outboxd::startup::{self, Application, EMBEDDED_FLEET_ROLE, EMBEDDED_SERVICE_ROLE, Runtime};
 use sqlx::{Connection, PgConnection, PgPool};
 use tonic::transport::Channel;
 use uuid::Uuid;
@@ -185,6 +186,7 @@ impl Bench {
         let owner = startup::connect(&outbox_url, 2).await?;
         startup::migrate(&owner).await?;
         startup::grant_service_role(&owner, EMBEDDED_SERVICE_ROLE, true).await?;
+        startup::grant_fleet_role(&owner, EMBEDDED_FLEET_ROLE, true).await?;
         // Separate keys with the least scope each, as a producer and a worker would hold.
         let producer_key = create_key(&owner, "bench-producer", "produce").await?;
         let worker_key = create_key(&owner, "bench-worker", "consume").await?;
@@ -194,6 +196,11 @@ impl Bench {
             .await
             .with_context(|| format!("cannot log in as {EMBEDDED_SERVICE_ROLE}"))?;
         startup::verify_service_role(&pool).await?;
+        let fleet_url = with_login(&outbox_url, Some(EMBEDDED_FLEET_ROLE), &outbox_db)?;
+        let fleet = startup::connect(&fleet_url, settings.max_connections)
+            .await
+            .with_context(|| format!("cannot log in as {EMBEDDED_FLEET_ROLE}"))?;
+        startup::verify_fleet_role(&fleet).await?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let settings = Settings {
             // Still recorded as in production, but served on a free port so the benchmark
@@ -202,8 +209,13 @@ impl Bench {
             ..settings
         };
         // The production runtime: database clock, background sweeps, 2 s recheck.
-        let server =
-            Application::start(&settings, pool.clone(), listener, Runtime::default()).await?;
+        let server = Application::start(
+            &settings,
+            Pools::new(pool.clone(), fleet),
+            listener,
+            Runtime::default(),
+        )
+        .await?;
         let endpoint = format!("http://{}", server.local_addr());
         let producer = connect_client(&endpoint, &producer_key).await?;
         let worker = connect_client(&endpoint, &worker_key).await?;

@@ -22,18 +22,28 @@ pub struct ServeChildArgs {
     /// URL of the service role on the (migrated) outbox database.
     #[arg(long, value_name = "URL")]
     pub service_url: String,
+    /// URL of the fleet role (a member of outboxd_fleet) on that database.
+    #[arg(long, value_name = "URL")]
+    pub fleet_url: String,
 }
 
 /// The child's side: serve until stdin reaches end of file.
 pub async fn serve_child(args: &ServeChildArgs, settings: Settings) -> anyhow::Result<()> {
-    let pool = startup::connect(&args.service_url, settings.max_connections).await?;
-    startup::verify_service_role(&pool).await?;
+    let pools = startup::connect_pools(
+        &startup::Database {
+            service_url: args.service_url.clone(),
+            fleet_url: Some(args.fleet_url.clone()),
+            embedded: None,
+        },
+        settings.max_connections,
+    )
+    .await?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let settings = Settings {
         metrics_addr: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
         ..settings
     };
-    let server = Application::start(&settings, pool.clone(), listener, Runtime::default()).await?;
+    let server = Application::start(&settings, pools.clone(), listener, Runtime::default()).await?;
     println!("listening {}", server.local_addr());
     tokio::task::spawn_blocking(|| {
         let mut sink = Vec::new();
@@ -41,7 +51,7 @@ pub async fn serve_child(args: &ServeChildArgs, settings: Settings) -> anyhow::R
     })
     .await??;
     server.stop().await?;
-    pool.close().await;
+    pools.close().await;
     Ok(())
 }
 
@@ -53,12 +63,17 @@ pub struct ServerProcess {
 }
 
 impl ServerProcess {
-    /// Serves on `service_url` with the settings of this process's environment, plus
+    /// Serves on `service_url` (and `fleet_url` for work across tenants) with the settings of this process's environment, plus
     /// `env` (`OUTBOX_…` variables, as `outboxd serve` reads them).
-    pub async fn spawn(service_url: &str, env: &[(&str, &str)]) -> anyhow::Result<Self> {
+    pub async fn spawn(
+        service_url: &str,
+        fleet_url: &str,
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("cannot find the bench binary")?;
         let mut child = Command::new(exe)
             .args(["serve-child", "--service-url", service_url])
+            .args(["--fleet-url", fleet_url])
             .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -17,7 +17,7 @@ use clap::Args;
 use outboxd::client::Client;
 use outboxd::config::Settings;
 use outboxd::proto::v1;
-use outboxd::startup::{self, EMBEDDED_SERVICE_ROLE};
+use outboxd::startup::{self, EMBEDDED_FLEET_ROLE, EMBEDDED_SERVICE_ROLE};
 use sqlx::{Connection, PgConnection};
 use tokio::sync::Mutex;
 use tokio::task::JoinSet;
@@ -199,6 +199,7 @@ struct Target {
     owner_url: String,
     database: String,
     service_url: String,
+    fleet_url: String,
     producer_key: String,
     worker_key: String,
 }
@@ -383,12 +384,14 @@ async fn prepare_outbox(
     let owner = startup::connect(&url, 2).await?;
     startup::migrate(&owner).await?;
     startup::grant_service_role(&owner, EMBEDDED_SERVICE_ROLE, true).await?;
+    startup::grant_fleet_role(&owner, EMBEDDED_FLEET_ROLE, true).await?;
     let producer_key = create_key(&owner, "bench-producer", "produce").await?;
     let worker_key = create_key(&owner, "bench-worker", "consume").await?;
     owner.close().await;
     Ok(Target {
         owner_url: url.clone(),
         service_url: with_login(&url, Some(EMBEDDED_SERVICE_ROLE), &database)?,
+        fleet_url: with_login(&url, Some(EMBEDDED_FLEET_ROLE), &database)?,
         database,
         producer_key,
         worker_key,
@@ -411,7 +414,7 @@ impl<'a> Section<'a> {
         target: &'a Target,
         env: &[(&str, &str)],
     ) -> anyhow::Result<Self> {
-        let server = ServerProcess::spawn(&target.service_url, env).await?;
+        let server = ServerProcess::spawn(&target.service_url, &target.fleet_url, env).await?;
         let before = meter.begin(&target.database).await?;
         let cpu_before = server.cpu();
         Ok(Self {
@@ -510,7 +513,7 @@ async fn outboxd_burn_down_at_zero_retention(
 ) -> anyhow::Result<()> {
     let total = sizes.batched + sizes.single;
     eprintln!("outboxd-bench: outboxd filling {total} for the burn-down at zero retention");
-    let server = ServerProcess::spawn(&target.service_url, &[]).await?;
+    let server = ServerProcess::spawn(&target.service_url, &target.fleet_url, &[]).await?;
     enqueue_closed_loop(
         &server.endpoint,
         &target.producer_key,

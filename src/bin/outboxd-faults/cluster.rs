@@ -21,6 +21,9 @@ const DATABASE: &str = "outbox";
 /// Role the outboxd replicas connect as (owns nothing; row-level security applies).
 const SERVICE_ROLE: &str = "outboxd_service";
 
+/// Role the replicas' fleet pools connect as (a member of outboxd_fleet: every tenant).
+const FLEET_ROLE: &str = "outboxd_fleet_service";
+
 /// Tenant of every intent of the run.
 pub const TENANT: &str = "faults";
 
@@ -44,6 +47,8 @@ pub struct Cluster {
     pub owner_url: String,
     /// URL the replicas serve through.
     pub service_url: String,
+    /// URL the replicas' work across tenants runs through.
+    pub fleet_url: String,
     /// The keys.
     pub keys: Keys,
 }
@@ -102,6 +107,7 @@ impl Cluster {
             .await?;
         startup::migrate(&admin).await?;
         startup::grant_service_role(&admin, SERVICE_ROLE, true).await?;
+        startup::grant_fleet_role(&admin, FLEET_ROLE, true).await?;
         sqlx::raw_sql(
             r#"
             CREATE SCHEMA faults;
@@ -129,11 +135,16 @@ impl Cluster {
             "postgres://{SERVICE_ROLE}@127.0.0.1:{}/{DATABASE}",
             postgres.port()
         );
+        let fleet_url = format!(
+            "postgres://{FLEET_ROLE}@127.0.0.1:{}/{DATABASE}",
+            postgres.port()
+        );
         Ok(Self {
             postgres: Arc::new(Mutex::new(postgres)),
             admin,
             owner_url,
             service_url,
+            fleet_url,
             keys,
         })
     }

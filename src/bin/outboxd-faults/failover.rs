@@ -42,6 +42,9 @@ use crate::run::{free_port, replica_env_on, wait_serving};
 
 const DATABASE: &str = "outbox";
 const SERVICE_ROLE: &str = "outboxd_service";
+
+/// Role the replicas' fleet pools connect as (a member of outboxd_fleet).
+const FLEET_ROLE: &str = "outboxd_fleet_service";
 const TENANT: &str = "failover";
 /// `application_name` of the standby's walreceiver, as `synchronous_standby_names` names it.
 const STANDBY_NAME: &str = "standby1";
@@ -339,6 +342,7 @@ async fn clusters(dir: &Path) -> anyhow::Result<(Clusters, String, String)> {
     let owner = PgPool::connect(&url(primary_port, "postgres")).await?;
     outboxd::startup::migrate(&owner).await?;
     outboxd::startup::grant_service_role(&owner, SERVICE_ROLE, true).await?;
+    outboxd::startup::grant_fleet_role(&owner, FLEET_ROLE, true).await?;
     sqlx::raw_sql(
         "CREATE SCHEMA failover; CREATE TABLE failover.producer_order \
          (id bigserial PRIMARY KEY, producer text NOT NULL)",
@@ -420,7 +424,14 @@ fn replica(dir: &Path, name: &str, port: u16, db_url: Arc<Mutex<String>>) -> Sup
         Box::new(move |_| Launch {
             program: program.clone(),
             args: vec!["serve".to_owned()],
-            env: replica_env_on(&db_url.lock().unwrap_or_else(PoisonError::into_inner), port),
+            env: {
+                let service_url = db_url
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .clone();
+                let fleet_url = service_url.replacen(SERVICE_ROLE, FLEET_ROLE, 1);
+                replica_env_on(&service_url, &fleet_url, port)
+            },
             log: log.clone(),
         }),
     )

@@ -1,6 +1,8 @@
 //! Whom a transaction acts for. Every statement outboxd runs on behalf of a caller runs in
-//! a transaction that first sets `outbox.tenants` (or, for explicitly cross-tenant work,
-//! `outbox.cross_tenant`); the row-level security policies of the outbox tables read them.
+//! a transaction that first sets `outbox.tenants`; the row-level security policies of the
+//! outbox tables read it. Work for every tenant runs on another connection altogether, as
+//! a role granted every tenant (`outboxd_fleet`, docs/tenancy.md): the pool is chosen
+//! here, from the scope, so that no call site can pick the wrong one.
 
 use std::future::Future;
 
@@ -29,6 +31,51 @@ impl TenantScope {
             Self::Tenants(t) if t.len() == 1 => Some(&t[0]),
             _ => None,
         }
+    }
+}
+
+/// The two pools outboxd holds. `tenant`'s role sees only the tenants a transaction names
+/// in `outbox.tenants` (it serves requests of keys bound to tenants, and what reads no
+/// tenant's rows: API keys, notifications); `fleet`'s role is a member of `outboxd_fleet`,
+/// whose policies show it every tenant, and runs [`TenantScope::All`] work only (sweeps,
+/// promotion, queue gauges, keys bound to all tenants). The tenant role is no member of
+/// `outboxd_fleet` (`crate::startup::verify_service_role`): no setting of its sessions
+/// opens another tenant, whatever a bug or an injection in outboxd makes them run.
+#[derive(Debug, Clone)]
+pub struct Pools {
+    tenant: PgPool,
+    fleet: PgPool,
+}
+
+impl Pools {
+    /// The request-serving pool and the fleet pool.
+    pub fn new(tenant: PgPool, fleet: PgPool) -> Self {
+        Self { tenant, fleet }
+    }
+
+    /// The request-serving role's pool: for what acts for named tenants, or reads no
+    /// tenant's rows.
+    pub fn tenant(&self) -> &PgPool {
+        &self.tenant
+    }
+
+    /// The fleet role's pool, which sees every tenant.
+    pub fn fleet(&self) -> &PgPool {
+        &self.fleet
+    }
+
+    /// The pool whose role may act for `scope`: the one place that chooses.
+    pub fn for_scope(&self, scope: &TenantScope) -> &PgPool {
+        match scope {
+            TenantScope::Tenants(_) => &self.tenant,
+            TenantScope::All => &self.fleet,
+        }
+    }
+
+    /// Closes both pools.
+    pub async fn close(&self) {
+        self.tenant.close().await;
+        self.fleet.close().await;
     }
 }
 
@@ -65,13 +112,14 @@ impl AlsoAtBegin {
     }
 }
 
-/// Begins a transaction scoped to `scope`. The settings are transaction-local
-/// (`set_config(…, true)`), so they end with it and never leak through the pool.
+/// Begins a transaction scoped to `scope`, on the pool whose role may act for it
+/// ([`Pools::for_scope`]). The settings are transaction-local (`set_config(…, true)`), so
+/// they end with it and never leak through the pool.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
-pub async fn begin(pool: &PgPool, scope: &TenantScope) -> Result<Transaction<'static, Postgres>> {
-    begin_with(pool, scope, &[]).await
+pub async fn begin(pools: &Pools, scope: &TenantScope) -> Result<Transaction<'static, Postgres>> {
+    begin_with(pools, scope, &[]).await
 }
 
 /// [`begin`], with `also` run in the same round trip.
@@ -85,10 +133,11 @@ pub async fn begin(pool: &PgPool, scope: &TenantScope) -> Result<Transaction<'st
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn begin_with(
-    pool: &PgPool,
+    pools: &Pools,
     scope: &TenantScope,
     also: &[AlsoAtBegin],
 ) -> Result<Transaction<'static, Postgres>> {
+    let pool = pools.for_scope(scope);
     if let Some(sql) = begin_statement(scope, also) {
         return begin_on_live_connection(pool, Some(sql)).await;
     }
@@ -110,7 +159,9 @@ pub async fn begin_with(
     Ok(tx)
 }
 
-/// The values of `outbox.tenants` and `outbox.cross_tenant` for `scope`.
+/// The values of `outbox.tenants` and `outbox.cross_tenant` for `scope`. The second opens
+/// nothing since migration `20261204000021_cross_tenant_is_granted` (only the fleet role's
+/// grant does); it is still set, as the SQL functions take it, to say what is meant.
 pub(super) fn scope_settings(scope: &TenantScope) -> (String, &'static str) {
     match scope {
         TenantScope::Tenants(t) => (t.join(","), "off"),

@@ -2,9 +2,10 @@
 //! connection; looked up (read-only) by the server on every call.
 
 use chrono::{DateTime, Utc};
-use sqlx::PgExecutor;
+use sqlx::{PgExecutor, PgPool};
 use uuid::Uuid;
 
+use super::access::on_live_connection;
 use crate::outbox::Result;
 
 /// A stored API key (never the secret, only its hash).
@@ -68,7 +69,25 @@ pub async fn find_api_key(
     db: impl PgExecutor<'_>,
     key_hash: &[u8],
 ) -> Result<Option<ApiKeyRecord>> {
-    let record = sqlx::query_as(
+    Ok(select_api_key(db, key_hash).await?)
+}
+
+/// [`find_api_key`] on a connection from `pool`, again on another when the pool handed out
+/// one that died while idle (a read: running it twice is harmless). It is every request's
+/// first statement, and since the sweeps run on the fleet pool nothing else may have met
+/// the request pool's dead connections first after PostgreSQL restarted.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn lookup_api_key(pool: &PgPool, key_hash: &[u8]) -> Result<Option<ApiKeyRecord>> {
+    Ok(on_live_connection(pool, || select_api_key(pool, key_hash)).await?)
+}
+
+async fn select_api_key(
+    db: impl PgExecutor<'_>,
+    key_hash: &[u8],
+) -> sqlx::Result<Option<ApiKeyRecord>> {
+    sqlx::query_as(
         r#"
         SELECT id, name, prefix, tenants, all_tenants, scopes, regions, created_at, revoked_at
         FROM outbox.api_key
@@ -78,8 +97,7 @@ pub async fn find_api_key(
     )
     .bind(key_hash)
     .fetch_optional(db)
-    .await?;
-    Ok(record)
+    .await
 }
 
 /// Every key, newest first.

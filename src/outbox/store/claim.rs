@@ -5,10 +5,10 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
-use sqlx::{PgPool, Row, ValueRef};
+use sqlx::{Row, ValueRef};
 use uuid::Uuid;
 
-use super::access::{TenantScope, begin, on_live_connection, scope_settings};
+use super::access::{Pools, TenantScope, begin, on_live_connection, scope_settings};
 use super::{INTENT_COLUMNS, intent_at, intent_columns, millis};
 use crate::outbox::{Intent, IntentId, LeaseId, Result};
 
@@ -75,10 +75,11 @@ pub struct Claimed {
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn claim_intents(
-    pool: &PgPool,
+    pools: &Pools,
     scope: &TenantScope,
     params: ClaimParams<'_>,
 ) -> Result<Claimed> {
+    let pool = pools.for_scope(scope);
     let (tenants, cross) = scope_settings(scope);
     // Run again when the connection turns out dead. Had the lost call run after all, its
     // leases, never handed to anyone, expire back to PENDING like a crashed worker's (as
@@ -150,14 +151,14 @@ pub async fn claim_intents(
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn release_leases(
-    pool: &PgPool,
+    pools: &Pools,
     scope: &TenantScope,
     leases: &[(IntentId, LeaseId)],
     now: Option<DateTime<Utc>>,
 ) -> Result<u64> {
     let (ids, lease_ids): (Vec<Uuid>, Vec<Uuid>) =
         leases.iter().map(|(id, lease)| (id.0, lease.0)).unzip();
-    let mut tx = begin(pool, scope).await?;
+    let mut tx = begin(pools, scope).await?;
     let released = sqlx::query(
         r#"
         UPDATE outbox.intent i

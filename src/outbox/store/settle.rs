@@ -12,7 +12,7 @@ use sqlx::query::QueryAs;
 use sqlx::{PgPool, Postgres};
 use uuid::Uuid;
 
-use super::access::{TenantScope, begin, on_live_connection, scope_settings};
+use super::access::{Pools, TenantScope, begin, on_live_connection, scope_settings};
 use super::current::{Current, current_intents};
 use super::{BackoffParams, millis};
 use crate::outbox::{
@@ -66,7 +66,7 @@ impl SettleRow {
 /// Each intent whose item did not apply, as it is now ([`super::current`]), read in a
 /// scoped transaction of its own; no round trip when every item applied.
 async fn current_of_missed(
-    pool: &PgPool,
+    pools: &Pools,
     scope: &TenantScope,
     key_regions: &[String],
     rows: &[SettleRow],
@@ -79,7 +79,7 @@ async fn current_of_missed(
     if missed.is_empty() {
         return Ok(HashMap::new());
     }
-    let mut tx = begin(pool, scope).await?;
+    let mut tx = begin(pools, scope).await?;
     let current = current_intents(&mut tx, &missed, key_regions).await?;
     tx.commit().await?;
     Ok(current)
@@ -143,7 +143,7 @@ fn split(pairs: &[(Uuid, Uuid)]) -> (Vec<Uuid>, Vec<Uuid>) {
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn extend_leases(
-    pool: &PgPool,
+    pools: &Pools,
     scope: SettleScope<'_>,
     leases: &[LeaseRef],
     lease_duration: Duration,
@@ -151,7 +151,7 @@ pub async fn extend_leases(
 ) -> Result<Vec<ItemResult>> {
     let lease_ms = millis(lease_duration);
     settle_in_one_call(
-        pool,
+        pools,
         scope,
         leases,
         "SELECT * FROM outbox.extend_leases($1, $2, $3, $4, $5, $6)",
@@ -168,13 +168,13 @@ pub async fn extend_leases(
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn mark_intents_submitted(
-    pool: &PgPool,
+    pools: &Pools,
     scope: SettleScope<'_>,
     leases: &[LeaseRef],
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<ItemResult>> {
     settle_in_one_call(
-        pool,
+        pools,
         scope,
         leases,
         "SELECT * FROM outbox.mark_submitted($1, $2, $3, $4, $5)",
@@ -194,13 +194,14 @@ type SettleCall<'q> = QueryAs<'q, Postgres, SettleRow, PgArguments>;
 /// the items it did not change are read afresh ([`current_of_missed`]), a round trip paid
 /// only when there are some.
 async fn settle_in_one_call(
-    pool: &PgPool,
+    pools: &Pools,
     scope: SettleScope<'_>,
     leases: &[LeaseRef],
     call: &'static str,
     bind_rest: impl for<'q> Fn(SettleCall<'q>) -> SettleCall<'q>,
     is_replay: impl Fn(usize, &Current) -> bool,
 ) -> Result<Vec<ItemResult>> {
+    let pool = pools.for_scope(scope.tenants);
     let pairs = pairs(leases.iter().copied());
     let (tenants, cross) = scope_settings(scope.tenants);
     let (ids, mut lease_ids) = split(&pairs);
@@ -235,7 +236,7 @@ async fn settle_in_one_call(
                 .unwrap_or_else(|| SettleRow::missed(id))
         })
         .collect();
-    let current = current_of_missed(pool, scope.tenants, scope.key_regions, &rows).await?;
+    let current = current_of_missed(pools, scope.tenants, scope.key_regions, &rows).await?;
     Ok(item_results(&pairs, rows, &current, is_replay))
 }
 
@@ -342,7 +343,7 @@ impl DeliveredRows {
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn ack_intents(
-    pool: &PgPool,
+    pools: &Pools,
     scope: SettleScope<'_>,
     leases: &[LeaseRef],
     rows: DeliveredRows,
@@ -354,7 +355,7 @@ pub async fn ack_intents(
         DeliveredRows::Deleted => concat!("SELECT * FROM ", ack_and_delete_call!()),
     };
     settle_in_one_call(
-        pool,
+        pools,
         scope,
         leases,
         call,
@@ -375,7 +376,7 @@ pub async fn ack_intents(
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn fail_intents(
-    pool: &PgPool,
+    pools: &Pools,
     scope: SettleScope<'_>,
     failures: &[Failure],
     backoff: BackoffParams,
@@ -389,7 +390,7 @@ pub async fn fail_intents(
     // Bound by value: the call's arguments must outlive any borrow (it may be made twice,
     // see `settle_in_one_call`).
     settle_in_one_call(
-        pool,
+        pools,
         scope,
         &leases,
         "SELECT * FROM outbox.fail($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",

@@ -517,13 +517,14 @@ impl Suite {
 /// The environment of an outboxd replica listening on `port`: the suite's database, no
 /// metrics endpoint, fast rescue and short backoffs so a run sees many cycles.
 pub fn replica_env(cluster: &Cluster, port: u16) -> Vec<(String, String)> {
-    replica_env_on(&cluster.service_url, port)
+    replica_env_on(&cluster.service_url, &cluster.fleet_url, port)
 }
 
-/// [`replica_env`] with the database at `service_url`.
-pub fn replica_env_on(service_url: &str, port: u16) -> Vec<(String, String)> {
+/// [`replica_env`] with the database at `service_url` (and `fleet_url`, its fleet role's).
+pub fn replica_env_on(service_url: &str, fleet_url: &str, port: u16) -> Vec<(String, String)> {
     [
         ("OUTBOX_DATABASE__URL", service_url),
+        ("OUTBOX_DATABASE__FLEET_URL", fleet_url),
         ("OUTBOX_LISTEN_ADDR", &format!("127.0.0.1:{port}")),
         ("OUTBOX_METRICS__LISTEN_ADDR", ""),
         ("OUTBOX_MAINTENANCE__RESCUE_INTERVAL", "200ms"),

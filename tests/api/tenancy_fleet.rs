@@ -1,0 +1,394 @@
+//! Tenant isolation against outboxd itself: the request-serving role sees only the tenants
+//! its transaction names, whatever else it sets, and only a role granted `outboxd_fleet`
+//! (the fleet pool's) sees every tenant (migration `…21_cross_tenant_is_granted`,
+//! docs/tenancy.md).
+
+use std::time::Duration;
+
+use outboxd::proto::v1::{self, FailOutcome, IntentState};
+use outboxd::startup;
+use sqlx::{Connection, PgConnection};
+use uuid::Uuid;
+
+use crate::helpers::{
+    SERVICE_ROLE, TestApp, assert_item_ok, claim_request, duration, failure, id_of, intent,
+    lease_ref, populate_globex,
+};
+
+/// Every relation a tenant's rows can be read through.
+const RELATIONS: &[&str] = &[
+    "outbox.intent",
+    "outbox.intent_history",
+    "outbox.delivered_batch",
+    "outbox.resolution",
+    "outbox.all_intents",
+];
+
+/// What a session of the service role might set to see more than its tenants: the old
+/// cross-tenant switch (transaction-local, through the functions' own scope, for the
+/// session), and tenant lists that name no tenant or look like a wildcard.
+const ATTEMPTS: &[&str] = &[
+    "SELECT set_config('outbox.cross_tenant', 'on', true)",
+    "SELECT set_config('outbox.cross_tenant', 'on', true), set_config('outbox.tenants', 'acme', true)",
+    "SELECT outbox.enter_scope('', 'on')",
+    "SET outbox.cross_tenant = 'on'",
+    "SELECT set_config('outbox.tenants', '', true)",
+    "SELECT set_config('outbox.tenants', '*', true)",
+    "SELECT set_config('outbox.tenants', '%', true)",
+    "SELECT set_config('outbox.tenants', ',', true), set_config('outbox.cross_tenant', 'true', true)",
+];
+
+/// Globex's rows in every table: a pending, a leased and a NEEDS_RECONCILE intent (through
+/// the API), a delivered one in each history table and an operator's resolution (as the
+/// superuser). Returns globex's tenant rows and its live lease.
+async fn globex_everywhere(app: &TestApp) -> (Vec<Uuid>, v1::Lease) {
+    let b = populate_globex(app).await;
+    sqlx::raw_sql(
+        "INSERT INTO outbox.intent_history (id, tenant_id, kind, payload, state, max_attempts, available_at, created_at, updated_at, finished_at)
+         VALUES (gen_random_uuid(), 'globex', 'h', '', 'delivered', 5, now(), now(), now(), now());
+         INSERT INTO outbox.delivered_batch (bucket, tenant_id, region, finished_at, ids, items)
+         VALUES (0, 'globex', '', now(), '{}', '{}');
+         INSERT INTO outbox.resolution (tenant_id, intent_id, from_state, decision, actor, reason, resolved_at)
+         VALUES ('globex', gen_random_uuid(), 'needs_reconcile', 'dead', 'op', 'test', now());",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let ids = [b.pending.as_str(), b.waiting.as_str(), id_of(&b.leased)]
+        .iter()
+        .map(|id| id.parse().unwrap())
+        .collect();
+    (ids, b.leased)
+}
+
+/// How many of globex's rows `conn` sees through each relation and lookup.
+async fn globex_rows_seen(conn: &mut PgConnection, ids: &[Uuid]) -> Vec<(String, i64)> {
+    let mut seen = Vec::new();
+    for relation in RELATIONS {
+        let n: i64 = sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM {relation} WHERE tenant_id = 'globex'"
+        ))
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+        seen.push(((*relation).to_owned(), n));
+    }
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.intents_by_id($1)")
+        .bind(ids)
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    seen.push(("outbox.intents_by_id".to_owned(), n));
+    seen
+}
+
+#[tokio::test]
+async fn the_service_role_cannot_see_another_tenant_whatever_it_sets() {
+    let app = TestApp::spawn().await;
+    let (ids, leased) = globex_everywhere(&app).await;
+    app.enqueue_n("a", 1).await;
+    let before = app.snapshot().await;
+    let mut conn = app.service_connection().await;
+
+    for attempt in ATTEMPTS {
+        let mut tx = conn.begin().await.unwrap();
+        sqlx::raw_sql(attempt).execute(&mut *tx).await.unwrap();
+        for (relation, n) in globex_rows_seen(&mut tx, &ids).await {
+            assert_eq!(n, 0, "after `{attempt}`, {relation} showed globex's rows");
+        }
+        let granted: bool = sqlx::query_scalar("SELECT outbox.cross_tenant()")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        assert!(
+            !granted,
+            "after `{attempt}`, outbox.cross_tenant() said yes"
+        );
+        // The claim and settle functions set the scope they are given, cross-tenant on.
+        let claimed: Vec<String> = sqlx::query_scalar(
+            "SELECT tenant_id FROM outbox.claim(coalesce(current_setting('outbox.tenants', true), ''), \
+             'on', 'thief', '', '{}'::text[], 100, 60000, NULL, NULL, NULL)",
+        )
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+        assert!(
+            claimed.iter().all(|t| t == "acme"),
+            "after `{attempt}`, the claim leased {claimed:?}"
+        );
+        for settle in [
+            "outbox.extend_leases(T, 'on', $1, $2, 60000, NULL)",
+            "outbox.mark_submitted(T, 'on', $1, $2, NULL)",
+            "outbox.ack_into_batches(T, 'on', $1, $2, NULL)",
+            "outbox.ack_and_delete(T, 'on', $1, $2, NULL)",
+        ] {
+            let settle =
+                settle.replace("T", "coalesce(current_setting('outbox.tenants', true), '')");
+            let settled: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {settle}"))
+                .bind(vec![id_of(&leased).parse::<Uuid>().unwrap()])
+                .bind(vec![leased.lease_id.parse::<Uuid>().unwrap()])
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+            assert_eq!(
+                settled, 0,
+                "after `{attempt}`, {settle} settled globex's lease"
+            );
+        }
+        tx.rollback().await.unwrap();
+    }
+
+    // Nor can it take the grant: it may neither become the fleet nor make itself a member.
+    for escalation in [
+        "SET ROLE outboxd_fleet".to_owned(),
+        format!("GRANT outboxd_fleet TO {SERVICE_ROLE}"),
+        format!("SELECT outbox.grant_fleet_role('{SERVICE_ROLE}')"),
+    ] {
+        let refused = sqlx::raw_sql(&escalation)
+            .execute(&mut conn)
+            .await
+            .unwrap_err();
+        assert_eq!(
+            refused.as_database_error().unwrap().code().as_deref(),
+            Some("42501"),
+            "`{escalation}`: {refused}"
+        );
+    }
+    assert_eq!(app.snapshot().await, before, "nothing of globex's changed");
+}
+
+#[tokio::test]
+async fn the_fleet_role_sees_every_tenant_without_setting_anything() {
+    let app = TestApp::spawn().await;
+    let (ids, _) = globex_everywhere(&app).await;
+    let mut fleet = app.fleet_connection().await;
+
+    let seen = globex_rows_seen(&mut fleet, &ids).await;
+    let expected: Vec<(String, i64)> = [
+        ("outbox.intent", 3),
+        ("outbox.intent_history", 1),
+        ("outbox.delivered_batch", 1),
+        ("outbox.resolution", 1),
+        // The batch row holds no items.
+        ("outbox.all_intents", 4),
+        ("outbox.intents_by_id", 3),
+    ]
+    .iter()
+    .map(|(r, n)| ((*r).to_owned(), *n))
+    .collect();
+    assert_eq!(seen, expected);
+    let granted: bool = sqlx::query_scalar("SELECT outbox.cross_tenant()")
+        .fetch_one(&mut fleet)
+        .await
+        .unwrap();
+    assert!(granted);
+    // Naming a tenant narrows nothing for it: its policy is a grant, not a setting.
+    let mut tx = fleet.begin().await.unwrap();
+    sqlx::query("SELECT set_config('outbox.tenants', 'acme', true)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(globex_rows_seen(&mut tx, &ids).await, expected);
+    tx.rollback().await.unwrap();
+}
+
+#[tokio::test]
+async fn every_table_under_row_level_security_opens_to_the_fleet_grant_and_no_setting() {
+    let app = TestApp::spawn().await;
+    let tables: Vec<(String, bool, bool)> = sqlx::query_as(
+        "SELECT c.relname::text, c.relforcerowsecurity,
+                EXISTS (SELECT 1 FROM pg_policy p
+                        WHERE p.polrelid = c.oid
+                          AND p.polroles = ARRAY['outboxd_fleet'::regrole::oid]
+                          AND pg_get_expr(p.polqual, p.polrelid) = 'true'
+                          AND pg_get_expr(p.polwithcheck, p.polrelid) = 'true')
+         FROM pg_class c
+         WHERE c.relnamespace = 'outbox'::regnamespace AND c.relrowsecurity
+         ORDER BY 1",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    let names: Vec<&str> = tables.iter().map(|(n, _, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        ["delivered_batch", "intent", "intent_history", "resolution"]
+    );
+    for (table, forced, fleet) in &tables {
+        assert!(
+            forced,
+            "{table}: row-level security not forced on its owner"
+        );
+        assert!(fleet, "{table}: no policy granting outboxd_fleet every row");
+    }
+    // The other policies are for everyone and read the tenant list only.
+    let others: Vec<(String, String)> = sqlx::query_as(
+        "SELECT policyname::text, coalesce(qual, '') || ' ' || coalesce(with_check, '')
+         FROM pg_policies
+         WHERE schemaname = 'outbox' AND NOT (roles = ARRAY['outboxd_fleet']::name[])",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(others.len(), 4, "{others:?}");
+    for (policy, expr) in &others {
+        assert!(
+            expr.contains("current_tenants()") && !expr.contains("cross_tenant"),
+            "{policy}: {expr}"
+        );
+    }
+}
+
+/// A login role for one test (roles belong to the cluster every test shares), dropped by
+/// [`drop_role`].
+async fn login_role(app: &TestApp, attributes: &str) -> (String, String) {
+    let role = format!("test_role_{}", Uuid::new_v4().simple());
+    sqlx::raw_sql(&format!("CREATE ROLE {role} LOGIN {attributes}"))
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let url = app.url.replacen("://postgres@", &format!("://{role}@"), 1);
+    (role, url)
+}
+
+async fn drop_role(app: &TestApp, role: &str) {
+    sqlx::raw_sql(&format!("DROP ROLE {role}"))
+        .execute(&app.pool)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn outboxd_refuses_to_serve_requests_through_a_role_that_sees_or_could_grant_itself_every_tenant()
+ {
+    let app = TestApp::spawn().await;
+
+    let (member, url) = login_role(&app, "").await;
+    sqlx::raw_sql(&format!("GRANT outboxd_fleet TO {member}"))
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let pool = startup::connect(&url, 2).await.unwrap();
+    let refused = startup::verify_service_role(&pool).await.unwrap_err();
+    assert!(
+        refused.to_string().contains("member of outboxd_fleet"),
+        "{refused}"
+    );
+    // It is what the fleet pool needs.
+    startup::verify_fleet_role(&pool).await.unwrap();
+    pool.close().await;
+    drop_role(&app, &member).await;
+
+    let (creator, url) = login_role(&app, "CREATEROLE").await;
+    let pool = startup::connect(&url, 2).await.unwrap();
+    let refused = startup::verify_service_role(&pool).await.unwrap_err();
+    assert!(refused.to_string().contains("CREATEROLE"), "{refused}");
+    pool.close().await;
+    drop_role(&app, &creator).await;
+
+    // The service role is no fleet: the sweeps would find nothing through it.
+    let service = startup::connect(
+        &app.url
+            .replacen("://postgres@", &format!("://{SERVICE_ROLE}@"), 1),
+        2,
+    )
+    .await
+    .unwrap();
+    let refused = startup::verify_fleet_role(&service).await.unwrap_err();
+    assert!(
+        refused.to_string().contains("no member of outboxd_fleet"),
+        "{refused}"
+    );
+}
+
+#[tokio::test]
+async fn a_key_bound_to_all_tenants_claims_settles_and_rescues_across_them_through_the_fleet() {
+    let app = TestApp::spawn().await;
+    let globex = app.key(&["globex"], &["produce"], &[]).await;
+    app.client_with(Some(&globex), None)
+        .await
+        .enqueue(v1::EnqueueRequest {
+            intents: vec![intent("b", "1"), intent("b", "2"), intent("b", "3")],
+            txn_token: String::new(),
+        })
+        .await
+        .unwrap();
+    app.enqueue_n("a", 3).await;
+    let all = app.key(&["*"], &["consume"], &[]).await;
+    let mut worker = app.client_with(Some(&all), None).await;
+    let mut request = claim_request("fleet", 10);
+    request.wait = Some(duration(Duration::ZERO));
+    let leases = worker.claim(request).await.unwrap().into_inner().leases;
+    let kinds = |leases: &[v1::Lease]| {
+        let mut k: Vec<String> = leases
+            .iter()
+            .map(|l| l.intent.as_ref().unwrap().kind.clone())
+            .collect();
+        k.sort();
+        k
+    };
+    assert_eq!(kinds(&leases), ["a", "a", "a", "b", "b", "b"]);
+
+    let by_kind = |kind: &str| -> Vec<&v1::Lease> {
+        leases
+            .iter()
+            .filter(|l| l.intent.as_ref().unwrap().kind == kind)
+            .collect()
+    };
+    let (a, b) = (by_kind("a"), by_kind("b"));
+    let extended = worker
+        .extend_lease(v1::ExtendLeaseRequest {
+            leases: vec![lease_ref(a[0]), lease_ref(b[0])],
+            lease_duration: Some(duration(Duration::from_secs(60))),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    extended
+        .iter()
+        .for_each(|r| assert_item_ok(r, IntentState::Leased));
+    let acked = worker
+        .ack(v1::AckRequest {
+            leases: vec![lease_ref(a[0]), lease_ref(b[0])],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    acked
+        .iter()
+        .for_each(|r| assert_item_ok(r, IntentState::Delivered));
+    let failed = worker
+        .fail(v1::FailRequest {
+            failures: vec![
+                failure(a[1], FailOutcome::Permanent),
+                failure(b[1], FailOutcome::Permanent),
+            ],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    failed
+        .iter()
+        .for_each(|r| assert_item_ok(r, IntentState::DeadLettered));
+
+    // The sweep runs on the fleet pool too: both tenants' expired leases go back.
+    app.advance(Duration::from_secs(3600));
+    let report = app.rescue().await;
+    assert_eq!(report.requeued, 2, "{report:?}");
+    let states: Vec<(String, String)> = sqlx::query_as(
+        "SELECT tenant_id, state::text FROM outbox.all_intents ORDER BY tenant_id, state::text",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    let expected: Vec<(String, String)> = ["acme", "globex"]
+        .iter()
+        .flat_map(|t| {
+            ["dead_lettered", "delivered", "pending"].map(|s| ((*t).to_owned(), s.to_owned()))
+        })
+        .collect();
+    assert_eq!(states, expected);
+}

@@ -8,7 +8,8 @@
 # starts outboxd on free ports in a fresh temporary directory, runs both producers
 # (each commits one order and rolls back another), then acts as a worker with the outboxd
 # CLI: every committed intent must become claimable (and is acked), every rolled-back one
-# must end DISCARDED and never be claimed, and the business rows must match. It ends with
+# must end DISCARDED and never be claimed, and the business rows must match. Last, the Node
+# worker example (clients/typescript's SDK) handles two more intents and drains. It ends with
 # `examples: N passed, M failed` and exits non-zero on any failure.
 #
 # Environment: OUTBOXD_BIN uses that binary instead of `cargo build`; KEEP_WORK=1 keeps the
@@ -81,7 +82,10 @@ if [ -x "$WORK/venv/bin/python" ]; then
     -r examples/python/requirements.txt || abort "Python dependencies install"
 fi
 
-step "Node producer: dependencies (the client is built from proto/ when it starts)"
+step "Node producer and worker: dependencies (the SDK in clients/typescript, built first)"
+{ npm ci --prefix clients/typescript --no-audit --no-fund --loglevel=error &&
+  npm run --prefix clients/typescript --silent build; } ||
+  abort "TypeScript SDK build (npm ci, npm run build in clients/typescript)"
 npm ci --prefix examples/node --no-audit --no-fund --loglevel=error ||
   abort "Node dependencies install (npm ci)"
 
@@ -241,6 +245,19 @@ while IFS=$'\t' read -r name url outcome order_id intent_id _ <&3; do
     fi
   fi
 done 3<"$WORK/orders.tsv"
+
+step "Node worker (the SDK): handles two order.created intents, then drains and exits"
+for n in 1 2; do
+  cli enqueue --kind order.created --payload "{\"order_id\": $((900000 + n))}" >/dev/null ||
+    fail "node worker: enqueue order.created $n"
+done
+if out=$(OUTBOX_SERVER=$SERVER OUTBOX_WORKER_STOP_AFTER=2 timeout 60 node examples/node/worker.js) &&
+  echo "$out" && [ "$(grep -c ' handled ' <<<"$out")" = 2 ] &&
+  [ "$(tail -n1 <<<"$out" | json 'd["acked"]')" = 2 ]; then
+  pass "node worker: two intents handled and acknowledged, then a clean exit"
+else
+  fail "node worker: two intents handled and acknowledged, then a clean exit" "output: ${out:-none}"
+fi
 
 step "stop outboxd (SIGTERM), which stops its embedded PostgreSQL"
 if stop_server && ! [ -e "$WORK/pgdata/postmaster.pid" ]; then

@@ -137,7 +137,17 @@ export class Outbox {
       if (status === "E") throw new NotInTransactionError("outboxd: the transaction has failed; roll it back");
       if (status !== "T") throw new NotInTransactionError("outboxd: enqueue needs an open transaction (BEGIN first); use enqueueDirect otherwise");
     }
-    const query: Query = async (sql) => (await client.query(sql)).rows[0] as Record<string, unknown> | undefined;
+    const query: Query = async (sql) => {
+      try {
+        return (await client.query(sql)).rows[0] as Record<string, unknown> | undefined;
+      } catch (error) {
+        // The status is updated when the server is ready again, which can lag an error.
+        if ((error as { code?: unknown }).code === "25P02") {
+          throw new NotInTransactionError("outboxd: the transaction has failed; roll it back", { cause: error });
+        }
+        throw error;
+      }
+    };
     if (status === undefined) await this.probeTransaction(query, (sql) => client.query(sql));
     return this.enqueueWithToken(await this.token(client, query), intents);
   }

@@ -130,6 +130,7 @@ class Server:
                 "NO_COLOR": "1",
                 "OUTBOX_LOG__FORMAT": "json",
                 "OUTBOX_DATABASE__URL": self.cluster.url("app", "outboxd"),
+                "OUTBOX_DATABASE__FLEET_URL": self.cluster.url("app", "outboxd_fleet_login"),
                 "OUTBOX_DATABASE__MIGRATION_URL": self.cluster.url("app"),
                 "OUTBOX_METRICS__LISTEN_ADDR": "",
                 **self.extra_env,
@@ -196,6 +197,9 @@ class Stack:
     def start(self) -> Stack:
         self.cluster.start()
         self.cluster.sql("CREATE ROLE outboxd LOGIN")
+        # Work across tenants (sweeps) runs as a member of outboxd_fleet, which the first
+        # migration creates and grants to the login named by OUTBOX_DATABASE__FLEET_URL.
+        self.cluster.sql("CREATE ROLE outboxd_fleet_login LOGIN")
         self.cluster.sql("CREATE DATABASE app")
         self.cluster.sql("CREATE DATABASE shop")
         # The first replica migrates; the second starts on the migrated schema.

@@ -328,7 +328,10 @@ export class Worker {
         this.counters.claimed += leases.length;
         this.emit({ type: "claimed", count: leases.length, replayed: tries > 1 });
       }
-      for (const lease of leases) this.start(lease, sentAt, tracing);
+      // When the leases began, on this clock: not before the Claim was sent, and for a long
+      // poll about when its answer came (the server answers as it leases).
+      const leasedAt = Math.max(sentAt, Date.now() - 1_000);
+      for (const lease of leases) this.start(lease, leasedAt, tracing);
       if (this.backlog) this.wakeAll();
     }
   }
@@ -339,12 +342,12 @@ export class Worker {
     for (const wake of waiters) wake();
   }
 
-  private start(lease: Lease, sentAt: number, tracing: Awaited<ReturnType<typeof loadTracing>>): void {
+  private start(lease: Lease, leasedAt: number, tracing: Awaited<ReturnType<typeof loadTracing>>): void {
     const live: Live = {
       intent: intentOf(lease),
       leaseId: lease.leaseId,
       controller: new AbortController(),
-      expiresAt: sentAt + this.leaseMs,
+      expiresAt: leasedAt + this.leaseMs,
       extending: false,
       submitted: false,
       lost: false,

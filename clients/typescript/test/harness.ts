@@ -96,6 +96,9 @@ export class Postgres {
     const cluster = new Postgres(dir, port);
     await cluster.sql("postgres", "CREATE DATABASE outbox");
     await cluster.sql("postgres", "CREATE ROLE outboxd LOGIN");
+    // Work across tenants (sweeps, promotion) runs as a member of outboxd_fleet, which the
+    // first migration creates and grants to the login OUTBOX_DATABASE__FLEET_URL names.
+    await cluster.sql("postgres", "CREATE ROLE outboxd_fleet_login LOGIN");
     return cluster;
   }
 
@@ -146,6 +149,7 @@ export class Server {
         PATH: process.env["PATH"] ?? "/usr/bin:/bin",
         NO_COLOR: "1",
         OUTBOX_DATABASE__URL: postgres.url("outbox", "outboxd"),
+        OUTBOX_DATABASE__FLEET_URL: postgres.url("outbox", "outboxd_fleet_login"),
         OUTBOX_DATABASE__MIGRATION_URL: postgres.url("outbox"),
         OUTBOX_LISTEN_ADDR: endpoint,
         OUTBOX_METRICS__LISTEN_ADDR: "",
@@ -164,14 +168,9 @@ export class Server {
     };
     child.stdout?.on("data", append);
     child.stderr?.on("data", append);
-    await waitFor(
-      `outboxd serving on ${endpoint}`,
-      () => {
-        if (child.exitCode !== null) throw new Error(`outboxd exited ${child.exitCode}: ${output}`);
-        return output.includes("outboxd serving gRPC");
-      },
-      60_000,
-    );
+    const exited = (): boolean => child.exitCode !== null || child.signalCode !== null;
+    await waitFor(`outboxd serving on ${endpoint}`, () => output.includes("outboxd serving gRPC") || exited(), 60_000);
+    if (exited()) throw new Error(`outboxd exited (${String(child.exitCode ?? child.signalCode)}): ${output}`);
     return new Server(endpoint, child, log);
   }
 
@@ -195,6 +194,7 @@ export function createKey(postgres: Postgres, name = "ts-tests"): string {
       NO_COLOR: "1",
       OUTBOX_DATABASE__MIGRATION_URL: postgres.url("outbox"),
       OUTBOX_DATABASE__URL: postgres.url("outbox", "outboxd"),
+      OUTBOX_DATABASE__FLEET_URL: postgres.url("outbox", "outboxd_fleet_login"),
     },
     stdio: ["ignore", "pipe", "pipe"],
   })

@@ -75,8 +75,13 @@ describe("delivery", () => {
   test("a 10 s handler under a 2 s lease is never re-delivered: heartbeats keep it", async () => {
     const invocations: string[] = [];
     let aborted = false;
+    let claimSent = 0;
+    const spy: Interceptor = (next) => (request) => {
+      if (request.method.name === "Claim") claimSent ||= Date.now();
+      return next(request);
+    };
     const make = (): Worker => {
-      const w = worker({ leaseMs: 2_000, concurrency: 1 });
+      const w = worker({ leaseMs: 2_000, heartbeatMs: 900, concurrency: 1, claimWaitMs: 5_000, claimers: 1, interceptors: [spy] });
       w.handle("slow.handler", async (_intent, { signal, workerId }) => {
         invocations.push(workerId);
         await new Promise((r) => setTimeout(r, 10_000));
@@ -86,6 +91,8 @@ describe("delivery", () => {
     };
     const [a, b] = [make(), make()];
     const runs = [a.run(), b.run()];
+    // Handed to a long poll that has waited most of a lease: heartbeats count from then.
+    await waitFor("a Claim long-polling for 1.9 s", () => claimSent > 0 && Date.now() - claimSent > 1_900);
     const [id] = await enqueue("slow.handler", 1);
     assert.ok(id);
     await waitFor("the Ack", () => a.stats().acked + b.stats().acked === 1, 30_000);

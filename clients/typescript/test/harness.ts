@@ -15,6 +15,16 @@ export const PACKAGE = resolve(REPO, "clients/typescript");
 export const OUTBOXD = process.env["OUTBOXD_BIN"] ?? join(REPO, "target/debug/outboxd");
 const ROOT = process.getuid?.() === 0;
 
+/** Releases since the tenancy split need a fleet login for work across tenants; older ones refuse the variable. */
+let fleet: boolean | undefined;
+function needsFleet(): boolean {
+  fleet ??= execFileSync(OUTBOXD, ["--help"], { encoding: "utf8" }).includes("OUTBOX_DATABASE__FLEET_URL");
+  return fleet;
+}
+function fleetEnv(postgres: Postgres): Record<string, string> {
+  return needsFleet() ? { OUTBOX_DATABASE__FLEET_URL: postgres.url("outbox", "outboxd_fleet_login") } : {};
+}
+
 /** A free TCP port on 127.0.0.1. */
 export async function freePort(): Promise<number> {
   return new Promise((resolvePort, reject) => {
@@ -149,7 +159,7 @@ export class Server {
         PATH: process.env["PATH"] ?? "/usr/bin:/bin",
         NO_COLOR: "1",
         OUTBOX_DATABASE__URL: postgres.url("outbox", "outboxd"),
-        OUTBOX_DATABASE__FLEET_URL: postgres.url("outbox", "outboxd_fleet_login"),
+        ...fleetEnv(postgres),
         OUTBOX_DATABASE__MIGRATION_URL: postgres.url("outbox"),
         OUTBOX_LISTEN_ADDR: endpoint,
         OUTBOX_METRICS__LISTEN_ADDR: "",
@@ -194,7 +204,7 @@ export function createKey(postgres: Postgres, name = "ts-tests"): string {
       NO_COLOR: "1",
       OUTBOX_DATABASE__MIGRATION_URL: postgres.url("outbox"),
       OUTBOX_DATABASE__URL: postgres.url("outbox", "outboxd"),
-      OUTBOX_DATABASE__FLEET_URL: postgres.url("outbox", "outboxd_fleet_login"),
+      ...fleetEnv(postgres),
     },
     stdio: ["ignore", "pipe", "pipe"],
   })

@@ -11,11 +11,11 @@ import { Fixture, PACKAGE } from "./harness.js";
 let fx: Fixture;
 let project: string;
 before(async () => {
-  fx = await Fixture.start(1);
   project = mkdtempSync(join(tmpdir(), "outboxd-ts-pack-"));
+  fx = await Fixture.start(1);
 });
 after(async () => {
-  rmSync(project, { recursive: true, force: true });
+  if (project) rmSync(project, { recursive: true, force: true });
   await fx?.stop();
 });
 

@@ -9,6 +9,7 @@ pub mod codec;
 pub mod config;
 pub mod deadline;
 pub mod embedded;
+pub mod gate;
 pub mod grpc;
 pub mod metrics;
 pub mod outbox;

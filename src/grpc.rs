@@ -240,11 +240,12 @@ impl OutboxHandler {
             intents,
             next_due_in,
             replayed,
+            ran_out,
         } = store::claim_intents(&self.pool, scope, params).await?;
         let again_in = next_due_in.map_or(self.long_poll_recheck, |due| {
             due.min(self.long_poll_recheck)
         });
-        let filled = intents.len() == params.max_intents as usize;
+        let filled = !ran_out;
         if !replayed {
             let now = Instant::now();
             let leased = Leased::of(&intents);
@@ -503,6 +504,7 @@ impl OutboxService for OutboxHandler {
             request_id: claim.request_id.as_deref(),
             now: self.clock.now(),
             look_back_to: None,
+            max_bytes: self.limits.max_reply_bytes,
         };
         // Before the caller's own deadline, if it set one: an answer it no longer waits for
         // would take its leases with it.
@@ -804,6 +806,7 @@ impl OutboxService for OutboxHandler {
                 after: list.after,
                 limit: list.limit,
                 include_payload: list.include_payload,
+                max_bytes: self.limits.max_reply_bytes,
             },
         )
         .await?;

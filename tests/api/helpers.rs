@@ -149,7 +149,7 @@ async fn create_database(template: Option<&str>) -> String {
 }
 
 /// `url` (the superuser's) as the service role.
-fn service_url(url: &str) -> String {
+pub fn service_url(url: &str) -> String {
     url.replacen("://postgres@", &format!("://{SERVICE_ROLE}@"), 1)
 }
 

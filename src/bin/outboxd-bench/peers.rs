@@ -355,6 +355,7 @@ fn claim_ack_script(ack_call: &str) -> String {
             "NULL",
             "NULL",
             "NULL",
+            "4194304",
         ],
     );
     let ack = bind_literals(

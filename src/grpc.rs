@@ -502,6 +502,7 @@ impl OutboxService for OutboxHandler {
             max_intents: claim.max_intents,
             lease_duration: claim.lease_duration,
             request_id: claim.request_id.as_deref(),
+            key_id: caller.key_id,
             now: self.clock.now(),
             look_back_to: None,
             max_bytes: self.limits.max_reply_bytes,

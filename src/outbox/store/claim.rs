@@ -27,6 +27,9 @@ pub struct ClaimParams<'a> {
     pub lease_duration: Duration,
     /// Client id of this claim, for replays.
     pub request_id: Option<&'a str>,
+    /// The API key claiming: a replay finds only the leases of a claim of the same key
+    /// (as well as the same worker id and request id).
+    pub key_id: Uuid,
     /// Current time override (tests).
     pub now: Option<DateTime<Utc>>,
     /// Lease only intents available at or after this (`None`: the whole queue); see
@@ -123,7 +126,7 @@ pub async fn claim_intents(
         .bind(params.kinds)
         .bind(params.max_intents)
         .bind(millis(params.lease_duration))
-        .bind(params.request_id)
+        .bind(params.request_id.map(|r| format!("{}/{r}", params.key_id)))
         .bind(params.now)
         .bind(params.look_back_to)
         .bind(i64::try_from(params.max_bytes).unwrap_or(i64::MAX))

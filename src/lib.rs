@@ -17,6 +17,7 @@ pub mod proto;
 pub mod startup;
 pub mod telemetry;
 pub mod validate;
+pub mod watch;
 
 /// The schema migrations under `migrations/`, embedded in the binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();

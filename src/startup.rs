@@ -22,6 +22,7 @@ use crate::config::{Settings, TlsSettings};
 use crate::embedded::{EmbeddedConfig, EmbeddedPostgres};
 use crate::grpc::OutboxHandler;
 use crate::metrics::{self, Metrics, RpcMetricsLayer};
+use crate::watch::EndsAtShutdown;
 use crate::outbox::notify::PendingSignal;
 use crate::outbox::{Clock, maintenance, promotion, store};
 use crate::proto::{FILE_DESCRIPTOR_SET, v1::outbox_service_server::OutboxServiceServer};
@@ -377,7 +378,7 @@ impl Application {
         };
         let server = builder
             .layer(RpcMetricsLayer::new(metrics))
-            .add_service(health_service)
+            .add_service(EndsAtShutdown::new(health_service, shutdown.clone()))
             .add_optional_service(reflection_v1)
             .add_optional_service(reflection_v1alpha)
             .add_service(handler.into_server(settings.limits.max_message_bytes))

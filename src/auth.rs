@@ -60,6 +60,8 @@ impl Permission {
 /// An authenticated caller.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Caller {
+    /// Key id: what a Claim's request id is bound to.
+    pub key_id: uuid::Uuid,
     /// Key name, for logs.
     pub key_name: String,
     /// Tenants it acts for.
@@ -73,6 +75,7 @@ pub struct Caller {
 impl Caller {
     fn from_record(r: ApiKeyRecord) -> Self {
         Self {
+            key_id: r.id,
             key_name: r.name,
             tenants: if r.all_tenants {
                 TenantScope::All

@@ -5,6 +5,10 @@
 //! INTERNAL. A response that does not decode (client side) stays INTERNAL: that one is the
 //! server's fault, as the gRPC status code guide says.
 //!
+//! A request of a batch method is counted before it is decoded ([`DecodeBounds`]): a
+//! message of millions of empty items (2 bytes each on the wire, hundreds in memory) is
+//! refused by its count, as it would be after decoding, without building them.
+//!
 //! [`ClientFaults`] wraps the generated server for the framing errors tonic raises before
 //! any codec runs: a message over `OUTBOX_LIMITS__MAX_MESSAGE_BYTES` answers
 //! RESOURCE_EXHAUSTED (tonic: OUT_OF_RANGE), a truncated or missing request message
@@ -17,14 +21,16 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use prost::Message;
+use prost::bytes::Buf;
 use tonic::codec::{BufferSettings, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::codegen::{Service, http};
 use tonic::server::NamedService;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
+use crate::config::Limits;
 use crate::grpc::ERROR_DOMAIN;
-use crate::outbox::Reason;
+use crate::outbox::{Error, FieldViolation, Reason};
 
 /// Encodes `T` and decodes `U` with prost; see the module documentation.
 #[derive(Debug, Clone)]
@@ -91,6 +97,15 @@ impl<U: Message + Default> Decoder for OutboxDecoder<U> {
     type Error = Status;
 
     fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
+        if let Ok(bounds) = DECODE_BOUNDS.try_with(|b| *b) {
+            let bytes = buf.chunk();
+            // Contiguous (tonic buffers a whole message); if ever not, prost decodes alone.
+            if bytes.len() == buf.remaining() {
+                bounds
+                    .check(message_name::<U>(), bytes)
+                    .map_err(Status::from)?;
+            }
+        }
         U::decode(buf)
             .map(Some)
             .map_err(|e| decode_error(message_name::<U>(), &e))
@@ -98,6 +113,121 @@ impl<U: Message + Default> Decoder for OutboxDecoder<U> {
 
     fn buffer_settings(&self) -> BufferSettings {
         BufferSettings::default()
+    }
+}
+
+tokio::task_local! {
+    /// The bounds of the request being decoded, set by `crate::gate::Gate` around the call
+    /// (the generated server makes its codec with `Default`, so it cannot be handed them).
+    static DECODE_BOUNDS: DecodeBounds;
+}
+
+/// Most items a request may carry, checked on its wire bytes before it is decoded.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeBounds {
+    max_batch: usize,
+    max_headers: usize,
+}
+
+impl From<&Limits> for DecodeBounds {
+    fn from(limits: &Limits) -> Self {
+        Self {
+            max_batch: limits.max_batch,
+            max_headers: limits.max_headers,
+        }
+    }
+}
+
+impl DecodeBounds {
+    /// Runs `call` (a server call, which decodes its request) under these bounds.
+    pub async fn scope<F: Future>(self, call: F) -> F::Output {
+        DECODE_BOUNDS.scope(self, call).await
+    }
+
+    /// Refuses an Enqueue of more than `max_batch` intents or of more headers than
+    /// `max_batch` intents of `max_headers` each, and a Fail of more than `max_batch` failures, as validation
+    /// would (same reasons and fields). The methods whose items are bounded by their
+    /// request size alone (`crate::gate::Method::max_request_bytes`) are not counted.
+    ///
+    /// # Errors
+    /// [`Error::LimitExceeded`] (BATCH_TOO_LARGE) or [`Error::InvalidArgument`].
+    pub fn check(self, message: &str, bytes: &[u8]) -> Result<(), Error> {
+        let batch = |field: &str, n: usize| {
+            if n > self.max_batch {
+                return Err(Error::LimitExceeded(
+                    Reason::BatchTooLarge,
+                    vec![FieldViolation::new(
+                        field,
+                        format!("{n} items; at most {} per request", self.max_batch),
+                    )],
+                ));
+            }
+            Ok(())
+        };
+        match message {
+            "EnqueueRequest" => {
+                batch("intents", count(bytes, 1))?;
+                // Headers are bounded in all (validation names each intent over the limit
+                // along with every other problem of the request).
+                let mut headers = Vec::new();
+                walk(bytes, 1, |intent| headers.push(count(intent, 6)));
+                if headers.iter().sum::<usize>() <= self.max_batch * self.max_headers {
+                    return Ok(());
+                }
+                let (i, n) = headers
+                    .into_iter()
+                    .enumerate()
+                    .find(|(_, n)| *n > self.max_headers)
+                    .unwrap_or_default();
+                Err(Error::InvalidArgument(vec![FieldViolation::new(
+                    format!("intents[{i}].headers"),
+                    format!("{n} headers; at most {}", self.max_headers),
+                )]))
+            }
+            "FailRequest" => batch("failures", count(bytes, 1)),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// How many times the length-delimited field `number` occurs at the top level of `bytes`.
+fn count(bytes: &[u8], number: u64) -> usize {
+    let mut n = 0;
+    walk(bytes, number, |_| n += 1);
+    n
+}
+
+/// Calls `each` with the contents of every length-delimited field `number` at the top
+/// level of `bytes`, skipping every other field. Stops at the first malformed field:
+/// prost reports it when it decodes.
+fn walk<'a>(mut bytes: &'a [u8], number: u64, mut each: impl FnMut(&'a [u8])) {
+    while !bytes.is_empty() {
+        let Ok(key) = prost::encoding::decode_varint(&mut bytes) else {
+            return;
+        };
+        let skip = match key & 7 {
+            0 => match prost::encoding::decode_varint(&mut bytes) {
+                Ok(_) => 0,
+                Err(_) => return,
+            },
+            1 => 8,
+            2 => match prost::encoding::decode_varint(&mut bytes) {
+                Ok(len) if len <= bytes.len() as u64 => {
+                    let len = len as usize;
+                    if key >> 3 == number {
+                        each(&bytes[..len]);
+                    }
+                    len
+                }
+                _ => return,
+            },
+            5 => 4,
+            _ => return,
+        };
+        if skip > bytes.len() {
+            return;
+        }
+        bytes = &bytes[skip..];
     }
 }
 

@@ -16,6 +16,7 @@ use tracing::Instrument;
 use crate::auth::{Authenticator, Caller, Permission, TENANT_HEADER};
 use crate::config::{Limits, Settings};
 use crate::deadline::{bounded_wait, caller_timeout};
+use crate::gate::{Authenticated, Gate};
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::outbox::claim_floor::{ClaimFloors, Leased};
 use crate::outbox::drained::{DrainedGroups, Seen};
@@ -135,14 +136,18 @@ impl OutboxHandler {
         }))
     }
 
-    /// Authenticates the caller, checks it holds `permission`, and returns the tenants
-    /// this request acts for.
+    /// The caller (authenticated by the [`Gate`] before the body was decoded, or here
+    /// when the handler is served without it), checked to hold `permission`, and the
+    /// tenants this request acts for.
     async fn access<T>(
         &self,
         request: &Request<T>,
         permission: Permission,
     ) -> Result<(Caller, TenantScope), Error> {
-        let caller = self.auth.authenticate(request.metadata()).await?;
+        let caller = match request.extensions().get::<Authenticated>() {
+            Some(Authenticated(caller)) => caller.clone(),
+            None => self.auth.authenticate(request.metadata()).await?,
+        };
         caller.require(permission)?;
         let scope = caller.scope(request.metadata())?;
         tracing::Span::current().record("auth.key", caller.key_name.as_str());
@@ -196,15 +201,18 @@ impl OutboxHandler {
         self
     }
 
-    /// Wraps the handler in the generated tonic server, refusing request messages over
-    /// `max_message_bytes` before decoding them (RESOURCE_EXHAUSTED, see `crate::codec`).
+    /// Wraps the handler in the generated tonic server, behind the [`Gate`] that
+    /// authenticates each call and refuses request messages over their method's limit
+    /// before decoding them (RESOURCE_EXHAUSTED, see `crate::gate` and `crate::codec`).
     pub fn into_server(
         self,
         max_message_bytes: usize,
-    ) -> crate::codec::ClientFaults<OutboxServiceServer<Self>> {
-        crate::codec::ClientFaults::new(
+    ) -> Gate<crate::codec::ClientFaults<OutboxServiceServer<Self>>> {
+        let (auth, limits) = (self.auth.clone(), self.limits.clone());
+        let server = crate::codec::ClientFaults::new(
             OutboxServiceServer::new(self).max_decoding_message_size(max_message_bytes),
-        )
+        );
+        Gate::new(server, auth, limits)
     }
 
     /// One look for intents of `group` (the whole queue, or from the group's floor), which
@@ -232,11 +240,12 @@ impl OutboxHandler {
             intents,
             next_due_in,
             replayed,
+            ran_out,
         } = store::claim_intents(&self.pools, scope, params).await?;
         let again_in = next_due_in.map_or(self.long_poll_recheck, |due| {
             due.min(self.long_poll_recheck)
         });
-        let filled = intents.len() == params.max_intents as usize;
+        let filled = !ran_out;
         if !replayed {
             let now = Instant::now();
             let leased = Leased::of(&intents);
@@ -518,8 +527,10 @@ impl OutboxHandler {
             max_intents: claim.max_intents,
             lease_duration: claim.lease_duration,
             request_id: claim.request_id.as_deref(),
+            key_id: caller.key_id,
             now: self.clock.now(),
             look_back_to: None,
+            max_bytes: self.limits.max_reply_bytes,
         };
         // Before the caller's own deadline, if it set one: an answer it no longer waits for
         // would take its leases with it.
@@ -820,6 +831,7 @@ impl OutboxHandler {
                 after: list.after,
                 limit: list.limit,
                 include_payload: list.include_payload,
+                max_bytes: self.limits.max_reply_bytes,
             },
         )
         .await?;

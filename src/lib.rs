@@ -9,6 +9,7 @@ pub mod codec;
 pub mod config;
 pub mod deadline;
 pub mod embedded;
+pub mod gate;
 pub mod grpc;
 pub mod metrics;
 pub mod outbox;
@@ -16,6 +17,7 @@ pub mod proto;
 pub mod startup;
 pub mod telemetry;
 pub mod validate;
+pub mod watch;
 
 /// The schema migrations under `migrations/`, embedded in the binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();

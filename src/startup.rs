@@ -25,6 +25,7 @@ use crate::metrics::{self, Metrics, RpcMetricsLayer};
 use crate::outbox::notify::PendingSignal;
 use crate::outbox::{Clock, maintenance, promotion, store};
 use crate::proto::{FILE_DESCRIPTOR_SET, v1::outbox_service_server::OutboxServiceServer};
+use crate::watch::EndsAtShutdown;
 
 /// Name of the database outboxd creates in its embedded cluster.
 pub const EMBEDDED_DATABASE: &str = "outbox";
@@ -502,7 +503,7 @@ impl Application {
         };
         let server = builder
             .layer(RpcMetricsLayer::new(metrics))
-            .add_service(health_service)
+            .add_service(EndsAtShutdown::new(health_service, shutdown.clone()))
             .add_optional_service(reflection_v1)
             .add_optional_service(reflection_v1alpha)
             .add_service(handler.into_server(settings.limits.max_message_bytes))

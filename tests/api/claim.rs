@@ -7,7 +7,7 @@ use outboxd::proto::v1;
 use tonic::Code;
 
 use crate::helpers::{
-    TestApp, assert_item_ok, assert_status, claim_request, duration, id_of, intent, secs,
+    TENANT, TestApp, assert_item_ok, assert_status, claim_request, duration, id_of, intent, secs,
 };
 
 #[tokio::test]
@@ -153,6 +153,24 @@ async fn retrying_a_claim_with_the_same_request_id_returns_the_same_leases() {
             .map(|l| (&l.lease_id, l.attempt))
             .collect::<Vec<_>>()
     );
+
+    // Another consume key of the tenant naming the same worker and request id: a claim of
+    // its own, not a replay of those leases (which it could then settle).
+    let other_key = app.key(&[TENANT], &["consume"], &[]).await;
+    let mut other = app.client_with(Some(&other_key), None).await;
+    let not_theirs = other
+        .claim(request.clone())
+        .await
+        .unwrap()
+        .into_inner()
+        .leases;
+    assert!(
+        not_theirs
+            .iter()
+            .all(|l| !first.iter().any(|f| f.lease_id == l.lease_id)),
+        "a replay is bound to the API key of the first claim"
+    );
+    app.enqueue_n("job", not_theirs.len()).await;
 
     let mut other_worker = request.clone();
     other_worker.worker_id = "w2".into();

@@ -162,7 +162,7 @@ pub fn cluster_log() -> Option<std::path::PathBuf> {
 }
 
 /// `url` (the superuser's) as the service role.
-fn service_url(url: &str) -> String {
+pub fn service_url(url: &str) -> String {
     url.replacen("://postgres@", &format!("://{SERVICE_ROLE}@"), 1)
 }
 

@@ -1316,8 +1316,21 @@ async fn hostile_requests_get_their_status_and_change_nothing() {
     );
     case!(
         cases,
-        "Reconcile: filter naming a million states",
+        "Reconcile: filter naming a thousand states",
         invalid("filter.states"),
+        async move {
+            let states = vec![IntentState::DeadLettered as i32; 1_000];
+            whole(
+                a.client()
+                    .reconcile(reconcile_filter(|f| f.states = states))
+                    .await,
+            )
+        }
+    );
+    case!(
+        cases,
+        "Reconcile: filter naming a million states (over Reconcile's request limit)",
+        call(Code::ResourceExhausted, "PAYLOAD_TOO_LARGE", ""),
         async move {
             let states = vec![IntentState::DeadLettered as i32; 1_000_000];
             whole(
@@ -1440,8 +1453,20 @@ async fn hostile_requests_get_their_status_and_change_nothing() {
     );
     case!(
         cases,
-        "ListIntents: a million states",
+        "ListIntents: a thousand states",
         invalid("states"),
+        async move {
+            let req = v1::ListIntentsRequest {
+                states: vec![IntentState::Pending as i32; 1_000],
+                ..Default::default()
+            };
+            whole(a.client().list_intents(req).await)
+        }
+    );
+    case!(
+        cases,
+        "ListIntents: a million states (over ListIntents' request limit)",
+        call(Code::ResourceExhausted, "PAYLOAD_TOO_LARGE", ""),
         async move {
             let req = v1::ListIntentsRequest {
                 states: vec![IntentState::Pending as i32; 1_000_000],
@@ -1490,8 +1515,14 @@ async fn hostile_requests_get_their_status_and_change_nothing() {
     // -- GetQueueStats and credentials.
     case!(
         cases,
-        "GetQueueStats: 100 000 nested unknown groups",
+        "GetQueueStats: 1000 nested unknown groups",
         invalid(""),
+        async move { s.raw.unary("GetQueueStats", vec![0x7b; 1_000]).await }
+    );
+    case!(
+        cases,
+        "GetQueueStats: 100 000 nested unknown groups (over its request limit)",
+        call(Code::ResourceExhausted, "PAYLOAD_TOO_LARGE", ""),
         async move { s.raw.unary("GetQueueStats", vec![0x7b; 100_000]).await }
     );
     case!(

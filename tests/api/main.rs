@@ -12,6 +12,7 @@ mod hostile;
 mod inspect;
 mod long_poll;
 mod maintenance;
+mod memory;
 mod model;
 mod observability;
 mod outage;

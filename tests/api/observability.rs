@@ -168,3 +168,41 @@ async fn readiness_follows_whether_the_service_role_can_use_the_database() {
         .unwrap();
     wait_for_health(&mut health, ServingStatus::Serving).await;
 }
+
+#[tokio::test]
+async fn an_open_health_watch_does_not_hold_the_shutdown_for_its_grace() {
+    let mut app = TestApp::spawn_with(|s| s.shutdown_grace = Duration::from_secs(60)).await;
+    let mut health = HealthClient::new(app.client_channel().await);
+    let mut watch = health
+        .watch(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = watch.message().await.unwrap().unwrap();
+    assert_eq!(first.status, ServingStatus::Serving as i32);
+
+    let started = Instant::now();
+    let stopping = tokio::spawn(app.take_application().stop());
+    let mut statuses = Vec::new();
+    let end = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match watch.message().await {
+                Ok(Some(update)) => statuses.push(update.status),
+                Ok(None) => return None,
+                Err(status) => return Some(status.code()),
+            }
+        }
+    })
+    .await
+    .expect("the watch stayed open through the shutdown");
+    tokio::time::timeout(Duration::from_secs(10), stopping)
+        .await
+        .expect("the shutdown waited for the watch")
+        .unwrap()
+        .unwrap();
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(statuses, [ServingStatus::NotServing as i32]);
+    assert_eq!(end, Some(tonic::Code::Unavailable));
+}

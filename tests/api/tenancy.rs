@@ -783,3 +783,32 @@ async fn a_flood_of_unknown_keys_does_not_evict_the_real_ones_from_the_key_cache
         .await
         .expect("the real key's lookup is still cached");
 }
+
+#[tokio::test]
+async fn a_key_whose_tenant_name_has_a_comma_cannot_be_stored() {
+    let app = TestApp::spawn().await;
+    for tenants in [vec!["acme,globex"], vec!["acme", ""]] {
+        let tenants: Vec<String> = tenants.into_iter().map(str::to_owned).collect();
+        // By hand, as the schema owner: the constraint holds whoever writes.
+        let error = sqlx::query(
+            "INSERT INTO outbox.api_key (id, name, prefix, key_hash, tenants, scopes)
+             VALUES (gen_random_uuid(), 'by-hand', 'obx_0000', $1, $2, '{consume}')",
+        )
+        .bind(uuid::Uuid::new_v4().as_bytes().to_vec())
+        .bind(&tenants)
+        .execute(&app.pool)
+        .await
+        .unwrap_err();
+        let constraint = error
+            .as_database_error()
+            .and_then(|e| e.constraint())
+            .map(str::to_owned);
+        assert_eq!(
+            constraint.as_deref(),
+            Some("api_key_tenants_are_single_names"),
+            "{tenants:?}: {error}"
+        );
+    }
+    // A name without a comma still goes in.
+    app.key(&["acme", "globex"], &["consume"], &[]).await;
+}

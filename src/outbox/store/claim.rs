@@ -27,19 +27,26 @@ pub struct ClaimParams<'a> {
     pub lease_duration: Duration,
     /// Client id of this claim, for replays.
     pub request_id: Option<&'a str>,
+    /// The API key claiming: a replay finds only the leases of a claim of the same key
+    /// (as well as the same worker id and request id).
+    pub key_id: Uuid,
     /// Current time override (tests).
     pub now: Option<DateTime<Utc>>,
     /// Lease only intents available at or after this (`None`: the whole queue); see
     /// [`crate::outbox::claim_floor`].
     pub look_back_to: Option<DateTime<Utc>>,
+    /// Stop leasing once the intents leased weigh this many bytes (`outbox.reply_weight`,
+    /// always at least one intent): the reply's budget, so that intents that would not
+    /// be sent are not read.
+    pub max_bytes: usize,
 }
 
 /// The claim function's call: `$1` tenants, `$2` cross-tenant, `$3` worker, `$4` region,
 /// `$5` kinds, `$6` most intents, `$7` lease milliseconds, `$8` request id, `$9` now (or
-/// NULL), `$10` the floor (or NULL).
+/// NULL), `$10` the floor (or NULL), `$11` the byte budget.
 macro_rules! claim_call {
     () => {
-        "outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
+        "outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
     };
 }
 
@@ -59,6 +66,9 @@ pub struct Claimed {
     /// The intents are the live leases of an earlier call with the same request id (a
     /// replay), not a look at the queue: they tell nothing of what is claimable.
     pub replayed: bool,
+    /// It leased fewer intents than asked, within the byte budget: the queue has no more
+    /// for it now (a claim cut short by the budget may leave more behind).
+    pub ran_out: bool,
 }
 
 /// Leases up to `max_intents` claimable intents of `scope`, oldest `available_at` first,
@@ -86,22 +96,28 @@ pub async fn claim_intents(
     // when the reply to a COMMIT is lost), and a retry with the same request id gets them.
     let rows: Vec<PgRow> = on_live_connection(pool, || {
         // One row per leased intent, or a single row of NULLs; each with the due time when
-        // fewer than asked were leased, and whether they are a replay: a claim that leased
-        // has written, so its transaction has an id, and a replay only reads. (The select
-        // list is computed once the function has returned: PL/pgSQL returns its rows all
-        // at once.)
+        // fewer than asked were leased within the budget (the queue ran out), whether it
+        // ran out, and whether they are a replay: a claim that leased has written, so its
+        // transaction has an id, and a replay only reads. (The select list is computed once
+        // the function has returned: PL/pgSQL returns its rows all at once.)
         sqlx::query(concat!(
             "WITH leased AS MATERIALIZED (SELECT * FROM ",
             claim_call!(),
-            ") SELECT ",
+            r#"), ran_out AS MATERIALIZED (
+                SELECT count(*) < $6
+                   AND coalesce(sum(outbox.reply_weight(l.payload, l.headers, l.last_error)), 0)
+                       < $11 AS ran_out
+                FROM leased l
+            ) SELECT "#,
             intent_columns!("i"),
             r#", due.seconds AS next_due_in,
-                pg_current_xact_id_if_assigned() IS NULL AS replayed
+                pg_current_xact_id_if_assigned() IS NULL AS replayed,
+                (SELECT ran_out FROM ran_out) AS ran_out
             FROM (VALUES (1)) AS one (x)
             LEFT JOIN leased i ON true
             LEFT JOIN LATERAL (
                 SELECT outbox.next_due_in($1, $2, $4, $5, $9) AS seconds
-                WHERE (SELECT count(*) FROM leased) < $6
+                WHERE (SELECT ran_out FROM ran_out)
             ) due ON true"#
         ))
         .bind(&tenants)
@@ -111,9 +127,10 @@ pub async fn claim_intents(
         .bind(params.kinds)
         .bind(params.max_intents)
         .bind(millis(params.lease_duration))
-        .bind(params.request_id)
+        .bind(params.request_id.map(|r| format!("{}/{r}", params.key_id)))
         .bind(params.now)
         .bind(params.look_back_to)
+        .bind(i64::try_from(params.max_bytes).unwrap_or(i64::MAX))
         .fetch_all(pool)
     })
     .await?;
@@ -121,13 +138,15 @@ pub async fn claim_intents(
         intents: Vec::with_capacity(rows.len()),
         next_due_in: None,
         replayed: false,
+        ran_out: false,
     };
-    // After the intent's columns: next_due_in, replayed.
-    let (next_due_in, replayed) = (INTENT_COLUMNS, INTENT_COLUMNS + 1);
-    if let Some(row) = rows.first()
-        && let Some(seconds) = row.try_get::<Option<f64>, _>(next_due_in)?
-    {
-        claimed.next_due_in = Some(Duration::from_secs_f64(seconds.max(0.0)));
+    // After the intent's columns: next_due_in, replayed, ran_out.
+    let (next_due_in, replayed, ran_out) = (INTENT_COLUMNS, INTENT_COLUMNS + 1, INTENT_COLUMNS + 2);
+    if let Some(row) = rows.first() {
+        if let Some(seconds) = row.try_get::<Option<f64>, _>(next_due_in)? {
+            claimed.next_due_in = Some(Duration::from_secs_f64(seconds.max(0.0)));
+        }
+        claimed.ran_out = row.try_get(ran_out)?;
     }
     for (n, row) in rows.iter().enumerate() {
         // A single row of NULLs when nothing was leased.

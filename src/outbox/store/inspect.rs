@@ -74,6 +74,9 @@ pub struct ListParams {
     pub limit: i64,
     /// Return payload bytes too.
     pub include_payload: bool,
+    /// End the page early once its intents weigh this many bytes (`outbox.reply_weight`,
+    /// always at least one intent), so that intents that would not be sent are not read.
+    pub max_bytes: usize,
 }
 
 /// [`list_intents`]' conditions on the intent `$t`: `$1` states (empty: any), `$2` kind,
@@ -107,10 +110,17 @@ pub async fn list_intents(conn: &mut PgConnection, params: ListParams) -> Result
     // filters are in every part, so that a part stops at the page's size of matches.
     // No cursor is the nil UUID, below every id: a bare bound, so that a cached plan still
     // starts each scan at the cursor.
-    let mut intents: Vec<Intent> = sqlx::query_as(concat!(
-        "SELECT ",
-        intent_columns!("i"),
-        " FROM ((SELECT * FROM outbox.intent i WHERE ",
+    // Then the page stops where the weight of the intents before one reaches the budget,
+    // and payloads are read only if asked for (their size is the stored one, not read).
+    let intents: Vec<Intent> = sqlx::query_as(concat!(
+        r#"SELECT i.id, i.state, i.kind,
+            CASE WHEN $8 THEN i.payload ELSE ''::bytea END AS payload,
+            i.content_type, i.region, i.idempotency_key, i.headers, i.attempts,
+            i.max_attempts, i.available_at, i.created_at, i.updated_at, i.lease_id,
+            i.lease_expires_at, i.worker_id, i.last_error
+        FROM (
+            SELECT u.*, w.weight, sum(w.weight) OVER (ORDER BY u.id ROWS UNBOUNDED PRECEDING) AS through
+            FROM ((SELECT * FROM outbox.intent i WHERE "#,
         list_filters!("i"),
         " ORDER BY i.id LIMIT $5) UNION ALL (SELECT * FROM outbox.intent_history i WHERE ",
         list_filters!("i"),
@@ -122,7 +132,13 @@ pub async fn list_intents(conn: &mut PgConnection, params: ListParams) -> Result
         in_key_regions!("b", "$6"),
         " AND ",
         list_filters!("i"),
-        " ORDER BY b.bucket, i.id LIMIT $5)) i ORDER BY i.id LIMIT $5",
+        r#" ORDER BY b.bucket, i.id LIMIT $5)) u
+            CROSS JOIN LATERAL (SELECT outbox.reply_weight(CASE WHEN $8 THEN u.payload END,
+                                                           u.headers, u.last_error) AS weight) w
+            ORDER BY u.id LIMIT $5
+        ) i
+        WHERE i.through - i.weight < greatest($7, 1)
+        ORDER BY i.id"#,
     ))
     .bind(&params.states)
     .bind(&params.kind)
@@ -130,13 +146,10 @@ pub async fn list_intents(conn: &mut PgConnection, params: ListParams) -> Result
     .bind(params.after.map_or(Uuid::nil(), |after| after.0))
     .bind(params.limit)
     .bind(&params.key_regions)
+    .bind(i64::try_from(params.max_bytes).unwrap_or(i64::MAX))
+    .bind(params.include_payload)
     .fetch_all(conn)
     .await?;
-    if !params.include_payload {
-        for intent in &mut intents {
-            intent.payload.clear();
-        }
-    }
     Ok(intents)
 }
 

@@ -451,7 +451,7 @@ export class Worker {
     }
     if (result?.error) {
       if (result.error.reason === "LEASE_LOST" || result.error.code === (Code.NotFound as number)) {
-        live.lost = true;
+        this.markLost(live);
         throw new LeaseLostError(live.intent.id, `MarkSubmitted refused: ${result.error.message}`);
       }
       throw new Retry(`MarkSubmitted refused: ${result.error.reason} ${result.error.message}`);
@@ -610,11 +610,15 @@ export class Worker {
     this.wakeAll();
   }
 
-  private lose(live: Live, reason: string): void {
+  private markLost(live: Live): void {
     if (!live.lost) {
       live.lost = true;
       this.counters.leaseLost++;
     }
+  }
+
+  private lose(live: Live, reason: string): void {
+    this.markLost(live);
     live.controller.abort(new LeaseLostError(live.intent.id, reason));
     this.emit({ type: "leaseLost", intent: live.intent, reason });
     this.finish(live);

@@ -167,7 +167,7 @@ pub fn service_url(url: &str) -> String {
 }
 
 /// `url` (the superuser's) as the fleet role.
-fn fleet_url(url: &str) -> String {
+pub fn fleet_url(url: &str) -> String {
     url.replacen("://postgres@", &format!("://{FLEET_ROLE}@"), 1)
 }
 

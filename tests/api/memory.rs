@@ -19,7 +19,7 @@ use tonic::metadata::MetadataValue;
 use tonic::transport::Channel;
 use uuid::Uuid;
 
-use crate::helpers::{TENANT, create_key, fresh_database, service_url};
+use crate::helpers::{TENANT, create_key, fleet_url, fresh_database, service_url};
 
 const MIB: u64 = 1024 * 1024;
 /// Most a request may add to the server's peak RSS over its idle level.
@@ -60,6 +60,7 @@ impl Server {
         let child = command
             .arg("serve")
             .env("OUTBOX_DATABASE__URL", service_url(url))
+            .env("OUTBOX_DATABASE__FLEET_URL", fleet_url(url))
             .env("OUTBOX_LISTEN_ADDR", format!("127.0.0.1:{port}"))
             .env("OUTBOX_DATABASE__MAX_CONNECTIONS", "8")
             .env("RUST_LOG", "warn")

@@ -22,10 +22,10 @@ use crate::config::{Settings, TlsSettings};
 use crate::embedded::{EmbeddedConfig, EmbeddedPostgres};
 use crate::grpc::OutboxHandler;
 use crate::metrics::{self, Metrics, RpcMetricsLayer};
-use crate::watch::EndsAtShutdown;
 use crate::outbox::notify::PendingSignal;
 use crate::outbox::{Clock, maintenance, promotion, store};
 use crate::proto::{FILE_DESCRIPTOR_SET, v1::outbox_service_server::OutboxServiceServer};
+use crate::watch::EndsAtShutdown;
 
 /// Name of the database outboxd creates in its embedded cluster.
 pub const EMBEDDED_DATABASE: &str = "outbox";

@@ -234,7 +234,14 @@ pub struct Authenticator {
     pool: PgPool,
     ttl: Duration,
     cache: Mutex<KeyCache>,
+    /// Permits to look a key up in the database: every distinct unknown key costs a
+    /// lookup, so a flood of made-up keys could otherwise hold every pooled connection.
+    lookups: tokio::sync::Semaphore,
 }
+
+/// Most key lookups in the database at once ([`Authenticator::lookups`]): they take a
+/// millisecond, and known keys are cached, so a few are enough for a cold start.
+pub const CONCURRENT_LOOKUPS: usize = 2;
 
 /// Key hash → the caller it resolved to (or none) and when it was looked up.
 type KeyCache = HashMap<[u8; 32], (Option<Caller>, Instant)>;
@@ -251,6 +258,7 @@ impl Authenticator {
             pool,
             ttl,
             cache: Mutex::new(HashMap::new()),
+            lookups: tokio::sync::Semaphore::new(CONCURRENT_LOOKUPS),
         }
     }
 
@@ -279,6 +287,8 @@ impl Authenticator {
         let caller = match cached {
             Some(caller) => caller,
             None => {
+                // Never closed, so acquiring only waits.
+                let _permit = self.lookups.acquire().await.ok();
                 let caller = store::lookup_api_key(&self.pool, &hash)
                     .await?
                     .map(Caller::from_record);

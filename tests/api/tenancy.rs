@@ -812,3 +812,56 @@ async fn a_key_whose_tenant_name_has_a_comma_cannot_be_stored() {
     // A name without a comma still goes in.
     app.key(&["acme", "globex"], &["consume"], &[]).await;
 }
+
+#[tokio::test]
+async fn lookups_of_unknown_keys_hold_at_most_a_few_connections() {
+    let app = TestApp::spawn_with(|s| s.auth_cache_ttl = Duration::from_secs(3600)).await;
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let mut operator = app.client_with(Some(&key), None).await;
+    operator
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .unwrap();
+
+    // Lookups wait on the key table while 40 calls with made-up keys arrive: more than
+    // the server's pool (20 connections).
+    let mut lock = app.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE outbox.api_key IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let channel = app.client_channel().await;
+    let flood: Vec<_> = (0..40)
+        .map(|n| {
+            let mut client = v1::outbox_service_client::OutboxServiceClient::new(channel.clone());
+            tokio::spawn(async move {
+                let mut request = tonic::Request::new(v1::GetQueueStatsRequest {});
+                let bearer = format!("Bearer obx_made_up_{n}").parse().unwrap();
+                request.metadata_mut().insert("authorization", bearer);
+                client.get_queue_stats(request).await.unwrap_err().code()
+            })
+        })
+        .collect();
+    let waiting = outboxd::auth::CONCURRENT_LOOKUPS as i64;
+    app.wait_for_lock_waiters(waiting).await;
+    // The rest wait for a permit, not a connection: a known key's call still gets one.
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        operator.get_queue_stats(v1::GetQueueStatsRequest {}),
+    )
+    .await
+    .expect("the made-up keys' lookups took every connection")
+    .unwrap();
+    let on_the_lock: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(on_the_lock, waiting);
+    lock.rollback().await.unwrap();
+    for call in flood {
+        assert_eq!(call.await.unwrap(), Code::Unauthenticated);
+    }
+}

@@ -103,11 +103,14 @@ pub async fn claim_intents(
         sqlx::query(concat!(
             "WITH leased AS MATERIALIZED (SELECT * FROM ",
             claim_call!(),
+            // The weights are summed only when fewer than asked were leased (a full batch,
+            // the busy queue's case, did not run out).
             r#"), ran_out AS MATERIALIZED (
-                SELECT count(*) < $6
-                   AND coalesce(sum(outbox.reply_weight(l.payload, l.headers, l.last_error)), 0)
-                       < $11 AS ran_out
-                FROM leased l
+                SELECT CASE WHEN (SELECT count(*) FROM leased) >= $6 THEN false
+                    ELSE (SELECT coalesce(sum(outbox.reply_weight(l.payload, l.headers,
+                                                                  l.last_error)), 0) < $11
+                          FROM leased l)
+                END AS ran_out
             ) SELECT "#,
             intent_columns!("i"),
             r#", due.seconds AS next_due_in,

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use outboxd::client::Credentials;
 use outboxd::proto::v1;
+use prost::Message;
 use prost::bytes::{Buf, BufMut};
 use tonic::Status;
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
@@ -19,7 +20,7 @@ use tonic::metadata::MetadataValue;
 use tonic::transport::Channel;
 use uuid::Uuid;
 
-use crate::helpers::{TENANT, create_key, fleet_url, fresh_database, service_url};
+use crate::helpers::{TENANT, create_key, fleet_url, fresh_database, intent, service_url};
 
 const MIB: u64 = 1024 * 1024;
 /// Most a request may add to the server's peak RSS over its idle level.
@@ -238,6 +239,8 @@ struct Row {
     name: &'static str,
     /// Whether it is answered (else refused: over a limit, or without a key).
     answered: bool,
+    /// Most it may add to the peak RSS over idle.
+    budget: u64,
     /// Expected: refused (any code but OK), or answered.
     call: Box<dyn Fn(Channel) -> Answered>,
 }
@@ -255,6 +258,7 @@ async fn no_request_raises_the_servers_peak_memory_by_more_than_64_mib() {
     let raw_row = |name, key: Option<String>, method: &'static str, body: Vec<u8>| Row {
         name,
         answered: false,
+        budget: BUDGET,
         call: Box::new(move |channel| {
             let (key, body) = (key.clone(), body.clone());
             Box::pin(
@@ -316,6 +320,29 @@ async fn no_request_raises_the_servers_peak_memory_by_more_than_64_mib() {
             "Enqueue",
             empty_items(1),
         ),
+        // Known gap, above the 64 MiB: a valid Enqueue near the 16 MiB message limit
+        // takes ~5 copies of its message (tonic's buffer, prost's payloads, sqlx's bind
+        // buffer as it grows): +76 MiB measured. Held here so that it cannot grow unseen.
+        Row {
+            answered: true,
+            budget: 96 * MIB,
+            ..raw_row(
+                "Enqueue of 15 valid intents of 1 MiB",
+                Some(produce.clone()),
+                "Enqueue",
+                v1::EnqueueRequest {
+                    intents: vec![
+                        v1::NewIntent {
+                            payload: vec![b'x'; 1024 * 1024],
+                            ..intent("big", "")
+                        };
+                        15
+                    ],
+                    txn_token: String::new(),
+                }
+                .encode_to_vec(),
+            )
+        },
         raw_row(
             "Ack of ~8.4M empty LeaseRefs",
             Some(consume.clone()),
@@ -349,11 +376,13 @@ async fn no_request_raises_the_servers_peak_memory_by_more_than_64_mib() {
         Row {
             name: "Claim max_intents=1000 over 1 MiB intents",
             answered: true,
+            budget: BUDGET,
             call: Box::new(claim),
         },
         Row {
             name: "ListIntents page_size=1000 with payloads",
             answered: true,
+            budget: BUDGET,
             call: Box::new(list),
         },
     ];
@@ -403,14 +432,14 @@ async fn no_request_raises_the_servers_peak_memory_by_more_than_64_mib() {
             eight / MIB,
             still,
         ));
-        if alone > BUDGET || !still || answered != row.answered {
+        if alone > row.budget || !still || answered != row.answered {
             over.push(row.name);
         }
     }
     println!("{}", table.join("\n"));
     assert!(
         over.is_empty(),
-        "over 64 MiB, unhealthy after, or not answered as expected: {over:?}\n{}",
+        "over budget, unhealthy after, or not answered as expected: {over:?}\n{}",
         table.join("\n")
     );
 }

@@ -239,8 +239,9 @@ pub struct Authenticator {
     lookups: tokio::sync::Semaphore,
 }
 
-/// Most key lookups in the database at once ([`Authenticator::lookups`]): they take a
-/// millisecond, and known keys are cached, so a few are enough for a cold start.
+/// Most key lookups in the database at once (each [`Authenticator`] holds a semaphore of
+/// them): they take a millisecond, and known keys are cached, so a few are enough for a
+/// cold start.
 pub const CONCURRENT_LOOKUPS: usize = 2;
 
 /// Key hash → the caller it resolved to (or none) and when it was looked up.

@@ -139,7 +139,7 @@ impl Default for Limits {
         Self {
             max_batch: 1000,
             max_payload_bytes: 1024 * 1024,
-            max_message_bytes: 16 * 1024 * 1024,
+            max_message_bytes: 8 * 1024 * 1024,
             max_reply_bytes: 4 * 1024 * 1024,
             max_headers: 64,
             max_header_key_length: 128,
@@ -241,7 +241,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ),
     (
         "OUTBOX_LIMITS__MAX_MESSAGE_BYTES",
-        "largest gRPC request message, at least the payload limit [16777216]",
+        "largest gRPC request message, at least the payload limit [8388608]",
     ),
     ("OUTBOX_LIMITS__MAX_HEADERS", "most headers per intent [64]"),
     (

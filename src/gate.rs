@@ -89,7 +89,7 @@ impl Method {
 
     /// Largest request message of this method, in bytes: what `limits.max_batch` (or
     /// `max_kinds`) items of the largest valid size take, strings counted at 4 bytes a
-    /// character. With the default limits: Enqueue and Fail 16 MiB (`max_message_bytes`),
+    /// character. With the default limits: Enqueue and Fail 8 MiB (`max_message_bytes`),
     /// the lease calls 97,024 B, Claim 82,894 B, Reconcile 66,080 B, the inspection calls
     /// 1,939 B.
     pub fn max_request_bytes(self, limits: &Limits) -> usize {
@@ -333,12 +333,12 @@ mod tests {
         .iter()
         .map(|m| of(&format!("/outbox.v1.OutboxService/{m}")))
         .collect();
-        let mib16 = 16 * 1024 * 1024;
+        let mib8 = 8 * 1024 * 1024;
         let leases = 97_024;
         assert_eq!(
             got,
             [
-                mib16, mib16, leases, leases, leases, 82_894, 66_080, 1_939, 1_939, 1_939
+                mib8, mib8, leases, leases, leases, 82_894, 66_080, 1_939, 1_939, 1_939
             ]
         );
         assert_eq!(Method::of("/grpc.health.v1.Health/Check"), None);

@@ -1,5 +1,5 @@
 //! Enqueue, direct or joined to a producer's transaction through the two-phase token: the
-//! rules of shared/DESIGN.md ("The two-phase token") applied before anything is written.
+//! rules of docs/design.md ("The two-phase token") applied before anything is written.
 
 use std::collections::HashSet;
 use std::sync::Arc;

@@ -44,7 +44,7 @@ impl fmt::Display for LeaseId {
     }
 }
 
-/// Lifecycle state of an intent, as in shared/DESIGN.md.
+/// Lifecycle state of an intent, as in docs/design.md.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, sqlx::Type)]
 #[sqlx(type_name = "outbox.intent_state", rename_all = "snake_case")]
 pub enum IntentState {

@@ -387,6 +387,12 @@ impl Worker {
         }
         let _running = ClearOnDrop(&self.shared.running);
         let shared = &self.shared;
+        // Leases a crashed (dropped) run left behind are not ours to extend.
+        shared
+            .leases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         let stop = CancellationToken::new();
         let (settle_tx, settle_rx) = mpsc::unbounded_channel();
         // Owned by this future: dropping it (a crash) stops them too.

@@ -448,5 +448,83 @@ impl Backoff {
 
 /// A uniform number in `[0, 1)`, from the operating system's randomness (via `uuid`).
 pub(crate) fn random_unit() -> f64 {
-    (uuid::Uuid::new_v4().as_u128() >> 75) as f64 / (1u64 << 53) as f64
+    // The first 48 bits of a v4 UUID are random (its version nibble comes after them).
+    (uuid::Uuid::new_v4().as_u128() >> 80) as f64 / (1u64 << 48) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unavailable(reason: &str) -> Status {
+        // As outboxd sends it: UNAVAILABLE with an ErrorInfo reason.
+        #[derive(Clone, PartialEq, prost::Message)]
+        struct Info {
+            #[prost(string, tag = "1")]
+            reason: String,
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        struct Rpc {
+            #[prost(int32, tag = "1")]
+            code: i32,
+            #[prost(string, tag = "2")]
+            message: String,
+            #[prost(message, repeated, tag = "3")]
+            details: Vec<prost_types::Any>,
+        }
+        let any = prost_types::Any {
+            type_url: "type.googleapis.com/google.rpc.ErrorInfo".into(),
+            value: prost::Message::encode_to_vec(&Info {
+                reason: reason.into(),
+            }),
+        };
+        let details = Rpc {
+            code: Code::Unavailable as i32,
+            message: String::new(),
+            details: vec![any],
+        };
+        Status::with_details(
+            Code::Unavailable,
+            "",
+            prost::Message::encode_to_vec(&details).into(),
+        )
+    }
+
+    #[test]
+    fn a_request_that_may_have_been_applied_is_retried_only_when_a_repeat_is_a_replay() {
+        let lost_commit = unavailable("COMMIT_OUTCOME_UNKNOWN");
+        assert!(Retry::Transient.allows(&lost_commit));
+        assert!(!Retry::IfNotApplied.allows(&lost_commit));
+        assert!(Retry::IfNotApplied.allows(&unavailable("UNAVAILABLE")));
+        assert!(!Retry::IfNotApplied.allows(&Status::deadline_exceeded("")));
+        assert!(!Retry::Never.allows(&unavailable("UNAVAILABLE")));
+    }
+
+    #[test]
+    fn backoff_pauses_grow_from_a_quarter_of_50_ms_to_at_most_2_s() {
+        let mut backoff = Backoff::default();
+        let first = backoff.next();
+        assert!(
+            first >= BACKOFF_BASE / 4 && first <= BACKOFF_BASE,
+            "{first:?}"
+        );
+        for _ in 0..40 {
+            let pause = backoff.next();
+            assert!(pause <= BACKOFF_CAP, "{pause:?}");
+        }
+        assert!(backoff.next() >= BACKOFF_CAP / 4);
+    }
+
+    #[test]
+    fn a_connection_needs_an_endpoint_and_a_key() {
+        let none: [&str; 0] = [];
+        assert!(matches!(
+            Connection::builder(none).api_key("k").build(),
+            Err(Error::Invalid(_))
+        ));
+        assert!(matches!(
+            Connection::builder(["127.0.0.1:1"]).build(),
+            Err(Error::Invalid(_))
+        ));
+    }
 }

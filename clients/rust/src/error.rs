@@ -138,3 +138,44 @@ pub(crate) fn is_transient(status: &Status) -> bool {
         _ => false,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_reason(code: Code, reason: &str) -> Status {
+        let info = ErrorInfo {
+            reason: reason.to_owned(),
+        };
+        let details = RpcStatus {
+            code: code as i32,
+            message: "m".into(),
+            details: vec![prost_types::Any {
+                type_url: "type.googleapis.com/google.rpc.ErrorInfo".into(),
+                value: prost::Message::encode_to_vec(&info),
+            }],
+        };
+        Status::with_details(code, "m", prost::Message::encode_to_vec(&details).into())
+    }
+
+    #[test]
+    fn the_reason_is_read_from_the_error_info_detail() {
+        let status = with_reason(Code::FailedPrecondition, "LEASE_LOST");
+        assert_eq!(reason(&status).as_deref(), Some("LEASE_LOST"));
+        assert_eq!(reason(&Status::unavailable("down")), None);
+        let error = Error::from(status);
+        assert_eq!(error.reason().as_deref(), Some("LEASE_LOST"));
+        assert_eq!(error.to_string(), "FailedPrecondition/LEASE_LOST: m");
+    }
+
+    #[test]
+    fn only_a_conflict_of_the_aborted_codes_is_transient() {
+        assert!(is_transient(&with_reason(Code::Aborted, "CONFLICT")));
+        assert!(!is_transient(&with_reason(Code::Aborted, "TXN_ABORTED")));
+        assert!(is_transient(&Status::unavailable("")));
+        assert!(is_transient(&Status::deadline_exceeded("")));
+        // A server's own INTERNAL is an answer, not a broken connection.
+        assert!(!is_transient(&Status::internal("bug")));
+        assert!(!is_transient(&Status::invalid_argument("")));
+    }
+}

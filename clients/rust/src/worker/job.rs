@@ -279,3 +279,26 @@ impl fmt::Display for Failure {
         write!(f, "{kind}: {}", self.message)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_becomes_a_failure_with_its_causes() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("charge failed")]
+        struct Charge(#[source] std::io::Error);
+        let failure = Failure::from(Charge(std::io::Error::other("timed out")));
+        assert_eq!(failure.kind(), FailureKind::Error);
+        assert_eq!(failure.message(), "charge failed: timed out");
+        let later = Failure::from("busy").after(Duration::from_secs(3));
+        assert_eq!(
+            later.kind(),
+            FailureKind::Retry(Some(Duration::from_secs(3)))
+        );
+        // Only retries get a delay.
+        let permanent = Failure::permanent("no").after(Duration::from_secs(3));
+        assert_eq!(permanent.kind(), FailureKind::Permanent);
+    }
+}

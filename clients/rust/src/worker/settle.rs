@@ -258,3 +258,29 @@ fn distinct_intents(items: Vec<Settle>) -> Vec<Vec<Settle>> {
     }
     batches.into_iter().map(|(_, batch)| batch).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settle(intent: &str, lease: &str) -> Settle {
+        Settle {
+            lease: Arc::new(LeaseState::new(
+                intent.into(),
+                lease.into(),
+                tokio::time::Instant::now(),
+            )),
+            outcome: Outcome::Ack,
+        }
+    }
+
+    #[test]
+    fn a_call_never_names_one_intent_twice() {
+        let batches = distinct_intents(vec![settle("a", "1"), settle("b", "2"), settle("a", "3")]);
+        let ids: Vec<Vec<&str>> = batches
+            .iter()
+            .map(|b| b.iter().map(|s| s.lease.lease_id.as_str()).collect())
+            .collect();
+        assert_eq!(ids, [vec!["1", "2"], vec!["3"]]);
+    }
+}

@@ -72,6 +72,30 @@ async fn an_enqueue_without_keys_moves_on_from_an_endpoint_it_could_not_reach() 
     assert_eq!(state(&connection, &result.id).await, IntentState::Pending);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tenant_is_sent_with_every_call() {
+    let stack = stack();
+    let tenant = |name: &str| {
+        Connection::builder(stack.endpoints.clone())
+            .api_key(&stack.api_key)
+            .tenant(name)
+            .build()
+            .unwrap()
+    };
+    let result = Outbox::new(tenant("default"))
+        .enqueue_direct(NewIntent::new(kind("tenant"), "x"))
+        .await
+        .unwrap();
+    assert_eq!(
+        state(&tenant("default"), &result.id).await,
+        IntentState::Pending
+    );
+    // The key acts for `default` only.
+    let refused = tenant("other").get_intent(&result.id).await.unwrap_err();
+    assert_eq!(refused.code(), Some(Code::PermissionDenied), "{refused}");
+    assert_eq!(refused.reason().as_deref(), Some("TENANT_NOT_ALLOWED"));
+}
+
 #[cfg(feature = "tls")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_to_a_server_whose_certificate_a_private_ca_signed() {

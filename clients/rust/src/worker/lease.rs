@@ -24,6 +24,9 @@ pub(crate) struct LeaseState {
     abandoned: AtomicBool,
     /// Its handler returned (or there was none to run).
     finished: AtomicBool,
+    /// Its Ack or Fail has been sent: that call's answer, not a heartbeat's, says what
+    /// became of it.
+    settling: AtomicBool,
     /// Fires on lost and abandoned.
     pub(crate) token: CancellationToken,
     /// The handler's task, aborted when the lease is lost or abandoned.
@@ -40,6 +43,7 @@ impl LeaseState {
             lost: AtomicBool::new(false),
             abandoned: AtomicBool::new(false),
             finished: AtomicBool::new(false),
+            settling: AtomicBool::new(false),
             token: CancellationToken::new(),
             handler: Mutex::new(None),
         }
@@ -86,6 +90,14 @@ impl LeaseState {
 
     pub(crate) fn finish(&self) {
         self.finished.store(true, Ordering::Release);
+    }
+
+    pub(crate) fn is_settling(&self) -> bool {
+        self.settling.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn set_settling(&self) {
+        self.settling.store(true, Ordering::Release);
     }
 
     /// Marks the lease lost and stops its handler; true the first time only.

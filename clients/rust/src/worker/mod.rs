@@ -763,7 +763,8 @@ impl Shared {
                 .cloned()
                 .collect();
             for lease in &live {
-                if now >= lease.expires() {
+                // A lease whose settle is in flight is left to that call's answer.
+                if now >= lease.expires() && !lease.is_settling() {
                     self.lose(lease, "it expired before a heartbeat got through");
                 }
             }
@@ -804,6 +805,8 @@ impl Shared {
         for (lease, result) in leases.iter().zip(&answer.results) {
             match &result.error {
                 None => lease.extend_to(sent + self.config.lease),
+                // Settled meanwhile: the settle's answer counts, not this one.
+                Some(_) if lease.is_settling() => {}
                 Some(error) if LOST_REASONS.contains(&error.reason.as_str()) => {
                     self.lose(lease, "ExtendLease refused");
                 }

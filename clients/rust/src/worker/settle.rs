@@ -129,6 +129,9 @@ impl Shared {
     }
 
     async fn send(&self, call: Call, items: &[Settle]) -> Result<Vec<LeaseResult>, Error> {
+        for settle in items {
+            settle.lease.set_settling();
+        }
         let timeout = self.connection.call_timeout();
         // Repeating a settle with the same leases is a replay: answered OK if it applied.
         let options = CallOptions::new(timeout).budget(self.config.lease.max(timeout));

@@ -67,6 +67,10 @@ async fn two_workers_handle_1500_intents_exactly_once_across_two_replicas() {
         "{stats:?}"
     );
     assert!(stats.iter().all(|s| s.claimed > 0), "{stats:?}");
+    assert!(
+        stats.iter().all(|s| s.lease_lost + s.settle_errors == 0),
+        "{stats:?}"
+    );
     let intents = list(&connection(), &k).await;
     assert_eq!(intents.len(), 1500);
     assert!(
@@ -490,7 +494,11 @@ async fn the_worker_moves_on_when_an_endpoint_is_down_or_dies() {
         ids.iter().all(|id| seen.get(id) == Some(&1)),
         "handled twice or never"
     );
-    assert_eq!((stats.acked, stats.settle_errors), (300, 0), "{stats:?}");
+    assert_eq!(
+        (stats.acked, stats.settle_errors, stats.lease_lost),
+        (300, 0, 0),
+        "{stats:?}"
+    );
     assert!(
         list(&connection, &k)
             .await

@@ -67,7 +67,10 @@ impl DirectEnqueues {
 /// A call joins a shared transaction while the intents stay within one Enqueue's limit and
 /// share no idempotency key with the calls already in it: keys are unique within one
 /// insert, and two calls racing on a key are answered as if they ran one after the other.
-#[allow(clippy::ptr_arg)] // the shape GroupCommit asks of `fits`, with calls as Vec
+#[allow(
+    clippy::ptr_arg,
+    reason = "the shape GroupCommit asks of `fits`, with calls as Vec"
+)]
 fn fits_shared_transaction(batch: &[Arc<Vec<NewIntent>>], call: &Vec<NewIntent>) -> bool {
     let count: usize = batch.iter().map(|c| c.len()).sum();
     if count + call.len() > MAX_GROUPED_INTENTS {

@@ -151,7 +151,7 @@ impl Meter {
     }
 }
 
-/// Seconds per clock tick of /proc/<pid>/stat.
+/// Seconds per clock tick of `/proc/<pid>/stat`.
 fn tick() -> f64 {
     1.0 / rustix::param::clock_ticks_per_second().max(1) as f64
 }

@@ -179,10 +179,10 @@ impl OutboxHandler {
             metrics: Arc::default(),
             claim_floors: Arc::default(),
             drained: Arc::default(),
-            hand_off: settings.claim_hand_off,
+            hand_off: settings.claim.hand_off,
             delivered_rows: DeliveredRows::for_retention(
                 settings.maintenance.retention,
-                settings.history_by_batch,
+                settings.retention.history_by_batch,
             ),
         }
     }

@@ -11,22 +11,28 @@ use super::store::{self, AlsoAtBegin, BackoffParams, Pools, TenantScope};
 use super::{Clock, IntentState, Result};
 use crate::metrics::Metrics;
 
-/// Settings of the background sweeps.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Settings of the background sweeps (`crate::config` reads them).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct MaintenanceConfig {
     /// How often expired leases are looked for.
+    #[serde(with = "humantime_serde")]
     pub rescue_interval: Duration,
     /// How often finished intents are purged.
+    #[serde(with = "humantime_serde")]
     pub purge_interval: Duration,
     /// How long DELIVERED intents without an idempotency key are kept (the other finished
     /// ones: see [`Self::live_table_retention`]).
+    #[serde(with = "humantime_serde")]
     pub retention: Duration,
     /// How long, at least, a finished intent with an idempotency key is kept, so that its
     /// key is remembered, however short `retention` is: see [`Self::live_table_retention`].
+    #[serde(with = "humantime_serde")]
     pub key_retention: Duration,
     /// Rows per sweep statement, so one sweep never holds many locks for long. A row of the
     /// delivered history holds one Ack's intents of one bucket (up to `limits.max_batch`),
     /// so its purge deletes up to that many intents per row.
+    #[serde(skip)]
     pub batch_size: i64,
     /// Backoff applied to rescued intents before their next attempt.
     pub backoff: BackoffParams,

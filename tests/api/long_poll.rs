@@ -387,7 +387,7 @@ fn signal(which: &str, pid: i32) -> bool {
 
 /// A server whose enqueues only wake waiting claims, never hand them intents.
 fn waking_only(settings: &mut outboxd::config::Settings) {
-    settings.claim_hand_off = false;
+    settings.claim.hand_off = false;
 }
 
 /// The answer of a claim that waits up to 60 s, which must come well before then: at its

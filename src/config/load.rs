@@ -78,7 +78,7 @@ impl Settings {
             }
         }
         loop {
-            let figment = (keys.iter()).fold(Figment::new(), |f, (name, key)| {
+            let figment = keys.iter().fold(Figment::new(), |f, (name, key)| {
                 f.merge((key, &given[*name]))
             });
             let error = match figment.extract_lossy::<Settings>() {
@@ -93,7 +93,8 @@ impl Settings {
             };
             for e in error {
                 let at = e.path.join(".");
-                let culprits: Vec<&str> = (keys.iter())
+                let culprits: Vec<&str> = keys
+                    .iter()
                     .filter(|(_, key)| within(key, &at))
                     .map(|(name, _)| *name)
                     .collect();
@@ -126,14 +127,19 @@ fn problem(name: &str, value: &str, why: &str) -> String {
 /// when no variable has that name.
 fn key_of(name: &str) -> Option<String> {
     let sections = name.strip_prefix("OUTBOX_")?.split("__");
-    let upper =
-        |s: &str| (s.bytes()).all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_');
+    let upper = |s: &str| {
+        s.bytes()
+            .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_')
+    };
     let sections: Vec<&str> = sections
         .map(|s| (!s.is_empty() && upper(s)).then_some(s))
         .collect::<Option<_>>()?;
     let key = sections.join(".").to_ascii_lowercase();
     // A field that a variable of another section sets is reachable by that name alone.
-    if (MOVED.iter()).any(|(_, field)| within(field, &key) || within(&key, field)) {
+    if MOVED
+        .iter()
+        .any(|(_, field)| within(field, &key) || within(&key, field))
+    {
         return None;
     }
     Some(match MOVED.iter().find(|(variable, _)| *variable == key) {
@@ -144,7 +150,8 @@ fn key_of(name: &str) -> Option<String> {
 
 /// `key` is `at` or a key under it.
 fn within(key: &str, at: &str) -> bool {
-    (key.strip_prefix(at)).is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+    key.strip_prefix(at)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
 }
 
 /// An empty variable is none: unset, or (`OUTBOX_METRICS__LISTEN_ADDR`) disabled.
@@ -224,7 +231,8 @@ mod tests {
     use super::*;
 
     fn vars(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-        (pairs.iter())
+        pairs
+            .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
     }
@@ -269,7 +277,8 @@ mod tests {
             String::new(),
             &mut fields,
         );
-        (fields.into_iter())
+        fields
+            .into_iter()
             .map(|(key, value)| {
                 let moved = MOVED.iter().find(|(_, field)| *field == key);
                 let key = moved.map_or(key.as_str(), |(variable, _)| variable);
@@ -384,7 +393,9 @@ mod tests {
         ];
         for (variable, what) in expect {
             assert!(
-                (lines.iter()).any(|line| line.starts_with(variable) && line.contains(what)),
+                lines
+                    .iter()
+                    .any(|line| line.starts_with(variable) && line.contains(what)),
                 "no line for {variable} saying {what:?} in:\n{err}"
             );
         }
@@ -470,7 +481,8 @@ mod tests {
     #[test]
     fn the_help_reads_the_table_without_its_markdown() {
         let rows = documented();
-        let (_, default, meaning) = (rows.iter())
+        let (_, default, meaning) = rows
+            .iter()
             .find(|(name, ..)| name == "OUTBOX_CLAIM__HAND_OFF")
             .unwrap();
         assert_eq!(default, "true");

@@ -29,8 +29,8 @@ use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
 use crate::config::Limits;
-use crate::grpc::ERROR_DOMAIN;
 use crate::outbox::{Error, FieldViolation, Reason};
+use crate::status::ERROR_DOMAIN;
 
 /// Encodes `T` and decodes `U` with prost; see the module documentation.
 #[derive(Debug, Clone)]

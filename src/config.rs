@@ -54,7 +54,7 @@ pub struct Settings {
     /// Serve gRPC server reflection (v1 and v1alpha).
     pub reflection: bool,
     /// Let a direct Enqueue lease its intents at once to a Claim of this server waiting
-    /// for them (`outbox::handoff`), instead of waking it to look.
+    /// for them (`outbox::claim::handoff`), instead of waking it to look.
     pub claim_hand_off: bool,
     /// Ack stores the intents it delivers a batch to a row (`outbox.delivered_batch`); off,
     /// a row each (`outbox.intent_history`), as servers before migration 17 do: for a

@@ -304,6 +304,18 @@ impl<S> ClientFaults<S> {
     }
 }
 
+/// The tower layer of [`ClientFaults`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ClientFaultsLayer;
+
+impl<S> tower::Layer<S> for ClientFaultsLayer {
+    type Service = ClientFaults<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ClientFaults::new(inner)
+    }
+}
+
 impl<S: NamedService> NamedService for ClientFaults<S> {
     const NAME: &'static str = S::NAME;
 }

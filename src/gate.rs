@@ -111,6 +111,28 @@ impl Method {
     }
 }
 
+/// The tower layer of [`Gate`].
+#[derive(Debug, Clone)]
+pub struct GateLayer {
+    auth: Arc<Authenticator>,
+    limits: Limits,
+}
+
+impl GateLayer {
+    /// Gates with `auth` and `limits`.
+    pub fn new(auth: Arc<Authenticator>, limits: Limits) -> Self {
+        Self { auth, limits }
+    }
+}
+
+impl<S> tower::Layer<S> for GateLayer {
+    type Service = Gate<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Gate::new(inner, self.auth.clone(), self.limits.clone())
+    }
+}
+
 /// Wraps the generated `OutboxService` server: authenticates each call from its headers
 /// and bounds its request bytes by [`Method::max_request_bytes`]; see the module
 /// documentation. Paths that are not `OutboxService` methods pass untouched.

@@ -12,9 +12,10 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::auth::{Authenticator, Caller, Permission, TENANT_HEADER};
+use crate::codec::{ClientFaults, ClientFaultsLayer};
 use crate::config::{Limits, Settings};
 use crate::deadline::{bounded_wait, caller_timeout};
-use crate::gate::{Authenticated, Gate};
+use crate::gate::{Authenticated, Gate, GateLayer};
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::outbox::claim::{ClaimAnswer, ClaimCall, ClaimSettings, Claims, handoff};
 use crate::outbox::enqueue::DirectEnqueues;
@@ -231,12 +232,11 @@ impl OutboxHandler {
     pub fn into_server(
         self,
         max_message_bytes: usize,
-    ) -> Gate<crate::codec::ClientFaults<OutboxServiceServer<Self>>> {
-        let (auth, limits) = (self.auth.clone(), self.limits.clone());
-        let server = crate::codec::ClientFaults::new(
-            OutboxServiceServer::new(self).max_decoding_message_size(max_message_bytes),
-        );
-        Gate::new(server, auth, limits)
+    ) -> Gate<ClientFaults<OutboxServiceServer<Self>>> {
+        tower::ServiceBuilder::new()
+            .layer(GateLayer::new(self.auth.clone(), self.limits.clone()))
+            .layer(ClientFaultsLayer)
+            .service(OutboxServiceServer::new(self).max_decoding_message_size(max_message_bytes))
     }
 }
 

@@ -145,7 +145,7 @@ impl From<Enqueued> for v1::EnqueueResult {
 impl From<ItemError> for v1::ItemError {
     fn from(e: ItemError) -> Self {
         Self {
-            code: crate::grpc::code_of(e.reason) as i32,
+            code: crate::status::code_of(e.reason) as i32,
             reason: e.reason.as_str().to_owned(),
             message: e.message,
         }

@@ -208,7 +208,9 @@ pub async fn connect_pools(
         .await
         .context("the fleet role (OUTBOX_DATABASE__FLEET_URL)")?;
     verify_fleet_role(&fleet).await?;
-    Ok(store::Pools::new(tenant, fleet))
+    store::Pools::open(tenant, fleet)
+        .await
+        .context("cannot read outbox.scope_secret through the fleet pool")
 }
 
 /// Makes `role` a member of `outboxd_fleet` (`outbox.grant_fleet_role`, which does nothing
@@ -294,8 +296,9 @@ pub async fn grant_service_role(owner: &PgPool, role: &str, create: bool) -> any
 /// # Errors
 /// The role is any of those.
 pub async fn verify_service_role(pool: &PgPool) -> anyhow::Result<()> {
-    let (role, superuser, bypass, owner, fleet, createrole): (
+    let (role, superuser, bypass, owner, fleet, createrole, secret): (
         String,
+        bool,
         bool,
         bool,
         bool,
@@ -306,7 +309,8 @@ pub async fn verify_service_role(pool: &PgPool) -> anyhow::Result<()> {
             SELECT r.rolname::text, r.rolsuper, r.rolbypassrls,
                    pg_has_role(r.oid, c.relowner, 'MEMBER'),
                    pg_has_role(r.oid, 'outboxd_fleet', 'MEMBER'),
-                   r.rolcreaterole
+                   r.rolcreaterole,
+                   has_table_privilege(r.oid, 'outbox.scope_secret', 'SELECT')
             FROM pg_roles r, pg_class c
             WHERE r.rolname = current_user
               AND c.oid = 'outbox.intent'::regclass
@@ -325,6 +329,8 @@ pub async fn verify_service_role(pool: &PgPool) -> anyhow::Result<()> {
         "is a member of outboxd_fleet, which sees every tenant"
     } else if createrole {
         "has CREATEROLE, and so could make itself a member of outboxd_fleet"
+    } else if secret {
+        "may read outbox.scope_secret, and so could prove any tenant scope"
     } else {
         return Ok(());
     };

@@ -104,7 +104,7 @@ pub struct Limits {
     pub max_payload_bytes: usize,
     /// Largest gRPC request message in bytes, checked by the transport before decoding
     /// (at least `max_payload_bytes`).
-    #[default(16 * 1024 * 1024)]
+    #[default(8 * 1024 * 1024)]
     pub max_message_bytes: usize,
     /// Largest Claim (or ListIntents) reply in bytes: a Claim whose leases would pass it
     /// answers with fewer (always at least one) and gives the rest back; a page ends early.
@@ -170,7 +170,7 @@ impl Limits {
 #[serde(default, deny_unknown_fields)]
 pub struct Claim {
     /// Let a direct Enqueue lease its intents at once to a Claim of this server waiting
-    /// for them (`outbox::handoff`), instead of waking it to look.
+    /// for them (`outbox::claim::handoff`), instead of waking it to look.
     #[default(true)]
     pub hand_off: bool,
 }

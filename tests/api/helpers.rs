@@ -276,6 +276,18 @@ impl TestApp {
             .unwrap()
     }
 
+    /// The statement that scopes a transaction of the service role to `tenants`, with the
+    /// proof outboxd would give (read as the superuser, who may read the secret).
+    pub async fn scope_statement(&self, tenants: &str) -> String {
+        let key = outboxd::outbox::store::ScopeKey::load(&self.pool)
+            .await
+            .unwrap();
+        format!(
+            "SELECT outbox.enter_scope('{tenants}', '{}')",
+            key.proof(tenants)
+        )
+    }
+
     /// A connection of its own as the server's fleet role (every tenant).
     pub async fn fleet_connection(&self) -> PgConnection {
         PgConnection::connect(&fleet_url(&self.url)).await.unwrap()

@@ -127,7 +127,7 @@ async fn the_service_role_sees_and_writes_only_the_tenant_set_in_its_transaction
     assert_eq!(unscoped, 0, "no tenant set: nothing visible");
 
     let mut tx = conn.begin().await.unwrap();
-    sqlx::query("SELECT set_config('outbox.tenants', 'acme', true)")
+    sqlx::query(&app.scope_statement("acme").await)
         .execute(&mut *tx)
         .await
         .unwrap();
@@ -217,7 +217,7 @@ async fn delivered_history_is_isolated_by_tenant_as_live_intents_are() {
         assert_eq!(unscoped, 0, "no tenant set: nothing visible in {table}");
     }
     let mut tx = conn.begin().await.unwrap();
-    sqlx::query("SELECT set_config('outbox.tenants', 'acme', true)")
+    sqlx::query(&app.scope_statement("acme").await)
         .execute(&mut *tx)
         .await
         .unwrap();

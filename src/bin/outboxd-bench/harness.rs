@@ -209,7 +209,7 @@ impl Bench {
         // The production runtime: database clock, background sweeps, 2 s recheck.
         let server = Application::start(
             &settings,
-            Pools::new(pool.clone(), fleet),
+            Pools::open(pool.clone(), fleet).await?,
             listener,
             Runtime::default(),
         )

@@ -338,7 +338,7 @@ async fn minimal_queue(
 /// The raw-SQL ceiling of the burn-down: one Claim and one Ack as the server runs them,
 /// built from the store's own calls so that the two cannot drift apart: each one statement
 /// in its own transaction, for the tenant `bench`; no kind or region filter, a 30 s lease,
-/// no floor (every claim looks at the whole queue; see `outboxd::outbox::claim_floor`).
+/// no floor (every claim looks at the whole queue; see `outboxd::outbox::claim::floor`).
 /// One difference, on purpose: the claimed rows are aggregated into two arrays (pgbench's
 /// `\gset` takes one row), so payloads are not shipped to the client. Variables:
 /// `-D batch=N`.

@@ -31,7 +31,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use tokio::time::Instant;
 
-use super::Intent;
+use crate::outbox::Intent;
 
 /// How far behind its own time a look's floor lies (at most): wider than the time between a
 /// transition's `now()` and its commit.

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::notify::Mark;
+use crate::outbox::notify::Mark;
 
 /// Groups remembered at most; past it all are forgotten (each looks once more).
 const MAX_GROUPS: usize = 4096;

@@ -220,7 +220,7 @@ pub struct Enqueued {
     /// True when an idempotency key matched an intent already stored.
     pub deduplicated: bool,
     /// True when the enqueue leased it at once to a Claim of this server waiting for it
-    /// ([`handoff`]): PENDING and claimed in one commit.
+    /// ([`claim::handoff`]): PENDING and claimed in one commit.
     pub handed_off: bool,
 }
 

@@ -74,7 +74,7 @@ impl Leased {
 }
 
 /// The floors of every group of claimers of this server (by tenants and filters, the
-/// same groups as [`super::notify::Turn`]).
+/// same groups as [`crate::outbox::notify::Turn`]).
 #[derive(Debug, Default)]
 pub struct ClaimFloors {
     groups: Mutex<HashMap<String, Floor>>,

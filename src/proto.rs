@@ -8,7 +8,13 @@ use crate::outbox::{
 };
 
 /// Code generated from `proto/outbox/v1/outbox.proto`.
-#[allow(missing_docs, clippy::all, clippy::pedantic, reason = "generated code")]
+#[allow(
+    missing_docs,
+    clippy::all,
+    clippy::pedantic,
+    clippy::allow_attributes_without_reason,
+    reason = "generated code"
+)]
 pub mod v1 {
     tonic::include_proto!("outbox.v1");
 }

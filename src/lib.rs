@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod outbox;
 pub mod proto;
 pub mod startup;
+pub mod status;
 pub mod telemetry;
 pub mod validate;
 pub mod watch;

@@ -214,11 +214,9 @@ impl TestApp {
         configure: impl FnOnce(&mut Settings),
         tune: impl FnOnce(&mut Runtime),
     ) -> Self {
-        let mut settings = Settings {
-            // Many servers run at once: each gets its own metrics port.
-            metrics_addr: Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
-            ..Settings::default()
-        };
+        let mut settings = Settings::default();
+        // Many servers run at once: each gets its own metrics port.
+        settings.metrics.listen_addr = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
         configure(&mut settings);
         // The test's own connections ping before every use (sqlx's default), unlike the
         // server's: tests that restart PostgreSQL must not trip on a dead connection.

@@ -33,7 +33,7 @@ pub struct ClaimParams<'a> {
     /// Current time override (tests).
     pub now: Option<DateTime<Utc>>,
     /// Lease only intents available at or after this (`None`: the whole queue); see
-    /// [`crate::outbox::claim_floor`].
+    /// [`crate::outbox::claim::floor`].
     pub look_back_to: Option<DateTime<Utc>>,
     /// Stop leasing once the intents leased weigh this many bytes (`outbox.reply_weight`,
     /// always at least one intent): the reply's budget, so that intents that would not
@@ -60,7 +60,7 @@ pub struct Claimed {
     pub intents: Vec<Intent>,
     /// When it leased fewer than asked: how long until the next PENDING intent matching
     /// the filters becomes due, if one is scheduled in the future, so that a long-polling
-    /// claimer (or the next of its group, [`crate::outbox::drained`]) sleeps exactly that
+    /// claimer (or the next of its group, [`crate::outbox::claim::drained`]) sleeps exactly that
     /// long.
     pub next_due_in: Option<Duration>,
     /// The intents are the live leases of an earlier call with the same request id (a
@@ -165,7 +165,7 @@ pub async fn claim_intents(
     Ok(claimed)
 }
 
-/// Gives back leases no claimer received (`crate::outbox::handoff`): each intent of
+/// Gives back leases no claimer received (`crate::outbox::claim::handoff`): each intent of
 /// `scope` still LEASED under its `leases` pair goes back to PENDING, due as it was, with
 /// the attempt uncounted (no worker saw it, so none began). A pair whose intent moved on,
 /// or whose insert never committed, is skipped. Returns how many went back.

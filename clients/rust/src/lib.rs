@@ -42,7 +42,13 @@ mod producer;
 mod worker;
 
 /// The generated messages and client of `outbox.v1` (`proto/outbox/v1/outbox.proto`).
-#[allow(missing_docs, clippy::all, clippy::pedantic)]
+#[allow(
+    missing_docs,
+    clippy::all,
+    clippy::pedantic,
+    clippy::allow_attributes_without_reason,
+    reason = "generated code"
+)]
 pub mod proto {
     tonic::include_proto!("outbox.v1");
 }

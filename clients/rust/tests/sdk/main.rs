@@ -16,12 +16,14 @@ use tokio_util::sync::CancellationToken;
 
 /// A worker running on a task of its own until `stop`.
 pub struct Running {
+    /// The worker (a clone of the running one: its stats are the running one's).
     pub worker: Worker,
     stop: CancellationToken,
     handle: JoinHandle<Result<(), Error>>,
 }
 
 impl Running {
+    /// Runs `worker` on a task of its own.
     pub fn start(worker: Worker) -> Self {
         let stop = CancellationToken::new();
         let handle = tokio::spawn({
@@ -41,6 +43,7 @@ impl Running {
         self.stop.cancel();
     }
 
+    /// True once `run_until` returned.
     pub fn is_finished(&self) -> bool {
         self.handle.is_finished()
     }

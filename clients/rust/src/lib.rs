@@ -36,6 +36,9 @@
 //!
 //! Features: `sqlx` (default; the transactional producer), `tls` (default; rustls).
 
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
 mod connection;
 mod error;
 mod producer;

@@ -576,7 +576,7 @@ async fn scenario(args: &FailoverArgs, seed: u64, dir: &Path) -> anyhow::Result<
     }
 
     let admin = PgPool::connect(&url(clusters.standby_port, "postgres")).await?;
-    let unknown = resolve_unknown_commits(&shared, &admin, first_new_xid).await?;
+    let unknown = resolve_unknown_commits(&shared, &admin, first_new_xid, crashed_at).await?;
     say(&format!(
         "COMMITs without an answer, by the new primary's commit log: {unknown}"
     ));
@@ -874,20 +874,24 @@ async fn resolve_unknown_commits(
     shared: &Shared,
     admin: &PgPool,
     first_new_xid: u64,
+    crashed_at: u64,
 ) -> anyhow::Result<String> {
     let life: i64 = sqlx::query_scalar("SELECT outbox.server_incarnation()")
         .fetch_one(admin)
         .await?;
-    let unknown: Vec<(usize, String)> = shared
+    let unknown: Vec<(usize, String, bool)> = shared
         .seen()
         .txns
         .iter()
         .enumerate()
         .filter(|(_, t)| t.ending == Ending::CommitUnknown)
-        .map(|(index, t)| (index, t.token.clone()))
+        .map(|(index, t)| {
+            let late = t.commit_sent_at.is_some_and(|at| at > crashed_at);
+            (index, t.token.clone(), late)
+        })
         .collect();
     let mut settled = Vec::new();
-    for (index, token) in unknown {
+    for (index, token, late) in unknown {
         let parsed: TxnToken = token
             .parse()
             .map_err(|e| anyhow::anyhow!("the producer's token {token} {e}"))?;
@@ -908,15 +912,16 @@ async fn resolve_unknown_commits(
                 ),
             }
         };
-        settled.push((index, committed));
+        settled.push((index, committed, late));
     }
     let mut seen = shared.seen();
-    for &(index, committed) in &settled {
+    for &(index, committed, _) in &settled {
         seen.txns[index].committed_in_fact = Some(committed);
     }
-    let committed = settled.iter().filter(|(_, c)| *c).count();
+    let committed = settled.iter().filter(|(_, c, _)| *c).count();
+    let late = settled.iter().filter(|(_, c, late)| *c && *late).count();
     Ok(format!(
-        "{} transactions: {committed} committed, {} aborted",
+        "{} transactions: {committed} committed ({late} of them sent after the crash began), {} aborted",
         settled.len(),
         settled.len() - committed
     ))

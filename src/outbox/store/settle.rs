@@ -298,10 +298,6 @@ pub enum DeliveredRows {
     /// stays where its unique index guards the key (migration
     /// `20261201000012_delivered_intents_leave_the_hot_table`).
     Batched,
-    /// Kept as [`Self::Batched`] keeps them, but an intent without a key is moved into
-    /// `outbox.intent_history`, a row each, as servers before migration 17 do: during a
-    /// rolling upgrade from them, which read the batches only by unnesting them all.
-    Rows,
     /// Deleted by the Ack itself (retention zero, when the purge would delete it next
     /// anyway): per intent, no new row version and none of its index entries (primary
     /// key, finished_at), which the purge would delete again. A replayed Ack then finds
@@ -312,15 +308,13 @@ pub enum DeliveredRows {
 }
 
 impl DeliveredRows {
-    /// Deleted when finished intents are retained for no time at all; otherwise kept a
-    /// batch to a row or a row each, as `by_batch` says.
-    pub fn for_retention(retention: Duration, by_batch: bool) -> Self {
+    /// Deleted when finished intents are retained for no time at all; otherwise kept, a
+    /// batch to a row.
+    pub fn for_retention(retention: Duration) -> Self {
         if retention.is_zero() {
             Self::Deleted
-        } else if by_batch {
-            Self::Batched
         } else {
-            Self::Rows
+            Self::Batched
         }
     }
 }
@@ -344,7 +338,6 @@ pub async fn ack_intents(
 ) -> Result<Vec<ItemResult>> {
     let call = match rows {
         DeliveredRows::Batched => concat!("SELECT * FROM ", ack_call!()),
-        DeliveredRows::Rows => "SELECT * FROM outbox.ack_into_history($1, $2, $3, $4, $5)",
         DeliveredRows::Deleted => concat!("SELECT * FROM ", ack_and_delete_call!()),
     };
     settle_in_one_call(

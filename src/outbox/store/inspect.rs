@@ -105,8 +105,7 @@ macro_rules! list_filters {
 /// [`crate::outbox::Error::Database`].
 pub async fn list_intents(conn: &mut PgConnection, params: ListParams) -> Result<Vec<Intent>> {
     // Each part is read in id order up to the page's size, then the parts are merged: the
-    // live table and the row history by their primary keys, the batch history by its
-    // bucket index (ids are ordered as their buckets are), sorted within a bucket. The
+    // live table by its primary key, the batch history by its bucket index (ids are ordered as their buckets are), sorted within a bucket. The
     // filters are in every part, so that a part stops at the page's size of matches.
     // No cursor is the nil UUID, below every id: a bare bound, so that a cached plan still
     // starts each scan at the cursor.
@@ -121,8 +120,6 @@ pub async fn list_intents(conn: &mut PgConnection, params: ListParams) -> Result
         FROM (
             SELECT u.*, w.weight, sum(w.weight) OVER (ORDER BY u.id ROWS UNBOUNDED PRECEDING) AS through
             FROM ((SELECT * FROM outbox.intent i WHERE "#,
-        list_filters!("i"),
-        " ORDER BY i.id LIMIT $5) UNION ALL (SELECT * FROM outbox.intent_history i WHERE ",
         list_filters!("i"),
         r#" ORDER BY i.id LIMIT $5) UNION ALL (
             SELECT i.* FROM outbox.delivered_batch b CROSS JOIN LATERAL unnest(b.items) i
@@ -188,8 +185,6 @@ pub async fn queue_stats(
     let counts: Vec<StateCount> = sqlx::query_as(concat!(
         "SELECT c.state, c.region, sum(c.n)::bigint AS count FROM (",
         "SELECT i.state, i.region, 1 AS n FROM outbox.intent i WHERE ",
-        in_key_regions!("i", "$1"),
-        " UNION ALL SELECT i.state, i.region, 1 FROM outbox.intent_history i WHERE ",
         in_key_regions!("i", "$1"),
         " UNION ALL SELECT 'delivered', b.region, cardinality(b.ids) FROM outbox.delivered_batch b WHERE ",
         in_key_regions!("b", "$1"),

@@ -266,26 +266,20 @@ async fn keep_to_key_regions(
     Ok(())
 }
 
-/// The Ack function's call: `$1` tenants, `$2` their proof, `$3` intent ids, `$4` lease
-/// ids, `$5` now (or NULL).
-macro_rules! ack_call {
-    () => {
-        "outbox.ack_into_batches($1, $2, $3, $4, $5)"
-    };
-}
+/// Ack ([`DeliveredRows::Batched`]): `$1` tenants, `$2` their proof, `$3` intent ids,
+/// `$4` lease ids, `$5` now (or NULL).
+const ACK: &str = "SELECT * FROM outbox.ack_into_batches($1, $2, $3, $4, $5)";
 
-/// [`ack_call!`] for [`DeliveredRows::Deleted`]: `outbox.ack_and_delete`, same arguments.
-macro_rules! ack_and_delete_call {
-    () => {
-        "outbox.ack_and_delete($1, $2, $3, $4, $5)"
-    };
-}
+/// Ack at retention zero ([`DeliveredRows::Deleted`]), the same arguments.
+const ACK_AND_DELETE: &str = "SELECT * FROM outbox.ack_and_delete($1, $2, $3, $4, $5)";
 
-/// `ack_call!`, for the benchmark's raw-SQL ceiling (the same call, no service).
-pub const ACK_CALL: &str = ack_call!();
+/// The function call of [`ACK`], for the benchmark's raw-SQL ceiling (the same call, no
+/// service); a test checks that [`ACK`] makes it.
+pub const ACK_CALL: &str = "outbox.ack_into_batches($1, $2, $3, $4, $5)";
 
-/// `ack_and_delete_call!`, for the benchmark's raw-SQL ceiling at zero retention.
-pub const ACK_AND_DELETE_CALL: &str = ack_and_delete_call!();
+/// The function call of [`ACK_AND_DELETE`], for the benchmark's raw-SQL ceiling at zero
+/// retention.
+pub const ACK_AND_DELETE_CALL: &str = "outbox.ack_and_delete($1, $2, $3, $4, $5)";
 
 /// What Ack does with the row of an intent it delivers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -337,8 +331,8 @@ pub async fn ack_intents(
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<ItemResult>> {
     let call = match rows {
-        DeliveredRows::Batched => concat!("SELECT * FROM ", ack_call!()),
-        DeliveredRows::Deleted => concat!("SELECT * FROM ", ack_and_delete_call!()),
+        DeliveredRows::Batched => ACK,
+        DeliveredRows::Deleted => ACK_AND_DELETE,
     };
     settle_in_one_call(
         pools,
@@ -402,4 +396,13 @@ pub async fn fail_intents(
         },
     )
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_ack_statements_make_the_calls_the_benchmark_makes() {
+        assert!(super::ACK.ends_with(super::ACK_CALL));
+        assert!(super::ACK_AND_DELETE.ends_with(super::ACK_AND_DELETE_CALL));
+    }
 }

@@ -79,7 +79,7 @@ pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
 /// security applies to it.
 pub const EMBEDDED_SERVICE_ROLE: &str = "outboxd_service";
 
-/// The role granted every tenant (migration `20261204000021_cross_tenant_is_granted`): its
+/// The role granted every tenant (migration `…03_baseline_tenancy`, docs/tenancy.md): its
 /// members' sessions see every tenant's rows, and the service role must not be one.
 pub const FLEET_ROLE: &str = "outboxd_fleet";
 

@@ -50,7 +50,7 @@ pub async fn rescue_expired_leases(
             FROM outbox.intent
             WHERE state IN ('leased', 'submitted')
               -- A subquery, not a bare coalesce(…): only then can it bound the index scan
-              -- under row-level security (migration 20261201000008 says why).
+              -- under row-level security (migration …02_baseline_functions says why).
               AND lease_expires_at < (SELECT coalesce($4::timestamptz, now()))
             ORDER BY lease_expires_at
             LIMIT $3

@@ -136,9 +136,9 @@ fn split(pairs: &[(Uuid, Uuid)]) -> (Vec<Uuid>, Vec<Uuid>) {
 
 /// Pushes the expiry of live (LEASED or SUBMITTED) leases to `now + lease_duration`.
 ///
-/// One round trip: `outbox.extend_leases` (migration
-/// `20261201000009_extend_and_mark_submitted_in_one_round_trip`) runs in its own
-/// transaction, committed before this returns; only items that did not apply cost another.
+/// One round trip: `outbox.extend_leases` (migration `…02_baseline_functions`, as every
+/// settle function) runs in its own transaction, committed before this returns; only items
+/// that did not apply cost another.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
@@ -238,9 +238,8 @@ async fn settle_in_one_call(
 /// (lease ids are random v4 UUIDs): the settle cannot apply it, and the lookup of missed
 /// items, filtered by the same regions, answers it NOT_FOUND. The items keep their places,
 /// as the settle functions' parallel arrays (Fail's outcomes, errors, retry delays) need.
-/// One round trip (`outbox.settleable_in_regions`, migration
-/// `20261202000016_settles_keep_to_the_keys_regions`); a region never changes after
-/// Enqueue, so the answer holds until the settle runs.
+/// One round trip (`outbox.settleable_in_regions`); a region never changes after Enqueue,
+/// so the answer holds until the settle runs.
 async fn keep_to_key_regions(
     pool: &PgPool,
     scope: &ScopeSettings,
@@ -288,16 +287,15 @@ pub enum DeliveredRows {
     /// key is remembered, and a replayed Ack is answered OK. An intent without a key is
     /// moved out of the table claims and settles read, into a row of
     /// `outbox.delivered_batch` that holds the Ack's intents of its tenant, region and
-    /// bucket (migration `20261203000017_delivered_history_by_batch`); one with a key
-    /// stays where its unique index guards the key (migration
-    /// `20261201000012_delivered_intents_leave_the_hot_table`).
+    /// bucket (see `outbox.delivered_batch` in migration `…01_baseline_tables`); one with
+    /// a key stays where its unique index guards the key.
     Batched,
     /// Deleted by the Ack itself (retention zero, when the purge would delete it next
     /// anyway): per intent, no new row version and none of its index entries (primary
     /// key, finished_at), which the purge would delete again. A replayed Ack then finds
     /// nothing and answers NOT_FOUND, as it would after the purge. An intent with an
     /// idempotency key is kept as [`Self::Batched`] keeps it, for its key's window
-    /// (migration `20261202000015_keyed_intents_outlive_zero_retention`).
+    /// (`outbox.ack_and_delete`).
     Deleted,
 }
 
@@ -350,8 +348,7 @@ pub async fn ack_intents(
 /// NEEDS_RECONCILE. A definite outcome (RETRY, PERMANENT) is also accepted from the last
 /// lease of a NEEDS_RECONCILE intent.
 ///
-/// One round trip, as [`ack_intents`] (`outbox.fail`, migration
-/// `20261201000011_fail_in_one_round_trip`).
+/// One round trip, as [`ack_intents`] (`outbox.fail`).
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].

@@ -9,8 +9,10 @@
 -- The reply still comes only after the commit: PostgreSQL answers the Sync that ends the
 -- call once the implicit transaction has committed.
 --
--- Each scopes its transaction as outboxd's BEGIN does (outbox.enter_scope), and runs as
--- its caller (SECURITY INVOKER), so row-level security applies to it as to any statement.
+-- Each takes the caller's tenants and their proof first (`tenants`, `scope_proof`; the
+-- fleet's scope passes '' for both), scopes its transaction with them as outboxd's BEGIN
+-- does (outbox.enter_scope), and runs as its caller (SECURITY INVOKER), so row-level
+-- security applies to it as to any statement.
 -- Plan settings are the function's SET clauses: in force while it plans and runs,
 -- restored after.
 --
@@ -152,7 +154,7 @@ RETURN 512 + coalesce(octet_length(payload), 0) + coalesce(pg_column_size(header
 -- a small table walked that whole index per claim.
 CREATE FUNCTION outbox.claim(
     tenants text,
-    cross_tenant text,
+    scope_proof text,
     worker text,
     worker_region text,
     kinds text[],
@@ -174,7 +176,7 @@ DECLARE
     claim_from timestamptz := coalesce(look_back_to, '-infinity');
     budget bigint := greatest(coalesce(max_bytes, 9223372036854775807), 1);
 BEGIN
-    PERFORM outbox.enter_scope(tenants, cross_tenant);
+    PERFORM outbox.enter_scope(tenants, scope_proof);
     IF request_id IS NOT NULL THEN
         PERFORM pg_advisory_xact_lock(hashtextextended(worker || '/' || request_id, 0));
         RETURN QUERY
@@ -228,7 +230,7 @@ $$;
 -- scheduled in the future: a long-polling claimer that found nothing sleeps that long.
 CREATE FUNCTION outbox.next_due_in(
     tenants text,
-    cross_tenant text,
+    scope_proof text,
     worker_region text,
     kinds text[],
     as_of timestamptz
@@ -240,7 +242,7 @@ AS $$
 DECLARE
     look_at timestamptz := coalesce(as_of, now());
 BEGIN
-    PERFORM outbox.enter_scope(tenants, cross_tenant);
+    PERFORM outbox.enter_scope(tenants, scope_proof);
     RETURN (
         SELECT extract(epoch FROM p.available_at - look_at)::float8
         FROM outbox.intent p
@@ -272,7 +274,7 @@ $$;
 -- the unique index on their key guards it), lost leases and replays.
 CREATE FUNCTION outbox.ack(
     tenants text,
-    cross_tenant text,
+    scope_proof text,
     intent_ids uuid[],
     lease_ids uuid[],
     as_of timestamptz
@@ -292,7 +294,7 @@ SET enable_nestloop = off
 AS $$
 #variable_conflict use_column
 BEGIN
-    PERFORM outbox.enter_scope(tenants, cross_tenant);
+    PERFORM outbox.enter_scope(tenants, scope_proof);
     RETURN QUERY
         UPDATE outbox.intent i
         SET state = 'delivered',
@@ -314,7 +316,7 @@ $$;
 -- (tenant, region, bucket); the rest goes to outbox.ack.
 CREATE FUNCTION outbox.ack_into_batches(
     tenants text,
-    cross_tenant text,
+    scope_proof text,
     intent_ids uuid[],
     lease_ids uuid[],
     as_of timestamptz
@@ -337,7 +339,7 @@ DECLARE
     delivered_at timestamptz := coalesce(as_of, now());
     moved bigint;
 BEGIN
-    PERFORM outbox.enter_scope(tenants, cross_tenant);
+    PERFORM outbox.enter_scope(tenants, scope_proof);
     RETURN QUERY
         WITH delivered AS (
             DELETE FROM outbox.intent i
@@ -371,7 +373,7 @@ BEGIN
     IF moved < cardinality(intent_ids) THEN
         -- What is left (keyed intents, lost leases, replays) is outbox.ack's: in place.
         RETURN QUERY
-            SELECT * FROM outbox.ack(tenants, cross_tenant, intent_ids, lease_ids, delivered_at);
+            SELECT * FROM outbox.ack(tenants, scope_proof, intent_ids, lease_ids, delivered_at);
     END IF;
 END
 $$;
@@ -385,7 +387,7 @@ $$;
 -- producer retrying an Enqueue whose answer it lost would record the intent twice.
 CREATE FUNCTION outbox.ack_and_delete(
     tenants text,
-    cross_tenant text,
+    scope_proof text,
     intent_ids uuid[],
     lease_ids uuid[],
     as_of timestamptz
@@ -407,7 +409,7 @@ AS $$
 DECLARE
     deleted bigint;
 BEGIN
-    PERFORM outbox.enter_scope(tenants, cross_tenant);
+    PERFORM outbox.enter_scope(tenants, scope_proof);
     RETURN QUERY
         DELETE FROM outbox.intent i
         USING unnest(intent_ids, lease_ids) AS input(id, lease_id)
@@ -422,7 +424,7 @@ BEGIN
     IF deleted < cardinality(intent_ids) THEN
         -- What is left (keyed intents, lost leases, replays) is outbox.ack's: in place.
         RETURN QUERY
-            SELECT * FROM outbox.ack(tenants, cross_tenant, intent_ids, lease_ids, as_of);
+            SELECT * FROM outbox.ack(tenants, scope_proof, intent_ids, lease_ids, as_of);
     END IF;
 END
 $$;
@@ -434,7 +436,7 @@ $$;
 -- key.
 CREATE FUNCTION outbox.extend_leases(
     tenants text,
-    cross_tenant text,
+    scope_proof text,
     intent_ids uuid[],
     lease_ids uuid[],
     lease_ms bigint,
@@ -455,7 +457,7 @@ SET enable_nestloop = off
 AS $$
 #variable_conflict use_column
 BEGIN
-    PERFORM outbox.enter_scope(tenants, cross_tenant);
+    PERFORM outbox.enter_scope(tenants, scope_proof);
     RETURN QUERY
         UPDATE outbox.intent i
         SET lease_expires_at = coalesce(as_of, now()) + lease_ms * interval '1 ms',
@@ -474,7 +476,7 @@ $$;
 -- operator. A worker calls it before every non-idempotent side effect.
 CREATE FUNCTION outbox.mark_submitted(
     tenants text,
-    cross_tenant text,
+    scope_proof text,
     intent_ids uuid[],
     lease_ids uuid[],
     as_of timestamptz
@@ -494,7 +496,7 @@ SET enable_nestloop = off
 AS $$
 #variable_conflict use_column
 BEGIN
-    PERFORM outbox.enter_scope(tenants, cross_tenant);
+    PERFORM outbox.enter_scope(tenants, scope_proof);
     RETURN QUERY
         UPDATE outbox.intent i
         SET state = 'submitted',
@@ -518,7 +520,7 @@ $$;
 -- while its target is down.
 CREATE FUNCTION outbox.fail(
     tenants text,
-    cross_tenant text,
+    scope_proof text,
     intent_ids uuid[],
     lease_ids uuid[],
     outcomes text[],
@@ -546,7 +548,7 @@ DECLARE
     -- A variable, not an expression in the query (see the top of this file).
     failed_at timestamptz := coalesce(as_of, now());
 BEGIN
-    PERFORM outbox.enter_scope(tenants, cross_tenant);
+    PERFORM outbox.enter_scope(tenants, scope_proof);
     RETURN QUERY
         UPDATE outbox.intent i
         SET state = CASE
@@ -589,7 +591,7 @@ $$;
 -- settle. One round trip more, only for keys with regions.
 CREATE FUNCTION outbox.settleable_in_regions(
     tenants text,
-    cross_tenant text,
+    scope_proof text,
     intent_ids uuid[],
     regions text[]
 ) RETURNS SETOF uuid
@@ -599,7 +601,7 @@ SET enable_seqscan = off
 SET enable_bitmapscan = off
 AS $$
 BEGIN
-    PERFORM outbox.enter_scope(tenants, cross_tenant);
+    PERFORM outbox.enter_scope(tenants, scope_proof);
     RETURN QUERY
         SELECT i.id
         FROM outbox.intent i

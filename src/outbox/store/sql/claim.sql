@@ -1,4 +1,4 @@
--- One look of a claim (store::claim_intents). $1 tenants, $2 cross-tenant, $3 worker,
+-- One look of a claim (store::claim_intents). $1 tenants, $2 their proof, $3 worker,
 -- $4 region, $5 kinds, $6 most intents, $7 lease milliseconds, $8 request id, $9 now (or
 -- NULL), $10 the floor (or NULL), $11 the byte budget.
 --

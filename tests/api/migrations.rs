@@ -52,3 +52,24 @@ async fn a_database_migrated_by_a_build_before_the_baseline_is_refused_and_left_
         .unwrap();
     assert_eq!(after, before, "nothing migrated");
 }
+
+#[tokio::test]
+async fn the_baselines_down_migrations_undo_it_and_it_migrates_again() {
+    let pool = PgPool::connect(&fresh_database().await).await.unwrap();
+    outboxd::MIGRATOR.undo(&pool, 0).await.unwrap();
+    let left: Vec<String> = sqlx::query_scalar(
+        "SELECT nspname::text FROM pg_namespace WHERE nspname = 'outbox'
+         UNION ALL SELECT version::text FROM _sqlx_migrations",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(left, Vec::<String>::new(), "no schema, no migration left");
+
+    startup::migrate(&pool).await.unwrap();
+    let secrets: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.scope_secret")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(secrets, 1);
+}

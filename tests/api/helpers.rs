@@ -276,16 +276,19 @@ impl TestApp {
             .unwrap()
     }
 
-    /// The statement that scopes a transaction of the service role to `tenants`, with the
-    /// proof outboxd would give (read as the superuser, who may read the secret).
-    pub async fn scope_statement(&self, tenants: &str) -> String {
-        let key = outboxd::outbox::store::ScopeKey::load(&self.pool)
+    /// The proof outboxd gives for `tenants` (the secret read as the superuser).
+    pub async fn scope_proof(&self, tenants: &str) -> String {
+        outboxd::outbox::store::ScopeKey::load(&self.pool)
             .await
-            .unwrap();
-        format!(
-            "SELECT outbox.enter_scope('{tenants}', '{}')",
-            key.proof(tenants)
-        )
+            .unwrap()
+            .proof(tenants)
+    }
+
+    /// The statement that scopes a transaction of the service role to `tenants`, with the
+    /// proof outboxd would give.
+    pub async fn scope_statement(&self, tenants: &str) -> String {
+        let proof = self.scope_proof(tenants).await;
+        format!("SELECT outbox.enter_scope('{tenants}', '{proof}')")
     }
 
     /// A connection of its own as the server's fleet role (every tenant).

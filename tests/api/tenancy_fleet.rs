@@ -44,8 +44,7 @@ const ATTEMPTS: &[&str] = &[
 /// The attempts, and acme's own proof (which a session may have seen) borrowed for globex,
 /// for a list that adds globex, and for a longer list that starts with acme's.
 async fn attempts(app: &TestApp) -> Vec<String> {
-    let acme = app.scope_statement("acme").await;
-    let proof = acme.rsplit('\'').nth(1).unwrap().to_owned();
+    let proof = app.scope_proof("acme").await;
     let mut all: Vec<String> = ATTEMPTS.iter().map(|a| (*a).to_owned()).collect();
     for tenants in ["globex", "acme,globex", "globex,acme", "acme,"] {
         all.push(format!("SELECT outbox.enter_scope('{tenants}', '{proof}')"));

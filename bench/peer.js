@@ -175,18 +175,16 @@ function graphilePreset(url, localQueueSize) {
 // performance test runs several instances side by side) with `handler` for the task.
 async function graphileRunners(opts, count, localQueueSize, handler) {
   const { run } = require("graphile-worker");
-  const runners = [];
-  for (let w = 0; w < count; w++) {
-    runners.push(
-      await run({
+  return Promise.all(
+    Array.from({ length: count }, () =>
+      run({
         preset: graphilePreset(opts.url, localQueueSize),
         taskList: { [QUEUE]: handler },
         noHandleSignals: true,
         logger: quietLogger(),
       }),
-    );
-  }
-  return runners;
+    ),
+  );
 }
 
 async function graphile(opts) {

@@ -157,7 +157,7 @@ impl Caller {
         };
         let tenant = value.to_str().map_err(|_| denied())?;
         let allowed = match &self.tenants {
-            TenantScope::All => crate::validate::is_name(tenant, 64),
+            TenantScope::All => crate::outbox::is_name(tenant, 64),
             TenantScope::Tenants(t) => t.iter().any(|t| t == tenant),
         };
         if allowed {

@@ -29,8 +29,8 @@ use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
 use crate::config::Limits;
-use crate::grpc::ERROR_DOMAIN;
 use crate::outbox::{Error, FieldViolation, Reason};
+use crate::status::ERROR_DOMAIN;
 
 /// Encodes `T` and decodes `U` with prost; see the module documentation.
 #[derive(Debug, Clone)]
@@ -301,6 +301,18 @@ impl<S> ClientFaults<S> {
     /// Wraps `inner` (a generated `…Server`).
     pub fn new(inner: S) -> Self {
         Self { inner }
+    }
+}
+
+/// The tower layer of [`ClientFaults`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ClientFaultsLayer;
+
+impl<S> tower::Layer<S> for ClientFaultsLayer {
+    type Service = ClientFaults<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ClientFaults::new(inner)
     }
 }
 

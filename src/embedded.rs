@@ -13,6 +13,8 @@ use std::sync::{Mutex, PoisonError, mpsc};
 use std::time::{Duration, Instant};
 use std::{env, thread};
 
+use rustix::process::{Pid, Signal};
+
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 const STOP_TIMEOUT: Duration = Duration::from_secs(30);
 const POLL: Duration = Duration::from_millis(25);
@@ -119,10 +121,9 @@ impl EmbeddedPostgres {
     /// connections (up to 60 s).
     pub fn start(config: EmbeddedConfig) -> Result<Self, EmbeddedError> {
         let bin_dir = find_bin_dir(config.bin_dir.as_deref())?;
-        // SAFETY: geteuid has no preconditions and cannot fail.
-        let run_as = match unsafe { libc::geteuid() } {
-            0 => Some(passwd_ids("postgres").ok_or(EmbeddedError::NoPostgresUser)?),
-            _ => None,
+        let run_as = match rustix::process::geteuid().is_root() {
+            true => Some(passwd_ids("postgres").ok_or(EmbeddedError::NoPostgresUser)?),
+            false => None,
         };
         let shown = config.data_dir.display().to_string();
         fs::create_dir_all(&config.data_dir).map_err(io_err(format!("creating {shown}")))?;
@@ -176,13 +177,13 @@ impl EmbeddedPostgres {
     /// Fast shutdown (SIGINT to the postmaster: abort sessions, checkpoint) and wait for exit;
     /// SIGKILLs the postmaster if it is still alive after 30 s. No-op when stopped.
     pub fn stop(&mut self) -> Result<(), EmbeddedError> {
-        self.shutdown(libc::SIGINT)
+        self.shutdown(Signal::INT)
     }
 
     /// Simulates a crash: SIGQUIT to the postmaster (immediate shutdown without a checkpoint,
     /// like `pg_ctl stop -m immediate`) and wait for exit. No-op when stopped.
     pub fn crash(&mut self) -> Result<(), EmbeddedError> {
-        self.shutdown(libc::SIGQUIT)
+        self.shutdown(Signal::QUIT)
     }
 
     /// Starts again on the same data dir and port (stopping first if running); after
@@ -248,21 +249,7 @@ impl EmbeddedPostgres {
         // Own process group: a terminal Ctrl-C reaches only us, and we decide the shutdown order.
         cmd.stdin(Stdio::null()).stdout(log).stderr(log_err);
         self.as_server_user(&mut cmd).process_group(0);
-        let parent = std::process::id() as libc::pid_t;
-        // SAFETY: the closure runs between fork and exec and only makes async-signal-safe calls
-        // (prctl, getppid, _exit). std runs it after setuid, which would clear PDEATHSIG.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGQUIT) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                // The parent died before prctl: nobody would ever stop this server.
-                if libc::getppid() != parent {
-                    libc::_exit(1);
-                }
-                Ok(())
-            });
-        }
+        die_with_parent(&mut cmd, Signal::QUIT);
         let mut child = spawn_on_keeper(cmd).map_err(io_err("spawning postgres"))?;
         let deadline = Instant::now() + READY_TIMEOUT;
         while !self.is_ready(child.id()) {
@@ -387,12 +374,12 @@ impl EmbeddedPostgres {
         fs::remove_file(&path).map_err(io_err(format!("removing {}", path.display())))
     }
 
-    fn shutdown(&mut self, signal: libc::c_int) -> Result<(), EmbeddedError> {
+    fn shutdown(&mut self, signal: Signal) -> Result<(), EmbeddedError> {
         let Some(mut child) = self.child.take() else {
             return Ok(());
         };
-        // SAFETY: plain kill(2); the pid is our unreaped child, so it cannot have been recycled.
-        unsafe { libc::kill(child.id() as libc::pid_t, signal) };
+        // The pid is our unreaped child, so it cannot have been recycled.
+        let _ = rustix::process::kill_process(Pid::from_child(&child), signal);
         let deadline = Instant::now() + STOP_TIMEOUT;
         while exit_status(&mut child)?.is_none() {
             if Instant::now() >= deadline {
@@ -421,6 +408,30 @@ fn exit_status(child: &mut Child) -> Result<Option<ExitStatus>, EmbeddedError> {
 fn kill_hard(child: &mut Child) {
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// Makes the child of `cmd` receive `signal` when this process dies, so that nothing outlives
+/// it; the child exits at once if this process died before that took effect.
+#[allow(
+    unsafe_code,
+    reason = "`pre_exec`, the one unsafe call of the project: no safe API sets PR_SET_PDEATHSIG \
+              in the child, after std's setuid (which would clear a signal set earlier)"
+)]
+pub fn die_with_parent(cmd: &mut Command, signal: Signal) {
+    let parent = rustix::process::getpid();
+    // SAFETY: the closure runs between fork and exec. It makes only raw system calls (prctl,
+    // getppid) and builds its error from an errno, without allocating: async-signal-safe.
+    unsafe {
+        cmd.pre_exec(move || {
+            rustix::process::set_parent_process_death_signal(Some(signal))?;
+            // The parent died before prctl: nobody would ever stop this child. The error
+            // makes the child exit before exec.
+            if rustix::process::getppid() != Some(parent) {
+                return Err(rustix::io::Errno::SRCH.into());
+            }
+            Ok(())
+        });
+    }
 }
 
 /// Spawns `cmd` on a module-owned thread that never exits: PR_SET_PDEATHSIG fires when the
@@ -483,9 +494,12 @@ pub fn running_url(data_dir: &Path, database: &str) -> Option<String> {
 
 /// Checking the process name stops a recycled pid (common in containers) passing for a server.
 fn postmaster_alive(pid: i32) -> bool {
-    // SAFETY: signal 0 delivers nothing; it only probes for existence.
-    let exists = unsafe { libc::kill(pid, 0) } == 0
-        || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+    // Signal 0 delivers nothing; it only probes for existence (EPERM: someone else's process).
+    let probe = match pid {
+        1.. => Pid::from_raw(pid).map(rustix::process::test_kill_process),
+        _ => None,
+    };
+    let exists = matches!(probe, Some(Ok(()) | Err(rustix::io::Errno::PERM)));
     let comm = fs::read_to_string(format!("/proc/{pid}/comm"));
     exists && comm.map_or(true, |comm| comm.trim_end() == "postgres")
 }

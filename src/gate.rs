@@ -7,25 +7,23 @@
 //! The caller the key resolved to travels to the handler in the request's extensions
 //! ([`Authenticated`]): the handler does not look the key up again.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use http_body::Frame;
+use tonic::Status;
 use tonic::body::Body;
 use tonic::codegen::{Bytes, Service, http};
 use tonic::metadata::MetadataMap;
 use tonic::server::NamedService;
-use tonic::{Code, Status};
-use tonic_types::{ErrorDetails, StatusExt};
 
 use crate::auth::{Authenticator, Caller};
 use crate::codec::DecodeBounds;
 use crate::config::Limits;
-use crate::grpc::ERROR_DOMAIN;
 use crate::outbox::Reason;
+use crate::status::refusal;
 
 /// The caller a request's API key resolved to, put into the request's extensions by
 /// [`Gate`] before its message was decoded.
@@ -89,7 +87,7 @@ impl Method {
 
     /// Largest request message of this method, in bytes: what `limits.max_batch` (or
     /// `max_kinds`) items of the largest valid size take, strings counted at 4 bytes a
-    /// character. With the default limits: Enqueue and Fail 16 MiB (`max_message_bytes`),
+    /// character. With the default limits: Enqueue and Fail 8 MiB (`max_message_bytes`),
     /// the lease calls 97,024 B, Claim 82,894 B, Reconcile 66,080 B, the inspection calls
     /// 1,939 B.
     pub fn max_request_bytes(self, limits: &Limits) -> usize {
@@ -110,6 +108,28 @@ impl Method {
             Self::Inspect(_) => name + region + ID_FIELD + SMALL_FIELDS,
         };
         bytes.min(limits.max_message_bytes)
+    }
+}
+
+/// The tower layer of [`Gate`].
+#[derive(Debug, Clone)]
+pub struct GateLayer {
+    auth: Arc<Authenticator>,
+    limits: Limits,
+}
+
+impl GateLayer {
+    /// Gates with `auth` and `limits`.
+    pub fn new(auth: Arc<Authenticator>, limits: Limits) -> Self {
+        Self { auth, limits }
+    }
+}
+
+impl<S> tower::Layer<S> for GateLayer {
+    type Service = Gate<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Gate::new(inner, self.auth.clone(), self.limits.clone())
     }
 }
 
@@ -222,8 +242,7 @@ impl Capped {
             if self.header_read == 0 {
                 self.messages += 1;
                 if self.messages > 1 {
-                    return Err(refused(
-                        Code::InvalidArgument,
+                    return Err(refusal(
                         Reason::InvalidArgument,
                         format!("a {} call carries one request message", self.method.name()),
                     ));
@@ -260,20 +279,13 @@ fn too_large(method: Method, len: usize, limit: usize) -> Status {
             method.name()
         ),
     };
-    refused(
-        Code::ResourceExhausted,
+    refusal(
         Reason::PayloadTooLarge,
         format!(
             "request message of {len} bytes is over the limit of {}: {limit} bytes ({why})",
             method.name()
         ),
     )
-}
-
-/// A whole-call refusal with the ErrorInfo every outboxd error carries.
-fn refused(code: Code, reason: Reason, message: String) -> Status {
-    let details = ErrorDetails::with_error_info(reason.as_str(), ERROR_DOMAIN, HashMap::new());
-    Status::with_error_details(code, message, details)
 }
 
 impl http_body::Body for Capped {
@@ -333,12 +345,12 @@ mod tests {
         .iter()
         .map(|m| of(&format!("/outbox.v1.OutboxService/{m}")))
         .collect();
-        let mib16 = 16 * 1024 * 1024;
+        let mib8 = 8 * 1024 * 1024;
         let leases = 97_024;
         assert_eq!(
             got,
             [
-                mib16, mib16, leases, leases, leases, 82_894, 66_080, 1_939, 1_939, 1_939
+                mib8, mib8, leases, leases, leases, 82_894, 66_080, 1_939, 1_939, 1_939
             ]
         );
         assert_eq!(Method::of("/grpc.health.v1.Health/Check"), None);

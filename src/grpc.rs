@@ -2,36 +2,30 @@
 //! validates (`crate::validate`), calls the store, and maps the result to the response;
 //! errors become a `Status` here and nowhere else.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tonic::{Code, Request, Response, Status};
-use tonic_types::{ErrorDetails, StatusExt};
+use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::auth::{Authenticator, Caller, Permission, TENANT_HEADER};
+use crate::codec::{ClientFaults, ClientFaultsLayer};
 use crate::config::{Limits, Settings};
 use crate::deadline::{bounded_wait, caller_timeout};
-use crate::gate::{Authenticated, Gate};
+use crate::gate::{Authenticated, Gate, GateLayer};
 use crate::metrics::{Metrics, OutcomeLabels};
-use crate::outbox::claim_floor::{ClaimFloors, Leased};
-use crate::outbox::drained::{DrainedGroups, Seen};
+use crate::outbox::claim::{ClaimAnswer, ClaimCall, ClaimSettings, Claims, handoff};
 use crate::outbox::enqueue::DirectEnqueues;
-use crate::outbox::handoff::{self, Wanted};
 use crate::outbox::notify::PendingSignal;
 use crate::outbox::store::{self, BackoffParams, ClaimParams, DeliveredRows, Pools, TenantScope};
-use crate::outbox::{self, Clock, Error, FieldViolation, Intent, IntentId, IntentState, Reason};
+use crate::outbox::{self, Clock, Error, FieldViolation, Intent, IntentState};
 use crate::proto::v1::outbox_service_server::{OutboxService, OutboxServiceServer};
 use crate::proto::v1::{self};
 use crate::telemetry::{self, TRACEPARENT};
 use crate::validate;
-
-/// Domain of every `ErrorInfo` outboxd sends.
-pub const ERROR_DOMAIN: &str = "outboxd";
 
 /// Serves `OutboxService` over the tenant and fleet pools (`store::Pools`).
 #[derive(Debug, Clone)]
@@ -44,31 +38,11 @@ pub struct OutboxHandler {
     clock: Clock,
     pending: PendingSignal,
     shutdown: CancellationToken,
-    long_poll_recheck: Duration,
     metrics: Arc<Metrics>,
     direct_enqueues: Arc<DirectEnqueues>,
-    claim_floors: Arc<ClaimFloors>,
-    drained: Arc<DrainedGroups>,
-    /// Whether waiting claims may be handed intents by enqueues (`outbox::handoff`).
-    hand_off: bool,
+    claim_settings: ClaimSettings,
+    claims: Arc<Claims>,
     delivered_rows: DeliveredRows,
-}
-
-/// Direct enqueues counted into `metrics`, giving the leases no claimer received back
-/// through `pools` (`outbox::handoff`).
-fn direct_enqueues(
-    pools: &Pools,
-    pending: &PendingSignal,
-    clock: &Clock,
-    metrics: &Metrics,
-) -> Arc<DirectEnqueues> {
-    let release = handoff::give_back(
-        pools.clone(),
-        pending.clone(),
-        clock.clone(),
-        metrics.given_back.clone(),
-    );
-    Arc::new(DirectEnqueues::new(metrics, release))
 }
 
 impl OutboxHandler {
@@ -126,7 +100,7 @@ impl OutboxHandler {
         let handed_off = results.iter().filter(|r| r.handed_off).count();
         // Committed: wake claimers (delayed intents too, so a claimer's sleep is cut to the
         // earliest due), unless every intent was handed to a waiting claim already
-        // (`outbox::handoff`). Staged intents are announced by their promotion.
+        // (`outbox::claim::handoff`). Staged intents are announced by their promotion.
         if direct && recorded > handed_off {
             self.pending.announce();
         }
@@ -165,8 +139,20 @@ impl OutboxHandler {
         pending: PendingSignal,
         shutdown: CancellationToken,
     ) -> Self {
+        let claim_settings = ClaimSettings {
+            recheck: Duration::from_secs(2),
+            hand_off: settings.claim.hand_off,
+        };
+        let metrics = Arc::<Metrics>::default();
+        let (direct_enqueues, claims) = Self::use_cases(
+            &pools,
+            &pending,
+            &clock,
+            &shutdown,
+            &metrics,
+            claim_settings,
+        );
         Self {
-            direct_enqueues: direct_enqueues(&pools, &pending, &clock, &Metrics::default()),
             pools,
             auth,
             cluster_id: cluster_id.into(),
@@ -175,30 +161,69 @@ impl OutboxHandler {
             clock,
             pending,
             shutdown,
-            long_poll_recheck: Duration::from_secs(2),
-            metrics: Arc::default(),
-            claim_floors: Arc::default(),
-            drained: Arc::default(),
-            hand_off: settings.claim_hand_off,
+            metrics,
+            direct_enqueues,
+            claim_settings,
+            claims,
             delivered_rows: DeliveredRows::for_retention(
                 settings.maintenance.retention,
-                settings.history_by_batch,
+                settings.retention.history_by_batch,
             ),
         }
     }
 
     /// Records into `metrics` (by default into a private registry nobody reads).
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
-        self.direct_enqueues = direct_enqueues(&self.pools, &self.pending, &self.clock, &metrics);
         self.metrics = metrics;
-        self
+        self.rebuild_use_cases()
     }
 
     /// How often a long-polling Claim looks again without a notification (a safety net
     /// for notifications lost while the LISTEN connection was down).
     pub fn with_long_poll_recheck(mut self, every: Duration) -> Self {
-        self.long_poll_recheck = every;
+        self.claim_settings.recheck = every;
+        self.rebuild_use_cases()
+    }
+
+    fn rebuild_use_cases(mut self) -> Self {
+        (self.direct_enqueues, self.claims) = Self::use_cases(
+            &self.pools,
+            &self.pending,
+            &self.clock,
+            &self.shutdown,
+            &self.metrics,
+            self.claim_settings,
+        );
         self
+    }
+
+    /// Direct enqueues and claims, counted into `metrics`, sharing the hand-off: leases no
+    /// claimer received go back through `pools` (`outbox::claim::handoff`).
+    fn use_cases(
+        pools: &Pools,
+        pending: &PendingSignal,
+        clock: &Clock,
+        shutdown: &CancellationToken,
+        metrics: &Metrics,
+        settings: ClaimSettings,
+    ) -> (Arc<DirectEnqueues>, Arc<Claims>) {
+        let release = handoff::give_back(
+            pools.clone(),
+            pending.clone(),
+            clock.clone(),
+            metrics.given_back.clone(),
+        );
+        let enqueues = DirectEnqueues::new(metrics.enqueue_counters(), release);
+        let claims = Claims::new(
+            pools.clone(),
+            clock.clone(),
+            pending.clone(),
+            shutdown.clone(),
+            enqueues.handoffs().clone(),
+            settings,
+            metrics.claim_counters(),
+        );
+        (Arc::new(enqueues), Arc::new(claims))
     }
 
     /// Wraps the handler in the generated tonic server, behind the [`Gate`] that
@@ -207,64 +232,11 @@ impl OutboxHandler {
     pub fn into_server(
         self,
         max_message_bytes: usize,
-    ) -> Gate<crate::codec::ClientFaults<OutboxServiceServer<Self>>> {
-        let (auth, limits) = (self.auth.clone(), self.limits.clone());
-        let server = crate::codec::ClientFaults::new(
-            OutboxServiceServer::new(self).max_decoding_message_size(max_message_bytes),
-        );
-        Gate::new(server, auth, limits)
-    }
-
-    /// One look for intents of `group` (the whole queue, or from the group's floor), which
-    /// began having seen `seen`; notes what it found for the group's floor and drained state
-    /// (a replay, which did not look at the queue, notes nothing).
-    async fn look(
-        &self,
-        scope: &TenantScope,
-        group: &str,
-        params: ClaimParams<'_>,
-        whole_look: bool,
-        seen: Seen,
-    ) -> outbox::Result<Look> {
-        let look_from = if whole_look {
-            None
-        } else {
-            self.claim_floors.look_from(group, Instant::now())
-        };
-        let params = ClaimParams {
-            now: self.clock.now(),
-            look_back_to: look_from,
-            ..params
-        };
-        let store::Claimed {
-            intents,
-            next_due_in,
-            replayed,
-            ran_out,
-        } = store::claim_intents(&self.pools, scope, params).await?;
-        let again_in = next_due_in.map_or(self.long_poll_recheck, |due| {
-            due.min(self.long_poll_recheck)
-        });
-        let filled = !ran_out;
-        if !replayed {
-            let now = Instant::now();
-            let leased = Leased::of(&intents);
-            self.claim_floors.record(group, look_from, leased, now);
-            self.drained.record(group, seen, !filled, again_in, now);
-        }
-        Ok(Look {
-            intents,
-            filled,
-            again_in,
-            replayed,
-        })
-    }
-
-    /// Intents an enqueue handed this claim, counted as they reach it (not as they are
-    /// sent: a claim cancelled before reading them has them given back instead).
-    fn received_handed_off(&self, intents: Vec<Intent>) -> Vec<Intent> {
-        self.metrics.handed_off.inc_by(intents.len() as u64);
-        intents
+    ) -> Gate<ClientFaults<OutboxServiceServer<Self>>> {
+        tower::ServiceBuilder::new()
+            .layer(GateLayer::new(self.auth.clone(), self.limits.clone()))
+            .layer(ClientFaultsLayer)
+            .service(OutboxServiceServer::new(self).max_decoding_message_size(max_message_bytes))
     }
 }
 
@@ -281,156 +253,6 @@ fn split_at_reply_budget(mut intents: Vec<Intent>, budget: usize) -> (Vec<Intent
         .map_or(intents.len(), |n| n.max(1));
     let rest = intents.split_off(fit);
     (intents, rest)
-}
-
-/// The gRPC code for a reason, for whole-call and per-item errors alike.
-pub fn code_of(reason: Reason) -> Code {
-    match reason {
-        Reason::InvalidArgument => Code::InvalidArgument,
-        Reason::Unauthenticated => Code::Unauthenticated,
-        Reason::MissingScope | Reason::TenantNotAllowed | Reason::RegionNotAllowed => {
-            Code::PermissionDenied
-        }
-        Reason::PayloadTooLarge | Reason::BatchTooLarge => Code::ResourceExhausted,
-        Reason::NotFound => Code::NotFound,
-        Reason::LeaseLost | Reason::InvalidState => Code::FailedPrecondition,
-        Reason::IdempotencyConflict => Code::AlreadyExists,
-        Reason::TxnAborted | Reason::IdempotencyKeyInUse => Code::Aborted,
-        Reason::TxnCommitted => Code::FailedPrecondition,
-        Reason::Unavailable | Reason::CommitOutcomeUnknown => Code::Unavailable,
-        Reason::Conflict => Code::Aborted,
-        Reason::Internal => Code::Internal,
-    }
-}
-
-fn error_info(reason: Reason, metadata: HashMap<String, String>) -> ErrorDetails {
-    ErrorDetails::with_error_info(reason.as_str(), ERROR_DOMAIN, metadata)
-}
-
-fn key_holder(reason: Reason, key: String, holder: IntentId) -> ErrorDetails {
-    error_info(
-        reason,
-        HashMap::from([
-            ("idempotency_key".to_owned(), key),
-            ("intent_id".to_owned(), holder.to_string()),
-        ]),
-    )
-}
-
-impl From<Error> for Status {
-    fn from(e: Error) -> Self {
-        let message = e.to_string();
-        let (reason, details) = match e {
-            Error::InvalidArgument(violations) => {
-                let mut d = error_info(Reason::InvalidArgument, HashMap::new());
-                for v in violations {
-                    d.add_bad_request_violation(v.field, v.description);
-                }
-                (Reason::InvalidArgument, d)
-            }
-            Error::LimitExceeded(reason, violations) => {
-                let mut d = error_info(reason, HashMap::new());
-                for v in violations {
-                    d.add_bad_request_violation(v.field, v.description);
-                }
-                (reason, d)
-            }
-            Error::NotFound(id) => (
-                Reason::NotFound,
-                error_info(
-                    Reason::NotFound,
-                    HashMap::from([("intent_id".to_owned(), id.to_string())]),
-                ),
-            ),
-            Error::IdempotencyConflict { key, existing } => (
-                Reason::IdempotencyConflict,
-                key_holder(Reason::IdempotencyConflict, key, existing),
-            ),
-            Error::IdempotencyKeyInUse { key, existing } => (
-                Reason::IdempotencyKeyInUse,
-                key_holder(Reason::IdempotencyKeyInUse, key, existing),
-            ),
-            Error::Unauthenticated(_) => (
-                Reason::Unauthenticated,
-                error_info(Reason::Unauthenticated, HashMap::new()),
-            ),
-            Error::PermissionDenied(reason, _) => (reason, error_info(reason, HashMap::new())),
-            Error::TxnAborted(_) => (
-                Reason::TxnAborted,
-                error_info(Reason::TxnAborted, HashMap::new()),
-            ),
-            Error::TxnFinished(_) => (
-                Reason::TxnCommitted,
-                error_info(Reason::TxnCommitted, HashMap::new()),
-            ),
-            Error::KeyHolderGone { key } => (
-                Reason::Conflict,
-                error_info(
-                    Reason::Conflict,
-                    HashMap::from([("idempotency_key".to_owned(), key)]),
-                ),
-            ),
-            Error::CommitOutcomeUnknown => (
-                Reason::CommitOutcomeUnknown,
-                error_info(Reason::CommitOutcomeUnknown, HashMap::new()),
-            ),
-            Error::Database(db) => {
-                let reason = database_reason(&db);
-                // The chain goes to the log; the client gets no SQL text.
-                tracing::error!(error.cause_chain = ?db, error.message = %db, "database error");
-                let message = match reason {
-                    Reason::Unavailable => "the database is unavailable; retry with backoff",
-                    Reason::Conflict => "a concurrent change conflicted; retry",
-                    _ => "internal error; see the server log",
-                };
-                return Status::with_error_details(
-                    code_of(reason),
-                    message,
-                    error_info(reason, HashMap::new()),
-                );
-            }
-        };
-        Status::with_error_details(code_of(reason), message, details)
-    }
-}
-
-/// Classifies database failures: transient conflicts may be retried at once, outages with
-/// backoff, anything else is a bug.
-fn database_reason(e: &sqlx::Error) -> Reason {
-    if is_outage(e) {
-        return Reason::Unavailable;
-    }
-    match e {
-        sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("40001" | "40P01")) => {
-            Reason::Conflict
-        }
-        _ => Reason::Internal,
-    }
-}
-
-/// Whether the database could not be reached or used, rather than refused the statement:
-/// every connection-level failure (refused, reset, closed mid-handshake or mid-statement,
-/// as by a proxy or load balancer with no live backend during a failover; TLS; a garbled
-/// or truncated reply; the pool's timeout or closing; its connection task gone), and what
-/// PostgreSQL says while it cannot serve (connection errors, shutdown, crash recovery, too
-/// many connections, a server still in recovery or demoted to a standby).
-fn is_outage(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::Protocol(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(db) => match db.code().as_deref() {
-            // 08: connection exception; 57P: operator intervention (shutdown, crash,
-            // cannot connect now); 53300: too many connections; 25006: read-only
-            // transaction (the address still leads to a standby, or a demoted primary).
-            Some(c) => c.starts_with("08") || c.starts_with("57P") || c == "53300" || c == "25006",
-            None => false,
-        },
-        _ => false,
-    }
 }
 
 type RpcResult<T> = Result<Response<T>, Status>;
@@ -459,18 +281,6 @@ fn link_settled(results: &[outbox::ItemResult]) {
         &tracing::Span::current(),
         results.iter().filter_map(|r| r.traceparent.as_deref()),
     );
-}
-
-/// What one look of a Claim call found.
-struct Look {
-    intents: Vec<outbox::Intent>,
-    /// Whether it leased as many as asked (there may be more).
-    filled: bool,
-    /// How long its claimer (or the next of its group) may wait before looking again: the
-    /// recheck, or the next delayed intent's due time if sooner.
-    again_in: Duration,
-    /// Its intents are an earlier call's leases (same request id), not newly claimed.
-    replayed: bool,
 }
 
 /// The RPCs' work, each run to completion by [`to_completion`].
@@ -535,118 +345,24 @@ impl OutboxHandler {
         // Before the caller's own deadline, if it set one: an answer it no longer waits for
         // would take its leases with it.
         let deadline = received + bounded_wait(claim.wait, caller_timeout);
-        let mut woken = self.pending.subscribe();
-        let group = format!("{scope:?} {:?} {:?}", claim.region, claim.kinds);
-        let turn = self.pending.turn(group.clone());
-        // A look after a wait that no wake-up ended (a recheck, the due time, the deadline)
-        // is of the whole queue: a waiting claimer finds intents behind the floor by then.
-        let mut whole_look = false;
-        // A long poll that is not a replay (which must find its first attempt's leases) may
-        // begin by waiting, without a look of its own, while its group is known to have
-        // drained the queue (`outbox::drained`); while it waits, an enqueue of this server
-        // may hand it intents (`outbox::handoff`).
-        let long_poll = !claim.wait.is_zero() && claim.request_id.is_none();
-        let mut may_skip_look = long_poll;
-        let wanted = (self.hand_off && long_poll).then(|| Wanted {
-            scope: scope.clone(),
-            region: claim.region.clone(),
-            kinds: claim.kinds.clone(),
-            worker_id: claim.worker_id.clone(),
-            lease_duration: claim.lease_duration,
-            max_intents: usize::try_from(claim.max_intents).unwrap_or(0),
-        });
-        // Answering an earlier call's leases again (same request id): not claimed anew.
-        let mut replayed = false;
-        let intents = loop {
-            // Mark the signal and the turns seen before looking, so a commit landing in
-            // between still wakes us.
-            let seen = Seen {
-                signal: *woken.borrow_and_update(),
-                turns: turn.mark(),
-            };
-            let skipped_until = if may_skip_look && !self.shutdown.is_cancelled() {
-                self.drained.wait_until(&group, seen, Instant::now())
-            } else {
-                None
-            };
-            may_skip_look = false;
-            let until = match skipped_until {
-                Some(until) => until,
-                None => {
-                    let look = self.look(&scope, &group, params, whole_look, seen).await?;
-                    let now = Instant::now();
-                    if !look.intents.is_empty()
-                        || now >= deadline
-                        || self.shutdown.is_cancelled()
-                        || gone.is_cancelled()
-                    {
-                        replayed = look.replayed;
-                        if look.filled && !replayed {
-                            // There may be more: the next waiting claimer of the group looks too.
-                            turn.pass();
-                        }
-                        break look.intents;
-                    }
-                    now + look.again_in
-                }
-            };
-            let until = deadline.min(until);
-            // Registered before it counts as waiting: whoever sees it waiting may hand it
-            // intents.
-            let mut waiter = wanted
-                .clone()
-                .map(|w| self.direct_enqueues.handoffs().wait(w));
-            let _waiting = self.metrics.claim_waiting();
-            let handed = async {
-                match &mut waiter {
-                    Some(waiter) => waiter.handed().await,
-                    None => std::future::pending().await,
-                }
-            };
-            whole_look = tokio::select! {
-                handed = handed => match handed {
-                    Some(intents) => break self.received_handed_off(intents),
-                    // The enqueue that took this claim failed: look again.
-                    None => false,
-                },
-                _ = woken.changed() => false,
-                _ = turn.given_since(seen.turns) => false,
-                () = tokio::time::sleep_until(until) => true,
-                () = self.shutdown.cancelled() => false,
-                () = gone.cancelled() => false,
-            };
-            // An enqueue may have taken this claim just now: then its intents are ours, and
-            // the turn that may have woken it goes to the next claimer of the group (it was
-            // given for other intents).
-            if let Some(waiter) = waiter
-                && let Some(intents) = waiter.withdraw().await
-                && !intents.is_empty()
-            {
-                turn.pass();
-                break self.received_handed_off(intents);
-            }
-            // Shutting down: answer without leasing more, as the README promises. Or nobody
-            // waits for an answer any more.
-            if self.shutdown.is_cancelled() || gone.is_cancelled() {
-                break Vec::new();
+        let call = ClaimCall {
+            scope: &scope,
+            params,
+            wait: claim.wait,
+            deadline,
+        };
+        let (intents, replayed) = match self.claims.claim(call, &gone).await? {
+            ClaimAnswer::Leased { intents, replayed } => (intents, replayed),
+            ClaimAnswer::CallerGone => {
+                return Err(Status::cancelled("the caller went away before its answer"));
             }
         };
-        // The caller went away (while we looked, or as an enqueue handed it intents): nobody
-        // receives these leases, so they go back at once, attempts uncounted, instead of
-        // waiting out their expiry. A replay's belong to an earlier call that may have had
-        // its answer.
-        if gone.is_cancelled() {
-            if !replayed {
-                self.direct_enqueues.handoffs().release(&scope, intents);
-            }
-            return Err(Status::cancelled("the caller went away before its answer"));
-        }
         // A reply larger than the worker's client accepts would be refused after its leases
         // committed, costing each intent an attempt unseen: answer with those that fit and
         // give the rest back. Not a replay's: an earlier reply may have delivered them.
         let (intents, over_budget) = split_at_reply_budget(intents, self.limits.max_reply_bytes);
         if !over_budget.is_empty() && !replayed {
-            self.direct_enqueues.handoffs().release(&scope, over_budget);
+            self.claims.give_back(&scope, over_budget);
         }
         let span = tracing::Span::current();
         span.record("messaging.batch.message_count", intents.len());
@@ -734,7 +450,7 @@ impl OutboxHandler {
         {
             // A retry is claimable again after its backoff: a claimer of each group looks
             // and learns its due time (a group that drained the queue would otherwise wait
-            // until its recheck, `outbox::drained`).
+            // until its recheck, `outbox::claim::drained`).
             self.pending.announce();
         }
         for (failure, result) in failures.iter().zip(&results) {
@@ -963,7 +679,7 @@ impl OutboxService for OutboxHandler {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::outbox::leased_intent;
+    use crate::outbox::{IntentId, leased_intent};
 
     #[test]
     fn a_reply_budget_keeps_the_oldest_that_fit_and_always_one() {
@@ -988,26 +704,5 @@ mod tests {
 
         let (fit, rest) = split_at_reply_budget(intents(4), usize::MAX);
         assert_eq!((fit.len(), rest.len()), (4, 0));
-    }
-
-    #[test]
-    fn every_connection_level_failure_is_unavailable() {
-        let eof = || std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
-        for e in [
-            sqlx::Error::Io(eof()),
-            sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset)),
-            sqlx::Error::Tls(Box::new(eof())),
-            sqlx::Error::Protocol("unexpected end of file".into()),
-            sqlx::Error::PoolTimedOut,
-            sqlx::Error::PoolClosed,
-            sqlx::Error::WorkerCrashed,
-        ] {
-            assert_eq!(database_reason(&e), Reason::Unavailable, "{e:?}");
-        }
-        assert_eq!(database_reason(&sqlx::Error::RowNotFound), Reason::Internal);
-        assert_eq!(
-            database_reason(&sqlx::Error::ColumnNotFound("x".into())),
-            Reason::Internal
-        );
     }
 }

@@ -1,6 +1,6 @@
 //! outboxd: a transactional-outbox service. Producers record delivery intents with their
 //! own PostgreSQL transaction; workers lease them over gRPC, perform the side effect and
-//! report the outcome. See `shared/DESIGN.md` for the contract and README.md for use.
+//! report the outcome. See docs/design.md for the contract and README.md for use.
 
 pub mod auth;
 pub mod cli;
@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod outbox;
 pub mod proto;
 pub mod startup;
+pub mod status;
 pub mod telemetry;
 pub mod validate;
 pub mod watch;

@@ -19,7 +19,10 @@ use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
 use crate::outbox::IntentState;
-use crate::outbox::maintenance::SweepReport;
+use crate::outbox::claim::ClaimCounters;
+use crate::outbox::enqueue::EnqueueCounters;
+use crate::outbox::maintenance::{SweepObserver, SweepReport};
+use crate::outbox::promotion::PromotionObserver;
 use crate::outbox::store::{self, AlsoAtBegin, Pools, PromotionReport, TenantScope};
 
 /// Labels of RPC metrics.
@@ -264,28 +267,6 @@ impl Metrics {
         out
     }
 
-    /// Counts what one pass of the sweeps did.
-    pub fn record_sweep(&self, r: &SweepReport) {
-        let expired = |to: &str, n: u64| {
-            self.lease_expiries
-                .get_or_create(&OutcomeLabels {
-                    outcome: to.to_owned(),
-                })
-                .inc_by(n);
-        };
-        expired("pending", r.requeued);
-        expired("dead_lettered", r.dead_lettered);
-        expired("needs_reconcile", r.needs_reconcile);
-        self.dead_lettered.inc_by(r.dead_lettered);
-        self.purged.inc_by(r.purged);
-    }
-
-    /// Counts what one promotion pass did.
-    pub fn record_promotion(&self, r: &PromotionReport) {
-        self.promoted.inc_by(r.promoted);
-        self.discarded.inc_by(r.discarded);
-    }
-
     /// Refreshes the queue gauges from the database (across tenants).
     ///
     /// # Errors
@@ -318,17 +299,20 @@ impl Metrics {
         Ok(())
     }
 
-    /// Counts a Claim as waiting for work until the returned guard is dropped (however
-    /// the wait ends, a cancelled call included).
-    pub fn claim_waiting(&self) -> impl Drop {
-        struct Waiting(Gauge);
-        impl Drop for Waiting {
-            fn drop(&mut self) {
-                self.0.dec();
-            }
+    /// The counters of direct enqueues.
+    pub fn enqueue_counters(&self) -> EnqueueCounters {
+        EnqueueCounters {
+            calls_waiting: self.enqueue_calls_waiting.clone(),
+            transactions: self.enqueue_transactions.clone(),
         }
-        self.claims_waiting.inc();
-        Waiting(self.claims_waiting.clone())
+    }
+
+    /// The counters of Claim calls.
+    pub fn claim_counters(&self) -> ClaimCounters {
+        ClaimCounters {
+            waiting: self.claims_waiting.clone(),
+            handed_off: self.handed_off.clone(),
+        }
     }
 
     /// Records claimed intents and how long each waited while claimable.
@@ -348,6 +332,34 @@ impl Metrics {
         state: IntentState,
     ) -> u64 {
         states.filter(|s| **s == Some(state)).count() as u64
+    }
+}
+
+impl SweepObserver for Metrics {
+    fn rescued(&self, r: &SweepReport) {
+        let expired = |to: &str, n: u64| {
+            self.lease_expiries
+                .get_or_create(&OutcomeLabels {
+                    outcome: to.to_owned(),
+                })
+                .inc_by(n);
+        };
+        expired("pending", r.requeued);
+        expired("dead_lettered", r.dead_lettered);
+        expired("needs_reconcile", r.needs_reconcile);
+        self.dead_lettered.inc_by(r.dead_lettered);
+        self.purged.inc_by(r.purged);
+    }
+
+    fn purged(&self, intents: u64) {
+        self.purged.inc_by(intents);
+    }
+}
+
+impl PromotionObserver for Metrics {
+    fn promoted(&self, r: &PromotionReport) {
+        self.promoted.inc_by(r.promoted);
+        self.discarded.inc_by(r.discarded);
     }
 }
 

@@ -8,7 +8,13 @@ use crate::outbox::{
 };
 
 /// Code generated from `proto/outbox/v1/outbox.proto`.
-#[allow(missing_docs, clippy::all, clippy::pedantic)]
+#[allow(
+    missing_docs,
+    clippy::all,
+    clippy::pedantic,
+    clippy::allow_attributes_without_reason,
+    reason = "generated code"
+)]
 pub mod v1 {
     tonic::include_proto!("outbox.v1");
 }
@@ -145,7 +151,7 @@ impl From<Enqueued> for v1::EnqueueResult {
 impl From<ItemError> for v1::ItemError {
     fn from(e: ItemError) -> Self {
         Self {
-            code: crate::grpc::code_of(e.reason) as i32,
+            code: crate::status::code_of(e.reason) as i32,
             reason: e.reason.as_str().to_owned(),
             message: e.message,
         }

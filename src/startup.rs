@@ -94,8 +94,8 @@ pub const EMBEDDED_FLEET_ROLE: &str = "outboxd_fleet_service";
 /// # Errors
 /// No PostgreSQL binaries, an unusable data directory, or a server that does not start.
 pub async fn start_embedded(settings: &Settings) -> anyhow::Result<(EmbeddedPostgres, String)> {
-    let mut config = EmbeddedConfig::new(&settings.embedded_data_dir);
-    config.port = settings.embedded_port;
+    let mut config = EmbeddedConfig::new(&settings.embedded.data_dir);
+    config.port = settings.embedded.port;
     let cluster = tokio::task::spawn_blocking(move || EmbeddedPostgres::start(config))
         .await?
         .context(
@@ -139,7 +139,7 @@ pub struct Database {
 /// # Errors
 /// The cluster does not start, a migration fails, or the grants fail.
 pub async fn prepare_database(settings: &Settings) -> anyhow::Result<Database> {
-    let Some(service_url) = &settings.database_url else {
+    let Some(service_url) = &settings.database.url else {
         let (cluster, owner_url) = start_embedded(settings).await?;
         let owner = connect(&owner_url, 2).await?;
         migrate(&owner).await?;
@@ -155,7 +155,7 @@ pub async fn prepare_database(settings: &Settings) -> anyhow::Result<Database> {
             cluster.port()
         );
         tracing::info!(
-            data_dir = %settings.embedded_data_dir.display(),
+            data_dir = %settings.embedded.data_dir.display(),
             database.url = %service_url,
             "using the embedded PostgreSQL cluster"
         );
@@ -165,7 +165,7 @@ pub async fn prepare_database(settings: &Settings) -> anyhow::Result<Database> {
             embedded: Some(cluster),
         });
     };
-    if let Some(owner_url) = &settings.migration_url {
+    if let Some(owner_url) = &settings.database.migration_url {
         let user = |url: &str, variable: &str| {
             url.parse::<PgConnectOptions>()
                 .with_context(|| format!("{variable} is not a valid PostgreSQL URL"))
@@ -175,7 +175,7 @@ pub async fn prepare_database(settings: &Settings) -> anyhow::Result<Database> {
         let owner = connect(owner_url, 2).await?;
         migrate(&owner).await?;
         grant_service_role(&owner, &role, false).await?;
-        if let Some(fleet_url) = &settings.fleet_url {
+        if let Some(fleet_url) = &settings.database.fleet_url {
             let fleet_role = user(fleet_url, "OUTBOX_DATABASE__FLEET_URL")?;
             grant_fleet_role(&owner, &fleet_role, false).await?;
         }
@@ -183,7 +183,7 @@ pub async fn prepare_database(settings: &Settings) -> anyhow::Result<Database> {
     }
     Ok(Database {
         service_url: service_url.clone(),
-        fleet_url: settings.fleet_url.clone(),
+        fleet_url: settings.database.fleet_url.clone(),
         embedded: None,
     })
 }
@@ -208,7 +208,9 @@ pub async fn connect_pools(
         .await
         .context("the fleet role (OUTBOX_DATABASE__FLEET_URL)")?;
     verify_fleet_role(&fleet).await?;
-    Ok(store::Pools::new(tenant, fleet))
+    store::Pools::open(tenant, fleet)
+        .await
+        .context("cannot read outbox.scope_secret through the fleet pool")
 }
 
 /// Makes `role` a member of `outboxd_fleet` (`outbox.grant_fleet_role`, which does nothing
@@ -294,8 +296,9 @@ pub async fn grant_service_role(owner: &PgPool, role: &str, create: bool) -> any
 /// # Errors
 /// The role is any of those.
 pub async fn verify_service_role(pool: &PgPool) -> anyhow::Result<()> {
-    let (role, superuser, bypass, owner, fleet, createrole): (
+    let (role, superuser, bypass, owner, fleet, createrole, secret): (
         String,
+        bool,
         bool,
         bool,
         bool,
@@ -306,7 +309,8 @@ pub async fn verify_service_role(pool: &PgPool) -> anyhow::Result<()> {
             SELECT r.rolname::text, r.rolsuper, r.rolbypassrls,
                    pg_has_role(r.oid, c.relowner, 'MEMBER'),
                    pg_has_role(r.oid, 'outboxd_fleet', 'MEMBER'),
-                   r.rolcreaterole
+                   r.rolcreaterole,
+                   has_table_privilege(r.oid, 'outbox.scope_secret', 'SELECT')
             FROM pg_roles r, pg_class c
             WHERE r.rolname = current_user
               AND c.oid = 'outbox.intent'::regclass
@@ -325,6 +329,8 @@ pub async fn verify_service_role(pool: &PgPool) -> anyhow::Result<()> {
         "is a member of outboxd_fleet, which sees every tenant"
     } else if createrole {
         "has CREATEROLE, and so could make itself a member of outboxd_fleet"
+    } else if secret {
+        "may read outbox.scope_secret, and so could prove any tenant scope"
     } else {
         return Ok(());
     };
@@ -367,13 +373,14 @@ pub async fn owner_database(
     settings: &Settings,
 ) -> anyhow::Result<(Option<EmbeddedPostgres>, String)> {
     if let Some(url) = settings
+        .database
         .migration_url
         .as_ref()
-        .or(settings.database_url.as_ref())
+        .or(settings.database.url.as_ref())
     {
         return Ok((None, url.clone()));
     }
-    if let Some(url) = crate::embedded::running_url(&settings.embedded_data_dir, EMBEDDED_DATABASE)
+    if let Some(url) = crate::embedded::running_url(&settings.embedded.data_dir, EMBEDDED_DATABASE)
     {
         return Ok((None, url));
     }
@@ -444,7 +451,7 @@ impl Application {
         let cluster_id = store::cluster_identifier(&pool).await?;
         let mut background =
             spawn_background(settings, &pools, &runtime, &pending, &metrics, &shutdown);
-        let metrics_addr = match settings.metrics_addr {
+        let metrics_addr = match settings.metrics.listen_addr {
             Some(addr) => {
                 let listener = metrics::bind(addr)
                     .await
@@ -470,7 +477,7 @@ impl Application {
             health.clone(),
             shutdown.clone(),
         )));
-        let auth = Arc::new(Authenticator::new(pool.clone(), settings.auth_cache_ttl));
+        let auth = Arc::new(Authenticator::new(pool.clone(), settings.auth.cache_ttl));
         let handler = OutboxHandler::new(
             pools.clone(),
             auth,
@@ -488,7 +495,7 @@ impl Application {
                 .tls_config(tls_config(tls)?)
                 .context("invalid TLS configuration")?;
         }
-        let (reflection_v1, reflection_v1alpha) = if settings.reflection {
+        let (reflection_v1, reflection_v1alpha) = if settings.grpc.reflection {
             let configure = || {
                 tonic_reflection::server::Builder::configure()
                     .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
@@ -531,8 +538,8 @@ impl Application {
             metrics_addr,
             shutdown,
             health,
-            drain_delay: settings.shutdown_drain_delay,
-            grace: settings.shutdown_grace,
+            drain_delay: settings.shutdown.drain_delay,
+            grace: settings.shutdown.grace,
             server,
             background,
             pools: pools.clone(),
@@ -686,7 +693,7 @@ fn spawn_background(
             pools.clone(),
             runtime.clock.clone(),
             txn_committed,
-            settings.txn_resolve_interval,
+            settings.txn.resolve_interval,
             pending.clone(),
             metrics.clone(),
             shutdown.clone(),
@@ -694,7 +701,7 @@ fn spawn_background(
         tokio::spawn(metrics::refresh_until_stopped(
             metrics.clone(),
             pools.clone(),
-            settings.metrics_refresh_interval,
+            settings.metrics.refresh_interval,
             shutdown.clone(),
         )),
     ];

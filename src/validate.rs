@@ -287,16 +287,6 @@ fn dedup<T: PartialEq>(values: Vec<T>) -> Vec<T> {
     out
 }
 
-/// True for identifier-like names: 1..=`max` ASCII letters, digits and `. _ - : /`
-/// (no commas or quotes, so a name is always safe inside a setting or a header).
-pub fn is_name(value: &str, max: usize) -> bool {
-    !value.is_empty()
-        && value.len() <= max
-        && value
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"._-:/".contains(&b))
-}
-
 /// Validates an Enqueue request into domain intents and the optional transaction token.
 ///
 /// # Errors

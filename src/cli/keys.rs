@@ -30,13 +30,13 @@ async fn run_keys(pool: &sqlx::PgPool, command: KeysCommand) -> anyhow::Result<(
         } => {
             for tenant in &tenants {
                 anyhow::ensure!(
-                    crate::validate::is_name(tenant, 64),
+                    crate::outbox::is_name(tenant, 64),
                     "tenant {tenant:?} must be 1-64 ASCII letters, digits or . _ - : /"
                 );
             }
             for region in &regions {
                 anyhow::ensure!(
-                    crate::validate::is_name(region, 64),
+                    crate::outbox::is_name(region, 64),
                     "region {region:?} is not a valid name"
                 );
             }

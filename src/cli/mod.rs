@@ -104,10 +104,10 @@ pub enum Command {
         #[arg(long, default_value_t = 10)]
         max: i32,
         /// Lease length, e.g. 30s.
-        #[arg(long, value_parser = config::duration)]
+        #[arg(long, value_parser = humantime::parse_duration)]
         lease: Option<Duration>,
         /// Long-poll up to this long, e.g. 5s.
-        #[arg(long, value_parser = config::duration)]
+        #[arg(long, value_parser = humantime::parse_duration)]
         wait: Option<Duration>,
         #[command(flatten)]
         client: ClientArgs,
@@ -137,7 +137,7 @@ pub enum Command {
         #[arg(long, default_value = "")]
         error: String,
         /// RETRY only: wait this long instead of the backoff, e.g. 10s.
-        #[arg(long, value_parser = config::duration)]
+        #[arg(long, value_parser = humantime::parse_duration)]
         retry_after: Option<Duration>,
         #[command(flatten)]
         client: ClientArgs,
@@ -322,8 +322,8 @@ fn parse_state(name: &str) -> Result<IntentState, String> {
 
 fn variables_help() -> String {
     let mut help = String::from("Environment variables:\n");
-    for (name, what) in config::VARIABLES {
-        help.push_str(&format!("  {name:<38} {what}\n"));
+    for (name, default, meaning) in config::documented() {
+        help.push_str(&format!("  {name:<38} {meaning} [{default}]\n"));
     }
     help
 }

@@ -8,12 +8,12 @@ use crate::telemetry;
 
 pub(super) async fn serve(settings: Settings) -> anyhow::Result<()> {
     let _telemetry = telemetry::init(
-        settings.log_format,
-        &settings.log_filter,
-        settings.otel_endpoint.as_deref(),
+        settings.log.format,
+        &settings.log.filter,
+        settings.otel.endpoint.as_deref(),
     )?;
     let database = startup::prepare_database(&settings).await?;
-    let pools = startup::connect_pools(&database, settings.max_connections).await?;
+    let pools = startup::connect_pools(&database, settings.database.max_connections).await?;
     let listener = tokio::net::TcpListener::bind(settings.listen_addr)
         .await
         .with_context(|| format!("cannot listen on {}", settings.listen_addr))?;
@@ -36,8 +36,9 @@ pub(super) async fn stop_embedded(
 }
 
 pub(super) async fn migrate(settings: Settings) -> anyhow::Result<()> {
-    telemetry::install(settings.log_format, &settings.log_filter, None);
-    let both_or_neither = settings.database_url.is_some() == settings.migration_url.is_some();
+    telemetry::install(settings.log.format, &settings.log.filter, None);
+    let both_or_neither =
+        settings.database.url.is_some() == settings.database.migration_url.is_some();
     if both_or_neither {
         // As a server start does: the embedded cluster, or the owner's URL, is migrated and
         // the service role (of OUTBOX_DATABASE__URL) granted what it needs.

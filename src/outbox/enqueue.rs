@@ -1,18 +1,18 @@
 //! Enqueue, direct or joined to a producer's transaction through the two-phase token: the
-//! rules of shared/DESIGN.md ("The two-phase token") applied before anything is written.
+//! rules of docs/design.md ("The two-phase token") applied before anything is written.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 
+use super::claim::handoff::{Handoffs, Release};
 use super::group_commit::GroupCommit;
-use super::handoff::{Handoffs, Release};
 use super::store::{self, AlsoAtBegin, EnqueueParams, Pools, TenantScope, TxnStatus};
 use super::token::TxnToken;
 use super::{Enqueued, Error, FieldViolation, NewIntent, Result};
-use crate::metrics::Metrics;
 
 /// Most intents one shared direct-mode transaction takes (the default Enqueue batch limit).
 const MAX_GROUPED_INTENTS: usize = 1000;
@@ -41,25 +41,32 @@ struct DirectInserts {
     handoffs: Arc<Handoffs>,
 }
 
+/// What direct enqueues count: calls waiting for a shared transaction, and transactions.
+#[derive(Debug, Clone, Default)]
+pub struct EnqueueCounters {
+    pub calls_waiting: Gauge,
+    pub transactions: Counter,
+}
+
 impl DirectEnqueues {
-    /// Counting its transactions and waiting calls into `metrics`; leases that no claimer
-    /// received go to `release` (`super::handoff`).
-    pub fn new(metrics: &Metrics, release: Release) -> Self {
+    /// Counting into `counters`; leases that no claimer received go to `release`
+    /// (`super::claim::handoff`).
+    pub fn new(counters: EnqueueCounters, release: Release) -> Self {
         Self {
             groups: GroupCommit::new(
                 fits_shared_transaction,
                 commit_outcome_unknown,
-                metrics.enqueue_calls_waiting.clone(),
+                counters.calls_waiting,
             ),
             inserts: DirectInserts {
-                transactions: metrics.enqueue_transactions.clone(),
+                transactions: counters.transactions,
                 handoffs: Arc::new(Handoffs::new(release)),
             },
         }
     }
 
     /// The Claim calls of this server waiting for what direct enqueues insert.
-    pub fn handoffs(&self) -> &Handoffs {
+    pub fn handoffs(&self) -> &Arc<Handoffs> {
         &self.inserts.handoffs
     }
 }
@@ -67,7 +74,10 @@ impl DirectEnqueues {
 /// A call joins a shared transaction while the intents stay within one Enqueue's limit and
 /// share no idempotency key with the calls already in it: keys are unique within one
 /// insert, and two calls racing on a key are answered as if they ran one after the other.
-#[allow(clippy::ptr_arg)] // the shape GroupCommit asks of `fits`, with calls as Vec
+#[allow(
+    clippy::ptr_arg,
+    reason = "the shape GroupCommit asks of `fits`, with calls as Vec"
+)]
 fn fits_shared_transaction(batch: &[Arc<Vec<NewIntent>>], call: &Vec<NewIntent>) -> bool {
     let count: usize = batch.iter().map(|c| c.len()).sum();
     if count + call.len() > MAX_GROUPED_INTENTS {
@@ -189,7 +199,7 @@ pub async fn enqueue(
         if intents.len() > MAX_GROUPED_CALL {
             // In a task of its own, as a shared transaction is: a call cancelled while it
             // commits must not take with it the answer to the claims it handed intents to
-            // (`super::handoff`).
+            // (`super::claim::handoff`).
             let (pools, inserts, tenant) =
                 (pools.clone(), direct.inserts.clone(), tenant_id.to_owned());
             let calls = [Arc::new(intents)];

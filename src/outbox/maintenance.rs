@@ -9,24 +9,29 @@ use tokio_util::sync::CancellationToken;
 
 use super::store::{self, AlsoAtBegin, BackoffParams, Pools, TenantScope};
 use super::{Clock, IntentState, Result};
-use crate::metrics::Metrics;
 
-/// Settings of the background sweeps.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Settings of the background sweeps (`crate::config` reads them).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct MaintenanceConfig {
     /// How often expired leases are looked for.
+    #[serde(with = "humantime_serde")]
     pub rescue_interval: Duration,
     /// How often finished intents are purged.
+    #[serde(with = "humantime_serde")]
     pub purge_interval: Duration,
     /// How long DELIVERED intents without an idempotency key are kept (the other finished
     /// ones: see [`Self::live_table_retention`]).
+    #[serde(with = "humantime_serde")]
     pub retention: Duration,
     /// How long, at least, a finished intent with an idempotency key is kept, so that its
     /// key is remembered, however short `retention` is: see [`Self::live_table_retention`].
+    #[serde(with = "humantime_serde")]
     pub key_retention: Duration,
     /// Rows per sweep statement, so one sweep never holds many locks for long. A row of the
     /// delivered history holds one Ack's intents of one bucket (up to `limits.max_batch`),
     /// so its purge deletes up to that many intents per row.
+    #[serde(skip)]
     pub batch_size: i64,
     /// Backoff applied to rescued intents before their next attempt.
     pub backoff: BackoffParams,
@@ -137,6 +142,14 @@ pub async fn purge_all(pools: &Pools, config: &MaintenanceConfig, clock: &Clock)
     }
 }
 
+/// Where the sweeps report what they did (the server's metrics).
+pub trait SweepObserver: Send + Sync {
+    /// A lease rescue finished.
+    fn rescued(&self, report: &SweepReport);
+    /// A retention purge deleted `intents`.
+    fn purged(&self, intents: u64);
+}
+
 /// Runs both sweeps on their intervals until `shutdown`. Failures are logged and retried
 /// on the next tick: a database outage must not stop the sweeps for good. Each sweep has
 /// its own schedule, so a long purge (a large backlog past retention) never holds up the
@@ -145,12 +158,12 @@ pub async fn run_until_stopped(
     pools: Pools,
     config: MaintenanceConfig,
     clock: Clock,
-    metrics: Arc<Metrics>,
+    observer: Arc<dyn SweepObserver>,
     shutdown: CancellationToken,
 ) {
     let rescue = every(config.rescue_interval, &shutdown, || async {
         match rescue_all(&pools, &config, &clock).await {
-            Ok(report) => metrics.record_sweep(&report),
+            Ok(report) => observer.rescued(&report),
             Err(e) => tracing::warn!(error.message = %e, "lease rescue failed; will retry"),
         }
     });
@@ -158,7 +171,7 @@ pub async fn run_until_stopped(
         match purge_all(&pools, &config, &clock).await {
             Ok(0) => {}
             Ok(n) => {
-                metrics.purged.inc_by(n);
+                observer.purged(n);
                 tracing::info!(intents.purged = n, "purged finished intents");
             }
             Err(e) => tracing::warn!(error.message = %e, "retention purge failed; will retry"),

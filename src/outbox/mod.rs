@@ -1,12 +1,10 @@
 //! The outbox domain: intents, their states and leases, and the errors of its operations.
 //! Wire types never reach this module; `crate::proto` converts at the edge.
 
-pub mod claim_floor;
+pub mod claim;
 pub mod clock;
-pub mod drained;
 pub mod enqueue;
 pub mod group_commit;
-pub mod handoff;
 pub mod maintenance;
 pub mod notify;
 pub mod promotion;
@@ -21,6 +19,16 @@ use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 pub use clock::Clock;
+
+/// True for identifier-like names: 1..=`max` ASCII letters, digits and `. _ - : /`
+/// (no commas or quotes, so a name is always safe inside a setting or a header).
+pub fn is_name(value: &str, max: usize) -> bool {
+    !value.is_empty()
+        && value.len() <= max
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-:/".contains(&b))
+}
 
 /// Identifier of an intent (a UUIDv7 minted at enqueue).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, sqlx::Type)]
@@ -44,7 +52,7 @@ impl fmt::Display for LeaseId {
     }
 }
 
-/// Lifecycle state of an intent, as in shared/DESIGN.md.
+/// Lifecycle state of an intent, as in docs/design.md.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, sqlx::Type)]
 #[sqlx(type_name = "outbox.intent_state", rename_all = "snake_case")]
 pub enum IntentState {
@@ -212,7 +220,7 @@ pub struct Enqueued {
     /// True when an idempotency key matched an intent already stored.
     pub deduplicated: bool,
     /// True when the enqueue leased it at once to a Claim of this server waiting for it
-    /// ([`handoff`]): PENDING and claimed in one commit.
+    /// ([`claim::handoff`]): PENDING and claimed in one commit.
     pub handed_off: bool,
 }
 

@@ -12,7 +12,6 @@ use tokio_util::sync::CancellationToken;
 use super::notify::PendingSignal;
 use super::store::{self, AlsoAtBegin, Pools, PromotionReport, TenantScope};
 use super::{Clock, Result};
-use crate::metrics::Metrics;
 
 /// Rows per promotion statement.
 const BATCH: i64 = 1000;
@@ -37,6 +36,12 @@ pub async fn promote_all(pools: &Pools, clock: &Clock) -> Result<PromotionReport
     }
 }
 
+/// Where promotion reports what it did (the server's metrics).
+pub trait PromotionObserver: Send + Sync {
+    /// A round of promotion finished.
+    fn promoted(&self, report: &PromotionReport);
+}
+
 /// Promotes on every kick and at least every `interval`, until `shutdown`.
 pub async fn run_until_stopped(
     pools: Pools,
@@ -44,7 +49,7 @@ pub async fn run_until_stopped(
     kick: Arc<Notify>,
     interval: Duration,
     pending: PendingSignal,
-    metrics: Arc<Metrics>,
+    observer: Arc<dyn PromotionObserver>,
     shutdown: CancellationToken,
 ) {
     loop {
@@ -55,7 +60,7 @@ pub async fn run_until_stopped(
         }
         match promote_all(&pools, &clock).await {
             Ok(r) => {
-                metrics.record_promotion(&r);
+                observer.promoted(&r);
                 if r.promoted > 0 {
                     // Local claimers need not wait for the NOTIFY round trip.
                     pending.bump();

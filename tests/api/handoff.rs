@@ -176,7 +176,7 @@ async fn a_claim_whose_wait_has_ended_is_handed_nothing() {
 
 #[tokio::test]
 async fn with_hand_off_disabled_a_waiting_claim_is_woken_to_look() {
-    let app = TestApp::spawn_with(|s| s.claim_hand_off = false).await;
+    let app = TestApp::spawn_with(|s| s.claim.hand_off = false).await;
     let claim = waiting_claim(&app, app.client(), "w", 10, &[]).await;
     let results = app.enqueue(vec![intent("job", "{}")]).await.unwrap();
     let leases = answered(claim).await;

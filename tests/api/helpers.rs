@@ -214,11 +214,9 @@ impl TestApp {
         configure: impl FnOnce(&mut Settings),
         tune: impl FnOnce(&mut Runtime),
     ) -> Self {
-        let mut settings = Settings {
-            // Many servers run at once: each gets its own metrics port.
-            metrics_addr: Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
-            ..Settings::default()
-        };
+        let mut settings = Settings::default();
+        // Many servers run at once: each gets its own metrics port.
+        settings.metrics.listen_addr = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
         configure(&mut settings);
         // The test's own connections ping before every use (sqlx's default), unlike the
         // server's: tests that restart PostgreSQL must not trip on a dead connection.
@@ -276,6 +274,18 @@ impl TestApp {
         PgConnection::connect(&service_url(&self.url))
             .await
             .unwrap()
+    }
+
+    /// The statement that scopes a transaction of the service role to `tenants`, with the
+    /// proof outboxd would give (read as the superuser, who may read the secret).
+    pub async fn scope_statement(&self, tenants: &str) -> String {
+        let key = outboxd::outbox::store::ScopeKey::load(&self.pool)
+            .await
+            .unwrap();
+        format!(
+            "SELECT outbox.enter_scope('{tenants}', '{}')",
+            key.proof(tenants)
+        )
     }
 
     /// A connection of its own as the server's fleet role (every tenant).

@@ -25,7 +25,7 @@ use crate::helpers::{
     TestApp, claim_request, create_key, duration, id_of, intent, lease_ref, populate_globex,
 };
 
-/// Smaller than the default 16 MiB so the oversized-message case sends little.
+/// Smaller than the default 8 MiB so the oversized-message case sends little.
 const MAX_MESSAGE_BYTES: usize = 2 * 1024 * 1024;
 const SERVICE: &str = "/outbox.v1.OutboxService/";
 

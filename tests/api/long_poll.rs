@@ -156,7 +156,7 @@ async fn a_waiting_claim_looks_again_when_the_next_delayed_intent_falls_due() {
 
 // The first claim leases what is due and leaves its group having drained the queue, with a
 // delayed intent due in 200 ms; the next claim of the group may begin by waiting, without a
-// look of its own (`outbox::drained`), but only until that due time: not until its recheck
+// look of its own (`outbox::claim::drained`), but only until that due time: not until its recheck
 // (an hour in tests) nor its 60 s deadline.
 #[tokio::test]
 async fn a_claim_after_one_that_drained_the_queue_still_wakes_when_a_delayed_intent_falls_due() {
@@ -387,7 +387,7 @@ fn signal(which: &str, pid: i32) -> bool {
 
 /// A server whose enqueues only wake waiting claims, never hand them intents.
 fn waking_only(settings: &mut outboxd::config::Settings) {
-    settings.claim_hand_off = false;
+    settings.claim.hand_off = false;
 }
 
 /// The answer of a claim that waits up to 60 s, which must come well before then: at its

@@ -421,7 +421,7 @@ async fn during_an_upgrade_intents_delivered_a_row_each_and_a_batch_to_a_row_are
     // beside one writing batches, on one database.
     let row_each = TestApp::spawn_with(|s| {
         s.maintenance.retention = Duration::from_secs(3600);
-        s.history_by_batch = false;
+        s.retention.history_by_batch = false;
     })
     .await;
     let batched = TestApp::spawn_on(row_each.url.clone(), |s| {

@@ -21,7 +21,7 @@ fn sample(text: &str, series: &str) -> Option<f64> {
 
 #[tokio::test]
 async fn metrics_show_the_queue_and_the_traffic_of_a_known_workload() {
-    let app = TestApp::spawn_with(|s| s.metrics_refresh_interval = Duration::from_millis(20)).await;
+    let app = TestApp::spawn_with(|s| s.metrics.refresh_interval = Duration::from_millis(20)).await;
     let mut eu = intent("job", "{}");
     eu.region = "eu".into();
     app.enqueue(vec![
@@ -92,7 +92,7 @@ async fn metrics_show_the_queue_and_the_traffic_of_a_known_workload() {
 
 #[tokio::test]
 async fn health_turns_not_serving_while_the_server_drains() {
-    let mut app = TestApp::spawn_with(|s| s.shutdown_drain_delay = Duration::from_secs(3)).await;
+    let mut app = TestApp::spawn_with(|s| s.shutdown.drain_delay = Duration::from_secs(3)).await;
     let mut health = HealthClient::new(app.client_channel().await);
     let status = |service: &str| HealthCheckRequest {
         service: service.to_owned(),
@@ -171,7 +171,7 @@ async fn readiness_follows_whether_the_service_role_can_use_the_database() {
 
 #[tokio::test]
 async fn an_open_health_watch_does_not_hold_the_shutdown_for_its_grace() {
-    let mut app = TestApp::spawn_with(|s| s.shutdown_grace = Duration::from_secs(60)).await;
+    let mut app = TestApp::spawn_with(|s| s.shutdown.grace = Duration::from_secs(60)).await;
     let mut health = HealthClient::new(app.client_channel().await);
     let mut watch = health
         .watch(HealthCheckRequest {

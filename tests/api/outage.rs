@@ -87,7 +87,7 @@ async fn app_behind_proxy(
 #[tokio::test]
 async fn every_rpc_answers_unavailable_when_the_database_address_accepts_and_closes() {
     // No key cache: the key is read from the database on every call, as after its TTL.
-    let (app, proxy) = app_behind_proxy(|s| s.auth_cache_ttl = Duration::ZERO).await;
+    let (app, proxy) = app_behind_proxy(|s| s.auth.cache_ttl = Duration::ZERO).await;
     let ids = app.enqueue_n("outage", 3).await;
     let leases = app.claim_n("w", 2).await;
     let (lease, other) = (&leases[0], &leases[1]);
@@ -241,7 +241,7 @@ async fn every_rpc_answers_unavailable_when_the_database_address_accepts_and_clo
 #[tokio::test]
 async fn the_server_stops_within_its_grace_with_the_database_gone() {
     let grace = Duration::from_secs(1);
-    let (mut app, proxy) = app_behind_proxy(|s| s.shutdown_grace = grace).await;
+    let (mut app, proxy) = app_behind_proxy(|s| s.shutdown.grace = grace).await;
     app.enqueue_n("outage", 1).await;
     // Every new connection now hangs until the pool's acquire timeout (5 s), and the
     // ones open are cut: calls and background sweeps wait for a connection.

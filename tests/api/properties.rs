@@ -327,7 +327,7 @@ fn printable(s: &str, max: usize) -> bool {
 }
 
 fn name(s: &str, max: usize) -> bool {
-    validate::is_name(s, max)
+    outboxd::outbox::is_name(s, max)
 }
 
 fn std_duration(d: &prost_types::Duration) -> Duration {

@@ -3,7 +3,7 @@
 //! rescue, reconcile, staged promotion, the enqueue token check and insert) is written
 //! down here as the SQL does it, and every interleaving of producers, workers, the clock,
 //! the rescue sweep and an operator is explored breadth first with stateright. The
-//! guarantees of shared/DESIGN.md are checked as properties of every reachable state, and
+//! guarantees of docs/design.md are checked as properties of every reachable state, and
 //! "every intent that must be delivered can still end delivered or with an operator" is
 //! checked on the explored graph (from every reachable state, such a state is reachable).
 //!

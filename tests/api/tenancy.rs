@@ -127,7 +127,7 @@ async fn the_service_role_sees_and_writes_only_the_tenant_set_in_its_transaction
     assert_eq!(unscoped, 0, "no tenant set: nothing visible");
 
     let mut tx = conn.begin().await.unwrap();
-    sqlx::query("SELECT set_config('outbox.tenants', 'acme', true)")
+    sqlx::query(&app.scope_statement("acme").await)
         .execute(&mut *tx)
         .await
         .unwrap();
@@ -217,7 +217,7 @@ async fn delivered_history_is_isolated_by_tenant_as_live_intents_are() {
         assert_eq!(unscoped, 0, "no tenant set: nothing visible in {table}");
     }
     let mut tx = conn.begin().await.unwrap();
-    sqlx::query("SELECT set_config('outbox.tenants', 'acme', true)")
+    sqlx::query(&app.scope_statement("acme").await)
         .execute(&mut *tx)
         .await
         .unwrap();
@@ -280,7 +280,7 @@ async fn delivered_history_is_isolated_by_tenant_as_live_intents_are() {
 
 #[tokio::test]
 async fn calls_without_a_valid_key_are_unauthenticated_and_health_needs_none() {
-    let app = TestApp::spawn_with(|s| s.auth_cache_ttl = Duration::ZERO).await;
+    let app = TestApp::spawn_with(|s| s.auth.cache_ttl = Duration::ZERO).await;
     let mut anonymous = app.client_with(None, None).await;
     let status = anonymous
         .get_queue_stats(v1::GetQueueStatsRequest {})
@@ -751,7 +751,7 @@ async fn an_idempotency_key_held_by_another_regions_intent_is_a_conflict_not_a_r
 /// revoked key still answers within the cache's TTL only while its lookup stays cached.
 #[tokio::test]
 async fn a_flood_of_unknown_keys_does_not_evict_the_real_ones_from_the_key_cache() {
-    let app = TestApp::spawn_with(|s| s.auth_cache_ttl = Duration::from_secs(3600)).await;
+    let app = TestApp::spawn_with(|s| s.auth.cache_ttl = Duration::from_secs(3600)).await;
     let key = app.key(&["acme"], &["operate"], &[]).await;
     let mut operator = app.client_with(Some(&key), None).await;
     operator
@@ -815,7 +815,7 @@ async fn a_key_whose_tenant_name_has_a_comma_cannot_be_stored() {
 
 #[tokio::test]
 async fn lookups_of_unknown_keys_hold_at_most_a_few_connections() {
-    let app = TestApp::spawn_with(|s| s.auth_cache_ttl = Duration::from_secs(3600)).await;
+    let app = TestApp::spawn_with(|s| s.auth.cache_ttl = Duration::from_secs(3600)).await;
     let key = app.key(&["acme"], &["operate"], &[]).await;
     let mut operator = app.client_with(Some(&key), None).await;
     operator

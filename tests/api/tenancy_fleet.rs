@@ -1,7 +1,6 @@
 //! Tenant isolation against outboxd itself: the request-serving role sees only the tenants
-//! its transaction names, whatever else it sets, and only a role granted `outboxd_fleet`
-//! (the fleet pool's) sees every tenant (migration `…21_cross_tenant_is_granted`,
-//! docs/tenancy.md).
+//! its transaction names with their proof, whatever else it sets, and only a role granted
+//! `outboxd_fleet` (the fleet pool's) sees every tenant (docs/tenancy.md).
 
 use std::time::Duration;
 
@@ -26,7 +25,8 @@ const RELATIONS: &[&str] = &[
 
 /// What a session of the service role might set to see more than its tenants: the old
 /// cross-tenant switch (transaction-local, through the functions' own scope, for the
-/// session), and tenant lists that name no tenant or look like a wildcard.
+/// session), tenant lists that name no tenant or look like a wildcard, and globex named
+/// without its proof.
 const ATTEMPTS: &[&str] = &[
     "SELECT set_config('outbox.cross_tenant', 'on', true)",
     "SELECT set_config('outbox.cross_tenant', 'on', true), set_config('outbox.tenants', 'acme', true)",
@@ -36,7 +36,27 @@ const ATTEMPTS: &[&str] = &[
     "SELECT set_config('outbox.tenants', '*', true)",
     "SELECT set_config('outbox.tenants', '%', true)",
     "SELECT set_config('outbox.tenants', ',', true), set_config('outbox.cross_tenant', 'true', true)",
+    "SELECT set_config('outbox.tenants', 'globex', true)",
+    "SELECT outbox.enter_scope('globex', '')",
+    "SELECT outbox.enter_scope('globex', 'on')",
+    "SELECT outbox.enter_scope('globex', repeat('0', 64))",
 ];
+
+/// The attempts, and acme's own proof (which a session may have seen) borrowed for globex,
+/// for a list that adds globex, and for a longer list that starts with acme's.
+async fn attempts(app: &TestApp) -> Vec<String> {
+    let acme = app.scope_statement("acme").await;
+    let proof = acme.rsplit('\'').nth(1).unwrap().to_owned();
+    let mut all: Vec<String> = ATTEMPTS.iter().map(|a| (*a).to_owned()).collect();
+    for tenants in ["globex", "acme,globex", "globex,acme", "acme,"] {
+        all.push(format!("SELECT outbox.enter_scope('{tenants}', '{proof}')"));
+        all.push(format!(
+            "SELECT set_config('outbox.tenants', '{tenants}', true), \
+             set_config('outbox.scope_proof', '{proof}', true)"
+        ));
+    }
+    all
+}
 
 /// Globex's rows in every table: a pending, a leased and a NEEDS_RECONCILE intent (through
 /// the API), a delivered one in each history table and an operator's resolution (as the
@@ -90,9 +110,9 @@ async fn the_service_role_cannot_see_another_tenant_whatever_it_sets() {
     let before = app.snapshot().await;
     let mut conn = app.service_connection().await;
 
-    for attempt in ATTEMPTS {
+    for attempt in attempts(&app).await {
         let mut tx = conn.begin().await.unwrap();
-        sqlx::raw_sql(attempt).execute(&mut *tx).await.unwrap();
+        sqlx::raw_sql(&attempt).execute(&mut *tx).await.unwrap();
         for (relation, n) in globex_rows_seen(&mut tx, &ids).await {
             assert_eq!(n, 0, "after `{attempt}`, {relation} showed globex's rows");
         }
@@ -104,10 +124,11 @@ async fn the_service_role_cannot_see_another_tenant_whatever_it_sets() {
             !granted,
             "after `{attempt}`, outbox.cross_tenant() said yes"
         );
-        // The claim and settle functions set the scope they are given, cross-tenant on.
+        // The claim and settle functions set the scope they are given: the same.
         let claimed: Vec<String> = sqlx::query_scalar(
             "SELECT tenant_id FROM outbox.claim(coalesce(current_setting('outbox.tenants', true), ''), \
-             'on', 'thief', '', '{}'::text[], 100, 60000, NULL, NULL, NULL)",
+             coalesce(current_setting('outbox.scope_proof', true), ''), 'thief', '', '{}'::text[], \
+             100, 60000, NULL, NULL, NULL)",
         )
         .fetch_all(&mut *tx)
         .await
@@ -117,13 +138,17 @@ async fn the_service_role_cannot_see_another_tenant_whatever_it_sets() {
             "after `{attempt}`, the claim leased {claimed:?}"
         );
         for settle in [
-            "outbox.extend_leases(T, 'on', $1, $2, 60000, NULL)",
-            "outbox.mark_submitted(T, 'on', $1, $2, NULL)",
-            "outbox.ack_into_batches(T, 'on', $1, $2, NULL)",
-            "outbox.ack_and_delete(T, 'on', $1, $2, NULL)",
+            "outbox.extend_leases(T, P, $1, $2, 60000, NULL)",
+            "outbox.mark_submitted(T, P, $1, $2, NULL)",
+            "outbox.ack_into_batches(T, P, $1, $2, NULL)",
+            "outbox.ack_and_delete(T, P, $1, $2, NULL)",
         ] {
-            let settle =
-                settle.replace("T", "coalesce(current_setting('outbox.tenants', true), '')");
+            let settle = settle
+                .replace("T", "coalesce(current_setting('outbox.tenants', true), '')")
+                .replace(
+                    "P",
+                    "coalesce(current_setting('outbox.scope_proof', true), '')",
+                );
             let settled: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {settle}"))
                 .bind(vec![id_of(&leased).parse::<Uuid>().unwrap()])
                 .bind(vec![leased.lease_id.parse::<Uuid>().unwrap()])
@@ -138,9 +163,11 @@ async fn the_service_role_cannot_see_another_tenant_whatever_it_sets() {
         tx.rollback().await.unwrap();
     }
 
-    // Nor can it take the grant: it may neither become the fleet nor make itself a member.
+    // Nor can it take the grant (it may neither become the fleet nor make itself a member)
+    // or read the secret that proves a scope.
     for escalation in [
         "SET ROLE outboxd_fleet".to_owned(),
+        "SELECT secret FROM outbox.scope_secret".to_owned(),
         format!("GRANT outboxd_fleet TO {SERVICE_ROLE}"),
         format!("SELECT outbox.grant_fleet_role('{SERVICE_ROLE}')"),
     ] {
@@ -285,6 +312,26 @@ async fn outboxd_refuses_to_serve_requests_through_a_role_that_sees_or_could_gra
     assert!(refused.to_string().contains("CREATEROLE"), "{refused}");
     pool.close().await;
     drop_role(&app, &creator).await;
+
+    // A role that may read the secret could prove any tenant's scope.
+    let (reader, url) = login_role(&app, "").await;
+    sqlx::raw_sql(&format!(
+        "GRANT USAGE ON SCHEMA outbox TO {reader}; GRANT SELECT ON outbox.scope_secret TO {reader}"
+    ))
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let pool = startup::connect(&url, 2).await.unwrap();
+    let refused = startup::verify_service_role(&pool).await.unwrap_err();
+    assert!(refused.to_string().contains("scope_secret"), "{refused}");
+    pool.close().await;
+    sqlx::raw_sql(&format!(
+        "REVOKE ALL ON outbox.scope_secret FROM {reader}; REVOKE ALL ON SCHEMA outbox FROM {reader}"
+    ))
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    drop_role(&app, &reader).await;
 
     // The service role is no fleet: the sweeps would find nothing through it.
     let service = startup::connect(

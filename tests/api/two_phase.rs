@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use outboxd::embedded::{EmbeddedConfig, EmbeddedPostgres};
 use outboxd::proto::v1::{self, IntentState};
+use rustix::process::{Pid, Signal, kill_process};
 use sqlx::{Connection, PgConnection};
 use tonic::{Code, Status};
 
@@ -491,8 +492,8 @@ async fn a_commit_of_a_transaction_that_wrote_nothing_but_its_token_survives_a_p
         tx.commit().await.unwrap();
         // PostgreSQL crashes right after acknowledging the COMMIT (the WAL writer killed
         // first, or the immediate stop would wait for it).
-        // SAFETY: kill(2) of a server process this test stopped; it cannot exit meanwhile.
-        unsafe { libc::kill(wal_writer, libc::SIGKILL) };
+        // A server process this test stopped: it cannot exit meanwhile.
+        kill_process(wal_writer, Signal::KILL).unwrap();
         cluster = crash_and_restart(cluster).await;
         drop(producer);
 
@@ -531,14 +532,15 @@ async fn a_commit_of_a_transaction_that_wrote_nothing_but_its_token_survives_a_p
 }
 
 /// SIGSTOPs the cluster's WAL writer; returns its pid.
-async fn stop_wal_writer(pool: &sqlx::PgPool) -> libc::pid_t {
+async fn stop_wal_writer(pool: &sqlx::PgPool) -> Pid {
     let pid: i32 =
         sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'")
             .fetch_one(pool)
             .await
             .unwrap();
-    // SAFETY: kill(2) of the live server process just read from pg_stat_activity.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    // The live server process just read from pg_stat_activity.
+    let pid = Pid::from_raw(pid).expect("a walwriter pid");
+    kill_process(pid, Signal::STOP).unwrap();
     pid
 }
 

@@ -192,26 +192,24 @@ impl Bench {
         let worker_key = create_key(&owner, "bench-worker", "consume").await?;
         owner.close().await;
         let service_url = with_login(&outbox_url, Some(EMBEDDED_SERVICE_ROLE), &outbox_db)?;
-        let pool = startup::connect(&service_url, settings.max_connections)
+        let pool = startup::connect(&service_url, settings.database.max_connections)
             .await
             .with_context(|| format!("cannot log in as {EMBEDDED_SERVICE_ROLE}"))?;
         startup::verify_service_role(&pool).await?;
         let fleet_url = with_login(&outbox_url, Some(EMBEDDED_FLEET_ROLE), &outbox_db)?;
-        let fleet = startup::connect(&fleet_url, settings.max_connections)
+        let fleet = startup::connect(&fleet_url, settings.database.max_connections)
             .await
             .with_context(|| format!("cannot log in as {EMBEDDED_FLEET_ROLE}"))?;
         startup::verify_fleet_role(&fleet).await?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let settings = Settings {
-            // Still recorded as in production, but served on a free port so the benchmark
-            // never collides with a running outboxd's.
-            metrics_addr: Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
-            ..settings
-        };
+        let mut settings = settings;
+        // Still recorded as in production, but served on a free port so the benchmark
+        // never collides with a running outboxd's.
+        settings.metrics.listen_addr = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
         // The production runtime: database clock, background sweeps, 2 s recheck.
         let server = Application::start(
             &settings,
-            Pools::new(pool.clone(), fleet),
+            Pools::open(pool.clone(), fleet).await?,
             listener,
             Runtime::default(),
         )

@@ -151,11 +151,9 @@ impl Meter {
     }
 }
 
-/// Seconds per clock tick of /proc/<pid>/stat.
+/// Seconds per clock tick of `/proc/<pid>/stat`.
 fn tick() -> f64 {
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    1.0 / if hz > 0 { hz as f64 } else { 100.0 }
+    1.0 / rustix::param::clock_ticks_per_second().max(1) as f64
 }
 
 /// (parent pid, own user+system ticks, reaped children's user+system ticks) of `pid`.
@@ -173,6 +171,13 @@ fn stat(pid: i32) -> Option<(i32, u64, u64)> {
 pub fn process_cpu(pid: u32) -> Option<f64> {
     let (_, own, _) = stat(i32::try_from(pid).ok()?)?;
     Some(own as f64 * tick())
+}
+
+/// CPU seconds of an exited child not yet reaped: its own and those of the children it
+/// reaped (what wait4 reports).
+pub fn exited_cpu(pid: u32) -> Option<f64> {
+    let (_, own, reaped) = stat(i32::try_from(pid).ok()?)?;
+    Some((own + reaped) as f64 * tick())
 }
 
 /// CPU seconds used so far by the postmaster, its live children and every child reaped.

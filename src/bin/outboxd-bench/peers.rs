@@ -10,6 +10,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
+use rustix::process::{Pid, WaitId, WaitIdOptions, waitid};
 use serde::Deserialize;
 use sqlx::{Connection, PgConnection};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -337,7 +338,7 @@ async fn minimal_queue(
 /// The raw-SQL ceiling of the burn-down: one Claim and one Ack as the server runs them,
 /// built from the store's own calls so that the two cannot drift apart: each one statement
 /// in its own transaction, for the tenant `bench`; no kind or region filter, a 30 s lease,
-/// no floor (every claim looks at the whole queue; see `outboxd::outbox::claim_floor`).
+/// no floor (every claim looks at the whole queue; see `outboxd::outbox::claim::floor`).
 /// One difference, on purpose: the claimed rows are aggregated into two arrays (pgbench's
 /// `\gset` takes one row), so payloads are not shipped to the client. Variables:
 /// `-D batch=N`.
@@ -433,7 +434,7 @@ async fn run_pgbench(
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let (status, output, cpu) = tokio::task::spawn_blocking(move || run_with_rusage(cmd))
+    let (status, output, cpu) = tokio::task::spawn_blocking(move || run_counting_cpu(cmd))
         .await?
         .context("cannot run pgbench")?;
     if !status.success() || output.contains("aborted") {
@@ -454,12 +455,10 @@ async fn run_pgbench(
 }
 
 /// Runs `cmd` to completion, returning its status, stdout + stderr, and its CPU seconds.
-fn run_with_rusage(
+fn run_counting_cpu(
     mut cmd: std::process::Command,
 ) -> anyhow::Result<(std::process::ExitStatus, String, f64)> {
-    use std::os::unix::process::ExitStatusExt;
     let mut child = cmd.spawn()?;
-    let pid = child.id() as libc::pid_t;
     let mut stderr = child.stderr.take().expect("piped");
     let err_thread = std::thread::spawn(move || {
         let mut s = String::new();
@@ -473,20 +472,17 @@ fn run_with_rusage(
         .expect("piped")
         .read_to_string(&mut out)?;
     let err = err_thread.join().unwrap_or_default();
-    let mut status = 0;
-    // SAFETY: an all-zero rusage is a valid value, and wait4 writes only into it and
-    // `status`; `pid` is our own child, not yet waited for (std's Child never waits on
-    // its own, and is dropped without waiting).
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    let reaped = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
-    ensure!(reaped == pid, "wait4: {}", std::io::Error::last_os_error());
-    let seconds = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    let cpu = seconds(usage.ru_utime) + seconds(usage.ru_stime);
-    Ok((
-        std::process::ExitStatus::from_raw(status),
-        format!("{out}{err}"),
-        cpu,
-    ))
+    // Wait for the exit without reaping, so that /proc still holds the child's CPU times:
+    // its own and its reaped children's, what wait4 would report.
+    let pid = Pid::from_child(&child);
+    while let Err(e) = waitid(
+        WaitId::Pid(pid),
+        WaitIdOptions::EXITED | WaitIdOptions::NOWAIT,
+    ) {
+        ensure!(e == rustix::io::Errno::INTR, "waitid: {e}");
+    }
+    let cpu = crate::meter::exited_cpu(child.id()).context("reading the peer's CPU time")?;
+    Ok((child.wait()?, format!("{out}{err}"), cpu))
 }
 
 /// What `bench/peer.js` prints at the end of a run.
@@ -792,6 +788,23 @@ async fn run_peer(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_peer_run_reports_its_exit_status_its_output_and_the_cpu_of_its_children() {
+        let mut cmd = std::process::Command::new("sh");
+        // The busy loop runs in a grandchild the peer reaps, as a Node worker would.
+        let busy = "sh -c 'i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done'";
+        cmd.args(["-c", &format!("{busy}; echo done; echo err >&2; exit 3")])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let (status, output, cpu) = run_counting_cpu(cmd).unwrap();
+        assert_eq!(status.code(), Some(3));
+        assert_eq!(output, "done\nerr\n");
+        assert!(
+            cpu > 0.05,
+            "the busy loop's CPU time went uncounted: {cpu}s"
+        );
+    }
 
     #[test]
     fn placeholders_are_replaced_by_number_not_by_prefix() {

@@ -16,7 +16,7 @@ pub struct Summary {
     p90: f64,
     p99: f64,
     pub max: f64,
-    /// Samples below zero (see [`signed_ms`]).
+    /// Samples below zero (see [`signed_ms`](crate::txn_latency::signed_ms)).
     pub negative: usize,
 }
 

@@ -35,14 +35,12 @@ pub async fn serve_child(args: &ServeChildArgs, settings: Settings) -> anyhow::R
             fleet_url: Some(args.fleet_url.clone()),
             embedded: None,
         },
-        settings.max_connections,
+        settings.database.max_connections,
     )
     .await?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let settings = Settings {
-        metrics_addr: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
-        ..settings
-    };
+    let mut settings = settings;
+    settings.metrics.listen_addr = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
     let server = Application::start(&settings, pools.clone(), listener, Runtime::default()).await?;
     println!("listening {}", server.local_addr());
     tokio::task::spawn_blocking(|| {

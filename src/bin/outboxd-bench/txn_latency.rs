@@ -103,7 +103,7 @@ pub async fn txn_latency(
     let load_at_end = load_average();
     let info = bench.info.clone();
     let load_at_start = bench.load_at_start.clone();
-    let resolve = bench.settings.txn_resolve_interval;
+    let resolve = bench.settings.txn.resolve_interval;
     let stopped = bench.stop().await;
     let rows = measured?;
     stopped?;
@@ -181,7 +181,7 @@ pub async fn measure_txn(
                     // ratio steps: even coverage for any count, reproducible, no RNG).
                     _ => (
                         PLAIN_TOKEN_SQL,
-                        settle + bench.settings.txn_resolve_interval.mul_f64(phase(i)),
+                        settle + bench.settings.txn.resolve_interval.mul_f64(phase(i)),
                     ),
                 };
                 one_txn(bench, conn, sql, pause, i).await?

@@ -2,7 +2,7 @@
 //! direct), workers and several outboxd replicas as real processes against a real
 //! PostgreSQL, injects crashes, stops, lost responses, killed sessions, a pinned xmin and
 //! an exhausted pool under load, records every operation, and after a full drain checks
-//! the guarantees of shared/DESIGN.md. It prints a summary table and exits non-zero if
+//! the guarantees of docs/design.md. It prints a summary table and exits non-zero if
 //! any guarantee was violated.
 //!
 //! ```text

@@ -3,12 +3,12 @@
 //! restart one that exited without being asked to, as an orchestrator like Kubernetes would.
 
 use std::fs::OpenOptions;
-use std::io;
 use std::path::PathBuf;
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
 use anyhow::Context;
+use rustix::process::{Pid, Signal, kill_process};
 use tokio::process::{Child, Command};
 use tokio::sync::Mutex;
 
@@ -117,11 +117,9 @@ impl Supervised {
     pub async fn pause(&self, stop: bool) -> Option<String> {
         let mut inner = self.inner.lock().await;
         let pid = inner.child.as_ref()?.id()?;
-        let signal = if stop { libc::SIGSTOP } else { libc::SIGCONT };
-        // SAFETY: plain kill(2) on our own unreaped child, so the pid cannot be recycled.
-        if unsafe { libc::kill(pid as libc::pid_t, signal) } != 0 {
-            return None;
-        }
+        let signal = if stop { Signal::STOP } else { Signal::CONT };
+        // Our own unreaped child, so the pid cannot have been recycled.
+        kill_process(Pid::from_raw(pid as i32)?, signal).ok()?;
         inner.stopped = stop;
         Some(inner.name.clone())
     }
@@ -134,12 +132,10 @@ impl Supervised {
         inner.stopped = false;
         let mut child = inner.child.take()?;
         let sent = std::time::Instant::now();
-        if let Some(pid) = child.id() {
-            // SAFETY: as in `pause`.
-            unsafe {
-                libc::kill(pid as libc::pid_t, libc::SIGCONT);
-                libc::kill(pid as libc::pid_t, libc::SIGTERM);
-            }
+        if let Some(pid) = child.id().and_then(|pid| Pid::from_raw(pid as i32)) {
+            // As in `pause`.
+            let _ = kill_process(pid, Signal::CONT);
+            let _ = kill_process(pid, Signal::TERM);
         }
         if tokio::time::timeout(grace, child.wait()).await.is_err() {
             let _ = child.kill().await;
@@ -205,19 +201,6 @@ fn spawn(launch: &Launch) -> anyhow::Result<Child> {
     command.envs(launch.env.iter().map(|(k, v)| (k, v)));
     // Own process group: a terminal's Ctrl-C reaches only the suite, which tears down.
     command.process_group(0);
-    let parent = std::process::id() as libc::pid_t;
-    // SAFETY: the closure runs between fork and exec and only calls async-signal-safe
-    // functions (prctl, getppid, _exit).
-    unsafe {
-        command.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            if libc::getppid() != parent {
-                libc::_exit(1);
-            }
-            Ok(())
-        });
-    }
+    outboxd::embedded::die_with_parent(command.as_std_mut(), Signal::KILL);
     Ok(command.spawn()?)
 }

@@ -8,7 +8,7 @@
 //! (same `request_id`, same lease), and it does not start a side effect on a lease that is
 //! about to expire. Kills and stops by the orchestrator make it late anyway. Half of its
 //! Claims carry no `request_id`, as a plain long poll does: those an enqueue of the same
-//! replica may hand intents to (`outboxd::outbox::handoff`), and a lost answer's leases
+//! replica may hand intents to (`outboxd::outbox::claim::handoff`), and a lost answer's leases
 //! expire instead of being returned to the retry.
 
 use std::path::PathBuf;

@@ -1,11 +1,14 @@
 //! Whom a transaction acts for. Every statement outboxd runs on behalf of a caller runs in
-//! a transaction that first sets `outbox.tenants`; the row-level security policies of the
-//! outbox tables read it. Work for every tenant runs on another connection altogether, as
-//! a role granted every tenant (`outboxd_fleet`, docs/tenancy.md): the pool is chosen
-//! here, from the scope, so that no call site can pick the wrong one.
+//! a transaction that first sets `outbox.tenants` and its proof, `outbox.scope_proof`; the
+//! row-level security policies of the outbox tables read the tenants only when the proof
+//! holds (docs/tenancy.md). Work for every tenant runs on another connection altogether,
+//! as a role granted every tenant (`outboxd_fleet`): the pool is chosen here, from the
+//! scope, so that no call site can pick the wrong one.
 
 use std::future::Future;
+use std::sync::Arc;
 
+use sha2::{Digest, Sha256};
 use sqlx::{PgPool, Postgres, Transaction};
 
 use crate::outbox::Result;
@@ -45,12 +48,35 @@ impl TenantScope {
 pub struct Pools {
     tenant: PgPool,
     fleet: PgPool,
+    scope_key: ScopeKey,
 }
 
 impl Pools {
-    /// The request-serving pool and the fleet pool.
-    pub fn new(tenant: PgPool, fleet: PgPool) -> Self {
-        Self { tenant, fleet }
+    /// The request-serving pool and the fleet pool, with the secret that proves scopes,
+    /// read through the fleet pool.
+    ///
+    /// # Errors
+    /// [`crate::outbox::Error::Database`]: the secret cannot be read.
+    pub async fn open(tenant: PgPool, fleet: PgPool) -> Result<Self> {
+        let scope_key = ScopeKey::load(&fleet).await?;
+        Ok(Self {
+            tenant,
+            fleet,
+            scope_key,
+        })
+    }
+
+    /// The settings that scope a transaction to `scope`: the tenants and their proof
+    /// (both empty for every tenant, which is the fleet role's grant).
+    pub(super) fn scope_settings(&self, scope: &TenantScope) -> ScopeSettings {
+        match scope {
+            TenantScope::Tenants(t) => {
+                let tenants = t.join(",");
+                let proof = self.scope_key.proof(&tenants);
+                ScopeSettings { tenants, proof }
+            }
+            TenantScope::All => ScopeSettings::default(),
+        }
     }
 
     /// The request-serving role's pool: for what acts for named tenants, or reads no
@@ -76,6 +102,53 @@ impl Pools {
     pub async fn close(&self) {
         self.tenant.close().await;
         self.fleet.close().await;
+    }
+}
+
+/// The values of `outbox.tenants` and `outbox.scope_proof` for a scope.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(super) struct ScopeSettings {
+    pub tenants: String,
+    pub proof: String,
+}
+
+/// The secret of `outbox.scope_secret`, which the request-serving role cannot read: with
+/// it outboxd proves the tenants a transaction names (`outbox.current_tenants()`).
+#[derive(Clone)]
+pub struct ScopeKey(Arc<[u8]>);
+
+impl std::fmt::Debug for ScopeKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ScopeKey(..)")
+    }
+}
+
+impl ScopeKey {
+    /// Reads the secret, as a role that may (the fleet's, or the schema owner).
+    ///
+    /// # Errors
+    /// [`crate::outbox::Error::Database`].
+    pub async fn load(pool: &PgPool) -> Result<Self> {
+        let secret: Vec<u8> = on_live_connection(pool, || {
+            sqlx::query_scalar("SELECT secret FROM outbox.scope_secret").fetch_one(pool)
+        })
+        .await?;
+        Ok(Self(secret.into()))
+    }
+
+    /// The proof of `tenants` (comma-separated), as `outbox.current_tenants()` checks it:
+    /// hex(sha256(secret ‖ sha256(secret ‖ tenants))).
+    pub fn proof(&self, tenants: &str) -> String {
+        let inner = Sha256::new()
+            .chain_update(&self.0)
+            .chain_update(tenants.as_bytes())
+            .finalize();
+        hex::encode(
+            Sha256::new()
+                .chain_update(&self.0)
+                .chain_update(inner)
+                .finalize(),
+        )
     }
 }
 
@@ -122,13 +195,12 @@ pub async fn begin(pools: &Pools, scope: &TenantScope) -> Result<Transaction<'st
     begin_with(pools, scope, &[]).await
 }
 
-/// [`begin`], with `also` run in the same round trip.
+/// [`begin`], with `also` run in the same round trip as BEGIN.
 ///
-/// BEGIN, the scope and `also` go as one simple-protocol query, one round trip instead of
-/// one each: every call pays them, and on a small machine round trips are most of a call.
-/// Tenant names are spliced into that query only when they are plain names (letters,
-/// digits, `. _ - : /`, as keys are created with); anything else is bound as a parameter in
-/// a statement of its own.
+/// BEGIN and `also` go as one simple-protocol query; the scope follows as a statement of
+/// its own, its proof bound as a parameter: SQL text shows in `pg_stat_activity` to every
+/// session of the role, and a proof seen there would open its tenants to them. Work for
+/// every tenant sets nothing: its role's grant is its scope.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
@@ -138,59 +210,25 @@ pub async fn begin_with(
     also: &[AlsoAtBegin],
 ) -> Result<Transaction<'static, Postgres>> {
     let pool = pools.for_scope(scope);
-    if let Some(sql) = begin_statement(scope, also) {
-        return begin_on_live_connection(pool, Some(sql)).await;
+    let mut begin = String::from("BEGIN");
+    for statement in also.iter().flat_map(|a| a.statements()) {
+        begin.push_str("; ");
+        begin.push_str(statement);
     }
-    let (tenants, cross) = scope_settings(scope);
-    // Collected: an iterator adapter held across an await trips the Send check of the
-    // handlers' futures.
-    let also: Vec<&'static str> = also.iter().flat_map(|a| a.statements()).copied().collect();
-    let mut tx = begin_on_live_connection(pool, None).await?;
-    sqlx::query(
-        "SELECT set_config('outbox.tenants', $1, true), set_config('outbox.cross_tenant', $2, true)",
-    )
-    .bind(tenants)
-    .bind(cross)
-    .execute(&mut *tx)
-    .await?;
-    for statement in also {
-        sqlx::query(statement).execute(&mut *tx).await?;
+    let mut tx = begin_on_live_connection(pool, begin).await?;
+    if let TenantScope::Tenants(_) = scope {
+        let settings = pools.scope_settings(scope);
+        sqlx::query("SELECT outbox.enter_scope($1, $2)")
+            .bind(settings.tenants)
+            .bind(settings.proof)
+            .execute(&mut *tx)
+            .await?;
     }
     Ok(tx)
 }
 
-/// The values of `outbox.tenants` and `outbox.cross_tenant` for `scope`. The second opens
-/// nothing since migration `20261204000021_cross_tenant_is_granted` (only the fleet role's
-/// grant does); it is still set, as the SQL functions take it, to say what is meant.
-pub(super) fn scope_settings(scope: &TenantScope) -> (String, &'static str) {
-    match scope {
-        TenantScope::Tenants(t) => (t.join(","), "off"),
-        TenantScope::All => (String::new(), "on"),
-    }
-}
-
-/// The one simple query that begins a transaction for `scope` with `also`, or `None` when
-/// a tenant name is not a plain name (letters, digits, `. _ - : /`) and so must not be
-/// spliced into SQL.
-fn begin_statement(scope: &TenantScope, also: &[AlsoAtBegin]) -> Option<String> {
-    if let TenantScope::Tenants(t) = scope
-        && !t.iter().all(|t| crate::validate::is_name(t, 64))
-    {
-        return None;
-    }
-    let (tenants, cross) = scope_settings(scope);
-    let mut sql = format!(
-        "BEGIN; SELECT set_config('outbox.tenants', '{tenants}', true), \
-         set_config('outbox.cross_tenant', '{cross}', true)"
-    );
-    for statement in also.iter().flat_map(|a| a.statements()) {
-        sql.push_str("; ");
-        sql.push_str(statement);
-    }
-    Some(sql)
-}
-
-/// Begins a transaction (with `statement`, or a plain BEGIN); see [`on_live_connection`].
+/// Begins a transaction with `statement` (BEGIN and what rides along); see
+/// [`on_live_connection`].
 ///
 /// In a task of its own, which a caller that goes away (a cancelled RPC) cannot stop half
 /// way: sqlx counts a transaction as begun only once BEGIN is answered, so a BEGIN dropped
@@ -200,17 +238,11 @@ fn begin_statement(scope: &TenantScope, also: &[AlsoAtBegin]) -> Option<String> 
 /// transaction nobody takes is dropped like any other, and sqlx rolls it back.
 async fn begin_on_live_connection(
     pool: &PgPool,
-    statement: Option<String>,
+    statement: String,
 ) -> Result<Transaction<'static, Postgres>> {
     let pool = pool.clone();
     let begin = tokio::spawn(async move {
-        on_live_connection(&pool, || async {
-            match &statement {
-                Some(sql) => pool.begin_with(sql.clone()).await,
-                None => pool.begin().await,
-            }
-        })
-        .await
+        on_live_connection(&pool, || pool.begin_with(statement.clone())).await
     });
     match begin.await {
         Ok(begun) => Ok(begun?),

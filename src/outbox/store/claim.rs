@@ -8,7 +8,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{Row, ValueRef};
 use uuid::Uuid;
 
-use super::access::{Pools, TenantScope, begin, on_live_connection, scope_settings};
+use super::access::{Pools, TenantScope, begin, on_live_connection};
 use super::{INTENT_COLUMNS, intent_at, intent_columns, millis};
 use crate::outbox::{Intent, IntentId, LeaseId, Result};
 
@@ -33,7 +33,7 @@ pub struct ClaimParams<'a> {
     /// Current time override (tests).
     pub now: Option<DateTime<Utc>>,
     /// Lease only intents available at or after this (`None`: the whole queue); see
-    /// [`crate::outbox::claim_floor`].
+    /// [`crate::outbox::claim::floor`].
     pub look_back_to: Option<DateTime<Utc>>,
     /// Stop leasing once the intents leased weigh this many bytes (`outbox.reply_weight`,
     /// always at least one intent): the reply's budget, so that intents that would not
@@ -41,7 +41,7 @@ pub struct ClaimParams<'a> {
     pub max_bytes: usize,
 }
 
-/// The claim function's call: `$1` tenants, `$2` cross-tenant, `$3` worker, `$4` region,
+/// The claim function's call: `$1` tenants, `$2` their proof, `$3` worker, `$4` region,
 /// `$5` kinds, `$6` most intents, `$7` lease milliseconds, `$8` request id, `$9` now (or
 /// NULL), `$10` the floor (or NULL), `$11` the byte budget.
 macro_rules! claim_call {
@@ -60,7 +60,7 @@ pub struct Claimed {
     pub intents: Vec<Intent>,
     /// When it leased fewer than asked: how long until the next PENDING intent matching
     /// the filters becomes due, if one is scheduled in the future, so that a long-polling
-    /// claimer (or the next of its group, [`crate::outbox::drained`]) sleeps exactly that
+    /// claimer (or the next of its group, [`crate::outbox::claim::drained`]) sleeps exactly that
     /// long.
     pub next_due_in: Option<Duration>,
     /// The intents are the live leases of an earlier call with the same request id (a
@@ -90,7 +90,7 @@ pub async fn claim_intents(
     params: ClaimParams<'_>,
 ) -> Result<Claimed> {
     let pool = pools.for_scope(scope);
-    let (tenants, cross) = scope_settings(scope);
+    let scope = pools.scope_settings(scope);
     // Run again when the connection turns out dead. Had the lost call run after all, its
     // leases, never handed to anyone, expire back to PENDING like a crashed worker's (as
     // when the reply to a COMMIT is lost), and a retry with the same request id gets them.
@@ -123,8 +123,8 @@ pub async fn claim_intents(
                 WHERE (SELECT ran_out FROM ran_out)
             ) due ON true"#
         ))
-        .bind(&tenants)
-        .bind(cross)
+        .bind(&scope.tenants)
+        .bind(&scope.proof)
         .bind(params.worker_id)
         .bind(params.region)
         .bind(params.kinds)
@@ -165,7 +165,7 @@ pub async fn claim_intents(
     Ok(claimed)
 }
 
-/// Gives back leases no claimer received (`crate::outbox::handoff`): each intent of
+/// Gives back leases no claimer received (`crate::outbox::claim::handoff`): each intent of
 /// `scope` still LEASED under its `leases` pair goes back to PENDING, due as it was, with
 /// the attempt uncounted (no worker saw it, so none began). A pair whose intent moved on,
 /// or whose insert never committed, is skipped. Returns how many went back.

@@ -20,7 +20,7 @@ pub struct EnqueueParams<'a> {
     pub txn_xid: Option<u64>,
     /// Current time override (tests).
     pub now: Option<DateTime<Utc>>,
-    /// Intents inserted LEASED, to a waiting claimer ([`crate::outbox::handoff`]): the
+    /// Intents inserted LEASED, to a waiting claimer ([`crate::outbox::claim::handoff`]): the
     /// worker and lease length of each intent, in order (`None`: PENDING or STAGED as
     /// above). Empty: none. Only for a batch without idempotency keys.
     pub leases: &'a [Option<(&'a str, std::time::Duration)>],

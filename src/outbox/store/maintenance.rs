@@ -10,11 +10,14 @@ use super::{PENDING_CHANNEL, millis};
 use crate::outbox::{IntentState, Result};
 
 /// Exponential backoff between delivery attempts, with jitter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct BackoffParams {
     /// Delay after the first attempt; doubles with each further attempt.
+    #[serde(with = "humantime_serde")]
     pub base: Duration,
     /// Longest delay.
+    #[serde(with = "humantime_serde")]
     pub cap: Duration,
 }
 

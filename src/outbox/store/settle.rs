@@ -12,7 +12,7 @@ use sqlx::query::QueryAs;
 use sqlx::{PgPool, Postgres};
 use uuid::Uuid;
 
-use super::access::{Pools, TenantScope, begin, on_live_connection, scope_settings};
+use super::access::{Pools, ScopeSettings, TenantScope, begin, on_live_connection};
 use super::current::{Current, current_intents};
 use super::{BackoffParams, millis};
 use crate::outbox::{
@@ -187,7 +187,7 @@ pub async fn mark_intents_submitted(
 /// A settle function's call as a query, with its first four arguments bound.
 type SettleCall<'q> = QueryAs<'q, Postgres, SettleRow, PgArguments>;
 
-/// Runs `call`, a settle function taking the tenants, cross-tenant, intent ids and lease
+/// Runs `call`, a settle function taking the tenants, their proof, intent ids and lease
 /// ids as `$1`–`$4` and whatever `bind_rest` binds after them, in its own transaction on
 /// the pool: one round trip, retried on a dead pooled connection (a settle that committed
 /// unseen is then answered as a replay). The function returns the intents it changed;
@@ -203,23 +203,16 @@ async fn settle_in_one_call(
 ) -> Result<Vec<ItemResult>> {
     let pool = pools.for_scope(scope.tenants);
     let pairs = pairs(leases.iter().copied());
-    let (tenants, cross) = scope_settings(scope.tenants);
+    let settings = pools.scope_settings(scope.tenants);
     let (ids, mut lease_ids) = split(&pairs);
     if !scope.key_regions.is_empty() {
-        keep_to_key_regions(
-            pool,
-            (&tenants, cross),
-            scope.key_regions,
-            &ids,
-            &mut lease_ids,
-        )
-        .await?;
+        keep_to_key_regions(pool, &settings, scope.key_regions, &ids, &mut lease_ids).await?;
     }
     let changed: Vec<SettleRow> = on_live_connection(pool, || {
         bind_rest(
             sqlx::query_as(call)
-                .bind(&tenants)
-                .bind(cross)
+                .bind(&settings.tenants)
+                .bind(&settings.proof)
                 .bind(&ids)
                 .bind(&lease_ids),
         )
@@ -250,15 +243,15 @@ async fn settle_in_one_call(
 /// Enqueue, so the answer holds until the settle runs.
 async fn keep_to_key_regions(
     pool: &PgPool,
-    (tenants, cross): (&str, &str),
+    scope: &ScopeSettings,
     key_regions: &[String],
     ids: &[Uuid],
     lease_ids: &mut [Uuid],
 ) -> Result<()> {
     let settleable: Vec<Uuid> = on_live_connection(pool, || {
         sqlx::query_scalar("SELECT * FROM outbox.settleable_in_regions($1, $2, $3, $4)")
-            .bind(tenants)
-            .bind(cross)
+            .bind(&scope.tenants)
+            .bind(&scope.proof)
             .bind(ids)
             .bind(key_regions)
             .fetch_all(pool)
@@ -273,7 +266,7 @@ async fn keep_to_key_regions(
     Ok(())
 }
 
-/// The Ack function's call: `$1` tenants, `$2` cross-tenant, `$3` intent ids, `$4` lease
+/// The Ack function's call: `$1` tenants, `$2` their proof, `$3` intent ids, `$4` lease
 /// ids, `$5` now (or NULL).
 macro_rules! ack_call {
     () => {

@@ -186,7 +186,7 @@ pub async fn promote_staged_intents(
                 finished_at = CASE WHEN finished.status = 'aborted'
                                    THEN coalesce($2::timestamptz, now()) END,
                 -- Claimable from now on, not from the Enqueue: claims look from a floor
-                -- behind the newest intent taken (outbox::claim_floor), and an intent of a
+                -- behind the newest intent taken (outbox::claim::floor), and an intent of a
                 -- transaction that stayed open for a while would sort behind it.
                 available_at = CASE WHEN finished.status = 'committed'
                                     THEN greatest(i.available_at, coalesce($2::timestamptz, now()))

@@ -78,7 +78,7 @@ pub struct RunArgs {
 mod inject;
 
 pub(crate) fn parse_duration(value: &str) -> Result<Duration, String> {
-    outboxd::config::duration(value)
+    humantime::parse_duration(value).map_err(|e| e.to_string())
 }
 
 struct Replica {

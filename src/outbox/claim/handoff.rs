@@ -9,7 +9,7 @@
 //! intent that already exists), enqueued directly (two-phase ones are STAGED until their
 //! producer commits), to a claimer whose tenants, region and kinds take them, up to its
 //! `max_intents`. A claimer waits only after a look found nothing (or when its group had
-//! just drained the queue, `outbox::drained`), so what it is handed comes after everything
+//! just drained the queue, `outbox::claim::drained`), so what it is handed comes after everything
 //! it could have leased; the rest of the batch stays PENDING and is announced
 //! as before. Claims of other replicas are woken by the announcement, as before.
 //!
@@ -31,10 +31,10 @@ use std::time::Duration;
 use prometheus_client::metrics::counter::Counter;
 use tokio::sync::oneshot;
 
-use super::clock::Clock;
-use super::notify::PendingSignal;
-use super::store::{self, Pools, TenantScope};
-use super::{Intent, IntentId, NewIntent, Schedule};
+use crate::outbox::clock::Clock;
+use crate::outbox::notify::PendingSignal;
+use crate::outbox::store::{self, Pools, TenantScope};
+use crate::outbox::{Intent, IntentId, NewIntent, Schedule};
 
 /// How long a claimer whose wait ended waits for the outcome of an enqueue that had taken
 /// it. An insert and commit take milliseconds; past this the database is stalled, and the

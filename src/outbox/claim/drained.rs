@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::notify::Mark;
+use crate::outbox::notify::Mark;
 
 /// Groups remembered at most; past it all are forgotten (each looks once more).
 const MAX_GROUPS: usize = 4096;
@@ -30,14 +30,14 @@ const MAX_GROUPS: usize = 4096;
 /// count and the turns given.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Seen {
-    /// The pending signal's count ([`super::notify::PendingSignal::subscribe`]).
+    /// The pending signal's count ([`crate::outbox::notify::PendingSignal::subscribe`]).
     pub signal: u64,
-    /// The turns given ([`super::notify::Turn::mark`]).
+    /// The turns given ([`crate::outbox::notify::Turn::mark`]).
     pub turns: Mark,
 }
 
 /// The drained groups of this server's claimers (by tenants and filters, the groups of
-/// [`super::notify::Turn`]).
+/// [`crate::outbox::notify::Turn`]).
 #[derive(Debug, Default)]
 pub struct DrainedGroups {
     groups: Mutex<HashMap<String, Drained>>,

@@ -31,7 +31,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use tokio::time::Instant;
 
-use super::Intent;
+use crate::outbox::Intent;
 
 /// How far behind its own time a look's floor lies (at most): wider than the time between a
 /// transition's `now()` and its commit.
@@ -74,7 +74,7 @@ impl Leased {
 }
 
 /// The floors of every group of claimers of this server (by tenants and filters, the
-/// same groups as [`super::notify::Turn`]).
+/// same groups as [`crate::outbox::notify::Turn`]).
 #[derive(Debug, Default)]
 pub struct ClaimFloors {
     groups: Mutex<HashMap<String, Floor>>,

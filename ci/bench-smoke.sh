@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 step() { printf '\n==> %s\n' "$*"; }
 
 step "build outboxd-bench (debug)"
-cargo build --locked --bin outboxd-bench
+cargo build --locked -p outboxd-bench
 
 step "npm peers (bench/package.json, pinned; skipped when npm is missing or fails)"
 if [ -d bench/node_modules/graphile-worker ] && [ -d bench/node_modules/pg-boss ]; then

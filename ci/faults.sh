@@ -28,7 +28,7 @@ for arg in "$@"; do
   case "$arg" in --duration*) limit=3h ;; esac
 done
 
-cargo build --locked --bin outboxd --bin outboxd-faults
+cargo build --locked -p outboxd -p outboxd-faults
 status=0
 timeout --kill-after=30s "${FAULTS_TIMEOUT:-$limit}" \
   target/debug/outboxd-faults run "$@" || status=$?

@@ -8,6 +8,9 @@
 //!
 //! - every intent whose producer COMMIT was acknowledged is delivered, token-only too;
 //! - no intent of an aborted transaction is claimed or delivered;
+//! - a COMMIT whose answer was lost (it may have committed even if sent after the crash
+//!   began: the old primary's backends outlive its SIGQUIT by milliseconds) is judged by
+//!   the new primary's commit log, and its intents and row follow what that says;
 //! - every OK answered before the crash (enqueues, Acks) is on the new primary;
 //! - retried stale tokens get the README's answers (ABORTED, or the recorded intents for
 //!   a replay of a committed transaction's Enqueue), and no enqueue is ever told
@@ -28,6 +31,7 @@ use std::time::Duration;
 use anyhow::Context;
 use outboxd::client::{Client, Credentials};
 use outboxd::embedded::{EmbeddedConfig, EmbeddedPostgres};
+use outboxd::outbox::token::TxnToken;
 use outboxd::proto::v1;
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio::net::{TcpListener, TcpStream};
@@ -99,7 +103,11 @@ enum TxnKind {
 enum Ending {
     /// COMMIT answered OK.
     Committed,
-    /// COMMIT sent, no answer: either.
+    /// COMMIT sent, no answer: either. Which one is read from the new primary's commit
+    /// log once the load stops (`resolve_unknown_commits`): a COMMIT sent after the crash
+    /// began may still commit, because the old primary's backends outlive its SIGQUIT by
+    /// milliseconds (one committed 11 ms after "received immediate shutdown request", and
+    /// reached the standby).
     CommitUnknown,
     /// Rolled back on purpose, or its connection died before COMMIT was sent.
     Aborted,
@@ -117,6 +125,21 @@ struct Txn {
     ending: Ending,
     /// When COMMIT was sent (µs since the run began), if it was.
     commit_sent_at: Option<u64>,
+    /// For [`Ending::CommitUnknown`]: whether it committed, as the new primary's commit log
+    /// says (`resolve_unknown_commits`).
+    committed_in_fact: Option<bool>,
+}
+
+impl Txn {
+    /// Whether the transaction committed: as its producer was told, or, when the COMMIT
+    /// lost its answer, as the new primary's commit log says.
+    fn committed(&self) -> bool {
+        match self.ending {
+            Ending::Committed => true,
+            Ending::Aborted => false,
+            Ending::CommitUnknown => self.committed_in_fact == Some(true),
+        }
+    }
 }
 
 /// Everything the tasks observed.
@@ -528,6 +551,17 @@ async fn scenario(args: &FailoverArgs, seed: u64, dir: &Path) -> anyhow::Result<
     ] {
         sqlx::raw_sql(statement).execute(&mut promote).await?;
     }
+    // The first transaction id of the new primary's life, taken before anything else can
+    // write to it (r1's forwarding address still leads to the dead primary, r2 is down):
+    // replay moved the next id past every id in the WAL it received, so an old primary's
+    // transaction at or above this one left nothing on the new primary, and one below it
+    // reads as it ended there (see resolve_unknown_commits). Should autovacuum take an id
+    // first, an old id at or above that one could read as its commit: a false failure
+    // (intents of an aborted transaction expected delivered), never a false pass.
+    let first_new_xid: String = sqlx::query_scalar("SELECT pg_current_xact_id()::text")
+        .fetch_one(&mut promote)
+        .await?;
+    let first_new_xid: u64 = first_new_xid.parse()?;
     forwarder.move_to(clusters.standby_port);
     *r2_url.lock().unwrap_or_else(PoisonError::into_inner) =
         url(clusters.standby_port, SERVICE_ROLE);
@@ -541,10 +575,14 @@ async fn scenario(args: &FailoverArgs, seed: u64, dir: &Path) -> anyhow::Result<
         let _ = producer.await;
     }
 
+    let admin = PgPool::connect(&url(clusters.standby_port, "postgres")).await?;
+    let unknown = resolve_unknown_commits(&shared, &admin, first_new_xid, crashed_at).await?;
+    say(&format!(
+        "COMMITs without an answer, by the new primary's commit log: {unknown}"
+    ));
     retry_stale_tokens(&shared, &mut rng, crashed_at).await;
 
     // Drain: nothing live left on the new primary.
-    let admin = PgPool::connect(&url(clusters.standby_port, "postgres")).await?;
     let drained = drain(&admin).await?;
     say(&format!("drained: {drained}"));
     stop_workers.cancel();
@@ -702,6 +740,7 @@ async fn transaction(
         enqueued_at: shared.now(),
         ending: Ending::Aborted,
         commit_sent_at: None,
+        committed_in_fact: None,
     };
     // The rest of the producer's transaction: the window a crash may hit.
     tokio::time::sleep(rng.millis(2, 20)).await;
@@ -820,30 +859,99 @@ async fn work(shared: Arc<Shared>, seed: u64, stop: CancellationToken) {
     }
 }
 
+/// Settles every COMMIT that lost its answer by the new primary's commit log; returns a
+/// summary. Neither the producer nor the instant of the crash can tell: the old primary's
+/// backends go on for milliseconds after its SIGQUIT, and a commit made then reaches the
+/// synchronous standby although its answer never reaches the producer.
+///
+/// A token of the new primary's life reads as it is (`pg_xact_status`). One of the old
+/// primary's life reads so when its id is below `first_new_xid`: the standby replayed every
+/// record of the old primary it received, so its commit log says which of those ids
+/// committed, and the new primary has handed no id below that one to anyone. An id at or
+/// above it wrote nothing the standby received, its commit record included: aborted
+/// (`pg_xact_status` would answer for whatever stranger the new primary gave the id to).
+async fn resolve_unknown_commits(
+    shared: &Shared,
+    admin: &PgPool,
+    first_new_xid: u64,
+    crashed_at: u64,
+) -> anyhow::Result<String> {
+    let life: i64 = sqlx::query_scalar("SELECT outbox.server_incarnation()")
+        .fetch_one(admin)
+        .await?;
+    let unknown: Vec<(usize, String, bool)> = shared
+        .seen()
+        .txns
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.ending == Ending::CommitUnknown)
+        .map(|(index, t)| {
+            let late = t.commit_sent_at.is_some_and(|at| at > crashed_at);
+            (index, t.token.clone(), late)
+        })
+        .collect();
+    let mut settled = Vec::new();
+    for (index, token, late) in unknown {
+        let parsed: TxnToken = token
+            .parse()
+            .map_err(|e| anyhow::anyhow!("the producer's token {token} {e}"))?;
+        let committed = if parsed.incarnation != life as u64 && parsed.xid >= first_new_xid {
+            false
+        } else {
+            let status: Option<String> =
+                sqlx::query_scalar("SELECT pg_xact_status($1::text::xid8)")
+                    .bind(parsed.xid.to_string())
+                    .fetch_one(admin)
+                    .await?;
+            match status.as_deref() {
+                Some("committed") => true,
+                Some("aborted") => false,
+                other => anyhow::bail!(
+                    "transaction {} (token {token}) reads {other:?} on the new primary after the load",
+                    parsed.xid
+                ),
+            }
+        };
+        settled.push((index, committed, late));
+    }
+    let mut seen = shared.seen();
+    for &(index, committed, _) in &settled {
+        seen.txns[index].committed_in_fact = Some(committed);
+    }
+    let committed = settled.iter().filter(|(_, c, _)| *c).count();
+    let late = settled.iter().filter(|(_, c, late)| *c && *late).count();
+    Ok(format!(
+        "{} transactions: {committed} committed ({late} of them sent after the crash began), {} aborted",
+        settled.len(),
+        settled.len() - committed
+    ))
+}
+
 /// Retries, on the new primary, the Enqueues of transactions from before the crash: a
-/// committed one's (a replay: the recorded intents) and those of transactions the crash
-/// ended before their COMMIT was sent (ABORTED).
+/// committed one's (a replay: the recorded intents) and those of transactions that did not
+/// commit (ABORTED). Every COMMIT that lost its answer is retried, by what the new
+/// primary's commit log says it did (`resolve_unknown_commits`); then the last 10 others
+/// of each kind.
 async fn retry_stale_tokens(shared: &Shared, rng: &mut Rng, crashed_at: u64) {
     let txns = shared.seen().txns.clone();
-    let committed = txns
+    let before: Vec<&Txn> = txns.iter().filter(|t| t.enqueued_at < crashed_at).collect();
+    let unknown = before.iter().filter(|t| t.ending == Ending::CommitUnknown);
+    let committed = before
         .iter()
-        .filter(|t| t.ending == Ending::Committed && t.enqueued_at < crashed_at)
+        .filter(|t| t.ending == Ending::Committed)
         .rev()
         .take(10);
-    let dead = txns
+    let dead = before
         .iter()
-        .filter(|t| {
-            t.enqueued_at < crashed_at
-                && (t.ending == Ending::Aborted
-                    || (t.ending == Ending::CommitUnknown
-                        && t.commit_sent_at.is_some_and(|at| at > crashed_at)))
-        })
+        .filter(|t| t.ending == Ending::Aborted)
         .rev()
         .take(10);
-    for (txn, expected) in committed
-        .map(|t| (t, "OK (replay)"))
-        .chain(dead.map(|t| (t, "Aborted/TXN_ABORTED")))
-    {
+    for txn in unknown.chain(committed).chain(dead) {
+        let expected = if txn.committed() {
+            "OK (replay)"
+        } else {
+            "Aborted/TXN_ABORTED"
+        };
         let message = v1::EnqueueRequest {
             intents: txn.intents.clone(),
             txn_token: txn.token.clone(),
@@ -1009,16 +1117,9 @@ async fn check(
         !sentinel.is_empty() && sentinel_states.iter().all(|s| *s == "delivered"),
     ));
 
-    // Aborted transactions: nothing claimed or delivered.
-    let aborted: Vec<&Txn> = seen
-        .txns
-        .iter()
-        .filter(|t| {
-            t.ending == Ending::Aborted
-                || (t.ending == Ending::CommitUnknown
-                    && t.commit_sent_at.is_some_and(|at| at > crashed_at))
-        })
-        .collect();
+    // Aborted transactions (COMMITs without an answer by the new primary's commit log):
+    // nothing claimed or delivered.
+    let aborted: Vec<&Txn> = seen.txns.iter().filter(|t| !t.committed()).collect();
     let leaked: Vec<String> = aborted
         .iter()
         .flat_map(|t| &t.ids)
@@ -1036,7 +1137,9 @@ async fn check(
         leaked.is_empty(),
     ));
 
-    // A COMMIT whose answer was lost: its row and its intents went the same way.
+    // A COMMIT whose answer was lost: its intents delivered iff the new primary's commit
+    // log says it committed, and its row (if it wrote one) there iff so too; the row
+    // checks that reading of the commit log.
     let unknown: Vec<&Txn> = seen
         .txns
         .iter()
@@ -1045,23 +1148,30 @@ async fn check(
     let split: Vec<String> = unknown
         .iter()
         .filter_map(|t| {
+            let committed = t.committed();
             let delivered = t.ids.iter().all(|id| state(id) == "delivered");
             let gone = t
                 .ids
                 .iter()
                 .all(|id| state(id) != "delivered" && !seen.claimed.contains(id));
-            let consistent = match t.order {
-                Some(order) if orders.contains(&order) => delivered,
-                Some(_) => gone,
-                None => delivered || gone,
-            };
-            (!consistent).then(|| format!("{:?} order {:?}", t.ids, t.order))
+            let row_follows = t
+                .order
+                .is_none_or(|order| orders.contains(&order) == committed);
+            let consistent = row_follows && if committed { delivered } else { gone };
+            (!consistent).then(|| {
+                let states: Vec<&str> = t.ids.iter().map(state).collect();
+                format!(
+                    "{:?} {states:?} order {:?}, committed: {committed}",
+                    t.ids, t.order
+                )
+            })
         })
         .collect();
+    let unknown_committed = unknown.iter().filter(|t| t.committed()).count();
     rows.push((
         "COMMITs without an answer: intents follow the transaction".to_owned(),
         format!(
-            "{} transactions, {} split {:?}",
+            "{} transactions ({unknown_committed} committed), {} split {:?}",
             unknown.len(),
             split.len(),
             split.iter().take(3).collect::<Vec<_>>()
@@ -1133,7 +1243,7 @@ async fn check(
     rows.push((
         "stale tokens retried after the failover: the README's answers".to_owned(),
         format!(
-            "{} replays of committed enqueues, {} tokens of transactions the crash ended; {} wrong {:?}; TXN_COMMITTED answers: {committed_answers}",
+            "{} replays of committed enqueues, {} tokens of transactions that did not commit; {} wrong {:?}; TXN_COMMITTED answers: {committed_answers}",
             count("OK (replay)"),
             count("Aborted/TXN_ABORTED"),
             wrong.len(),

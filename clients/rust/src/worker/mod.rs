@@ -1,0 +1,918 @@
+//! The managed worker loop: claims only for free handler slots (long-polling, each Claim
+//! with a `request_id` its retries reuse), runs one tokio task per leased intent, extends
+//! every live lease, settles in batches, and drains on shutdown.
+
+mod job;
+mod lease;
+mod settle;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use self::job::FailureKind;
+pub use self::job::{Failure, Job};
+use self::lease::LeaseState;
+use self::settle::{Outcome, Settle};
+use crate::connection::{Backoff, CallOptions, Connection, Retry};
+use crate::error::Error;
+use crate::proto::{self, FailOutcome};
+use crate::proto_duration;
+
+/// Most leases per Claim and items per settle or heartbeat call (the server's default
+/// batch limit).
+const MAX_BATCH: usize = 1000;
+
+/// Per-item reasons meaning "this lease is not ours any more".
+const LOST_REASONS: [&str; 3] = ["LEASE_LOST", "NOT_FOUND", "INVALID_STATE"];
+
+type HandlerFuture = Pin<Box<dyn Future<Output = Result<(), Failure>> + Send>>;
+type Handler = Arc<dyn Fn(Job) -> HandlerFuture + Send + Sync>;
+
+/// Counters since the worker was built (a snapshot: [`Worker::stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WorkerStats {
+    /// Leases received from Claim.
+    pub claimed: u64,
+    /// Acks the server applied.
+    pub acked: u64,
+    /// Fails the server applied (any outcome).
+    pub failed: u64,
+    /// Leases found lost (a heartbeat, MarkSubmitted or settle answered `LEASE_LOST`, or
+    /// the lease expired before an extension got through).
+    pub lease_lost: u64,
+    /// ExtendLease calls that failed as a whole, or items they could not extend.
+    pub heartbeat_failures: u64,
+    /// Claim attempts retried after a transient failure (with the same `request_id`).
+    pub claim_retries: u64,
+    /// Settle items refused for another reason than a lost lease, or not answered.
+    pub settle_errors: u64,
+    /// Handlers running now.
+    pub running: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counter(AtomicU64);
+
+impl Counter {
+    fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn sub(&self, n: u64) {
+        self.0.fetch_sub(n, Ordering::Relaxed);
+    }
+
+    fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    claimed: Counter,
+    acked: Counter,
+    failed: Counter,
+    lease_lost: Counter,
+    heartbeat_failures: Counter,
+    claim_retries: Counter,
+    settle_errors: Counter,
+    running: Counter,
+}
+
+#[derive(Debug)]
+struct Config {
+    worker_id: String,
+    region: String,
+    /// The Claim filter.
+    kinds: Vec<String>,
+    concurrency: usize,
+    lease: Duration,
+    heartbeat: Duration,
+    claim_wait: Duration,
+    grace: Duration,
+    settle_delay: Duration,
+}
+
+/// What every task of a running worker shares.
+struct Shared {
+    connection: Connection,
+    config: Config,
+    handlers: HashMap<String, Handler>,
+    /// Live leases by lease id: the heartbeats extend these.
+    leases: Mutex<HashMap<String, Arc<LeaseState>>>,
+    stats: Counters,
+    running: AtomicBool,
+}
+
+/// Builds a [`Worker`]; see [`Worker::builder`].
+pub struct WorkerBuilder {
+    connection: Connection,
+    handlers: HashMap<String, Handler>,
+    duplicate: Option<String>,
+    worker_id: Option<String>,
+    region: String,
+    kinds: Option<Vec<String>>,
+    concurrency: usize,
+    lease: Duration,
+    claim_wait: Duration,
+    grace: Duration,
+    settle_delay: Duration,
+}
+
+impl WorkerBuilder {
+    /// Registers the handler of one kind: an async closure (or any function) taking the
+    /// [`Job`] and returning `Result<(), Failure>`. `Ok` acks; the [`Failure`] says how it
+    /// failed. It runs in a task of its own, so it must be `Send + 'static`.
+    ///
+    /// ```no_run
+    /// # fn f(builder: outboxd_client::WorkerBuilder) -> outboxd_client::WorkerBuilder {
+    /// use outboxd_client::{Failure, Job};
+    /// builder.handler("email.send", |job: Job| async move {
+    ///     let address = std::str::from_utf8(job.payload())?; // any error: a retry
+    ///     if address.is_empty() {
+    ///         return Err(Failure::permanent("no address")); // dead-lettered
+    ///     }
+    ///     Ok(()) // acked
+    /// })
+    /// # }
+    /// ```
+    pub fn handler<F, Fut>(mut self, kind: impl Into<String>, handler: F) -> Self
+    where
+        F: Fn(Job) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), Failure>> + Send + 'static,
+    {
+        let kind = kind.into();
+        let handler: Handler = Arc::new(move |job| Box::pin(handler(job)));
+        if self.handlers.insert(kind.clone(), handler).is_some() {
+            self.duplicate.get_or_insert(kind);
+        }
+        self
+    }
+
+    /// Sent as `worker_id` (default `<hostname>-<pid>-<random>`): names the worker in
+    /// listings and scopes its Claim replays.
+    pub fn worker_id(mut self, worker_id: impl Into<String>) -> Self {
+        self.worker_id = Some(worker_id.into());
+        self
+    }
+
+    /// The worker's region: it gets that region's intents and region-less ones (default:
+    /// any region).
+    pub fn region(mut self, region: impl Into<String>) -> Self {
+        self.region = region.into();
+        self
+    }
+
+    /// The kinds to claim (default: the kinds with a handler). An intent of a kind without
+    /// a handler is then failed `PERMANENT` with a message saying so; an empty list claims
+    /// every kind.
+    pub fn kinds<I, S>(mut self, kinds: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.kinds = Some(kinds.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Handlers running at once (default 16): a Claim never asks for more leases than
+    /// there are free slots.
+    pub fn concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = concurrency;
+        self
+    }
+
+    /// The lease asked for with each Claim (default 30 s, at least 1 s); heartbeats extend
+    /// live leases every third of it.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// How long a Claim long-polls when there is no work (default 5 s).
+    pub fn claim_wait(mut self, wait: Duration) -> Self {
+        self.claim_wait = wait;
+        self
+    }
+
+    /// How long running handlers may finish after shutdown begins (default 30 s).
+    pub fn grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
+        self
+    }
+
+    /// How long an Ack or Fail waits for others to share its call (default 2 ms).
+    pub fn settle_delay(mut self, delay: Duration) -> Self {
+        self.settle_delay = delay;
+        self
+    }
+
+    /// The worker.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`]: two handlers for one kind, no handler and no kinds, a
+    /// concurrency of 0, or a lease shorter than 1 s.
+    pub fn build(self) -> Result<Worker, Error> {
+        if let Some(kind) = self.duplicate {
+            return Err(Error::Invalid(format!(
+                "outboxd worker: two handlers for kind {kind}"
+            )));
+        }
+        if self.handlers.is_empty() && self.kinds.is_none() {
+            return Err(Error::Invalid(
+                "outboxd worker: no handler registered (WorkerBuilder::handler)".into(),
+            ));
+        }
+        if self.concurrency == 0 {
+            return Err(Error::Invalid(
+                "outboxd worker: concurrency must be at least 1".into(),
+            ));
+        }
+        if self.lease < Duration::from_secs(1) {
+            return Err(Error::Invalid(
+                "outboxd worker: the lease must be at least 1 s".into(),
+            ));
+        }
+        let kinds = self.kinds.unwrap_or_else(|| {
+            let mut kinds: Vec<String> = self.handlers.keys().cloned().collect();
+            kinds.sort();
+            kinds
+        });
+        let config = Config {
+            worker_id: self.worker_id.unwrap_or_else(default_worker_id),
+            region: self.region,
+            kinds,
+            concurrency: self.concurrency,
+            lease: self.lease,
+            heartbeat: self.lease / 3,
+            claim_wait: self.claim_wait,
+            grace: self.grace,
+            settle_delay: self.settle_delay,
+        };
+        Ok(Worker {
+            shared: Arc::new(Shared {
+                connection: self.connection,
+                config,
+                handlers: self.handlers,
+                leases: Mutex::new(HashMap::new()),
+                stats: Counters::default(),
+                running: AtomicBool::new(false),
+            }),
+        })
+    }
+}
+
+/// Leases intents from outboxd and runs the handler registered for their kind.
+///
+/// ```no_run
+/// # async fn f(connection: outboxd_client::Connection) -> Result<(), outboxd_client::Error> {
+/// use outboxd_client::{Failure, Job, Worker};
+/// let worker = Worker::builder(connection)
+///     .concurrency(16)
+///     .handler("email.send", |job: Job| async move {
+///         println!("sending {} (attempt {})", job.id(), job.attempt());
+///         Ok::<_, Failure>(())
+///     })
+///     .build()?;
+/// worker.run().await // until SIGTERM or Ctrl-C, then drains
+/// # }
+/// ```
+///
+/// What it does for you:
+/// - **Claims only for free slots**: `max_intents` is the number of idle handler slots
+///   (at most 1,000), so it never holds a lease it cannot start. It long-polls.
+/// - **Replays lost claims**: each Claim has a `request_id`; a transient failure is
+///   retried with the same id (on the next endpoint), so the leases a lost answer
+///   carried are returned instead of stranded until they expire.
+/// - **Heartbeats**: every third of the lease, live leases are extended in one
+///   `ExtendLease` call. A lease answered `LEASE_LOST`, or whose local expiry (counted
+///   from when the Claim was sent) passes without an extension, is lost: its handler is
+///   cancelled ([`Job::cancellation_token`] fires, then its task is aborted) and nothing
+///   is reported for it.
+/// - **Batched settles**: Acks and Fails go out in one call each; each item's result is
+///   applied on its own; a call that gets no answer is retried with the same items.
+/// - **Failover**: transient failures move to the next endpoint (see [`Connection`]).
+/// - **Drain**: when the shutdown future resolves, it stops claiming (a long poll in
+///   flight is cancelled: the server gives back what it took), running handlers get the
+///   grace, every settle is sent, and handlers still running are aborted and failed
+///   `RETRY` (`UNKNOWN` once submitted). Then `run_until` returns.
+///
+/// Dropping the future of `run_until` instead stops everything at once, like a crash:
+/// nothing more is reported, and the leases expire.
+#[derive(Clone)]
+pub struct Worker {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("worker_id", &self.shared.config.worker_id)
+            .field("kinds", &self.shared.config.kinds)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Worker {
+    /// A worker calling outboxd through `connection`; add handlers, then `build()`.
+    pub fn builder(connection: Connection) -> WorkerBuilder {
+        WorkerBuilder {
+            connection,
+            handlers: HashMap::new(),
+            duplicate: None,
+            worker_id: None,
+            region: String::new(),
+            kinds: None,
+            concurrency: 16,
+            lease: Duration::from_secs(30),
+            claim_wait: Duration::from_secs(5),
+            grace: Duration::from_secs(30),
+            settle_delay: Duration::from_millis(2),
+        }
+    }
+
+    /// The `worker_id` sent with Claim.
+    pub fn worker_id(&self) -> &str {
+        &self.shared.config.worker_id
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> WorkerStats {
+        let s = &self.shared.stats;
+        WorkerStats {
+            claimed: s.claimed.get(),
+            acked: s.acked.get(),
+            failed: s.failed.get(),
+            lease_lost: s.lease_lost.get(),
+            heartbeat_failures: s.heartbeat_failures.get(),
+            claim_retries: s.claim_retries.get(),
+            settle_errors: s.settle_errors.get(),
+            running: s.running.get(),
+        }
+    }
+
+    /// Runs until SIGTERM or SIGINT (Ctrl-C), then drains; see [`Worker::run_until`].
+    ///
+    /// # Errors
+    /// As [`Worker::run_until`].
+    pub async fn run(&self) -> Result<(), Error> {
+        self.run_until(shutdown_signal()).await
+    }
+
+    /// Claims and handles intents until `shutdown` resolves (a signal, a
+    /// `CancellationToken::cancelled()`, a channel), then drains: no new claims, running
+    /// handlers get the grace, every settle is sent, and the handlers still running are
+    /// aborted and failed `RETRY` (`UNKNOWN` once submitted). Returns after the drain.
+    ///
+    /// # Errors
+    /// A Claim refused for a reason a retry cannot cure (`UNAUTHENTICATED`,
+    /// `PERMISSION_DENIED`, `INVALID_ARGUMENT`): the worker drains and returns it.
+    /// [`Error::Invalid`] if this worker is running already.
+    pub async fn run_until<F: Future>(&self, shutdown: F) -> Result<(), Error> {
+        if self.shared.running.swap(true, Ordering::AcqRel) {
+            return Err(Error::Invalid(
+                "outboxd worker: this worker is running already".into(),
+            ));
+        }
+        let _running = ClearOnDrop(&self.shared.running);
+        let shared = &self.shared;
+        // Leases a crashed (dropped) run left behind are not ours to extend.
+        shared
+            .leases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        let stop = CancellationToken::new();
+        let (settle_tx, settle_rx) = mpsc::unbounded_channel();
+        // Owned by this future: dropping it (a crash) stops them too.
+        let heartbeats = AbortOnDrop(tokio::spawn(shared.clone().heartbeat_loop()));
+        let settler = AbortOnDrop(tokio::spawn(settle::settle_loop(shared.clone(), settle_rx)));
+        let mut jobs = JoinSet::new();
+
+        let fatal = {
+            let claims = shared.claim_loop(&stop, &mut jobs, &settle_tx);
+            tokio::pin!(claims, shutdown);
+            let mut shutting_down = false;
+            loop {
+                tokio::select! {
+                    fatal = &mut claims => break fatal,
+                    () = async { (&mut shutdown).await; }, if !shutting_down => {
+                        shutting_down = true;
+                        stop.cancel();
+                    }
+                }
+            }
+        };
+
+        shared.drain(&mut jobs).await;
+        drop(settle_tx);
+        let mut settler = settler;
+        let _ = (&mut settler.0).await;
+        drop(heartbeats);
+        match fatal {
+            Some(error) => Err(error),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Shared {
+    /// Claims for free slots until `stop`; a refusal no retry can cure ends it (returned).
+    async fn claim_loop(
+        self: &Arc<Self>,
+        stop: &CancellationToken,
+        jobs: &mut JoinSet<()>,
+        settles: &mpsc::UnboundedSender<Settle>,
+    ) -> Option<Error> {
+        let slots = Arc::new(Semaphore::new(self.config.concurrency));
+        loop {
+            while jobs.try_join_next().is_some() {}
+            let first = tokio::select! {
+                biased;
+                () = stop.cancelled() => return None,
+                permit = slots.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
+            };
+            let mut permits = vec![first];
+            while permits.len() < MAX_BATCH {
+                match slots.clone().try_acquire_owned() {
+                    Ok(permit) => permits.push(permit),
+                    Err(_) => break,
+                }
+            }
+            let claimed = tokio::select! {
+                biased;
+                // Leases already taken are run even if a stop came meanwhile: they were
+                // claimed before it, and get the grace like any other.
+                claimed = self.claim(permits.len()) => claimed,
+                // A cancelled long poll gives back whatever it leased.
+                () = stop.cancelled() => return None,
+            };
+            match claimed {
+                Ok((leases, leased_at)) => {
+                    for lease in leases {
+                        self.start(lease, leased_at, permits.pop(), jobs, settles);
+                    }
+                }
+                Err(error) => {
+                    tracing::error!(worker = %self.config.worker_id, "outboxd Claim refused: {error}");
+                    return Some(error);
+                }
+            }
+        }
+    }
+
+    /// One logical Claim of up to `n` leases: retried with the same `request_id` until
+    /// it is answered, so a lost answer's leases are returned by the replay. Also returns
+    /// when the leases began, on this clock.
+    async fn claim(&self, n: usize) -> Result<(Vec<proto::Lease>, Instant), Error> {
+        let config = &self.config;
+        let request = proto::ClaimRequest {
+            worker_id: config.worker_id.clone(),
+            region: config.region.clone(),
+            kinds: config.kinds.clone(),
+            max_intents: i32::try_from(n).unwrap_or(i32::MAX),
+            lease_duration: Some(proto_duration(config.lease)),
+            wait: Some(proto_duration(config.claim_wait)),
+            request_id: Uuid::new_v4().to_string(),
+        };
+        let timeout = self.connection.call_timeout();
+        let options =
+            CallOptions::new(config.claim_wait + timeout).budget(config.lease.max(timeout));
+        let first_sent = Instant::now();
+        let mut retried = false;
+        let mut backoff = Backoff::default();
+        loop {
+            let answer = self
+                .connection
+                .call_counted(
+                    options,
+                    |_| {
+                        retried = true;
+                        self.stats.claim_retries.add(1);
+                    },
+                    |mut client| {
+                        let request = request.clone();
+                        async move { client.claim(request).await }
+                    },
+                )
+                .await;
+            match answer {
+                Ok(answer) => {
+                    // A replay returns leases the first attempt took: count from its
+                    // send. A first answer's leases began about when it was made (a long
+                    // poll answers as it leases).
+                    let answered = Instant::now();
+                    let leased_at = if retried {
+                        first_sent
+                    } else {
+                        answered
+                            .checked_sub(Duration::from_secs(1))
+                            .map_or(first_sent, |t| t.max(first_sent))
+                    };
+                    return Ok((answer.leases, leased_at));
+                }
+                Err(Error::Status(status)) if Retry::Transient.allows(&status) => {
+                    // The budget is spent: keep the request_id and keep trying, slower.
+                    tracing::warn!(worker = %config.worker_id, "outboxd Claim: {status}");
+                    retried = true;
+                    self.stats.claim_retries.add(1);
+                    tokio::time::sleep(backoff.next()).await;
+                }
+                Err(error) => return Err(error),
+            }
+        }
+    }
+
+    fn start(
+        self: &Arc<Self>,
+        lease: proto::Lease,
+        leased_at: Instant,
+        permit: Option<OwnedSemaphorePermit>,
+        jobs: &mut JoinSet<()>,
+        settles: &mpsc::UnboundedSender<Settle>,
+    ) {
+        self.stats.claimed.add(1);
+        let Some(intent) = lease.intent else {
+            tracing::error!(lease = %lease.lease_id, "outboxd Claim answered a lease without its intent");
+            return;
+        };
+        let state = Arc::new(LeaseState::new(
+            intent.id.clone(),
+            lease.lease_id.clone(),
+            leased_at + self.config.lease,
+        ));
+        self.leases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(lease.lease_id.clone(), state.clone());
+        let job = Job::new(
+            intent,
+            lease.lease_id,
+            lease.attempt,
+            state.clone(),
+            self.clone(),
+        );
+        let shared = self.clone();
+        let settles = settles.clone();
+        self.stats.running.add(1);
+        jobs.spawn(async move {
+            let outcome = shared.run_handler(job, &state).await;
+            shared.stats.running.sub(1);
+            // The slot is free once the handler is done; its settle does not hold one.
+            drop(permit);
+            match outcome {
+                Some(outcome) if !state.is_lost() => {
+                    let settle = Settle {
+                        lease: state,
+                        outcome,
+                    };
+                    if let Err(unsent) = settles.send(settle) {
+                        shared.forget(&unsent.0.lease);
+                    }
+                }
+                _ => shared.forget(&state),
+            }
+        });
+    }
+
+    /// Runs the kind's handler in a task of its own (so a panic or an abort stays there)
+    /// and says what to report.
+    async fn run_handler(&self, job: Job, lease: &Arc<LeaseState>) -> Option<Outcome> {
+        let kind = job.kind().to_owned();
+        let Some(handler) = self.handlers.get(&kind).cloned() else {
+            let mut known: Vec<&str> = self.handlers.keys().map(String::as_str).collect();
+            known.sort_unstable();
+            let error = format!(
+                "no handler for kind {kind} in worker {} (handlers: {})",
+                self.config.worker_id,
+                if known.is_empty() {
+                    "none".to_owned()
+                } else {
+                    known.join(", ")
+                }
+            );
+            tracing::error!(intent = %lease.intent_id, "outboxd worker: {error}");
+            lease.finish();
+            return Some(fail(FailOutcome::Permanent, error, None));
+        };
+        let mut task = AbortOnDrop(tokio::spawn(async move { handler(job).await }));
+        lease.set_handler(task.0.abort_handle());
+        let result = (&mut task.0).await;
+        lease.finish();
+        let submitted = lease.is_submitted();
+        match result {
+            Ok(Ok(())) => Some(Outcome::Ack),
+            Ok(Err(failure)) => {
+                let outcome = match failure.kind() {
+                    FailureKind::LeaseLost => return None,
+                    FailureKind::Retry(_) => FailOutcome::Retry,
+                    FailureKind::Permanent => FailOutcome::Permanent,
+                    FailureKind::Unknown => FailOutcome::Unknown,
+                    // Once submitted, nobody knows whether the external call happened.
+                    FailureKind::Error if submitted => FailOutcome::Unknown,
+                    FailureKind::Error => FailOutcome::Retry,
+                };
+                let retry_after = match failure.kind() {
+                    FailureKind::Retry(after) => after,
+                    _ => None,
+                };
+                tracing::warn!(
+                    worker = %self.config.worker_id,
+                    intent = %lease.intent_id,
+                    kind = %kind,
+                    "outboxd handler failed: {failure}"
+                );
+                Some(fail(outcome, failure.message().to_owned(), retry_after))
+            }
+            Err(error) if error.is_panic() => {
+                let panic = error.into_panic();
+                let message = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a non-string payload".to_owned());
+                tracing::error!(
+                    worker = %self.config.worker_id,
+                    intent = %lease.intent_id,
+                    kind = %kind,
+                    "outboxd handler panicked: {message}"
+                );
+                let outcome = if submitted {
+                    FailOutcome::Unknown
+                } else {
+                    FailOutcome::Retry
+                };
+                Some(fail(outcome, format!("handler panicked: {message}"), None))
+            }
+            // Aborted: its lease was lost (nothing to report), or the grace ended.
+            Err(_) if lease.is_abandoned() && !lease.is_lost() => {
+                // Give it back now instead of waiting for the lease to expire. Once
+                // submitted, nobody knows whether the call happened.
+                let outcome = if submitted {
+                    FailOutcome::Unknown
+                } else {
+                    FailOutcome::Retry
+                };
+                let error = format!(
+                    "worker {} shut down before the handler finished",
+                    self.config.worker_id
+                );
+                Some(fail(outcome, error, None))
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// `Job::submitting`: MarkSubmitted for one lease.
+    async fn mark_submitted(&self, lease: &LeaseState) -> Result<(), Failure> {
+        if lease.is_submitted() {
+            return Ok(());
+        }
+        if lease.is_lost() || lease.is_abandoned() {
+            return Err(Failure::lease_lost(format!(
+                "the lease on {} was lost before MarkSubmitted",
+                lease.intent_id
+            )));
+        }
+        // Worth trying while the lease lives.
+        let left = lease
+            .expires()
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(500));
+        let options = CallOptions::new(self.connection.call_timeout().min(left)).budget(left);
+        let request = proto::MarkSubmittedRequest {
+            leases: vec![lease.reference()],
+        };
+        let answer = self
+            .connection
+            .call(options, |mut client| {
+                let request = request.clone();
+                async move { client.mark_submitted(request).await }
+            })
+            .await;
+        let answer = match answer {
+            Ok(answer) => answer,
+            // The external call has not started: a retry is safe whatever happened.
+            Err(error) => return Err(Failure::retry(format!("MarkSubmitted failed: {error}"))),
+        };
+        match answer.results.first().and_then(|r| r.error.as_ref()) {
+            None => {
+                lease.set_submitted();
+                Ok(())
+            }
+            Some(error) if LOST_REASONS.contains(&error.reason.as_str()) => {
+                self.lose(lease, "MarkSubmitted refused");
+                Err(Failure::lease_lost(format!(
+                    "MarkSubmitted refused: {} {}",
+                    error.reason, error.message
+                )))
+            }
+            Some(error) => Err(Failure::retry(format!(
+                "MarkSubmitted refused: {} {}",
+                error.reason, error.message
+            ))),
+        }
+    }
+
+    /// Marks a lease lost (its handler is cancelled); counted and logged once.
+    fn lose(&self, lease: &LeaseState, why: &str) {
+        if lease.lose() {
+            self.stats.lease_lost.add(1);
+            tracing::warn!(
+                worker = %self.config.worker_id,
+                intent = %lease.intent_id,
+                "outboxd lease lost: {why}"
+            );
+        }
+    }
+
+    fn forget(&self, lease: &LeaseState) {
+        self.leases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&lease.lease_id);
+    }
+
+    /// Extends every live lease each third of the lease; a lease whose local expiry
+    /// passes without an extension is lost (it may be rescued and re-leased by now).
+    async fn heartbeat_loop(self: Arc<Self>) {
+        let tick = self.config.heartbeat.min(Duration::from_millis(250));
+        let mut ticks = tokio::time::interval(tick);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last = Instant::now();
+        loop {
+            ticks.tick().await;
+            let now = Instant::now();
+            let live: Vec<Arc<LeaseState>> = self
+                .leases
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .values()
+                .filter(|lease| !lease.is_lost())
+                .cloned()
+                .collect();
+            for lease in &live {
+                // A lease whose settle is in flight is left to that call's answer.
+                if now >= lease.expires() && !lease.is_settling() {
+                    self.lose(lease, "it expired before a heartbeat got through");
+                }
+            }
+            if now.duration_since(last) >= self.config.heartbeat {
+                last = now;
+                let live: Vec<_> = live.into_iter().filter(|l| !l.is_lost()).collect();
+                for chunk in live.chunks(MAX_BATCH) {
+                    self.extend(chunk).await;
+                }
+            }
+        }
+    }
+
+    async fn extend(&self, leases: &[Arc<LeaseState>]) {
+        let sent = Instant::now();
+        let request = proto::ExtendLeaseRequest {
+            leases: leases.iter().map(|l| l.reference()).collect(),
+            lease_duration: Some(proto_duration(self.config.lease)),
+        };
+        let heartbeat = self.config.heartbeat;
+        let options =
+            CallOptions::new(self.connection.call_timeout().min(heartbeat)).budget(heartbeat);
+        let answer = self
+            .connection
+            .call(options, |mut client| {
+                let request = request.clone();
+                async move { client.extend_lease(request).await }
+            })
+            .await;
+        let answer = match answer {
+            Ok(answer) => answer,
+            Err(error) => {
+                self.stats.heartbeat_failures.add(1);
+                tracing::warn!(worker = %self.config.worker_id, "outboxd ExtendLease: {error}");
+                return;
+            }
+        };
+        for (lease, result) in leases.iter().zip(&answer.results) {
+            match &result.error {
+                None => lease.extend_to(sent + self.config.lease),
+                // Settled meanwhile: the settle's answer counts, not this one.
+                Some(_) if lease.is_settling() => {}
+                Some(error) if LOST_REASONS.contains(&error.reason.as_str()) => {
+                    self.lose(lease, "ExtendLease refused");
+                }
+                Some(error) => {
+                    self.stats.heartbeat_failures.add(1);
+                    tracing::warn!(
+                        worker = %self.config.worker_id,
+                        intent = %lease.intent_id,
+                        "outboxd ExtendLease refused: {} {}",
+                        error.reason,
+                        error.message
+                    );
+                }
+            }
+        }
+    }
+
+    /// After the claim loop stopped: the grace for running handlers, then those still
+    /// running are abandoned (their supervisors queue a Fail), and every supervisor ends.
+    async fn drain(&self, jobs: &mut JoinSet<()>) {
+        let deadline = Instant::now() + self.config.grace;
+        loop {
+            tokio::select! {
+                next = jobs.join_next() => if next.is_none() { return },
+                () = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+        let running: Vec<Arc<LeaseState>> = self
+            .leases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .filter(|lease| !lease.is_finished())
+            .cloned()
+            .collect();
+        if !running.is_empty() {
+            tracing::warn!(
+                worker = %self.config.worker_id,
+                count = running.len(),
+                "outboxd handlers did not finish within the grace; giving their intents back"
+            );
+        }
+        for lease in running {
+            lease.abandon();
+        }
+        while jobs.join_next().await.is_some() {}
+    }
+}
+
+fn fail(outcome: FailOutcome, error: String, retry_after: Option<Duration>) -> Outcome {
+    Outcome::Fail {
+        outcome,
+        error,
+        retry_after,
+    }
+}
+
+/// `<hostname>-<pid>-<random>`.
+fn default_worker_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "worker".to_owned());
+    let random = Uuid::new_v4().simple().to_string();
+    format!("{host}-{}-{}", std::process::id(), &random[..6])
+}
+
+/// SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(error) => {
+                tracing::warn!("outboxd worker: no SIGTERM handler ({error}); Ctrl-C only");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Aborts the task when dropped: tasks of a worker end with its `run_until` future.
+struct AbortOnDrop<T>(JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+struct ClearOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for ClearOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}

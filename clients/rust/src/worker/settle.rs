@@ -1,0 +1,289 @@
+//! Batched settles: Acks and Fails wait `settle_delay` for company and go out as one call
+//! each (never naming an intent twice), retried on transient failures with the same items
+//! (the server answers a repeat as a replay). Every item's result is applied on its own: a
+//! lost lease is counted as lost, a refusal is logged, neither fails its neighbours.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{Semaphore, mpsc};
+use tokio::task::JoinSet;
+use tonic::Code;
+
+use super::lease::LeaseState;
+use super::{LOST_REASONS, MAX_BATCH, Shared, proto_duration};
+use crate::connection::CallOptions;
+use crate::error::Error;
+use crate::proto::{self, FailOutcome, LeaseResult};
+
+/// Settle calls in flight at once.
+const FLUSHES_IN_FLIGHT: usize = 4;
+
+/// Longest `error` text sent with a Fail (the server's default limit is 4096 characters).
+const MAX_ERROR_CHARS: usize = 4000;
+
+/// What to report for one lease.
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    Ack,
+    Fail {
+        outcome: FailOutcome,
+        error: String,
+        retry_after: Option<Duration>,
+    },
+}
+
+/// A lease and what to report for it.
+#[derive(Debug)]
+pub(crate) struct Settle {
+    pub(crate) lease: Arc<LeaseState>,
+    pub(crate) outcome: Outcome,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Call {
+    Ack,
+    Fail,
+}
+
+impl Call {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Ack => "Ack",
+            Self::Fail => "Fail",
+        }
+    }
+}
+
+/// Collects settles until the channel closes, then waits for the calls in flight.
+pub(crate) async fn settle_loop(shared: Arc<Shared>, mut settles: mpsc::UnboundedReceiver<Settle>) {
+    let in_flight = Arc::new(Semaphore::new(FLUSHES_IN_FLIGHT));
+    let mut flushes = JoinSet::new();
+    while let Some(first) = settles.recv().await {
+        if !shared.config.settle_delay.is_zero() {
+            tokio::time::sleep(shared.config.settle_delay).await;
+        }
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH {
+            match settles.try_recv() {
+                Ok(settle) => batch.push(settle),
+                Err(_) => break,
+            }
+        }
+        while flushes.try_join_next().is_some() {}
+        let Ok(permit) = in_flight.clone().acquire_owned().await else {
+            break;
+        };
+        let shared = shared.clone();
+        flushes.spawn(async move {
+            shared.flush(batch).await;
+            drop(permit);
+        });
+    }
+    while flushes.join_next().await.is_some() {}
+}
+
+impl Shared {
+    async fn flush(&self, batch: Vec<Settle>) {
+        let mut acks = Vec::new();
+        let mut fails = Vec::new();
+        for settle in batch {
+            if settle.lease.is_lost() {
+                // Lost while waiting: someone else may hold the intent now.
+                self.forget(&settle.lease);
+            } else if matches!(settle.outcome, Outcome::Ack) {
+                acks.push(settle);
+            } else {
+                fails.push(settle);
+            }
+        }
+        let acks = async {
+            for chunk in distinct_intents(acks) {
+                self.settle(Call::Ack, chunk).await;
+            }
+        };
+        let fails = async {
+            for chunk in distinct_intents(fails) {
+                self.settle(Call::Fail, chunk).await;
+            }
+        };
+        tokio::join!(acks, fails);
+    }
+
+    async fn settle(&self, call: Call, items: Vec<Settle>) {
+        match self.send(call, &items).await {
+            Ok(results) => self.apply(call, &items, &results),
+            // One bad item refuses the whole call: settle each alone, so the others apply.
+            Err(error) if error.code() == Some(Code::InvalidArgument) && items.len() > 1 => {
+                for item in items {
+                    let item = [item];
+                    match self.send(call, &item).await {
+                        Ok(results) => self.apply(call, &item, &results),
+                        Err(error) => self.settle_failed(call, &item, &error),
+                    }
+                }
+            }
+            Err(error) => self.settle_failed(call, &items, &error),
+        }
+    }
+
+    async fn send(&self, call: Call, items: &[Settle]) -> Result<Vec<LeaseResult>, Error> {
+        for settle in items {
+            settle.lease.set_settling();
+        }
+        let timeout = self.connection.call_timeout();
+        // Repeating a settle with the same leases is a replay: answered OK if it applied.
+        let options = CallOptions::new(timeout).budget(self.config.lease.max(timeout));
+        match call {
+            Call::Ack => {
+                let request = proto::AckRequest {
+                    leases: items.iter().map(|s| s.lease.reference()).collect(),
+                };
+                let answer = self
+                    .connection
+                    .call(options, |mut client| {
+                        let request = request.clone();
+                        async move { client.ack(request).await }
+                    })
+                    .await?;
+                Ok(answer.results)
+            }
+            Call::Fail => {
+                let request = proto::FailRequest {
+                    failures: items.iter().map(failure).collect(),
+                };
+                let answer = self
+                    .connection
+                    .call(options, |mut client| {
+                        let request = request.clone();
+                        async move { client.fail(request).await }
+                    })
+                    .await?;
+                Ok(answer.results)
+            }
+        }
+    }
+
+    fn apply(&self, call: Call, items: &[Settle], results: &[LeaseResult]) {
+        let mut done = 0;
+        for (index, settle) in items.iter().enumerate() {
+            match results.get(index).map(|r| r.error.as_ref()) {
+                Some(None) => done += 1,
+                Some(Some(error)) if LOST_REASONS.contains(&error.reason.as_str()) => {
+                    self.lose(
+                        &settle.lease,
+                        &format!("{} refused: {}", call.name(), error.reason),
+                    );
+                }
+                Some(Some(error)) => {
+                    self.stats.settle_errors.add(1);
+                    tracing::error!(
+                        worker = %self.config.worker_id,
+                        intent = %settle.lease.intent_id,
+                        reason = %error.reason,
+                        "outboxd {} refused: {}",
+                        call.name(),
+                        error.message
+                    );
+                }
+                None => {
+                    self.stats.settle_errors.add(1);
+                    tracing::error!(
+                        worker = %self.config.worker_id,
+                        intent = %settle.lease.intent_id,
+                        "outboxd {} answered without a result for this item",
+                        call.name()
+                    );
+                }
+            }
+            self.forget(&settle.lease);
+        }
+        match call {
+            Call::Ack => self.stats.acked.add(done),
+            Call::Fail => self.stats.failed.add(done),
+        }
+    }
+
+    /// No answer within the budget: the leases expire and the intents come back (or go to
+    /// an operator, once submitted).
+    fn settle_failed(&self, call: Call, items: &[Settle], error: &Error) {
+        tracing::error!(
+            worker = %self.config.worker_id,
+            count = items.len(),
+            "outboxd {} failed: {error}",
+            call.name()
+        );
+        self.stats.settle_errors.add(items.len() as u64);
+        for settle in items {
+            self.forget(&settle.lease);
+        }
+    }
+}
+
+fn failure(settle: &Settle) -> proto::Failure {
+    let Outcome::Fail {
+        outcome,
+        error,
+        retry_after,
+    } = &settle.outcome
+    else {
+        unreachable!("only Fail outcomes are sent with Fail");
+    };
+    proto::Failure {
+        lease: Some(settle.lease.reference()),
+        error: error.chars().take(MAX_ERROR_CHARS).collect(),
+        outcome: *outcome as i32,
+        retry_after: match outcome {
+            FailOutcome::Retry => {
+                retry_after.map(|d| proto_duration(d.max(Duration::from_millis(1))))
+            }
+            _ => None,
+        },
+    }
+}
+
+/// Splits settles into calls of at most `MAX_BATCH` that never name one intent twice (a
+/// batch naming an intent twice is refused whole).
+fn distinct_intents(items: Vec<Settle>) -> Vec<Vec<Settle>> {
+    let mut batches: Vec<(HashSet<String>, Vec<Settle>)> = Vec::new();
+    for item in items {
+        let id = item.lease.intent_id.clone();
+        let slot = batches
+            .iter()
+            .position(|(ids, batch)| batch.len() < MAX_BATCH && !ids.contains(&id));
+        let index = slot.unwrap_or_else(|| {
+            batches.push((HashSet::new(), Vec::new()));
+            batches.len() - 1
+        });
+        batches[index].0.insert(id);
+        batches[index].1.push(item);
+    }
+    batches.into_iter().map(|(_, batch)| batch).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settle(intent: &str, lease: &str) -> Settle {
+        Settle {
+            lease: Arc::new(LeaseState::new(
+                intent.into(),
+                lease.into(),
+                tokio::time::Instant::now(),
+            )),
+            outcome: Outcome::Ack,
+        }
+    }
+
+    #[test]
+    fn a_call_never_names_one_intent_twice() {
+        let batches = distinct_intents(vec![settle("a", "1"), settle("b", "2"), settle("a", "3")]);
+        let ids: Vec<Vec<&str>> = batches
+            .iter()
+            .map(|b| b.iter().map(|s| s.lease.lease_id.as_str()).collect())
+            .collect();
+        assert_eq!(ids, [vec!["1", "2"], vec!["3"]]);
+    }
+}

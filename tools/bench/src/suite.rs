@@ -112,8 +112,9 @@ pub struct AllArgs {
     /// xmin), `token` (commit → claimable), `peers`. For iterating on one scenario.
     #[arg(long, value_enum, value_delimiter = ',', value_name = "SECTION")]
     pub only: Vec<SectionName>,
-    /// Folder of the peer harnesses (package.json, peer.js, pgbench/*.sql).
-    #[arg(long, value_name = "DIR", default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/bench"))]
+    /// Folder of the peer harnesses (package.json, peer.js, pgbench/*.sql): the
+    /// repository's `bench/`, two levels above this crate.
+    #[arg(long, value_name = "DIR", default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench"))]
     pub bench_dir: PathBuf,
     /// pgbench binary [pgbench on PATH, else /usr/lib/postgresql/*/bin/pgbench].
     #[arg(long, value_name = "PATH")]

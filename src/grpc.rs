@@ -165,10 +165,7 @@ impl OutboxHandler {
             direct_enqueues,
             claim_settings,
             claims,
-            delivered_rows: DeliveredRows::for_retention(
-                settings.maintenance.retention,
-                settings.retention.history_by_batch,
-            ),
+            delivered_rows: DeliveredRows::for_retention(settings.maintenance.retention),
         }
     }
 

@@ -70,16 +70,50 @@ pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<PgPool> 
 /// advisory lock while it migrates.
 ///
 /// # Errors
-/// A failed or modified migration.
+/// A database created by a build before 0.1.0 ([`refuse_pre_baseline`]), a failed or
+/// modified migration.
 pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
+    refuse_pre_baseline(pool).await?;
     crate::MIGRATOR.run(pool).await.context("migrations failed")
+}
+
+/// Refuses a database that holds migrations older than the first one this binary carries,
+/// the 0.1.0 baseline: it was created by a build before 0.1.0, whose migrations were
+/// squashed into that baseline, and cannot be upgraded. (sqlx alone would only report the
+/// first of them as missing.)
+async fn refuse_pre_baseline(pool: &PgPool) -> anyhow::Result<()> {
+    let Some(baseline) = crate::MIGRATOR.iter().map(|m| m.version).min() else {
+        return Ok(());
+    };
+    // sqlx's table, where sqlx looks for it (the first schema of the search path).
+    let recorded: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+        .fetch_one(pool)
+        .await
+        .context("cannot read the applied migrations")?;
+    if !recorded {
+        return Ok(());
+    }
+    let oldest: Option<i64> = sqlx::query_scalar("SELECT min(version) FROM _sqlx_migrations")
+        .fetch_one(pool)
+        .await
+        .context("cannot read the applied migrations")?;
+    match oldest {
+        Some(oldest) if oldest < baseline => anyhow::bail!(
+            "this database was created by a pre-0.1.0 build of outboxd (it holds migration \
+             {oldest}, older than the 0.1.0 baseline {baseline}) and cannot be upgraded: \
+             recreate it (a new database, or drop the `outbox` schema and the \
+             `_sqlx_migrations` table; for the embedded cluster, remove its data directory, \
+             OUTBOX_EMBEDDED__DATA_DIR) and migrate again (see docs/operating.md)"
+        ),
+        _ => Ok(()),
+    }
 }
 
 /// Role the embedded cluster's outboxd connects as: it owns nothing, so row-level
 /// security applies to it.
 pub const EMBEDDED_SERVICE_ROLE: &str = "outboxd_service";
 
-/// The role granted every tenant (migration `20261204000021_cross_tenant_is_granted`): its
+/// The role granted every tenant (migration `…03_baseline_tenancy`, docs/tenancy.md): its
 /// members' sessions see every tenant's rows, and the service role must not be one.
 pub const FLEET_ROLE: &str = "outboxd_fleet";
 

@@ -3,7 +3,7 @@
 -- Simpler than outboxd's statement (src/outbox/store/enqueue.rs): no idempotency keys, so
 -- no ON CONFLICT probe and no join back; ids are generated server-side, random UUIDs
 -- whose first 48 bits are the statement's Unix milliseconds, as outboxd's UUIDv7 ids: the
--- Ack files delivered intents by those bits (migration 20261203000017), so random v4 ids
+-- Ack files delivered intents by those bits (outbox.history_bucket), so random v4 ids
 -- would make every delivered intent a history row of its own.
 -- Variables: -D batch=N.
 BEGIN;

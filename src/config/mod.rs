@@ -37,8 +37,6 @@ pub struct Settings {
     /// Background sweeps and retry backoff: `OUTBOX_MAINTENANCE__*`, `OUTBOX_RETRY__BASE`
     /// and `__CAP`, `OUTBOX_RETENTION__FINISHED` and `__IDEMPOTENCY_KEYS`.
     pub maintenance: MaintenanceConfig,
-    /// How the delivered history is stored.
-    pub retention: Retention,
     /// Producer transactions.
     pub txn: Txn,
     /// API keys.
@@ -173,17 +171,6 @@ pub struct Claim {
     /// for them (`outbox::claim::handoff`), instead of waking it to look.
     #[default(true)]
     pub hand_off: bool,
-}
-
-/// `OUTBOX_RETENTION__HISTORY_BY_BATCH` (the retention periods are maintenance settings).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize, SmartDefault)]
-#[serde(default, deny_unknown_fields)]
-pub struct Retention {
-    /// Ack stores the intents it delivers a batch to a row (`outbox.delivered_batch`); off,
-    /// a row each (`outbox.intent_history`), as servers before migration 17 do: for a
-    /// rolling upgrade from them, whose reads of the batches are slow.
-    #[default(true)]
-    pub history_by_batch: bool,
 }
 
 /// `OUTBOX_TXN__*`: producer transactions.

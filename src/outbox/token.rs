@@ -4,7 +4,7 @@
 //!
 //! The incarnation is there because PostgreSQL hands a transaction id out again after a
 //! crash when nothing it wrote reached disk: the xid alone could name a stranger's
-//! transaction (see migrations/…_token_names_server_incarnation.up.sql).
+//! transaction (see `outbox.server_incarnation` in migrations/…_baseline_functions.up.sql).
 
 use std::fmt;
 use std::str::FromStr;
@@ -16,8 +16,8 @@ use std::str::FromStr;
 /// Like `outbox.txn_token()`, it writes a transactional logical-decoding message: a
 /// transaction that wrote no WAL has its COMMIT acknowledged before it is flushed (and
 /// without waiting for a synchronous standby), so a producer that wrote nothing but its
-/// token could be told COMMIT OK and lose it in a crash or a failover (migration
-/// `…19_token_transaction_writes_wal`).
+/// token could be told COMMIT OK and lose it in a crash or a failover (see `outbox.txn_token`
+/// in migration `…02_baseline_functions`).
 pub const PLAIN_TOKEN_SQL: &str = "SELECT 'v2.' || system_identifier || '.' || \
      (extract(epoch FROM least(pg_stat_get_bgwriter_stat_reset_time(), \
      (SELECT stats_reset FROM pg_stat_archiver))) * 1000000)::bigint || '.' || \

@@ -354,19 +354,3 @@ async fn in_a_backlog_older_than_the_look_back_a_claim_takes_the_rest_and_what_w
         "the rest of the backlog, oldest first, then the new intent"
     );
 }
-
-#[tokio::test]
-async fn the_previous_releases_claim_call_still_leases_during_a_rolling_upgrade() {
-    // Migration 20261201000008 gave outbox.claim a floor argument; servers of the previous
-    // release call it without one until they are replaced.
-    let app = TestApp::spawn().await;
-    let id = app.enqueue_one("job", "{}").await;
-    let leased: Vec<(uuid::Uuid, String)> = sqlx::query_as(
-        "SELECT id, state::text FROM outbox.claim($1, 'off', 'old-server', '', '{}', 10, 30000, NULL, NULL)",
-    )
-    .bind(crate::helpers::TENANT)
-    .fetch_all(&app.pool)
-    .await
-    .unwrap();
-    assert_eq!(leased, vec![(id.parse().unwrap(), "leased".to_owned())]);
-}

@@ -13,6 +13,7 @@ mod inspect;
 mod long_poll;
 mod maintenance;
 mod memory;
+mod migrations;
 mod model;
 mod observability;
 mod outage;

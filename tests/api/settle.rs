@@ -139,9 +139,10 @@ fn assert_only_lost(
     }
 }
 
-// The settles join their batch to its intents by hash (migration …13): each item must still
-// pair one intent with that intent's own lease, at the largest batch as at one. Two items
-// presenting each other's (live, real) lease ids are refused, both.
+// The settles join their batch to its intents by hash (see the settle functions in migration
+// …02_baseline_functions): each item must still pair one intent with that intent's own
+// lease, at the largest batch as at one. Two items presenting each other's (live, real)
+// lease ids are refused, both.
 #[tokio::test]
 async fn a_full_batch_settles_each_intent_only_under_its_own_lease() {
     let app = TestApp::spawn().await;

@@ -17,7 +17,6 @@ use crate::helpers::{
 /// Every relation a tenant's rows can be read through.
 const RELATIONS: &[&str] = &[
     "outbox.intent",
-    "outbox.intent_history",
     "outbox.delivered_batch",
     "outbox.resolution",
     "outbox.all_intents",
@@ -59,14 +58,12 @@ async fn attempts(app: &TestApp) -> Vec<String> {
 }
 
 /// Globex's rows in every table: a pending, a leased and a NEEDS_RECONCILE intent (through
-/// the API), a delivered one in each history table and an operator's resolution (as the
-/// superuser). Returns globex's tenant rows and its live lease.
+/// the API), a row of the delivered history (holding no items) and an operator's
+/// resolution (as the superuser). Returns globex's tenant rows and its live lease.
 async fn globex_everywhere(app: &TestApp) -> (Vec<Uuid>, v1::Lease) {
     let b = populate_globex(app).await;
     sqlx::raw_sql(
-        "INSERT INTO outbox.intent_history (id, tenant_id, kind, payload, state, max_attempts, available_at, created_at, updated_at, finished_at)
-         VALUES (gen_random_uuid(), 'globex', 'h', '', 'delivered', 5, now(), now(), now(), now());
-         INSERT INTO outbox.delivered_batch (bucket, tenant_id, region, finished_at, ids, items)
+        "INSERT INTO outbox.delivered_batch (bucket, tenant_id, region, finished_at, ids, items)
          VALUES (0, 'globex', '', now(), '{}', '{}');
          INSERT INTO outbox.resolution (tenant_id, intent_id, from_state, decision, actor, reason, resolved_at)
          VALUES ('globex', gen_random_uuid(), 'needs_reconcile', 'dead', 'op', 'test', now());",
@@ -128,7 +125,7 @@ async fn the_service_role_cannot_see_another_tenant_whatever_it_sets() {
         let claimed: Vec<String> = sqlx::query_scalar(
             "SELECT tenant_id FROM outbox.claim(coalesce(current_setting('outbox.tenants', true), ''), \
              coalesce(current_setting('outbox.scope_proof', true), ''), 'thief', '', '{}'::text[], \
-             100, 60000, NULL, NULL, NULL)",
+             100, 60000, NULL, NULL, NULL, NULL)",
         )
         .fetch_all(&mut *tx)
         .await
@@ -193,11 +190,10 @@ async fn the_fleet_role_sees_every_tenant_without_setting_anything() {
     let seen = globex_rows_seen(&mut fleet, &ids).await;
     let expected: Vec<(String, i64)> = [
         ("outbox.intent", 3),
-        ("outbox.intent_history", 1),
         ("outbox.delivered_batch", 1),
         ("outbox.resolution", 1),
         // The batch row holds no items.
-        ("outbox.all_intents", 4),
+        ("outbox.all_intents", 3),
         ("outbox.intents_by_id", 3),
     ]
     .iter()
@@ -237,10 +233,7 @@ async fn every_table_under_row_level_security_opens_to_the_fleet_grant_and_no_se
     .await
     .unwrap();
     let names: Vec<&str> = tables.iter().map(|(n, _, _)| n.as_str()).collect();
-    assert_eq!(
-        names,
-        ["delivered_batch", "intent", "intent_history", "resolution"]
-    );
+    assert_eq!(names, ["delivered_batch", "intent", "resolution"]);
     for (table, forced, fleet) in &tables {
         assert!(
             forced,
@@ -257,7 +250,7 @@ async fn every_table_under_row_level_security_opens_to_the_fleet_grant_and_no_se
     .fetch_all(&app.pool)
     .await
     .unwrap();
-    assert_eq!(others.len(), 4, "{others:?}");
+    assert_eq!(others.len(), 3, "{others:?}");
     for (policy, expr) in &others {
         assert!(
             expr.contains("current_tenants()") && !expr.contains("cross_tenant"),

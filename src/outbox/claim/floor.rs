@@ -1,6 +1,7 @@
 //! Where a claim starts looking: a floor behind the intents its group of claimers took, so
 //! that while the xmin horizon is pinned a claim does not walk the index entries of every
-//! intent claimed since (migration `20261201000008` says why they stay), and a burn-down of
+//! intent claimed since (`outbox.claim` in migration `…02_baseline_functions` says why they
+//! stay), and a burn-down of
 //! an old backlog does not walk the entries its own earlier claims left.
 //!
 //! A floor never loses an intent, it can only find it later. Every transition into PENDING

@@ -9,7 +9,7 @@ use sqlx::{Row, ValueRef};
 use uuid::Uuid;
 
 use super::access::{Pools, TenantScope, begin, on_live_connection};
-use super::{INTENT_COLUMNS, intent_at, intent_columns, millis};
+use super::{INTENT_COLUMNS, intent_at, millis};
 use crate::outbox::{Intent, IntentId, LeaseId, Result};
 
 /// Inputs of [`claim_intents`].
@@ -41,17 +41,15 @@ pub struct ClaimParams<'a> {
     pub max_bytes: usize,
 }
 
-/// The claim function's call: `$1` tenants, `$2` their proof, `$3` worker, `$4` region,
-/// `$5` kinds, `$6` most intents, `$7` lease milliseconds, `$8` request id, `$9` now (or
-/// NULL), `$10` the floor (or NULL), `$11` the byte budget.
-macro_rules! claim_call {
-    () => {
-        "outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
-    };
-}
+/// One look of a claim: `outbox.claim`, then `outbox.next_due_in` when it ran out.
+const CLAIM: &str = include_str!("sql/claim.sql");
 
-/// `claim_call!`, for the benchmark's raw-SQL ceiling (the same call, no service).
-pub const CLAIM_CALL: &str = claim_call!();
+/// The claim function's call in [`CLAIM`] (`$1` tenants, `$2` their proof, `$3` worker,
+/// `$4` region, `$5` kinds, `$6` most intents, `$7` lease milliseconds, `$8` request id,
+/// `$9` now (or NULL), `$10` the floor (or NULL), `$11` the byte budget), for the
+/// benchmark's raw-SQL ceiling: the same call, no service. A test checks that [`CLAIM`]
+/// makes it.
+pub const CLAIM_CALL: &str = "outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
 
 /// What one look of a claim found.
 #[derive(Debug)]
@@ -78,9 +76,8 @@ pub struct Claimed {
 /// due (the claimer, or the next of its group, may then wait that long without looking).
 ///
 /// One round trip: `outbox.claim` (and `outbox.next_due_in`) run in the statement's own
-/// transaction, committed before this returns (the statements and why they are shaped so:
-/// migrations `20261201000007_claim_and_ack_in_one_round_trip` and
-/// `20261201000008_claim_looks_back_from_a_floor`).
+/// transaction, committed before this returns (the functions, and why they are shaped so:
+/// migration `20261205000002_baseline_functions`).
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
@@ -95,46 +92,19 @@ pub async fn claim_intents(
     // leases, never handed to anyone, expire back to PENDING like a crashed worker's (as
     // when the reply to a COMMIT is lost), and a retry with the same request id gets them.
     let rows: Vec<PgRow> = on_live_connection(pool, || {
-        // One row per leased intent, or a single row of NULLs; each with the due time when
-        // fewer than asked were leased within the budget (the queue ran out), whether it
-        // ran out, and whether they are a replay: a claim that leased has written, so its
-        // transaction has an id, and a replay only reads. (The select list is computed once
-        // the function has returned: PL/pgSQL returns its rows all at once.)
-        sqlx::query(concat!(
-            "WITH leased AS MATERIALIZED (SELECT * FROM ",
-            claim_call!(),
-            // The weights are summed only when fewer than asked were leased (a full batch,
-            // the busy queue's case, did not run out).
-            r#"), ran_out AS MATERIALIZED (
-                SELECT CASE WHEN (SELECT count(*) FROM leased) >= $6 THEN false
-                    ELSE (SELECT coalesce(sum(outbox.reply_weight(l.payload, l.headers,
-                                                                  l.last_error)), 0) < $11
-                          FROM leased l)
-                END AS ran_out
-            ) SELECT "#,
-            intent_columns!("i"),
-            r#", due.seconds AS next_due_in,
-                pg_current_xact_id_if_assigned() IS NULL AS replayed,
-                (SELECT ran_out FROM ran_out) AS ran_out
-            FROM (VALUES (1)) AS one (x)
-            LEFT JOIN leased i ON true
-            LEFT JOIN LATERAL (
-                SELECT outbox.next_due_in($1, $2, $4, $5, $9) AS seconds
-                WHERE (SELECT ran_out FROM ran_out)
-            ) due ON true"#
-        ))
-        .bind(&scope.tenants)
-        .bind(&scope.proof)
-        .bind(params.worker_id)
-        .bind(params.region)
-        .bind(params.kinds)
-        .bind(params.max_intents)
-        .bind(millis(params.lease_duration))
-        .bind(params.request_id.map(|r| format!("{}/{r}", params.key_id)))
-        .bind(params.now)
-        .bind(params.look_back_to)
-        .bind(i64::try_from(params.max_bytes).unwrap_or(i64::MAX))
-        .fetch_all(pool)
+        sqlx::query(CLAIM)
+            .bind(&scope.tenants)
+            .bind(&scope.proof)
+            .bind(params.worker_id)
+            .bind(params.region)
+            .bind(params.kinds)
+            .bind(params.max_intents)
+            .bind(millis(params.lease_duration))
+            .bind(params.request_id.map(|r| format!("{}/{r}", params.key_id)))
+            .bind(params.now)
+            .bind(params.look_back_to)
+            .bind(i64::try_from(params.max_bytes).unwrap_or(i64::MAX))
+            .fetch_all(pool)
     })
     .await?;
     let mut claimed = Claimed {
@@ -205,4 +175,12 @@ pub async fn release_leases(
     .rows_affected();
     tx.commit().await?;
     Ok(released)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_claim_statement_makes_the_call_the_benchmark_makes() {
+        assert!(super::CLAIM.contains(super::CLAIM_CALL));
+    }
 }

@@ -10,7 +10,6 @@ use std::collections::HashMap;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::in_key_regions;
 use crate::outbox::{IntentState, Result};
 
 /// An intent as it is now.
@@ -40,11 +39,13 @@ pub async fn current_intents(
     if ids.is_empty() {
         return Ok(HashMap::new());
     }
-    let current = sqlx::query_as::<_, Current>(concat!(
-        "SELECT i.id, i.state, i.lease_id, i.attempts >= i.max_attempts AS attempts_used_up \
-         FROM outbox.intents_by_id($1) i WHERE ",
-        in_key_regions!("i", "$2"),
-    ))
+    let current = sqlx::query_as::<_, Current>(
+        r#"
+        SELECT i.id, i.state, i.lease_id, i.attempts >= i.max_attempts AS attempts_used_up
+        FROM outbox.intents_by_id($1) i
+        WHERE (cardinality($2::text[]) = 0 OR i.region = '' OR i.region = ANY($2::text[]))
+        "#,
+    )
     .bind(ids)
     .bind(key_regions)
     .fetch_all(conn)

@@ -1,11 +1,12 @@
 //! Enqueue: one batch insert with per-tenant idempotency keys.
 
 use chrono::{DateTime, Utc};
+use sqlx::postgres::PgArguments;
 use sqlx::types::Json;
-use sqlx::{FromRow, PgConnection};
+use sqlx::{Arguments, FromRow, PgConnection};
 use uuid::Uuid;
 
-use super::{intent_columns, millis};
+use super::millis;
 use crate::outbox::{Enqueued, Error, Intent, IntentId, IntentState, NewIntent, Result, Schedule};
 
 /// Inputs of [`insert_intents`].
@@ -54,68 +55,15 @@ struct Holder {
     same_content: bool,
 }
 
-/// The `input` (the batch, `$2`–`$11`, and the leases of handed-off intents, `$14`–`$15`,
-/// in request order) and `clock` (`$12` or now) of [`insert_intents`]'s statements.
-macro_rules! input_and_clock {
-    () => {
-        r#"
-        WITH input AS (
-            SELECT *
-            FROM unnest($2::uuid[], $3::text[], $4::text[], $5::bytea[], $6::text[], $7::text[],
-                        $8::jsonb[], $9::int[], $10::bigint[], $11::timestamptz[],
-                        $14::text[], $15::bigint[])
-                WITH ORDINALITY
-                AS t(id, kind, region, payload, content_type, idempotency_key,
-                     headers, max_attempts, delay_ms, at, lease_worker, lease_ms, ord)
-        ),
-        clock AS (
-            SELECT coalesce($12::timestamptz, now()) AS now
-        )"#
-    };
-}
+/// A batch without idempotency keys: inserted, nothing returned.
+const ENQUEUE: &str = include_str!("sql/enqueue.sql");
 
-/// The INSERT of [`insert_intents`] for the input rows whose idempotency key `IS NULL` or
-/// `IS NOT NULL`, with `on_conflict` after it. Rows without a key insert plainly: with an
-/// ON CONFLICT clause every row is a speculative insertion (a lock taken and released,
-/// and one more WAL record): 10–17% of pgbench's batched-insert throughput, measured.
-macro_rules! insert_input {
-    ($key_test:literal, $on_conflict:literal) => {
-        insert_input!($key_test, $on_conflict, "RETURNING id")
-    };
-    ($key_test:literal, $on_conflict:literal, $returning:literal) => {
-        concat!(
-            "
-            INSERT INTO outbox.intent (id, tenant_id, kind, region, payload, content_type,
-                                       idempotency_key, headers, state, max_attempts,
-                                       available_at, created_at, updated_at, txn_xid,
-                                       attempts, lease_id, lease_expires_at, worker_id)
-            SELECT input.id, $1, input.kind, input.region, input.payload, input.content_type,
-                   input.idempotency_key, input.headers,
-                   CASE WHEN input.lease_worker IS NOT NULL THEN 'leased'
-                        WHEN $13::text IS NULL THEN 'pending'
-                        ELSE 'staged' END::outbox.intent_state,
-                   input.max_attempts,
-                   coalesce(input.at, clock.now + coalesce(input.delay_ms, 0) * interval '1 ms'),
-                   clock.now, clock.now, $13::text::xid8,
-                   -- A handed-off intent is leased as outbox.claim leases: the attempt
-                   -- counted, a fresh lease id.
-                   CASE WHEN input.lease_worker IS NOT NULL THEN 1 ELSE 0 END,
-                   CASE WHEN input.lease_worker IS NOT NULL THEN gen_random_uuid() END,
-                   clock.now + input.lease_ms * interval '1 ms',
-                   input.lease_worker
-            FROM input, clock
-            WHERE input.idempotency_key ",
-            $key_test,
-            "
-            ORDER BY input.ord
-            ",
-            $on_conflict,
-            "
-            ",
-            $returning
-        )
-    };
-}
+/// A batch without idempotency keys, some of it handed off: inserted, the handed-off
+/// intents returned.
+const ENQUEUE_HANDED_OFF: &str = include_str!("sql/enqueue_handed_off.sql");
+
+/// A batch with idempotency keys: inserted where the keys are free, each intent reported.
+const ENQUEUE_KEYED: &str = include_str!("sql/enqueue_keyed.sql");
 
 /// Inserts a batch of intents within the caller's transaction, PENDING (or STAGED with a
 /// producer transaction), deduplicating by idempotency key. Waking claimers is the
@@ -171,27 +119,26 @@ pub async fn insert_intents(
         (None, None)
     };
 
-    // Binds `$1`–`$15` of every statement.
-    macro_rules! bound {
-        ($query:expr) => {
-            $query
-                .bind(params.tenant_id)
-                .bind(&ids)
-                .bind(&kinds)
-                .bind(&regions)
-                .bind(&payloads)
-                .bind(&content_types)
-                .bind(&keys)
-                .bind(&headers)
-                .bind(&max_attempts)
-                .bind(&delays_ms)
-                .bind(&at)
-                .bind(params.now)
-                .bind(params.txn_xid.map(|x| x.to_string()))
-                .bind(&lease_workers)
-                .bind(&lease_ms)
-        };
-    }
+    // `$1`–`$15` of every statement (only one of them runs).
+    let mut args = PgArguments::default();
+    (|| {
+        args.add(params.tenant_id)?;
+        args.add(&ids)?;
+        args.add(&kinds)?;
+        args.add(&regions)?;
+        args.add(&payloads)?;
+        args.add(&content_types)?;
+        args.add(&keys)?;
+        args.add(&headers)?;
+        args.add(&max_attempts)?;
+        args.add(&delays_ms)?;
+        args.add(&at)?;
+        args.add(params.now)?;
+        args.add(params.txn_xid.map(|x| x.to_string()))?;
+        args.add(&lease_workers)?;
+        args.add(&lease_ms)
+    })()
+    .map_err(sqlx::Error::Encode)?;
     let state = if params.txn_xid.is_some() {
         IntentState::Staged
     } else {
@@ -203,26 +150,14 @@ pub async fn insert_intents(
     // per intent -25%, batched enqueue +23-35%.
     if keys.iter().all(Option::is_none) {
         let leased = if handed_off {
-            let rows = bound!(sqlx::query(concat!(
-                input_and_clock!(),
-                ", inserted AS (",
-                insert_input!("IS NULL", "", "RETURNING *"),
-                ") SELECT ",
-                intent_columns!("i"),
-                " FROM inserted i WHERE i.state = 'leased'"
-            )))
-            .fetch_all(&mut *conn)
-            .await?;
+            let rows = sqlx::query_with(ENQUEUE_HANDED_OFF, args)
+                .fetch_all(&mut *conn)
+                .await?;
             rows.iter()
                 .map(Intent::from_row)
                 .collect::<std::result::Result<Vec<_>, _>>()?
         } else {
-            bound!(sqlx::query(concat!(
-                input_and_clock!(),
-                insert_input!("IS NULL", "", "")
-            )))
-            .execute(&mut *conn)
-            .await?;
+            sqlx::query_with(ENQUEUE, args).execute(&mut *conn).await?;
             Vec::new()
         };
         let enqueued = ids
@@ -244,42 +179,9 @@ pub async fn insert_intents(
         return Ok(Inserted { enqueued, leased });
     }
     debug_assert!(!handed_off, "a keyed batch is never handed off");
-    let rows: Vec<InsertRow> = bound!(sqlx::query_as(concat!(
-        input_and_clock!(),
-        ",
-        unkeyed AS (",
-        insert_input!("IS NULL", ""),
-        "),
-        keyed AS (",
-        insert_input!(
-            "IS NOT NULL",
-            "ON CONFLICT (tenant_id, idempotency_key)
-                WHERE idempotency_key IS NOT NULL AND state <> 'discarded'
-            DO NOTHING"
-        ),
-        r#"),
-        inserted AS (
-            SELECT id FROM unkeyed UNION ALL SELECT id FROM keyed
-        )
-        SELECT input.id AS new_id,
-               inserted.id IS NOT NULL AS inserted,
-               existing.id AS existing_id,
-               existing.state AS existing_state,
-               existing.txn_xid::text AS existing_txn,
-               (existing.kind = input.kind AND existing.payload = input.payload
-                AND existing.region = input.region) AS same_content
-        FROM input
-        LEFT JOIN inserted ON inserted.id = input.id
-        LEFT JOIN outbox.intent existing
-            ON inserted.id IS NULL
-           AND existing.tenant_id = $1
-           AND existing.idempotency_key = input.idempotency_key
-           AND existing.state <> 'discarded'
-        ORDER BY input.ord
-        "#
-    )))
-    .fetch_all(&mut *conn)
-    .await?;
+    let rows: Vec<InsertRow> = sqlx::query_as_with(ENQUEUE_KEYED, args)
+        .fetch_all(&mut *conn)
+        .await?;
 
     let mut results = Vec::with_capacity(n);
     for (row, intent) in rows.into_iter().zip(params.intents) {

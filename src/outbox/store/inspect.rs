@@ -5,7 +5,6 @@ use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::{in_key_regions, intent_columns};
 use crate::outbox::{Decision, Intent, IntentId, IntentState, Resolution, Result};
 
 /// Loads one intent of the tenant, in `regions` (empty: any), and its recorded decisions,
@@ -18,12 +17,15 @@ pub async fn get_intent(
     id: IntentId,
     regions: &[String],
 ) -> Result<Option<(Intent, Vec<Resolution>)>> {
-    let intent: Option<Intent> = sqlx::query_as(concat!(
-        "SELECT ",
-        intent_columns!("i"),
-        " FROM outbox.intents_by_id(ARRAY[$1]::uuid[]) i WHERE ",
-        in_key_regions!("i", "$2"),
-    ))
+    let intent: Option<Intent> = sqlx::query_as(
+        r#"
+        SELECT i.id, i.state, i.kind, i.payload, i.content_type, i.region, i.idempotency_key,
+               i.headers, i.attempts, i.max_attempts, i.available_at, i.created_at,
+               i.updated_at, i.lease_id, i.lease_expires_at, i.worker_id, i.last_error
+        FROM outbox.intents_by_id(ARRAY[$1]::uuid[]) i
+        WHERE (cardinality($2::text[]) = 0 OR i.region = '' OR i.region = ANY($2::text[]))
+        "#,
+    )
     .bind(id)
     .bind(regions)
     .fetch_optional(&mut *conn)
@@ -79,77 +81,25 @@ pub struct ListParams {
     pub max_bytes: usize,
 }
 
-/// [`list_intents`]' conditions on the intent `$t`: `$1` states (empty: any), `$2` kind,
-/// `$3` region, `$4` the cursor (ids above it), `$6` the key's regions.
-macro_rules! list_filters {
-    ($t:literal) => {
-        concat!(
-            "(cardinality($1::outbox.intent_state[]) = 0 OR ",
-            $t,
-            ".state = ANY($1)) AND ($2::text IS NULL OR ",
-            $t,
-            ".kind = $2) AND ($3::text IS NULL OR ",
-            $t,
-            ".region = $3) AND ",
-            in_key_regions!($t, "$6"),
-            " AND ",
-            $t,
-            ".id > $4"
-        )
-    };
-}
+/// A page of intents: see the statement.
+const LIST_INTENTS: &str = include_str!("sql/list_intents.sql");
 
 /// Lists intents in id (enqueue) order.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn list_intents(conn: &mut PgConnection, params: ListParams) -> Result<Vec<Intent>> {
-    // Each part is read in id order up to the page's size, then the parts are merged: the
-    // live table and the row history by their primary keys, the batch history by its
-    // bucket index (ids are ordered as their buckets are), sorted within a bucket. The
-    // filters are in every part, so that a part stops at the page's size of matches.
-    // No cursor is the nil UUID, below every id: a bare bound, so that a cached plan still
-    // starts each scan at the cursor.
-    // Then the page stops where the weight of the intents before one reaches the budget,
-    // and payloads are read only if asked for (their size is the stored one, not read).
-    let intents: Vec<Intent> = sqlx::query_as(concat!(
-        r#"SELECT i.id, i.state, i.kind,
-            CASE WHEN $8 THEN i.payload ELSE ''::bytea END AS payload,
-            i.content_type, i.region, i.idempotency_key, i.headers, i.attempts,
-            i.max_attempts, i.available_at, i.created_at, i.updated_at, i.lease_id,
-            i.lease_expires_at, i.worker_id, i.last_error
-        FROM (
-            SELECT u.*, w.weight, sum(w.weight) OVER (ORDER BY u.id ROWS UNBOUNDED PRECEDING) AS through
-            FROM ((SELECT * FROM outbox.intent i WHERE "#,
-        list_filters!("i"),
-        " ORDER BY i.id LIMIT $5) UNION ALL (SELECT * FROM outbox.intent_history i WHERE ",
-        list_filters!("i"),
-        r#" ORDER BY i.id LIMIT $5) UNION ALL (
-            SELECT i.* FROM outbox.delivered_batch b CROSS JOIN LATERAL unnest(b.items) i
-            WHERE (cardinality($1::outbox.intent_state[]) = 0 OR 'delivered' = ANY($1))
-              AND b.bucket >= (SELECT outbox.history_bucket($4))
-              AND ($3::text IS NULL OR b.region = $3) AND "#,
-        in_key_regions!("b", "$6"),
-        " AND ",
-        list_filters!("i"),
-        r#" ORDER BY b.bucket, i.id LIMIT $5)) u
-            CROSS JOIN LATERAL (SELECT outbox.reply_weight(CASE WHEN $8 THEN u.payload END,
-                                                           u.headers, u.last_error) AS weight) w
-            ORDER BY u.id LIMIT $5
-        ) i
-        WHERE i.through - i.weight < greatest($7, 1)
-        ORDER BY i.id"#,
-    ))
-    .bind(&params.states)
-    .bind(&params.kind)
-    .bind(&params.region)
-    .bind(params.after.map_or(Uuid::nil(), |after| after.0))
-    .bind(params.limit)
-    .bind(&params.key_regions)
-    .bind(i64::try_from(params.max_bytes).unwrap_or(i64::MAX))
-    .bind(params.include_payload)
-    .fetch_all(conn)
-    .await?;
+    let intents: Vec<Intent> = sqlx::query_as(LIST_INTENTS)
+        .bind(&params.states)
+        .bind(&params.kind)
+        .bind(&params.region)
+        .bind(params.after.map_or(Uuid::nil(), |after| after.0))
+        .bind(params.limit)
+        .bind(&params.key_regions)
+        .bind(i64::try_from(params.max_bytes).unwrap_or(i64::MAX))
+        .bind(params.include_payload)
+        .fetch_all(conn)
+        .await?;
     Ok(intents)
 }
 
@@ -185,34 +135,40 @@ pub async fn queue_stats(
     now: Option<DateTime<Utc>>,
 ) -> Result<QueueStats> {
     // The batch history is counted by its rows' id arrays, never unnested.
-    let counts: Vec<StateCount> = sqlx::query_as(concat!(
-        "SELECT c.state, c.region, sum(c.n)::bigint AS count FROM (",
-        "SELECT i.state, i.region, 1 AS n FROM outbox.intent i WHERE ",
-        in_key_regions!("i", "$1"),
-        " UNION ALL SELECT i.state, i.region, 1 FROM outbox.intent_history i WHERE ",
-        in_key_regions!("i", "$1"),
-        " UNION ALL SELECT 'delivered', b.region, cardinality(b.ids) FROM outbox.delivered_batch b WHERE ",
-        in_key_regions!("b", "$1"),
-        ") c GROUP BY c.state, c.region ORDER BY c.state, c.region",
-    ))
+    let counts: Vec<StateCount> = sqlx::query_as(
+        r#"
+        SELECT c.state, c.region, sum(c.n)::bigint AS count
+        FROM (
+            SELECT i.state, i.region, 1 AS n
+            FROM outbox.intent i
+            WHERE (cardinality($1::text[]) = 0 OR i.region = '' OR i.region = ANY($1::text[]))
+            UNION ALL
+            SELECT 'delivered', b.region, cardinality(b.ids)
+            FROM outbox.delivered_batch b
+            WHERE (cardinality($1::text[]) = 0 OR b.region = '' OR b.region = ANY($1::text[]))
+        ) c
+        GROUP BY c.state, c.region
+        ORDER BY c.state, c.region
+        "#,
+    )
     .bind(regions)
     .fetch_all(&mut *conn)
     .await?;
     let (oldest_pending_at, oldest_staged_at): (Option<DateTime<Utc>>, Option<DateTime<Utc>>) =
-        sqlx::query_as(concat!(
+        sqlx::query_as(
             r#"
             SELECT
                 (SELECT min(i.available_at) FROM outbox.intent i
                  WHERE i.state = 'pending'
                    AND i.available_at <= coalesce($1::timestamptz, now())
-                   AND "#,
-            in_key_regions!("i", "$2"),
-            r#"),
+                   AND (cardinality($2::text[]) = 0 OR i.region = ''
+                        OR i.region = ANY($2::text[]))),
                 (SELECT min(i.created_at) FROM outbox.intent i
-                 WHERE i.state = 'staged' AND "#,
-            in_key_regions!("i", "$2"),
-            ")",
-        ))
+                 WHERE i.state = 'staged'
+                   AND (cardinality($2::text[]) = 0 OR i.region = ''
+                        OR i.region = ANY($2::text[])))
+            "#,
+        )
         .bind(now)
         .bind(regions)
         .fetch_one(&mut *conn)

@@ -50,7 +50,7 @@ pub async fn rescue_expired_leases(
             FROM outbox.intent
             WHERE state IN ('leased', 'submitted')
               -- A subquery, not a bare coalesce(…): only then can it bound the index scan
-              -- under row-level security (migration 20261201000008 says why).
+              -- under row-level security (migration …02_baseline_functions says why).
               AND lease_expires_at < (SELECT coalesce($4::timestamptz, now()))
             ORDER BY lease_expires_at
             LIMIT $3
@@ -100,10 +100,9 @@ pub async fn rescue_expired_leases(
 }
 
 /// Deletes up to `limit` DELIVERED and DISCARDED intents that finished before
-/// `now - live_retention` from `outbox.intent`, and up to `limit` that finished before
-/// `now - history_retention` from `outbox.intent_history` (where Ack moved delivered
-/// intents without an idempotency key before migration 17), and up to `limit` rows of
-/// `outbox.delivered_batch` (where it moves them now) that finished before that bound.
+/// `now - live_retention` from `outbox.intent`, and up to `limit` rows of
+/// `outbox.delivered_batch` (where Ack moves delivered intents without an idempotency key)
+/// that finished before `now - history_retention`.
 /// Returns how many intents it deleted in all.
 ///
 /// # Errors
@@ -131,18 +130,6 @@ pub async fn purge_finished_intents(
             )
             RETURNING 1
         ),
-        history AS (
-            DELETE FROM outbox.intent_history
-            WHERE id IN (
-                SELECT id
-                FROM outbox.intent_history
-                WHERE finished_at < (SELECT coalesce($3::timestamptz, now()) - $4 * interval '1 ms')
-                ORDER BY finished_at
-                LIMIT $2
-                FOR UPDATE SKIP LOCKED
-            )
-            RETURNING 1
-        ),
         -- Whole rows of the batch history (each an Ack's intents of one bucket, finished
         -- together): up to $2 rows, counted by their intents.
         batches AS (
@@ -157,7 +144,7 @@ pub async fn purge_finished_intents(
             )
             RETURNING cardinality(ids) AS intents
         )
-        SELECT (SELECT count(*) FROM hot) + (SELECT count(*) FROM history)
+        SELECT (SELECT count(*) FROM hot)
             + (SELECT coalesce(sum(intents), 0) FROM batches)::bigint
         "#,
     )

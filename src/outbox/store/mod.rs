@@ -3,6 +3,15 @@
 //! lost a race gets no row back instead of forcing a write.
 //!
 //! Time is `coalesce($now, now())`: `None` in production, a manual instant in tests.
+//!
+//! The statements are plain SQL, each written out whole: short ones as string literals,
+//! long ones as files in `sql/` (`include_str!`), each opening with what its parameters
+//! are. Two fragments recur. An intent's columns, in the order of [`INTENT_COLUMN_NAMES`]
+//! (a claim decodes them by position). And an API key's regions, a `text[]` parameter
+//! (empty: any region): `(cardinality($n::text[]) = 0 OR i.region = '' OR i.region =
+//! ANY($n::text[]))`. A region-less intent is any region's, as a Claim in one of them takes
+//! it; the operator calls of a region-bound key see and resolve only such intents, and
+//! another region's are NOT_FOUND, as another tenant's.
 
 mod access;
 mod api_keys;
@@ -91,54 +100,34 @@ pub async fn probe_listener(pool: &sqlx::PgPool, payload: &str) -> crate::outbox
     Ok(())
 }
 
-/// The columns of `crate::outbox::Intent`, in one place for every statement returning intents.
-macro_rules! intent_columns {
-    ($t:literal) => {
-        concat!(
-            $t,
-            ".id, ",
-            $t,
-            ".state, ",
-            $t,
-            ".kind, ",
-            $t,
-            ".payload, ",
-            $t,
-            ".content_type, ",
-            $t,
-            ".region, ",
-            $t,
-            ".idempotency_key, ",
-            $t,
-            ".headers, ",
-            $t,
-            ".attempts, ",
-            $t,
-            ".max_attempts, ",
-            $t,
-            ".available_at, ",
-            $t,
-            ".created_at, ",
-            $t,
-            ".updated_at, ",
-            $t,
-            ".lease_id, ",
-            $t,
-            ".lease_expires_at, ",
-            $t,
-            ".worker_id, ",
-            $t,
-            ".last_error"
-        )
-    };
-}
-pub(crate) use intent_columns;
+/// The columns of `crate::outbox::Intent`, in the order in which every statement that
+/// returns intents selects them (`i.id, i.state, …, i.last_error`).
+pub(crate) const INTENT_COLUMN_NAMES: [&str; INTENT_COLUMNS] = [
+    "id",
+    "state",
+    "kind",
+    "payload",
+    "content_type",
+    "region",
+    "idempotency_key",
+    "headers",
+    "attempts",
+    "max_attempts",
+    "available_at",
+    "created_at",
+    "updated_at",
+    "lease_id",
+    "lease_expires_at",
+    "worker_id",
+    "last_error",
+];
 
-/// How many columns [`intent_columns!`] selects; a statement's own columns follow them.
+/// How many columns of an intent a claim selects ([`INTENT_COLUMN_NAMES`]); the
+/// statement's own columns follow them.
 pub(crate) const INTENT_COLUMNS: usize = 17;
 
 /// Decodes the [`Intent`](crate::outbox::Intent) in the first [`INTENT_COLUMNS`] columns of
-/// `row`, as [`intent_columns!`] selects them, by position. A claim decodes up to a thousand
+/// `row`, in the order of [`INTENT_COLUMN_NAMES`], by position. A claim decodes up to a thousand
 /// rows: by name (`FromRow`) every value costs a hash lookup of its column's name and a
 /// check of its type against the column's, about 2% of the machine in a burn-down.
 /// `checked` does both checks (the names in debug builds): for the first row of a result,
@@ -149,11 +138,7 @@ pub(crate) fn intent_at(
 ) -> sqlx::Result<crate::outbox::Intent> {
     use sqlx::Row as _;
     if checked && cfg!(debug_assertions) {
-        let names: Vec<&str> = intent_columns!("i")
-            .split(", ")
-            .map(|c| c.trim_start_matches("i."))
-            .collect();
-        for (i, name) in names.iter().enumerate() {
+        for (i, name) in INTENT_COLUMN_NAMES.iter().enumerate() {
             debug_assert_eq!(sqlx::Column::name(&row.columns()[i]), *name);
         }
     }
@@ -187,27 +172,6 @@ pub(crate) fn intent_at(
         last_error: get(row, 16, checked)?,
     })
 }
-
-/// Whether the intent `$t` is in the regions of an API key given as the `text[]` parameter
-/// `$regions` (empty: any region): one of them, or none (a region-less intent is any
-/// region's, as a Claim in one of them takes it). The operator calls of a region-bound key
-/// see and resolve only such intents; another region's are NOT_FOUND, as another tenant's.
-macro_rules! in_key_regions {
-    ($t:literal, $regions:literal) => {
-        concat!(
-            "(cardinality(",
-            $regions,
-            "::text[]) = 0 OR ",
-            $t,
-            ".region = '' OR ",
-            $t,
-            ".region = ANY(",
-            $regions,
-            "::text[]))"
-        )
-    };
-}
-pub(crate) use in_key_regions;
 
 fn millis(d: std::time::Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)

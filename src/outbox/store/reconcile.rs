@@ -5,8 +5,8 @@ use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
+use super::PENDING_CHANNEL;
 use super::current::current_intents;
-use super::{PENDING_CHANNEL, in_key_regions};
 use crate::outbox::{Decision, IntentId, IntentState, ItemError, ItemResult, Result};
 
 /// Which intents a decision applies to.
@@ -58,42 +58,11 @@ fn from_states(decision: Decision) -> &'static [IntentState] {
     }
 }
 
-/// The transition and its record, shared by both targets; `target(id, state)` must be
-/// defined before it and select the rows to change `FOR UPDATE`.
-macro_rules! resolve_and_record {
-    () => {
-        r#"
-        resolved AS (
-            UPDATE outbox.intent i
-            SET state = CASE $2
-                    WHEN 'delivered' THEN 'delivered'
-                    WHEN 'requeue' THEN 'pending'
-                    ELSE 'dead_lettered'
-                END::outbox.intent_state,
-                attempts = CASE WHEN $2 = 'requeue' THEN 0 ELSE i.attempts END,
-                available_at = CASE WHEN $2 = 'requeue' THEN coalesce($5::timestamptz, now())
-                                    ELSE i.available_at END,
-                finished_at = CASE WHEN $2 = 'delivered' THEN coalesce($5::timestamptz, now()) END,
-                lease_id = NULL,
-                lease_expires_at = NULL,
-                updated_at = coalesce($5::timestamptz, now())
-            FROM target
-            WHERE i.id = target.id
-            RETURNING i.id, i.tenant_id, i.state, target.state AS from_state
-        ),
-        recorded AS (
-            INSERT INTO outbox.resolution (tenant_id, intent_id, from_state, decision, actor, reason,
-                                           resolved_at)
-            SELECT tenant_id, id, from_state, $2, $3, $4, coalesce($5::timestamptz, now())
-            FROM resolved
-            RETURNING intent_id
-        ),
-        woken AS (
-            SELECT pg_notify($6, '') WHERE $2 = 'requeue' AND EXISTS (SELECT 1 FROM resolved)
-        )
-        "#
-    };
-}
+/// A decision on the intents of a list of ids.
+const RESOLVE_BY_IDS: &str = include_str!("sql/resolve_by_ids.sql");
+
+/// A decision on the intents a filter matches.
+const RESOLVE_BY_FILTER: &str = include_str!("sql/resolve_by_filter.sql");
 
 #[derive(sqlx::FromRow)]
 struct ResolveRow {
@@ -187,58 +156,3 @@ fn describe(states: &[IntentState]) -> String {
         .collect::<Vec<_>>()
         .join(" or ")
 }
-
-const RESOLVE_BY_IDS: &str = concat!(
-    r#"
-    WITH input AS (
-        SELECT * FROM unnest($8::uuid[]) WITH ORDINALITY AS t(id, ord)
-    ),
-    target AS (
-        SELECT i.id, i.state
-        FROM outbox.intent i
-        JOIN input ON input.id = i.id
-        WHERE i.state = ANY($1)
-          AND "#,
-    in_key_regions!("i", "$7"),
-    r#"
-        FOR UPDATE OF i
-    ),
-    "#,
-    resolve_and_record!(),
-    r#"
-    SELECT input.id, resolved.id IS NOT NULL AS applied, resolved.state
-    FROM input
-    LEFT JOIN resolved ON resolved.id = input.id
-    CROSS JOIN (SELECT count(*) FROM recorded) AS r
-    CROSS JOIN (SELECT count(*) FROM woken) AS w
-    ORDER BY input.ord
-    "#
-);
-
-const RESOLVE_BY_FILTER: &str = concat!(
-    r#"
-    WITH target AS (
-        SELECT i.id, i.state
-        FROM outbox.intent i
-        WHERE i.state = ANY($1)
-          AND i.state = ANY($8)
-          AND ($9::text IS NULL OR i.kind = $9)
-          AND ($10::text IS NULL OR i.region = $10)
-          AND ($11::timestamptz IS NULL OR i.created_at < $11)
-          AND "#,
-    in_key_regions!("i", "$7"),
-    r#"
-        ORDER BY i.id
-        LIMIT $12
-        FOR UPDATE SKIP LOCKED
-    ),
-    "#,
-    resolve_and_record!(),
-    r#"
-    SELECT resolved.id, true AS applied, resolved.state
-    FROM resolved
-    CROSS JOIN (SELECT count(*) FROM recorded) AS r
-    CROSS JOIN (SELECT count(*) FROM woken) AS w
-    ORDER BY resolved.id
-    "#
-);

@@ -136,9 +136,9 @@ fn split(pairs: &[(Uuid, Uuid)]) -> (Vec<Uuid>, Vec<Uuid>) {
 
 /// Pushes the expiry of live (LEASED or SUBMITTED) leases to `now + lease_duration`.
 ///
-/// One round trip: `outbox.extend_leases` (migration
-/// `20261201000009_extend_and_mark_submitted_in_one_round_trip`) runs in its own
-/// transaction, committed before this returns; only items that did not apply cost another.
+/// One round trip: `outbox.extend_leases` (migration `…02_baseline_functions`, as every
+/// settle function) runs in its own transaction, committed before this returns; only items
+/// that did not apply cost another.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
@@ -238,9 +238,8 @@ async fn settle_in_one_call(
 /// (lease ids are random v4 UUIDs): the settle cannot apply it, and the lookup of missed
 /// items, filtered by the same regions, answers it NOT_FOUND. The items keep their places,
 /// as the settle functions' parallel arrays (Fail's outcomes, errors, retry delays) need.
-/// One round trip (`outbox.settleable_in_regions`, migration
-/// `20261202000016_settles_keep_to_the_keys_regions`); a region never changes after
-/// Enqueue, so the answer holds until the settle runs.
+/// One round trip (`outbox.settleable_in_regions`); a region never changes after Enqueue,
+/// so the answer holds until the settle runs.
 async fn keep_to_key_regions(
     pool: &PgPool,
     scope: &ScopeSettings,
@@ -266,26 +265,20 @@ async fn keep_to_key_regions(
     Ok(())
 }
 
-/// The Ack function's call: `$1` tenants, `$2` their proof, `$3` intent ids, `$4` lease
-/// ids, `$5` now (or NULL).
-macro_rules! ack_call {
-    () => {
-        "outbox.ack_into_batches($1, $2, $3, $4, $5)"
-    };
-}
+/// Ack ([`DeliveredRows::Batched`]): `$1` tenants, `$2` their proof, `$3` intent ids,
+/// `$4` lease ids, `$5` now (or NULL).
+const ACK: &str = "SELECT * FROM outbox.ack_into_batches($1, $2, $3, $4, $5)";
 
-/// [`ack_call!`] for [`DeliveredRows::Deleted`]: `outbox.ack_and_delete`, same arguments.
-macro_rules! ack_and_delete_call {
-    () => {
-        "outbox.ack_and_delete($1, $2, $3, $4, $5)"
-    };
-}
+/// Ack at retention zero ([`DeliveredRows::Deleted`]), the same arguments.
+const ACK_AND_DELETE: &str = "SELECT * FROM outbox.ack_and_delete($1, $2, $3, $4, $5)";
 
-/// `ack_call!`, for the benchmark's raw-SQL ceiling (the same call, no service).
-pub const ACK_CALL: &str = ack_call!();
+/// The function call of [`ACK`], for the benchmark's raw-SQL ceiling (the same call, no
+/// service); a test checks that [`ACK`] makes it.
+pub const ACK_CALL: &str = "outbox.ack_into_batches($1, $2, $3, $4, $5)";
 
-/// `ack_and_delete_call!`, for the benchmark's raw-SQL ceiling at zero retention.
-pub const ACK_AND_DELETE_CALL: &str = ack_and_delete_call!();
+/// The function call of [`ACK_AND_DELETE`], for the benchmark's raw-SQL ceiling at zero
+/// retention.
+pub const ACK_AND_DELETE_CALL: &str = "outbox.ack_and_delete($1, $2, $3, $4, $5)";
 
 /// What Ack does with the row of an intent it delivers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -294,33 +287,26 @@ pub enum DeliveredRows {
     /// key is remembered, and a replayed Ack is answered OK. An intent without a key is
     /// moved out of the table claims and settles read, into a row of
     /// `outbox.delivered_batch` that holds the Ack's intents of its tenant, region and
-    /// bucket (migration `20261203000017_delivered_history_by_batch`); one with a key
-    /// stays where its unique index guards the key (migration
-    /// `20261201000012_delivered_intents_leave_the_hot_table`).
+    /// bucket (see `outbox.delivered_batch` in migration `…01_baseline_tables`); one with
+    /// a key stays where its unique index guards the key.
     Batched,
-    /// Kept as [`Self::Batched`] keeps them, but an intent without a key is moved into
-    /// `outbox.intent_history`, a row each, as servers before migration 17 do: during a
-    /// rolling upgrade from them, which read the batches only by unnesting them all.
-    Rows,
     /// Deleted by the Ack itself (retention zero, when the purge would delete it next
     /// anyway): per intent, no new row version and none of its index entries (primary
     /// key, finished_at), which the purge would delete again. A replayed Ack then finds
     /// nothing and answers NOT_FOUND, as it would after the purge. An intent with an
     /// idempotency key is kept as [`Self::Batched`] keeps it, for its key's window
-    /// (migration `20261202000015_keyed_intents_outlive_zero_retention`).
+    /// (`outbox.ack_and_delete`).
     Deleted,
 }
 
 impl DeliveredRows {
-    /// Deleted when finished intents are retained for no time at all; otherwise kept a
-    /// batch to a row or a row each, as `by_batch` says.
-    pub fn for_retention(retention: Duration, by_batch: bool) -> Self {
+    /// Deleted when finished intents are retained for no time at all; otherwise kept, a
+    /// batch to a row.
+    pub fn for_retention(retention: Duration) -> Self {
         if retention.is_zero() {
             Self::Deleted
-        } else if by_batch {
-            Self::Batched
         } else {
-            Self::Rows
+            Self::Batched
         }
     }
 }
@@ -343,9 +329,8 @@ pub async fn ack_intents(
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<ItemResult>> {
     let call = match rows {
-        DeliveredRows::Batched => concat!("SELECT * FROM ", ack_call!()),
-        DeliveredRows::Rows => "SELECT * FROM outbox.ack_into_history($1, $2, $3, $4, $5)",
-        DeliveredRows::Deleted => concat!("SELECT * FROM ", ack_and_delete_call!()),
+        DeliveredRows::Batched => ACK,
+        DeliveredRows::Deleted => ACK_AND_DELETE,
     };
     settle_in_one_call(
         pools,
@@ -363,8 +348,7 @@ pub async fn ack_intents(
 /// NEEDS_RECONCILE. A definite outcome (RETRY, PERMANENT) is also accepted from the last
 /// lease of a NEEDS_RECONCILE intent.
 ///
-/// One round trip, as [`ack_intents`] (`outbox.fail`, migration
-/// `20261201000011_fail_in_one_round_trip`).
+/// One round trip, as [`ack_intents`] (`outbox.fail`).
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
@@ -409,4 +393,13 @@ pub async fn fail_intents(
         },
     )
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_ack_statements_make_the_calls_the_benchmark_makes() {
+        assert!(super::ACK.ends_with(super::ACK_CALL));
+        assert!(super::ACK_AND_DELETE.ends_with(super::ACK_AND_DELETE_CALL));
+    }
 }

@@ -138,7 +138,7 @@ pub async fn pgbench(
         // Fresh, as outboxd's database for it is: not behind the first burn-down's dead
         // index entries.
         let mut conn = PgConnection::connect(url).await?;
-        sqlx::query("TRUNCATE outbox.intent, outbox.intent_history, outbox.delivered_batch")
+        sqlx::query("TRUNCATE outbox.intent, outbox.delivered_batch")
             .execute(&mut conn)
             .await?;
         conn.close().await?;

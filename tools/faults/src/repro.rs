@@ -94,9 +94,9 @@ async fn xid_reuse(
     //    its Enqueue gets through (the call is retried after the restart).
     let mut a = PgConnection::connect(&cluster.owner_url).await?;
     sqlx::raw_sql("BEGIN").execute(&mut a).await?;
-    // Taken as `outbox.txn_token()` was before it wrote WAL (migration
-    // `…19_token_transaction_writes_wal`): now its xid usually reaches the disk before the
-    // crash, and there would be no reuse to reproduce. A producer on the older plain SQL
+    // Taken without the WAL record `outbox.txn_token()` writes (migration
+    // `…02_baseline_functions` says why it does): with it, its xid usually reaches the disk
+    // before the crash, and there would be no reuse to reproduce. A producer on the older plain SQL
     // still takes such tokens.
     let token: String = sqlx::query_scalar(
         "SELECT 'v2.' || system_identifier || '.' || outbox.server_incarnation() || '.' \

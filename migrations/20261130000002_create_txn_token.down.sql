@@ -1,1 +1,0 @@
-DROP FUNCTION IF EXISTS outbox.txn_token();

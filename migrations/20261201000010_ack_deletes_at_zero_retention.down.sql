@@ -1,1 +1,0 @@
-DROP FUNCTION outbox.ack_and_delete(text, text, uuid[], uuid[], timestamptz);

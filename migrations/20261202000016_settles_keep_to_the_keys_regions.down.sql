@@ -1,1 +1,0 @@
-DROP FUNCTION outbox.settleable_in_regions(text, text, uuid[], text[]);

@@ -1,0 +1,51 @@
+-- An operator's decision on these intents (store::resolve_intents), each recorded in
+-- outbox.resolution in the same statement. $1 the states the decision applies to,
+-- $2 the decision ('delivered', 'requeue' or 'dead'), $3 actor, $4 reason, $5 now (or
+-- NULL), $6 the pending channel (a requeue wakes claimers), $7 the API key's regions
+-- (empty: any), $8 the intent ids. One row per id, in request order: whether it applied,
+-- and the state it left the intent in.
+WITH input AS (
+    SELECT * FROM unnest($8::uuid[]) WITH ORDINALITY AS t(id, ord)
+),
+target AS (
+    SELECT i.id, i.state
+    FROM outbox.intent i
+    JOIN input ON input.id = i.id
+    WHERE i.state = ANY($1)
+      AND (cardinality($7::text[]) = 0 OR i.region = '' OR i.region = ANY($7::text[]))
+    FOR UPDATE OF i
+),
+resolved AS (
+    UPDATE outbox.intent i
+    SET state = CASE $2
+            WHEN 'delivered' THEN 'delivered'
+            WHEN 'requeue' THEN 'pending'
+            ELSE 'dead_lettered'
+        END::outbox.intent_state,
+        attempts = CASE WHEN $2 = 'requeue' THEN 0 ELSE i.attempts END,
+        available_at = CASE WHEN $2 = 'requeue' THEN coalesce($5::timestamptz, now())
+                            ELSE i.available_at END,
+        finished_at = CASE WHEN $2 = 'delivered' THEN coalesce($5::timestamptz, now()) END,
+        lease_id = NULL,
+        lease_expires_at = NULL,
+        updated_at = coalesce($5::timestamptz, now())
+    FROM target
+    WHERE i.id = target.id
+    RETURNING i.id, i.tenant_id, i.state, target.state AS from_state
+),
+recorded AS (
+    INSERT INTO outbox.resolution (tenant_id, intent_id, from_state, decision, actor, reason,
+                                   resolved_at)
+    SELECT tenant_id, id, from_state, $2, $3, $4, coalesce($5::timestamptz, now())
+    FROM resolved
+    RETURNING intent_id
+),
+woken AS (
+    SELECT pg_notify($6, '') WHERE $2 = 'requeue' AND EXISTS (SELECT 1 FROM resolved)
+)
+SELECT input.id, resolved.id IS NOT NULL AS applied, resolved.state
+FROM input
+LEFT JOIN resolved ON resolved.id = input.id
+CROSS JOIN (SELECT count(*) FROM recorded) AS r
+CROSS JOIN (SELECT count(*) FROM woken) AS w
+ORDER BY input.ord

@@ -1,0 +1,75 @@
+//! The schema's migrations: the 0.1.0 baseline and what follows it, applied by
+//! `startup::migrate`, and databases of builds before the baseline refused.
+
+use outboxd::startup;
+use sqlx::PgPool;
+
+use crate::helpers::{fresh_database, other_database};
+
+#[tokio::test]
+async fn migrating_an_empty_database_and_again_a_migrated_one_succeeds() {
+    for url in [other_database().await, fresh_database().await] {
+        let pool = PgPool::connect(&url).await.unwrap();
+        startup::migrate(&pool).await.unwrap();
+        let applied: Vec<i64> =
+            sqlx::query_scalar("SELECT version FROM _sqlx_migrations ORDER BY version")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        let shipped: Vec<i64> = outboxd::MIGRATOR
+            .iter()
+            .filter(|m| !m.migration_type.is_down_migration())
+            .map(|m| m.version)
+            .collect();
+        assert_eq!(applied, shipped);
+        pool.close().await;
+    }
+}
+
+#[tokio::test]
+async fn a_database_migrated_by_a_build_before_the_baseline_is_refused_and_left_alone() {
+    let pool = PgPool::connect(&fresh_database().await).await.unwrap();
+    // What a build before 0.1.0 left: its first migration recorded, and others after it.
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES (20261130000001, 'create outbox intent', true, '\\x00', 1)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let before: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+
+    let refused = startup::migrate(&pool).await.unwrap_err().to_string();
+    assert!(refused.contains("pre-0.1.0 build"), "{refused}");
+    assert!(refused.contains("20261130000001"), "{refused}");
+    assert!(refused.contains("recreate it"), "{refused}");
+    let after: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(after, before, "nothing migrated");
+}
+
+#[tokio::test]
+async fn the_baselines_down_migrations_undo_it_and_it_migrates_again() {
+    let pool = PgPool::connect(&fresh_database().await).await.unwrap();
+    outboxd::MIGRATOR.undo(&pool, 0).await.unwrap();
+    let left: Vec<String> = sqlx::query_scalar(
+        "SELECT nspname::text FROM pg_namespace WHERE nspname = 'outbox'
+         UNION ALL SELECT version::text FROM _sqlx_migrations",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(left, Vec::<String>::new(), "no schema, no migration left");
+
+    startup::migrate(&pool).await.unwrap();
+    let secrets: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.scope_secret")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(secrets, 1);
+}

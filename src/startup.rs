@@ -70,7 +70,7 @@ pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<PgPool> 
 /// advisory lock while it migrates.
 ///
 /// # Errors
-/// A database created by a build before 0.1.0 ([`refuse_pre_baseline`]), a failed or
+/// A database created by a build before 0.1.0 (`refuse_pre_baseline`), a failed or
 /// modified migration.
 pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
     refuse_pre_baseline(pool).await?;

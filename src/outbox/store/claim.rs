@@ -44,10 +44,10 @@ pub struct ClaimParams<'a> {
 /// One look of a claim: `outbox.claim`, then `outbox.next_due_in` when it ran out.
 const CLAIM: &str = include_str!("sql/claim.sql");
 
-/// The claim function's call in [`CLAIM`] (`$1` tenants, `$2` their proof, `$3` worker,
+/// The claim function's call in `CLAIM` (`$1` tenants, `$2` their proof, `$3` worker,
 /// `$4` region, `$5` kinds, `$6` most intents, `$7` lease milliseconds, `$8` request id,
 /// `$9` now (or NULL), `$10` the floor (or NULL), `$11` the byte budget), for the
-/// benchmark's raw-SQL ceiling: the same call, no service. A test checks that [`CLAIM`]
+/// benchmark's raw-SQL ceiling: the same call, no service. A test checks that `CLAIM`
 /// makes it.
 pub const CLAIM_CALL: &str = "outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
 

@@ -6,7 +6,7 @@
 //!
 //! The statements are plain SQL, each written out whole: short ones as string literals,
 //! long ones as files in `sql/` (`include_str!`), each opening with what its parameters
-//! are. Two fragments recur. An intent's columns, in the order of [`INTENT_COLUMN_NAMES`]
+//! are. Two fragments recur. An intent's columns, in the order of `INTENT_COLUMN_NAMES`
 //! (a claim decodes them by position). And an API key's regions, a `text[]` parameter
 //! (empty: any region): `(cardinality($n::text[]) = 0 OR i.region = '' OR i.region =
 //! ANY($n::text[]))`. A region-less intent is any region's, as a Claim in one of them takes

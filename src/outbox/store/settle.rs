@@ -272,11 +272,11 @@ const ACK: &str = "SELECT * FROM outbox.ack_into_batches($1, $2, $3, $4, $5)";
 /// Ack at retention zero ([`DeliveredRows::Deleted`]), the same arguments.
 const ACK_AND_DELETE: &str = "SELECT * FROM outbox.ack_and_delete($1, $2, $3, $4, $5)";
 
-/// The function call of [`ACK`], for the benchmark's raw-SQL ceiling (the same call, no
-/// service); a test checks that [`ACK`] makes it.
+/// The function call of `ACK`, for the benchmark's raw-SQL ceiling (the same call, no
+/// service); a test checks that `ACK` makes it.
 pub const ACK_CALL: &str = "outbox.ack_into_batches($1, $2, $3, $4, $5)";
 
-/// The function call of [`ACK_AND_DELETE`], for the benchmark's raw-SQL ceiling at zero
+/// The function call of `ACK_AND_DELETE`, for the benchmark's raw-SQL ceiling at zero
 /// retention.
 pub const ACK_AND_DELETE_CALL: &str = "outbox.ack_and_delete($1, $2, $3, $4, $5)";
 

@@ -3,11 +3,13 @@
 // and measures PostgreSQL (CPU, commits, WAL) itself around the measured section.
 //
 //   node peer.js <graphile-worker|pg-boss> <enqueue-batch|enqueue-single|burn-down|rate> \
-//       --url URL --n N [--concurrency C] [--batch B] [--rate R] [--local-queue N]
+//       --url URL --n N [--concurrency C] [--batch B] [--rate R] [--local-queue N] [--notify 0|1]
 //
 // `rate` is the fixed-rate scenario: N jobs sent one per call at R/s (open loop) while C
 // workers of the library's own kind (graphile-worker's runner, pg-boss `work`) take them;
-// the latency is from the send returning to the handler starting.
+// the latency is from the send returning to the handler starting. `--local-queue N` gives
+// graphile-worker's runners there a local queue of N; `--notify 1` runs pg-boss with
+// LISTEN/NOTIFY instead of polling alone.
 //
 // Protocol on stdout, one JSON object per line:
 //   {"ready":true}  after setup (schema migrations, queue creation, connection pools);
@@ -147,40 +149,67 @@ async function fixedRate(opts, startWorkers, send, stopWorkers) {
 
 // --- graphile-worker ----------------------------------------------------------------------
 
+// The configuration graphile-worker's documentation gives for throughput (its Performance
+// page, "Quick stats" and "Batching"): 24 concurrent jobs per runner on a pool of 25
+// connections, jobs fetched in batches into a local queue, completions and failures
+// batched (`completeJobBatchDelay`/`failJobBatchDelay` 0: released on the next tick), and
+// prepared statements (its default, named here so that no one turns them off by accident).
+// The local queue holds as many jobs as the other systems claim at once (`localQueueSize`;
+// 0: none, each job fetched by its own slot when LISTEN/NOTIFY wakes it).
+const GRAPHILE_CONCURRENT_JOBS = 24;
+function graphilePreset(url, localQueueSize) {
+  return {
+    worker: {
+      connectionString: url,
+      concurrentJobs: GRAPHILE_CONCURRENT_JOBS,
+      maxPoolSize: GRAPHILE_CONCURRENT_JOBS + 1,
+      preparedStatements: true,
+      completeJobBatchDelay: 0,
+      failJobBatchDelay: 0,
+      localQueue: { size: localQueueSize > 0 ? localQueueSize : -1 },
+    },
+  };
+}
+
+// Starts `count` runners (one per worker of the other systems: graphile-worker's own
+// performance test runs several instances side by side) with `handler` for the task.
+async function graphileRunners(opts, count, localQueueSize, handler) {
+  const { run } = require("graphile-worker");
+  return Promise.all(
+    Array.from({ length: count }, () =>
+      run({
+        preset: graphilePreset(opts.url, localQueueSize),
+        taskList: { [QUEUE]: handler },
+        noHandleSignals: true,
+        logger: quietLogger(),
+      }),
+    ),
+  );
+}
+
 async function graphile(opts) {
-  const { makeWorkerUtils, run } = require("graphile-worker");
-  const utils = await makeWorkerUtils({ connectionString: opts.url });
+  const { makeWorkerUtils } = require("graphile-worker");
+  const utils = await makeWorkerUtils({ preset: graphilePreset(opts.url, 0) });
   await utils.migrate();
-  const maxPool = Math.max(opts.concurrency + 2, 10);
   if (opts.scenario === "rate") {
-    // The runner woken by LISTEN/NOTIFY on every new job; with --local-queue N, fetching up
-    // to N jobs at a time into its local queue (and completing in batches).
-    let runner;
+    // Without a local queue (--local-queue 0) a free job slot fetches a job as each
+    // LISTEN/NOTIFY wake-up arrives; with one, a runner fetches up to N at a time.
+    let runners = [];
     const result = await fixedRate(
       opts,
       async (onJob) => {
-        runner = await run({
-          connectionString: opts.url,
-          concurrency: opts.concurrency,
-          maxPoolSize: maxPool,
-          noHandleSignals: true,
-          pollInterval: 1000,
-          taskList: { [QUEUE]: async (job) => onJob(job.n) }, // job: the payload
-          preset: opts["local-queue"]
-            ? { worker: { localQueue: { size: opts["local-queue"] }, completeJobBatchDelay: 0 } }
-            : undefined,
-          logger: quietLogger(),
-        });
+        runners = await graphileRunners(opts, opts.concurrency, opts["local-queue"] || 0, async (job) =>
+          onJob(job.n),
+        ); // job: the payload
       },
       (i) => utils.addJob(QUEUE, payload(i)),
-      () => runner.stop(),
+      () => Promise.all(runners.map((r) => r.stop())),
     );
     await utils.release();
     return result;
   }
   if (opts.scenario === "burn-down") {
-    // The runner claims through its local queue in batches of `batch` and completes in
-    // batches (the library's documented batching knobs), with `concurrency` job slots.
+    // `concurrency` runners, each fetching `batch` jobs at a time into its local queue.
     let done = 0;
     let finished;
     const allDone = new Promise((r) => (finished = r));
@@ -188,34 +217,20 @@ async function graphile(opts) {
     await waitForGo();
     const start = process.cpuUsage();
     const t0 = process.hrtime.bigint();
-    const runner = await run({
-      connectionString: opts.url,
-      concurrency: opts.concurrency,
-      maxPoolSize: maxPool,
-      noHandleSignals: true,
-      pollInterval: 1000,
-      taskList: {
-        [QUEUE]: async () => {
-          done += 1;
-          if (done === opts.n) finished();
-        },
-      },
-      preset: {
-        worker: {
-          localQueue: { size: opts.batch },
-          completeJobBatchDelay: 0,
-        },
-      },
-      logger: quietLogger(),
+    const runners = await graphileRunners(opts, opts.concurrency, opts.batch, async () => {
+      done += 1;
+      if (done === opts.n) finished();
     });
     await allDone;
-    const seconds = Number(process.hrtime.bigint() - t0) / 1e9;
+    const handlerSeconds = Number(process.hrtime.bigint() - t0) / 1e9;
     // Completions are batched asynchronously: stop() flushes them before returning.
-    await runner.stop();
-    const stopSeconds = Number(process.hrtime.bigint() - t0) / 1e9;
+    await Promise.all(runners.map((r) => r.stop()));
+    const seconds = Number(process.hrtime.bigint() - t0) / 1e9;
     const cpu = process.cpuUsage(start);
     await utils.release();
-    return { n: done, seconds: stopSeconds, handler_seconds: seconds, cpu_seconds: (cpu.user + cpu.system) / 1e6, latencies_us: [] };
+    const left = await countRows(opts.url, "SELECT count(*)::int AS n FROM graphile_worker._private_jobs");
+    if (left !== 0) throw new Error(`${left} jobs left after the burn-down`);
+    return { n: done, seconds, handler_seconds: handlerSeconds, cpu_seconds: (cpu.user + cpu.system) / 1e6, latencies_us: [] };
   }
   emit({ ready: true });
   await waitForGo();
@@ -250,33 +265,58 @@ function quietLogger() {
   });
 }
 
+// One count from a query of its own connection (the checks after a burn-down).
+async function countRows(url, sql) {
+  const { Client } = require("pg");
+  const client = new Client({ connectionString: url });
+  await client.connect();
+  try {
+    return (await client.query(sql)).rows[0].n;
+  } finally {
+    await client.end();
+  }
+}
+
 // --- pg-boss ------------------------------------------------------------------------------
 
+// pg-boss's documented ways to go fast (its Workers and Jobs pages): `work()` with
+// `batchSize` (a batch per fetch, the handler given the array, the batch completed in one
+// call when it returns), `burstWhenBatchFull` (fetch again at once while fetches come back
+// full instead of waiting for the polling interval), and LISTEN/NOTIFY (`useListenNotify`
+// on the instance, `notify` on the queue) so that a new job wakes the workers instead of
+// their next poll; `insert()` for many jobs in one call.
 async function pgboss(opts) {
-  const PgBoss = require("pg-boss");
+  const { PgBoss } = require("pg-boss");
+  const notify = Boolean(opts.notify);
   const boss = new PgBoss({
     connectionString: opts.url,
     max: Math.max(opts.concurrency + 2, 10),
+    useListenNotify: notify,
     // No background maintenance or scheduling inside the measured window.
     supervise: false,
     schedule: false,
   });
   boss.on("error", (e) => process.stderr.write(`pg-boss: ${e.message}\n`));
   await boss.start();
-  await boss.createQueue(QUEUE);
+  // The queue outlives one run: later runs on the database set `notify` their own way.
+  await boss.createQueue(QUEUE, { notify });
+  await boss.updateQueue(QUEUE, { notify });
+  // `concurrency` workers (each work() call adds one), each fetching up to `batchSize` jobs;
+  // `onBatch(jobs)` runs as each batch is handed over, before pg-boss completes it.
+  const startWorkers = async (batchSize, onBatch) => {
+    for (let w = 0; w < opts.concurrency; w++) {
+      await boss.work(QUEUE, { batchSize, burstWhenBatchFull: true, pollingIntervalSeconds: 0.5 }, async (jobs) =>
+        onBatch(jobs, w),
+      );
+    }
+  };
   if (opts.scenario === "rate") {
-    // pg-boss workers poll (it has no LISTEN/NOTIFY): each fetches up to `batch` jobs (as
-    // outboxd's workers claim up to 100) and waits the shortest interval pg-boss allows,
-    // 0.5 s, before its next fetch.
     const result = await fixedRate(
       opts,
-      async (onJob) => {
-        for (let w = 0; w < opts.concurrency; w++) {
-          await boss.work(QUEUE, { pollingIntervalSeconds: 0.5, batchSize: opts.batch }, async (jobs) => {
-            for (const job of jobs) onJob(job.data.n);
-          });
-        }
-      },
+      (onJob) =>
+        startWorkers(opts.batch, (jobs) => {
+          for (const job of jobs) onJob(job.data.n);
+        }),
       (i) => boss.send(QUEUE, payload(i)),
       () => boss.offWork(QUEUE),
     );
@@ -293,40 +333,41 @@ async function pgboss(opts) {
     const calls = Math.ceil(opts.n / opts.batch);
     latencies = await closedLoop(calls, opts.concurrency, (c) => {
       const size = Math.min(opts.batch, opts.n - c * opts.batch);
-      const jobs = Array.from({ length: size }, (_, k) => ({
-        name: QUEUE,
-        data: payload(c * opts.batch + k),
-      }));
-      return boss.insert(jobs);
+      const jobs = Array.from({ length: size }, (_, k) => ({ data: payload(c * opts.batch + k) }));
+      return boss.insert(QUEUE, jobs);
     });
   } else if (opts.scenario === "enqueue-single") {
     latencies = await closedLoop(opts.n, opts.concurrency, (i) => boss.send(QUEUE, payload(i)));
   } else if (opts.scenario === "burn-down") {
-    // W workers: fetch a batch, complete it (one call per batch), until the queue is empty.
+    // The latency is a worker's cycle: from one batch handed to its handler to the next,
+    // which is the completion of the first and the fetch of the second (the handler itself
+    // only counts).
     latencies = [];
-    let acked = 0;
-    async function worker() {
-      for (;;) {
-        const c0 = process.hrtime.bigint();
-        const jobs = await boss.fetch(QUEUE, { batchSize: opts.batch });
-        if (!jobs || jobs.length === 0) {
-          if (acked >= opts.n) return;
-          await new Promise((r) => setTimeout(r, 1));
-          continue;
-        }
-        await boss.complete(QUEUE, jobs.map((j) => j.id));
-        acked += jobs.length;
-        latencies.push(Number((process.hrtime.bigint() - c0) / 1000n));
-      }
-    }
-    await Promise.all(Array.from({ length: opts.concurrency }, worker));
-    n = acked;
+    let taken = 0;
+    let finished;
+    const allTaken = new Promise((r) => (finished = r));
+    const last = new Array(opts.concurrency).fill(null);
+    await startWorkers(opts.batch, (jobs, w) => {
+      const now = process.hrtime.bigint();
+      if (last[w] !== null) latencies.push(Number((now - last[w]) / 1000n));
+      last[w] = now;
+      taken += jobs.length;
+      if (taken >= opts.n) finished();
+    });
+    await allTaken;
+    // Waits for the handlers running and the completion of their batches.
+    await boss.offWork(QUEUE, { wait: true });
+    n = taken;
   } else {
     throw new Error(`unknown scenario ${opts.scenario}`);
   }
   const seconds = Number(process.hrtime.bigint() - t0) / 1e9;
   const cpu = process.cpuUsage(start);
   await boss.stop({ graceful: false, close: true, wait: true });
+  if (opts.scenario === "burn-down") {
+    const left = await countRows(opts.url, "SELECT count(*)::int AS n FROM pgboss.job WHERE state < 'completed'");
+    if (left !== 0) throw new Error(`${left} jobs not completed after the burn-down`);
+  }
   return { n, seconds, cpu_seconds: (cpu.user + cpu.system) / 1e6, latencies_us: latencies };
 }
 

@@ -511,18 +511,19 @@ pub async fn node(
     rows: &mut Vec<Row>,
 ) {
     let script = args.bench_dir.join("peer.js");
+    let node_bin = node_binary(args);
     let missing = if !args.bench_dir.join("node_modules").join(system).is_dir() {
         Some(format!(
             "{system} not installed (npm ci --prefix {})",
             args.bench_dir.display()
         ))
-    } else if std::process::Command::new(&args.node)
+    } else if std::process::Command::new(&node_bin)
         .arg("--version")
         .output()
         .map(|o| !o.status.success())
         .unwrap_or(true)
     {
-        Some(format!("no Node.js at {}", args.node.display()))
+        Some(format!("no Node.js at {}", node_bin.display()))
     } else {
         None
     };
@@ -543,7 +544,7 @@ pub async fn node(
         };
         eprintln!("outboxd-bench: {system} {name}");
         let peer_args = PeerArgs {
-            node: &args.node,
+            node: &node_bin,
             script: &script,
             system,
             scenario: key,
@@ -552,7 +553,7 @@ pub async fn node(
             clients,
             batch,
             rate: 0,
-            local_queue: 0,
+            variant: Variant::default(),
         };
         if key == "burn-down"
             && sizes.analyze
@@ -597,18 +598,38 @@ pub async fn node(
             }
         }
     }
-    // The fixed rates run on the queue the burn-down emptied, whatever it gave.
-    // graphile-worker runs them twice, as its two documented ways to run: jobs fetched one
-    // at a time on each LISTEN/NOTIFY wake-up (its lowest latency), and through its local
-    // queue (fetched in batches, as outboxd's workers claim them): neither is best at both
-    // rates.
+    // The fixed rates run on the queue the burn-down emptied, whatever it gave, twice: each
+    // library has two documented ways to run its workers and neither is best at both rates.
+    // graphile-worker: jobs fetched one at a time on each LISTEN/NOTIFY wake-up (its lowest
+    // latency), and through its local queue (fetched in batches, as outboxd's workers claim
+    // them). pg-boss: polling (its default) and LISTEN/NOTIFY (`useListenNotify` and the
+    // queue's `notify`), whose NOTIFY in every send serializes concurrent commits.
     let local_queue = format!("{system}, local queue {RATE_CLAIM_MAX}");
-    let variants: &[(&str, u64)] = if system == "graphile-worker" {
-        &[(system, 0), (&local_queue, u64::from(RATE_CLAIM_MAX))]
+    let listen_notify = format!("{system}, LISTEN/NOTIFY");
+    let variants: [(&str, Variant); 2] = if system == "graphile-worker" {
+        [
+            (system, Variant::default()),
+            (
+                &local_queue,
+                Variant {
+                    local_queue: u64::from(RATE_CLAIM_MAX),
+                    notify: false,
+                },
+            ),
+        ]
     } else {
-        &[(system, 0)]
+        [
+            (system, Variant::default()),
+            (
+                &listen_notify,
+                Variant {
+                    local_queue: 0,
+                    notify: true,
+                },
+            ),
+        ]
     };
-    for &(label, local_queue) in variants {
+    for (label, variant) in variants {
         for &rate in &sizes.rates {
             let key = format!("rate-{rate}");
             let name = format!("enqueue → claim at {rate}/s offered");
@@ -618,7 +639,7 @@ pub async fn node(
             }
             eprintln!("outboxd-bench: {label} {name}");
             let peer_args = PeerArgs {
-                node: &args.node,
+                node: &node_bin,
                 script: &script,
                 system,
                 scenario: "rate",
@@ -627,7 +648,7 @@ pub async fn node(
                 clients: sizes.rate_workers(),
                 batch: u64::from(RATE_CLAIM_MAX),
                 rate,
-                local_queue,
+                variant,
             };
             match run_peer(meter, database, &peer_args).await {
                 Ok((result, cost)) => {
@@ -655,6 +676,51 @@ pub async fn node(
     }
 }
 
+/// The Node.js binary for `bench/peer.js`: `--node`, else the one bench/package.json
+/// installs (graphile-worker and pg-boss require Node 22 or later), else `node` on PATH.
+fn node_binary(args: &AllArgs) -> PathBuf {
+    if let Some(node) = &args.node {
+        return node.clone();
+    }
+    let bundled = args.bench_dir.join("node_modules/.bin/node");
+    if bundled.is_file() {
+        bundled
+    } else {
+        PathBuf::from("node")
+    }
+}
+
+/// What the npm peers run on, for the report: each library's installed version and
+/// Node's, or why they are unknown.
+pub fn versions(args: &AllArgs) -> String {
+    let installed = |package: &str| -> String {
+        let manifest = args
+            .bench_dir
+            .join("node_modules")
+            .join(package)
+            .join("package.json");
+        std::fs::read_to_string(manifest)
+            .ok()
+            .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+            .and_then(|json| json["version"].as_str().map(|v| format!("{package} {v}")))
+            .unwrap_or_else(|| format!("{package} not installed"))
+    };
+    let node = node_binary(args);
+    let node_version = std::process::Command::new(&node)
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_else(|| "not found".to_owned());
+    format!(
+        "{}, {} on Node {node_version} ({})",
+        installed("graphile-worker"),
+        installed("pg-boss"),
+        node.display()
+    )
+}
+
 struct PeerArgs<'a> {
     node: &'a Path,
     script: &'a Path,
@@ -666,8 +732,16 @@ struct PeerArgs<'a> {
     batch: u64,
     /// Offered jobs per second of the `rate` scenario (0 for the others).
     rate: u32,
-    /// graphile-worker's local queue size in the `rate` scenario (0: none).
+    variant: Variant,
+}
+
+/// How a peer runs its workers in the `rate` scenario, where it has two documented ways.
+#[derive(Clone, Copy, Default)]
+struct Variant {
+    /// graphile-worker's local queue size (0: none).
     local_queue: u64,
+    /// pg-boss with LISTEN/NOTIFY instead of polling alone.
+    notify: bool,
 }
 
 async fn run_peer(
@@ -682,7 +756,8 @@ async fn run_peer(
         .args(["--concurrency", &a.clients.to_string()])
         .args(["--batch", &a.batch.to_string()])
         .args(["--rate", &a.rate.to_string()])
-        .args(["--local-queue", &a.local_queue.to_string()])
+        .args(["--local-queue", &a.variant.local_queue.to_string()])
+        .args(["--notify", if a.variant.notify { "1" } else { "0" }])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

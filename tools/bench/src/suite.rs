@@ -112,15 +112,17 @@ pub struct AllArgs {
     /// xmin), `token` (commit → claimable), `peers`. For iterating on one scenario.
     #[arg(long, value_enum, value_delimiter = ',', value_name = "SECTION")]
     pub only: Vec<SectionName>,
-    /// Folder of the peer harnesses (package.json, peer.js, pgbench/*.sql).
-    #[arg(long, value_name = "DIR", default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/bench"))]
+    /// Folder of the peer harnesses (package.json, peer.js, pgbench/*.sql): the
+    /// repository's `bench/`, two levels above this crate.
+    #[arg(long, value_name = "DIR", default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench"))]
     pub bench_dir: PathBuf,
     /// pgbench binary [pgbench on PATH, else /usr/lib/postgresql/*/bin/pgbench].
     #[arg(long, value_name = "PATH")]
     pub pgbench: Option<PathBuf>,
-    /// Node.js binary for the npm peers.
-    #[arg(long, value_name = "PATH", default_value = "node")]
-    pub node: PathBuf,
+    /// Node.js binary for the npm peers [the one `npm ci --prefix bench` installs,
+    /// bench/node_modules/.bin/node (the peers need Node 22 or later), else node on PATH].
+    #[arg(long, value_name = "PATH")]
+    pub node: Option<PathBuf>,
     #[command(flatten)]
     pub cluster: ClusterArgs,
 }
@@ -276,6 +278,9 @@ pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyho
         if args.smoke { " --smoke" } else { "" }
     );
     println!("{info}");
+    if args.runs(SectionName::Peers) && !args.no_peers {
+        println!("npm peers: {}", peers::versions(args));
+    }
     println!(
         "load average (1 min): {load_at_start} at start, {load_at_end} at end; {:.0} s in all",
         started.elapsed().as_secs_f64()
@@ -322,13 +327,18 @@ fn print_notes() {
          the first, by a server with `OUTBOX_RETENTION__FINISHED=0s`, whose Ack deletes the \
          rows it delivers instead of keeping them DELIVERED for the purge.",
         "**graphile-worker, pg-boss**: `bench/peer.js` (versions pinned in \
-         `bench/package.json`), batched add (`addJobs`, `insert`) and one job per call \
-         (`addJob`, `send`); burn-down by graphile-worker's runner with a local queue of the \
-         claim batch and batched completion, and by pg-boss `fetch(batchSize)` + \
-         `complete(ids)` loops; the fixed rates with each library's own workers (as many as \
-         outboxd's): graphile-worker's runner woken by LISTEN/NOTIFY, pg-boss `work()` \
-         polling at its shortest interval (0.5 s), up to 100 jobs per fetch. \
-         graphile-worker's runner gives no per-batch latency.",
+         `bench/package.json`, each configured as its documentation advises for throughput: \
+         bench/README.md), batched add (`addJobs`, `insert`) and one job per call \
+         (`addJob`, `send`); burn-down by as many graphile-worker runners as outboxd's \
+         workers (24 concurrent jobs each, a local queue of the claim batch, batched \
+         completion) and as many pg-boss `work()` workers (`batchSize` of the claim batch, \
+         `burstWhenBatchFull`, the batch completed in one call); the fixed rates with as many \
+         of each library's workers as outboxd's, each library two ways: graphile-worker's \
+         runners woken by LISTEN/NOTIFY without and with a local queue of 100, pg-boss \
+         polling (every 0.5 s, its shortest; up to 100 jobs per fetch) and with LISTEN/NOTIFY \
+         (`useListenNotify`, the queue's `notify`). graphile-worker's runner gives no \
+         per-batch latency; pg-boss's claim+ack is a worker's cycle, from one batch handed to \
+         its handler to the next.",
         "**latency of**: `call` is one Enqueue (or add/insert/send) call; `claim+ack` one \
          Claim of a batch plus its Ack; `enqueue OK → claim` the time from the producer's \
          Enqueue returning to a long-polling worker's Claim returning the intent (negative \
@@ -745,8 +755,16 @@ pub struct RateRun {
 }
 
 impl RateRun {
-    fn sustainable(&self, offered: u64) -> bool {
+    /// Whether the sends of a `window`-second run kept up: the last was answered within
+    /// the window stretched by `1 / SUSTAINED_SHARE` (a producer that none dropped can still
+    /// have sent at a fraction of the rate, each send waiting for the one before).
+    fn on_time(&self, window: f64) -> bool {
+        self.seconds * SUSTAINED_SHARE <= window
+    }
+
+    fn sustainable(&self, offered: u64, window: f64) -> bool {
         self.behind == 0
+            && self.on_time(window)
             && self.sent as f64 >= SUSTAINED_SHARE * offered as f64
             && self.claimed == self.sent
             && self.hist.ms(0.99) <= SUSTAINED_P99_MS
@@ -763,9 +781,11 @@ impl RateRun {
         cost: Cost,
     ) -> (Row, bool) {
         let offered = (f64::from(rate) * seconds).round() as u64;
-        let ok = self.sustainable(offered);
+        let ok = self.sustainable(offered, seconds);
         let late = if self.behind > 0 {
             format!(", {} sends dropped: {MAX_IN_FLIGHT} in flight", self.behind)
+        } else if !self.on_time(seconds) {
+            format!(", {seconds} s of sends took {:.1} s", self.seconds)
         } else {
             String::new()
         };
@@ -1098,4 +1118,47 @@ async fn commit_to_claimable(
     let stopped = bench.stop().await;
     measured?;
     stopped
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(sent: u64, seconds: f64, behind: u64) -> RateRun {
+        let mut hist = Hist::new();
+        for _ in 0..sent {
+            hist.record_us(2_000);
+        }
+        RateRun {
+            sent,
+            claimed: sent,
+            seconds,
+            behind,
+            hist,
+        }
+    }
+
+    #[test]
+    fn a_rate_sent_on_time_and_claimed_quickly_is_sustained() {
+        assert!(run(10_000, 10.02, 0).sustainable(10_000, 10.0));
+    }
+
+    #[test]
+    fn a_rate_whose_sends_took_five_times_the_window_is_not_sustained_though_none_dropped() {
+        let slow = run(1_000, 5.0, 0);
+        assert!(!slow.sustainable(1_000, 1.0));
+        let cost = Cost::default();
+        let (row, ok) = slow.row("peer", 1000, 1.0, "", cost);
+        assert!(!ok);
+        assert!(
+            row.scenario.contains("1 s of sends took 5.0 s"),
+            "{}",
+            row.scenario
+        );
+    }
+
+    #[test]
+    fn a_rate_with_dropped_sends_is_not_sustained() {
+        assert!(!run(9_000, 10.0, 1_000).sustainable(10_000, 10.0));
+    }
 }

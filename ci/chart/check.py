@@ -944,7 +944,17 @@ def main() -> int:
         check("no ServiceMonitor was created" in notes, "NOTES do not say the ServiceMonitor was skipped")
         default, _ = render(chart, {}, MONITORING_API)
         check(not by_kind(default, "ServiceMonitor"), "ServiceMonitor rendered while disabled")
-    r.run("serviceMonitor only with monitoring.coreos.com/v1 (--api-versions)", service_monitor_gating)
+        # serviceMonitor.force: `helm template` without --api-versions still renders it.
+        forced_values = {**values, "serviceMonitor": {**values["serviceMonitor"], "force": True}}
+        forced, forced_notes = render(chart, forced_values, [])
+        check(by_kind(forced, "ServiceMonitor") == by_kind(with_api, "ServiceMonitor"),
+              "serviceMonitor.force without the API renders no (or another) ServiceMonitor")
+        check("no ServiceMonitor was created" not in forced_notes, "NOTES say a forced ServiceMonitor was skipped")
+        check("force" in notes, "NOTES do not name serviceMonitor.force")
+        unforced, _ = render(chart, {"serviceMonitor": {"force": True}}, [])
+        check(not by_kind(unforced, "ServiceMonitor"), "serviceMonitor.force rendered one while disabled")
+    r.run("serviceMonitor only with monitoring.coreos.com/v1 (--api-versions) or serviceMonitor.force",
+          service_monitor_gating)
 
     # Bad values: each must be rejected, by the schema or by a template guard.
     for path in sorted((HERE / "bad-values").glob("*.yaml")):

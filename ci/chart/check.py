@@ -905,6 +905,24 @@ def main() -> int:
         check(not drift, f"schema keys without a default in values.yaml: {drift}")
     r.run("values.yaml: every value has a '# --' comment and the schema no orphan key", documented)
 
+    # The schema's OUTBOX_* names are the table of docs/configuration.md (which a unit test
+    # holds to config::Settings), and this outboxd accepts every one of them.
+    def schema_variables():
+        schema = json.loads((CHART / "values.schema.json").read_text())
+        listed = schema["definitions"]["outboxVariable"]["enum"]
+        table = [line.split("|")[1].strip().strip("`")
+                 for line in (ROOT / "docs" / "configuration.md").read_text().splitlines()
+                 if line.startswith("| `OUTBOX_")]
+        check(listed == table, f"values.schema.json outboxVariable differs from docs/configuration.md: "
+                               f"missing {sorted(set(table) - set(listed))}, extra {sorted(set(listed) - set(table))}, "
+                               "or another order")
+        unknown = binary.unknown(listed)
+        check(not unknown, f"the schema accepts variables this outboxd refuses: {unknown}")
+        return len(listed)
+    count = r.run("values.schema.json: OUTBOX_* names = docs/configuration.md, all accepted by outboxd", schema_variables)
+    if count:
+        print(f"     {count} variables")
+
     # Lint, with the defaults and every value set.
     def lint(values=None):
         report = helm.lint(CHART, values, strict=True, kube_version="v1.30.0")

@@ -334,6 +334,10 @@ def expect_default(docs, notes):
     # The migration step grants; no SQL is left to the operator.
     check("grant_service_role" not in notes and "GRANT outboxd_fleet" not in notes, "NOTES still ask for a grant by hand")
     check("no SQL to run by hand" in notes, "NOTES do not say the migration step grants")
+    # No key yet: the recipe for a first one.
+    check("apiKeys.keys[0].existingSecret=ci-outboxd-api-key" in notes and "openssl rand -hex 32" in notes,
+          "NOTES lack the first API key's recipe")
+    check(not [d for d in by_kind(docs, "Job") if d["metadata"]["name"].endswith("-api-keys")], "a key Job without keys")
 
 
 def expect_tls(docs, notes):
@@ -425,6 +429,36 @@ def expect_kitchen_sink(docs, notes):
     check([c["name"] for c in d["spec"]["template"]["spec"]["containers"]] == ["outboxd", "log-shipper"], "extraContainers")
 
 
+def expect_api_keys(docs, notes):
+    """An install renders the key bootstrap: a post-install/post-upgrade Job storing each
+    key of apiKeys.keys from its Secret as the schema owner, and NOTES saying how to use one."""
+    job = one([d for d in by_kind(docs, "Job") if d["metadata"]["name"].endswith("-api-keys")], "Job")
+    meta = job["metadata"]
+    check(meta["name"] == "ci-outboxd-api-keys", meta["name"])
+    check(meta["annotations"]["helm.sh/hook"] == "post-install,post-upgrade", "the key Job is not a post-install/post-upgrade hook")
+    check(job["spec"]["backoffLimit"] == 10, "apiKeys.job.backoffLimit ignored")
+    pod = job["spec"]["template"]["spec"]
+    check(pod["serviceAccountName"] == "ci-outboxd", "the key Job runs as another ServiceAccount")
+    check(pod["restartPolicy"] == "Never", pod["restartPolicy"])
+    first, second = pod["containers"]
+    check(first["args"] == ["keys", "create", "--name", "bootstrap", "--scope", "admin", "--all-tenants",
+                            "--secret-from-env", "API_KEY"], f"first key args {first['args']}")
+    check(second["args"] == ["keys", "create", "--name", "billing", "--scope", "produce", "--scope", "consume",
+                             "--tenant", "acme", "--tenant", "globex", "--region", "eu-west",
+                             "--secret-from-env", "API_KEY"], f"second key args {second['args']}")
+    for c, ref in ((first, {"name": "outboxd-api-key", "key": "api-key"}), (second, {"name": "billing-keys", "key": "producer"})):
+        env = env_map(c)
+        check(env["API_KEY"]["valueFrom"]["secretKeyRef"] == ref, f"{c['name']} key from {env['API_KEY']}")
+        owner = env["OUTBOX_DATABASE__MIGRATION_URL"]["valueFrom"]["secretKeyRef"]
+        check(owner == {"name": "ci-outboxd-database-owner", "key": "url"}, f"{c['name']} owner URL {owner}")
+    # The server never holds the owner's URL nor a key.
+    server_env = env_map(server_container(one(docs, "Deployment")))
+    check("API_KEY" not in server_env and "OUTBOX_DATABASE__MIGRATION_URL" not in server_env, "the server got a key or the owner's URL")
+    check("outboxd-api-key billing-keys\n" in notes, "NOTES do not list the key Secrets")
+    check("ci-outboxd-api-keys stored" in notes and "get secret outboxd-api-key" in notes, "NOTES do not say how to use a key")
+    check("openssl rand" not in notes, "NOTES offer a first key although keys are set")
+
+
 def expect_single_replica(docs, notes):
     check(not by_kind(docs, "PodDisruptionBudget"), "a PDB on one replica blocks node drains")
 
@@ -440,6 +474,7 @@ EXPECTATIONS = {
     "servicemonitor.yaml": expect_service_monitor,
     "kitchen-sink.yaml": expect_kitchen_sink,
     "single-replica.yaml": expect_single_replica,
+    "api-keys.yaml": expect_api_keys,
 }
 
 
@@ -658,6 +693,18 @@ def health(port: int, service: str, credentials=None, timeout: float = 2.0) -> s
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
+def call_with_key(port: int, key: str) -> grpc.StatusCode:
+    """GetQueueStats (an empty request) with `key` as the bearer; the call's status code."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary("/outbox.v1.OutboxService/GetQueueStats",
+                                   request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        try:
+            call(b"", metadata=[("authorization", f"Bearer {key}")], timeout=5)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            return e.code()
+
+
 def probe_once(probe: dict, port_names: dict, credentials=None) -> str:
     """What kubelet would do for this probe, against 127.0.0.1."""
     timeout = probe.get("timeoutSeconds", 1)
@@ -706,10 +753,12 @@ class Postgres:
 # Runtime test
 
 
-def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool = False):
+def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool = False, keys: bool = False):
     """Renders the chart with default values (`mode` picks migrations; `tls` adds TLS and
-    mTLS), provides the Secrets it names, runs the migration container, then the server,
-    probes it like kubelet, scrapes its metrics and stops it like Kubernetes does."""
+    mTLS; `keys` a key in apiKeys.keys), provides the Secrets it names, runs the migration
+    container, then the server, probes it like kubelet, stores the key as the key Job does
+    (twice: install, upgrade) and calls the server with it, scrapes its metrics and stops it
+    like Kubernetes does."""
     work = Path(tempfile.mkdtemp(prefix=f"pod-{mode}-", dir=args.work))
     work.chmod(0o755)
     db = pg.fresh_database(f"outbox_chart_{mode.lower()}{'_tls' if tls else ''}")
@@ -729,6 +778,12 @@ def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool
     values: dict = {}
     if mode != "hook":
         values["migrations"] = {"mode": mode}
+    api_key = None
+    if keys:
+        # What the operator puts in the Secret: obx_ and 64 hex digits (openssl rand -hex 32).
+        api_key = "obx_" + os.urandom(32).hex()
+        secrets[("ci-api-key", "api-key")] = api_key
+        values["apiKeys"] = {"keys": [{"name": "bootstrap", "existingSecret": "ci-api-key", "scopes": ["admin"], "allTenants": True}]}
     notes = []
     files = {}
     credentials = None
@@ -801,6 +856,21 @@ def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool
         for kind in ("readinessProbe", "livenessProbe"):
             results[kind] = probe_once(server[kind], port_names, credentials)
             check(results[kind] == "SERVING", f"{kind}: {results[kind]}")
+        if keys:
+            # The post-install hook, then a post-upgrade one: the key is stored once, and the
+            # server accepts it (and refuses a key nobody stored: authentication is on).
+            kjob = one([d for d in by_kind(docs, "Job") if d["metadata"]["name"].endswith("-api-keys")], "Job")
+            kspec = kjob["spec"]["template"]["spec"]
+            for _ in range(2):
+                for c in kspec["containers"]:
+                    out = pod.run_to_completion(c, kspec)
+                    check(api_key not in out, "the key Job printed the key")
+            stored = pg.psql("SELECT count(*) FROM outbox.api_key WHERE name = 'bootstrap' AND revoked_at IS NULL", db)
+            check(stored == "1", f"{stored} bootstrap keys stored")
+            check(call_with_key(port_names["grpc"], api_key) == grpc.StatusCode.OK, "the server refuses the stored key")
+            refused = call_with_key(port_names["grpc"], "obx_" + os.urandom(32).hex())
+            check(refused == grpc.StatusCode.UNAUTHENTICATED, f"an unknown key got {refused}")
+            results["apiKeys"] = "stored once, accepted"
         if tls:
             # mTLS is required: a client without a certificate is turned away.
             no_cert = grpc.ssl_channel_credentials(root_certificates=files[("ci-tls", "ca.crt")])
@@ -1023,7 +1093,8 @@ def main() -> int:
     # Runtime: the rendered pod, run for real.
     pg = Postgres(args.pg_url, args.pg_bindir)
     r.run("runtime: default values (hook Job, then server) probed like kubelet", runtime_test, args, chart, binary, pg, "hook")
-    r.run("runtime: migrations.mode=initContainer (init container, then server)", runtime_test, args, chart, binary, pg, "initContainer")
+    r.run("runtime: migrations.mode=initContainer + apiKeys (init container, server, key Job: the key bootstrap)",
+          runtime_test, args, chart, binary, pg, "initContainer", keys=True)
 
     def tls_runtime():
         runtime_test(args, chart, binary, pg, "none", tls=True)

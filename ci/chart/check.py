@@ -805,7 +805,7 @@ def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool
             target[path[-1]] = port
             notes.append(f"{value} busy on this machine: {key}={port}")
 
-    docs, _ = render(chart, values)
+    docs, install_notes = render(chart, values)
     deployment = check_wiring(docs, image_of(docs), binary)
     spec = deployment["spec"]["template"]["spec"]
     server = server_container(deployment)
@@ -880,6 +880,9 @@ def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool
             except grpc.RpcError:
                 pass
             results["mTLS"] = "client certificate required"
+            # NOTES' buf curl line, as written (files and port aside), passes TLS and mTLS.
+            results["NOTES buf curl"] = run_notes_buf_curl(install_notes, work / "tls-material", port_names["grpc"],
+                                                           chart.values["service"]["port"])
         # The metrics endpoint answers where the Service and ServiceMonitor point.
         if "metrics" in port_names:
             path = chart.values["serviceMonitor"]["path"]
@@ -923,6 +926,29 @@ def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool
         print(f"     note: {n}")
 
 
+def find_buf() -> str | None:
+    """buf as .ci/run installs it (or OUTBOXD_BUF, or on PATH)."""
+    tmp = Path(os.environ.get("TMPDIR") or "/tmp")
+    for candidate in (os.environ.get("OUTBOXD_BUF"), str(tmp / "outboxd-ci-buf/node_modules/.bin/buf"), shutil.which("buf")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def run_notes_buf_curl(notes: str, material: Path, port: int, service_port: int) -> str:
+    """Runs the `buf curl` line of NOTES.txt in a directory holding the test's ca.crt,
+    client.crt and client.key, against the pod's port instead of the port-forward's."""
+    buf = find_buf()
+    if not buf:
+        return "not run (no buf: .ci/run installs it, or set OUTBOXD_BUF)"
+    joined = notes.replace("\\\n", " ")
+    line = next(l for l in joined.splitlines() if l.strip().startswith("buf curl"))
+    argv = shlex.split(line.replace(f"127.0.0.1:{service_port}/", f"127.0.0.1:{port}/"))
+    p = subprocess.run([buf, *argv[1:]], cwd=material, capture_output=True, text=True, timeout=60)
+    check(p.returncode == 0 and '"SERVING"' in p.stdout, f"NOTES' {line.strip()!r} failed: {p.stdout}{p.stderr}")
+    return "SERVING"
+
+
 def image_of(docs):
     return server_container(one(docs, "Deployment"))["image"]
 
@@ -938,7 +964,9 @@ def make_tls(directory: Path):
 
     sh("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
        "-subj", "/CN=outboxd-ci-ca", "-keyout", "ca.key", "-out", "ca.crt")
-    for name, ext in (("server", "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth"),
+    # The Service's cluster DNS name too: NOTES' buf curl line sends it as the server name.
+    for name, ext in (("server", f"subjectAltName=DNS:localhost,IP:127.0.0.1,DNS:{RELEASE}-outboxd.{NAMESPACE}.svc\n"
+                                 "extendedKeyUsage=serverAuth"),
                       ("client", "extendedKeyUsage=clientAuth")):
         (directory / f"{name}.ext").write_text(ext + "\n")
         sh("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj", f"/CN={name}",

@@ -321,7 +321,8 @@ impl WorkerBuilder {
 ///   (at most 1,000), so it never holds a lease it cannot start. It long-polls.
 /// - **Replays lost claims**: each Claim has a `request_id`; a transient failure is
 ///   retried with the same id (on the next endpoint), so the leases a lost answer
-///   carried are returned instead of stranded until they expire.
+///   carried are returned instead of stranded until they expire (unless
+///   [`WorkerBuilder::replay_claims`] turned it off).
 /// - **Heartbeats**: every third of the lease, live leases are extended in one
 ///   `ExtendLease` call. A lease answered `LEASE_LOST`, or whose local expiry (counted
 ///   from when the Claim was sent) passes without an extension, is lost: its handler is

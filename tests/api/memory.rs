@@ -50,7 +50,7 @@ impl Server {
             .port();
         let binary = std::env::var("MEMORY_TEST_OUTBOXD")
             .unwrap_or_else(|_| env!("CARGO_BIN_EXE_outboxd").to_owned());
-        let log = std::env::temp_dir().join(format!("outboxd-memory-{port}.log"));
+        let log = crate::helpers::scratch_dir().join(format!("outboxd-memory-{port}.log"));
         let mut command = Command::new(binary);
         // It refuses OUTBOX_* variables it does not know (the tests' own).
         for (name, _) in std::env::vars_os() {

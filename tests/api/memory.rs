@@ -64,6 +64,8 @@ impl Server {
             .env("OUTBOX_DATABASE__FLEET_URL", fleet_url(url))
             .env("OUTBOX_LISTEN_ADDR", format!("127.0.0.1:{port}"))
             .env("OUTBOX_DATABASE__MAX_CONNECTIONS", "8")
+            // Not the default port: another server on this machine may hold it.
+            .env("OUTBOX_METRICS__LISTEN_ADDR", "127.0.0.1:0")
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())

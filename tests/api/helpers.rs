@@ -145,13 +145,24 @@ pub fn scratch_dir() -> &'static std::path::Path {
 }
 
 /// Deletes the scratch directories earlier test processes left in the temp dir, should
-/// their remover not have run (a machine that went down with them).
+/// their remover not have run (a machine that went down with them), and the certificate
+/// directories of runs before there was one.
 fn remove_clusters_of_finished_runs() {
     let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
         return;
     };
     for entry in entries.flatten() {
         let name = entry.file_name();
+        // Certificates of runs before the scratch directory (they were never removed); an
+        // hour old, so certainly not a running test's.
+        if name.to_str().is_some_and(|n| n.starts_with("outboxd-tls-")) {
+            let age = entry.metadata().and_then(|m| m.modified()).ok();
+            let age = age.and_then(|m| m.elapsed().ok()).unwrap_or_default();
+            if age > Duration::from_secs(3600) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+            continue;
+        }
         let Some(pid) = name
             .to_str()
             .and_then(|n| n.strip_prefix("outboxd-test-"))

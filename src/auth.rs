@@ -208,7 +208,67 @@ pub async fn issue_key(
     regions: Vec<String>,
 ) -> anyhow::Result<(ApiKeyRecord, String)> {
     let key = generate_key()?;
-    let record = ApiKeyRecord {
+    let record = key_record(&key, name, tenants, scopes, regions);
+    store::insert_api_key(owner, &record, &key.hash).await?;
+    Ok((record, key.secret))
+}
+
+/// Fewest characters after [`KEY_PREFIX`] in a key chosen by an operator: 128 bits of hex
+/// (a minted key has 64).
+pub const SUPPLIED_KEY_MIN_LENGTH: usize = 32;
+
+/// A key chosen by an operator (e.g. `obx_$(openssl rand -hex 32)`, kept in a Kubernetes
+/// Secret before the key exists in the database): [`KEY_PREFIX`] and at least
+/// [`SUPPLIED_KEY_MIN_LENGTH`] ASCII letters, digits, `-` or `_`, what a bearer header
+/// carries unchanged.
+///
+/// # Errors
+/// Any other secret (the error never contains it).
+pub fn supplied_key(secret: &str) -> anyhow::Result<NewKey> {
+    let rest = secret.strip_prefix(KEY_PREFIX).unwrap_or_default();
+    anyhow::ensure!(
+        rest.len() >= SUPPLIED_KEY_MIN_LENGTH
+            && rest
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'),
+        "the supplied key must be {KEY_PREFIX} followed by at least {SUPPLIED_KEY_MIN_LENGTH} \
+         letters, digits, - or _ (e.g. {KEY_PREFIX}$(openssl rand -hex 32))"
+    );
+    Ok(NewKey {
+        hash: hash_key(secret),
+        prefix: secret[..KEY_PREFIX.len() + 8].to_owned(),
+        secret: secret.to_owned(),
+    })
+}
+
+/// Stores `key` (see [`supplied_key`]) as [`issue_key`] stores a minted one, unless a key
+/// with the same secret is stored already, live or revoked; then nothing changes, so a
+/// deployment may run this on every install and upgrade. Returns what would be stored and
+/// whether it was stored now.
+///
+/// # Errors
+/// The key could not be stored.
+pub async fn store_supplied_key(
+    owner: &PgPool,
+    key: &NewKey,
+    name: &str,
+    tenants: Option<Vec<String>>,
+    scopes: Vec<String>,
+    regions: Vec<String>,
+) -> anyhow::Result<(ApiKeyRecord, bool)> {
+    let record = key_record(key, name, tenants, scopes, regions);
+    let stored = store::insert_api_key_unless_stored(owner, &record, &key.hash).await?;
+    Ok((record, stored))
+}
+
+fn key_record(
+    key: &NewKey,
+    name: &str,
+    tenants: Option<Vec<String>>,
+    scopes: Vec<String>,
+    regions: Vec<String>,
+) -> ApiKeyRecord {
+    ApiKeyRecord {
         id: uuid::Uuid::now_v7(),
         name: name.to_owned(),
         prefix: key.prefix.clone(),
@@ -218,9 +278,7 @@ pub async fn issue_key(
         regions,
         created_at: chrono::Utc::now(),
         revoked_at: None,
-    };
-    store::insert_api_key(owner, &record, &key.hash).await?;
-    Ok((record, key.secret))
+    }
 }
 
 /// SHA-256 of a key.

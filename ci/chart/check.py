@@ -328,10 +328,19 @@ def expect_default(docs, notes):
     check("OUTBOX_DATABASE__MIGRATION_URL" not in env, "the server got the owner's URL")
     fleet = env_map(server)["OUTBOX_DATABASE__FLEET_URL"]
     check(fleet["valueFrom"]["secretKeyRef"] == {"name": "ci-outboxd-database-fleet", "key": "url"}, f"fleet URL {fleet}")
-    for secret in ("ci-outboxd-database ", "ci-outboxd-database-fleet ", "ci-outboxd-database-owner "):
-        check(f"kubectl -n outboxd-ci create secret generic {secret}" in notes, f"NOTES lack the {secret}Secret command")
-    check("grant_service_role" in notes, "NOTES lack the grant step")
-    check("GRANT outboxd_fleet TO" in notes, "NOTES lack the fleet grant step")
+    # NOTES come after the install, whose pre-install Job needed the Secrets: they name them
+    # as a check, never as a step still to take.
+    secrets = "ci-outboxd-database ci-outboxd-database-fleet ci-outboxd-database-owner"
+    check(f"kubectl -n outboxd-ci get secret {secrets}\n" in notes, "NOTES do not list the Secrets to check")
+    check("before `helm install`" in notes, "NOTES do not say the Secrets come before the install")
+    check(not re.search(r"create secret generic ci-outboxd-database", notes), "NOTES ask for a database Secret after the install")
+    # The migration step grants; no SQL is left to the operator.
+    check("grant_service_role" not in notes and "GRANT outboxd_fleet" not in notes, "NOTES still ask for a grant by hand")
+    check("no SQL to run by hand" in notes, "NOTES do not say the migration step grants")
+    # No key yet: the recipe for a first one.
+    check("apiKeys.keys[0].existingSecret=ci-outboxd-api-key" in notes and "openssl rand -hex 32" in notes,
+          "NOTES lack the first API key's recipe")
+    check(not [d for d in by_kind(docs, "Job") if d["metadata"]["name"].endswith("-api-keys")], "a key Job without keys")
 
 
 def expect_tls(docs, notes):
@@ -346,6 +355,12 @@ def expect_tls(docs, notes):
     svc = one(docs, "Service")
     check("appProtocol" not in svc["spec"]["ports"][0], "h2c appProtocol on a TLS port")
     check("https" in notes, "NOTES do not mention https")
+    # The buf curl line trusts the server's CA, names a host of its certificate (not the
+    # forwarded 127.0.0.1) and, with mTLS, presents a client certificate.
+    buf = re.search(r"buf curl .*", notes.replace("\\\n", " ")).group(0)
+    for flag in ("--cacert ca.crt", "--cert client.crt", "--key client.key", "--servername ci-outboxd.outboxd-ci.svc", "https://127.0.0.1:50051/"):
+        check(flag in " ".join(buf.split()), f"NOTES' buf curl lacks {flag}: {buf}")
+    check("jsonpath='{.data.ca\\.crt}'" in notes, "NOTES do not say where ca.crt comes from")
 
 
 def expect_metrics_off(docs, notes):
@@ -421,6 +436,36 @@ def expect_kitchen_sink(docs, notes):
     check([c["name"] for c in d["spec"]["template"]["spec"]["containers"]] == ["outboxd", "log-shipper"], "extraContainers")
 
 
+def expect_api_keys(docs, notes):
+    """An install renders the key bootstrap: a post-install/post-upgrade Job storing each
+    key of apiKeys.keys from its Secret as the schema owner, and NOTES saying how to use one."""
+    job = one([d for d in by_kind(docs, "Job") if d["metadata"]["name"].endswith("-api-keys")], "Job")
+    meta = job["metadata"]
+    check(meta["name"] == "ci-outboxd-api-keys", meta["name"])
+    check(meta["annotations"]["helm.sh/hook"] == "post-install,post-upgrade", "the key Job is not a post-install/post-upgrade hook")
+    check(job["spec"]["backoffLimit"] == 10, "apiKeys.job.backoffLimit ignored")
+    pod = job["spec"]["template"]["spec"]
+    check(pod["serviceAccountName"] == "ci-outboxd", "the key Job runs as another ServiceAccount")
+    check(pod["restartPolicy"] == "Never", pod["restartPolicy"])
+    first, second = pod["containers"]
+    check(first["args"] == ["keys", "create", "--name", "bootstrap", "--scope", "admin", "--all-tenants",
+                            "--secret-from-env", "API_KEY"], f"first key args {first['args']}")
+    check(second["args"] == ["keys", "create", "--name", "billing", "--scope", "produce", "--scope", "consume",
+                             "--tenant", "acme", "--tenant", "globex", "--region", "eu-west",
+                             "--secret-from-env", "API_KEY"], f"second key args {second['args']}")
+    for c, ref in ((first, {"name": "outboxd-api-key", "key": "api-key"}), (second, {"name": "billing-keys", "key": "producer"})):
+        env = env_map(c)
+        check(env["API_KEY"]["valueFrom"]["secretKeyRef"] == ref, f"{c['name']} key from {env['API_KEY']}")
+        owner = env["OUTBOX_DATABASE__MIGRATION_URL"]["valueFrom"]["secretKeyRef"]
+        check(owner == {"name": "ci-outboxd-database-owner", "key": "url"}, f"{c['name']} owner URL {owner}")
+    # The server never holds the owner's URL nor a key.
+    server_env = env_map(server_container(one(docs, "Deployment")))
+    check("API_KEY" not in server_env and "OUTBOX_DATABASE__MIGRATION_URL" not in server_env, "the server got a key or the owner's URL")
+    check("outboxd-api-key billing-keys\n" in notes, "NOTES do not list the key Secrets")
+    check("ci-outboxd-api-keys stored" in notes and "get secret outboxd-api-key" in notes, "NOTES do not say how to use a key")
+    check("openssl rand" not in notes, "NOTES offer a first key although keys are set")
+
+
 def expect_single_replica(docs, notes):
     check(not by_kind(docs, "PodDisruptionBudget"), "a PDB on one replica blocks node drains")
 
@@ -436,6 +481,7 @@ EXPECTATIONS = {
     "servicemonitor.yaml": expect_service_monitor,
     "kitchen-sink.yaml": expect_kitchen_sink,
     "single-replica.yaml": expect_single_replica,
+    "api-keys.yaml": expect_api_keys,
 }
 
 
@@ -654,6 +700,18 @@ def health(port: int, service: str, credentials=None, timeout: float = 2.0) -> s
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
+def call_with_key(port: int, key: str) -> grpc.StatusCode:
+    """GetQueueStats (an empty request) with `key` as the bearer; the call's status code."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary("/outbox.v1.OutboxService/GetQueueStats",
+                                   request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        try:
+            call(b"", metadata=[("authorization", f"Bearer {key}")], timeout=5)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            return e.code()
+
+
 def probe_once(probe: dict, port_names: dict, credentials=None) -> str:
     """What kubelet would do for this probe, against 127.0.0.1."""
     timeout = probe.get("timeoutSeconds", 1)
@@ -710,10 +768,12 @@ class Postgres:
 # Runtime test
 
 
-def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool = False):
+def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool = False, keys: bool = False):
     """Renders the chart with default values (`mode` picks migrations; `tls` adds TLS and
-    mTLS), provides the Secrets it names, runs the migration container, then the server,
-    probes it like kubelet, scrapes its metrics and stops it like Kubernetes does."""
+    mTLS; `keys` a key in apiKeys.keys), provides the Secrets it names, runs the migration
+    container, then the server, probes it like kubelet, stores the key as the key Job does
+    (twice: install, upgrade) and calls the server with it, scrapes its metrics and stops it
+    like Kubernetes does."""
     work = Path(tempfile.mkdtemp(prefix=f"pod-{mode}-", dir=args.work))
     work.chmod(0o755)
     db = pg.fresh_database(f"outbox_chart_{mode.lower()}{'_tls' if tls else ''}")
@@ -733,6 +793,12 @@ def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool
     values: dict = {}
     if mode != "hook":
         values["migrations"] = {"mode": mode}
+    api_key = None
+    if keys:
+        # What the operator puts in the Secret: obx_ and 64 hex digits (openssl rand -hex 32).
+        api_key = "obx_" + os.urandom(32).hex()
+        secrets[("ci-api-key", "api-key")] = api_key
+        values["apiKeys"] = {"keys": [{"name": "bootstrap", "existingSecret": "ci-api-key", "scopes": ["admin"], "allTenants": True}]}
     notes = []
     files = {}
     credentials = None
@@ -754,7 +820,7 @@ def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool
             target[path[-1]] = port
             notes.append(f"{value} busy on this machine: {key}={port}")
 
-    docs, _ = render(chart, values)
+    docs, install_notes = render(chart, values)
     deployment = check_wiring(docs, image_of(docs), binary)
     spec = deployment["spec"]["template"]["spec"]
     server = server_container(deployment)
@@ -776,15 +842,13 @@ def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool
                 out = pod.run_to_completion(c, spec)
                 check("migrations applied" in out, f"init container output: {out}")
         if mode != "none":
-            granted = pg.psql(f"SELECT has_table_privilege('{role}', 'outbox.intent', 'SELECT')", db)
-            if granted != "t":
-                # The owner's one-time step that NOTES.txt and the README ask for.
-                pg.psql(f"SELECT outbox.grant_service_role('{role}')", db)
-                notes.append(f"operator step from NOTES.txt: SELECT outbox.grant_service_role('{role}')")
+            # The migration step grants the service role of the service URL and makes the
+            # fleet login a member of outboxd_fleet: nobody runs SQL by hand after an install.
+            granted = pg.psql(f"SELECT has_table_privilege('{role}', 'outbox.intent', 'DELETE')", db)
+            check(granted == "t", f"the migration step did not grant the service role {role}")
             member = pg.psql(f"SELECT pg_has_role('{fleet_role}', 'outboxd_fleet', 'USAGE')", db)
-            if member != "t":
-                pg.psql(f"GRANT outboxd_fleet TO {fleet_role}", db)
-                notes.append(f"operator step from NOTES.txt: GRANT outboxd_fleet TO {fleet_role}")
+            check(member == "t", f"the migration step did not make {fleet_role} a member of outboxd_fleet")
+            results["grants"] = "by the migration step"
 
         # 2. The server, probed like kubelet: startup until it passes, then readiness, liveness.
         log = work / "server.log"
@@ -807,6 +871,21 @@ def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool
         for kind in ("readinessProbe", "livenessProbe"):
             results[kind] = probe_once(server[kind], port_names, credentials)
             check(results[kind] == "SERVING", f"{kind}: {results[kind]}")
+        if keys:
+            # The post-install hook, then a post-upgrade one: the key is stored once, and the
+            # server accepts it (and refuses a key nobody stored: authentication is on).
+            kjob = one([d for d in by_kind(docs, "Job") if d["metadata"]["name"].endswith("-api-keys")], "Job")
+            kspec = kjob["spec"]["template"]["spec"]
+            for _ in range(2):
+                for c in kspec["containers"]:
+                    out = pod.run_to_completion(c, kspec)
+                    check(api_key not in out, "the key Job printed the key")
+            stored = pg.psql("SELECT count(*) FROM outbox.api_key WHERE name = 'bootstrap' AND revoked_at IS NULL", db)
+            check(stored == "1", f"{stored} bootstrap keys stored")
+            check(call_with_key(port_names["grpc"], api_key) == grpc.StatusCode.OK, "the server refuses the stored key")
+            refused = call_with_key(port_names["grpc"], "obx_" + os.urandom(32).hex())
+            check(refused == grpc.StatusCode.UNAUTHENTICATED, f"an unknown key got {refused}")
+            results["apiKeys"] = "stored once, accepted"
         if tls:
             # mTLS is required: a client without a certificate is turned away.
             no_cert = grpc.ssl_channel_credentials(root_certificates=files[("ci-tls", "ca.crt")])
@@ -816,6 +895,9 @@ def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool
             except grpc.RpcError:
                 pass
             results["mTLS"] = "client certificate required"
+            # NOTES' buf curl line, as written (files and port aside), passes TLS and mTLS.
+            results["NOTES buf curl"] = run_notes_buf_curl(install_notes, work / "tls-material", port_names["grpc"],
+                                                           chart.values["service"]["port"])
         # The metrics endpoint answers where the Service and ServiceMonitor point.
         if "metrics" in port_names:
             path = chart.values["serviceMonitor"]["path"]
@@ -859,6 +941,29 @@ def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool
         print(f"     note: {n}")
 
 
+def find_buf() -> str | None:
+    """buf as .ci/run installs it (or OUTBOXD_BUF, or on PATH)."""
+    tmp = Path(os.environ.get("TMPDIR") or "/tmp")
+    for candidate in (os.environ.get("OUTBOXD_BUF"), str(tmp / "outboxd-ci-buf/node_modules/.bin/buf"), shutil.which("buf")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def run_notes_buf_curl(notes: str, material: Path, port: int, service_port: int) -> str:
+    """Runs the `buf curl` line of NOTES.txt in a directory holding the test's ca.crt,
+    client.crt and client.key, against the pod's port instead of the port-forward's."""
+    buf = find_buf()
+    if not buf:
+        return "not run (no buf: .ci/run installs it, or set OUTBOXD_BUF)"
+    joined = notes.replace("\\\n", " ")
+    line = next(l for l in joined.splitlines() if l.strip().startswith("buf curl"))
+    argv = shlex.split(line.replace(f"127.0.0.1:{service_port}/", f"127.0.0.1:{port}/"))
+    p = subprocess.run([buf, *argv[1:]], cwd=material, capture_output=True, text=True, timeout=60)
+    check(p.returncode == 0 and '"SERVING"' in p.stdout, f"NOTES' {line.strip()!r} failed: {p.stdout}{p.stderr}")
+    return "SERVING"
+
+
 def image_of(docs):
     return server_container(one(docs, "Deployment"))["image"]
 
@@ -874,7 +979,9 @@ def make_tls(directory: Path):
 
     sh("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
        "-subj", "/CN=outboxd-ci-ca", "-keyout", "ca.key", "-out", "ca.crt")
-    for name, ext in (("server", "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth"),
+    # The Service's cluster DNS name too: NOTES' buf curl line sends it as the server name.
+    for name, ext in (("server", f"subjectAltName=DNS:localhost,IP:127.0.0.1,DNS:{RELEASE}-outboxd.{NAMESPACE}.svc\n"
+                                 "extendedKeyUsage=serverAuth"),
                       ("client", "extendedKeyUsage=clientAuth")):
         (directory / f"{name}.ext").write_text(ext + "\n")
         sh("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj", f"/CN={name}",
@@ -920,6 +1027,24 @@ def main() -> int:
         check(not drift, f"schema keys without a default in values.yaml: {drift}")
     r.run("values.yaml: every value has a '# --' comment and the schema no orphan key", documented)
 
+    # The schema's OUTBOX_* names are the table of docs/configuration.md (which a unit test
+    # holds to config::Settings), and this outboxd accepts every one of them.
+    def schema_variables():
+        schema = json.loads((CHART / "values.schema.json").read_text())
+        listed = schema["definitions"]["outboxVariable"]["enum"]
+        table = [line.split("|")[1].strip().strip("`")
+                 for line in (ROOT / "docs" / "configuration.md").read_text().splitlines()
+                 if line.startswith("| `OUTBOX_")]
+        check(listed == table, f"values.schema.json outboxVariable differs from docs/configuration.md: "
+                               f"missing {sorted(set(table) - set(listed))}, extra {sorted(set(listed) - set(table))}, "
+                               "or another order")
+        unknown = binary.unknown(listed)
+        check(not unknown, f"the schema accepts variables this outboxd refuses: {unknown}")
+        return len(listed)
+    count = r.run("values.schema.json: OUTBOX_* names = docs/configuration.md, all accepted by outboxd", schema_variables)
+    if count:
+        print(f"     {count} variables")
+
     # Lint, with the defaults and every value set.
     def lint(values=None):
         report = helm.lint(CHART, values, strict=True, kube_version="v1.30.0")
@@ -959,7 +1084,17 @@ def main() -> int:
         check("no ServiceMonitor was created" in notes, "NOTES do not say the ServiceMonitor was skipped")
         default, _ = render(chart, {}, MONITORING_API)
         check(not by_kind(default, "ServiceMonitor"), "ServiceMonitor rendered while disabled")
-    r.run("serviceMonitor only with monitoring.coreos.com/v1 (--api-versions)", service_monitor_gating)
+        # serviceMonitor.force: `helm template` without --api-versions still renders it.
+        forced_values = {**values, "serviceMonitor": {**values["serviceMonitor"], "force": True}}
+        forced, forced_notes = render(chart, forced_values, [])
+        check(by_kind(forced, "ServiceMonitor") == by_kind(with_api, "ServiceMonitor"),
+              "serviceMonitor.force without the API renders no (or another) ServiceMonitor")
+        check("no ServiceMonitor was created" not in forced_notes, "NOTES say a forced ServiceMonitor was skipped")
+        check("force" in notes, "NOTES do not name serviceMonitor.force")
+        unforced, _ = render(chart, {"serviceMonitor": {"force": True}}, [])
+        check(not by_kind(unforced, "ServiceMonitor"), "serviceMonitor.force rendered one while disabled")
+    r.run("serviceMonitor only with monitoring.coreos.com/v1 (--api-versions) or serviceMonitor.force",
+          service_monitor_gating)
 
     # Bad values: each must be rejected, by the schema or by a template guard.
     for path in sorted((HERE / "bad-values").glob("*.yaml")):
@@ -1001,7 +1136,8 @@ def main() -> int:
     # Runtime: the rendered pod, run for real.
     pg = Postgres(args.pg_url, args.pg_bindir)
     r.run("runtime: default values (hook Job, then server) probed like kubelet", runtime_test, args, chart, binary, pg, "hook")
-    r.run("runtime: migrations.mode=initContainer (init container, then server)", runtime_test, args, chart, binary, pg, "initContainer")
+    r.run("runtime: migrations.mode=initContainer + apiKeys (init container, server, key Job: the key bootstrap)",
+          runtime_test, args, chart, binary, pg, "initContainer", keys=True)
 
     def tls_runtime():
         runtime_test(args, chart, binary, pg, "none", tls=True)

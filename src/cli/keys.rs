@@ -1,6 +1,7 @@
 //! `outboxd keys`: API keys created, listed and revoked directly in the database, as the
 //! schema owner (the service role may read keys, never mint them).
 
+use anyhow::Context;
 use serde_json::{Value, json};
 
 use super::KeysCommand;
@@ -18,6 +19,28 @@ pub(super) async fn run(settings: Settings, command: KeysCommand) -> anyhow::Res
     result
 }
 
+/// What `keys create --secret-from-env` did; never the secret, which the caller has.
+fn print_supplied(record: &store::ApiKeyRecord, stored: bool, json: bool) -> anyhow::Result<()> {
+    if json {
+        let id = stored.then_some(record.id);
+        let value =
+            json!({ "name": record.name, "prefix": record.prefix, "stored": stored, "id": id });
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    } else if stored {
+        println!(
+            "stored key {:?} ({}, {}…)",
+            record.name, record.id, record.prefix
+        );
+    } else {
+        // Scopes and tenants are not updated either: a key's grants change by a new key.
+        println!(
+            "key {}… is stored already (perhaps revoked); left as it is",
+            record.prefix
+        );
+    }
+    Ok(())
+}
+
 async fn run_keys(pool: &sqlx::PgPool, command: KeysCommand) -> anyhow::Result<()> {
     match command {
         KeysCommand::Create {
@@ -26,6 +49,7 @@ async fn run_keys(pool: &sqlx::PgPool, command: KeysCommand) -> anyhow::Result<(
             all_tenants,
             scopes,
             regions,
+            secret_from_env,
             json,
         } => {
             for tenant in &tenants {
@@ -41,6 +65,15 @@ async fn run_keys(pool: &sqlx::PgPool, command: KeysCommand) -> anyhow::Result<(
                 );
             }
             let tenants = (!all_tenants).then_some(tenants);
+            if let Some(variable) = secret_from_env {
+                let secret = std::env::var(&variable)
+                    .with_context(|| format!("--secret-from-env: ${variable} is not set"))?;
+                let key = auth::supplied_key(secret.trim())
+                    .with_context(|| format!("--secret-from-env: ${variable}"))?;
+                let (record, stored) =
+                    auth::store_supplied_key(pool, &key, &name, tenants, scopes, regions).await?;
+                return print_supplied(&record, stored, json);
+            }
             let (record, secret) = auth::issue_key(pool, &name, tenants, scopes, regions).await?;
             if json {
                 println!(

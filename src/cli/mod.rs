@@ -184,6 +184,12 @@ pub enum KeysCommand {
         /// Limit the key to these regions (repeatable; default: any).
         #[arg(long = "region")]
         regions: Vec<String>,
+        /// Store the key held by this environment variable instead of minting one (`obx_`
+        /// and 32 or more letters, digits, - or _: `obx_$(openssl rand -hex 32)`). Prints
+        /// no secret, and leaves a key already stored (even revoked) as it is, so a
+        /// Kubernetes Job may run it from a Secret on every install and upgrade.
+        #[arg(long, value_name = "VARIABLE")]
+        secret_from_env: Option<String>,
         /// Print JSON.
         #[arg(long)]
         json: bool,

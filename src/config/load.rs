@@ -308,6 +308,28 @@ mod tests {
         );
     }
 
+    /// The chart's values schema accepts only these names in `env` (outboxd refuses any
+    /// other at start, which would crash-loop the pods): a setting added without them fails
+    /// here rather than in a cluster.
+    #[test]
+    fn the_charts_values_schema_lists_exactly_the_documented_variables() {
+        let schema: serde_json::Value =
+            serde_json::from_str(include_str!("../../charts/outboxd/values.schema.json"))
+                .expect("values.schema.json is JSON");
+        let listed: Vec<&str> = schema["definitions"]["outboxVariable"]["enum"]
+            .as_array()
+            .expect("definitions.outboxVariable.enum")
+            .iter()
+            .map(|name| name.as_str().expect("a name"))
+            .collect();
+        let table: Vec<String> = documented().into_iter().map(|(name, ..)| name).collect();
+        assert_eq!(
+            listed, table,
+            "charts/outboxd/values.schema.json definitions.outboxVariable.enum must list the \
+             variables of docs/configuration.md, in its order"
+        );
+    }
+
     #[test]
     fn every_variable_sets_its_field() {
         let mut expected = everything_set();

@@ -4,6 +4,7 @@
 
 mod cancellation;
 mod claim;
+mod commands;
 mod enqueue;
 mod group_commit;
 mod handoff;

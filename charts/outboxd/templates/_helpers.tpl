@@ -61,6 +61,18 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: outboxd
 {{- end }}
 
+{{/* Labels of another Job and its pod: (list $ "<component>"), not the server's selector. */}}
+{{- define "outbox.jobLabels" -}}
+{{- $root := index . 0 }}
+helm.sh/chart: {{ include "outbox.chart" $root }}
+app.kubernetes.io/name: {{ include "outbox.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+app.kubernetes.io/version: {{ include "outbox.tag" $root | quote }}
+app.kubernetes.io/managed-by: {{ $root.Release.Service }}
+app.kubernetes.io/part-of: outboxd
+{{- end }}
+
 {{/* Image tag: image.tag, else the chart's appVersion. */}}
 {{- define "outbox.tag" -}}
 {{- .Values.image.tag | default .Chart.AppVersion }}

@@ -8,7 +8,7 @@
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 use tonic::metadata::AsciiMetadataValue;
@@ -341,14 +341,16 @@ impl Connection {
         F: FnMut(Client) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
-        self.call_counted(options, |_| {}, attempt).await
+        self.call_traced(options, &mut Attempts::default(), attempt)
+            .await
     }
 
-    /// [`Connection::call`], telling `on_retry` about each failure that is retried.
-    pub(crate) async fn call_counted<T, F, Fut>(
+    /// [`Connection::call`], recording each attempt in `attempts` (a logical call that
+    /// spans several of these, like a Claim retried past its budget, shares one record).
+    pub(crate) async fn call_traced<T, F, Fut>(
         &self,
         options: CallOptions,
-        mut on_retry: impl FnMut(&Status),
+        attempts: &mut Attempts,
         mut attempt: F,
     ) -> Result<T, Error>
     where
@@ -360,10 +362,14 @@ impl Connection {
         loop {
             let index = self.inner.current.load(Ordering::Relaxed) % self.inner.channels.len();
             let client = self.client_at(index, options.attempt_timeout);
+            attempts.begin(index);
+            let sent = Instant::now();
             // tonic enforces the grpc-timeout it sends; this is the backstop for an answer
             // whose headers came but whose body never does.
             let backstop = options.attempt_timeout + Duration::from_secs(1);
-            let status = match tokio::time::timeout(backstop, attempt(client)).await {
+            let answer = tokio::time::timeout(backstop, attempt(client)).await;
+            attempts.last_took = sent.elapsed();
+            let status = match answer {
                 Ok(Ok(response)) => return Ok(response.into_inner()),
                 Ok(Err(status)) => local_deadline(status, options.attempt_timeout),
                 Err(_) => Status::deadline_exceeded(format!(
@@ -378,13 +384,13 @@ impl Connection {
             if started.elapsed() + pause >= options.budget {
                 return Err(status.into());
             }
-            on_retry(&status);
             tracing::debug!(
                 endpoint = %self.inner.endpoints[index],
                 code = ?status.code(),
                 message = status.message(),
                 "outboxd call failed; retrying on the next endpoint in {pause:?}"
             );
+            attempts.retried.push(status);
             // Another replica may answer while this one recovers. Only the caller that saw
             // the failure moves on: concurrent failures on one endpoint move once.
             let next = (index + 1) % self.inner.channels.len();
@@ -410,6 +416,44 @@ impl Connection {
             async move { client.get_intent(request).await }
         })
         .await
+    }
+}
+
+/// How one logical call went, attempt by attempt: what a
+/// [`WorkerObserver`](crate::WorkerObserver) is told with each answer.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Attempts {
+    /// Attempts sent (1 when nothing was retried).
+    pub count: u32,
+    /// The failures that were retried, in order (empty when the first attempt answered).
+    pub retried: Vec<Status>,
+    /// Index in [`Connection::endpoints`] of the endpoint the last attempt went to.
+    pub endpoint: usize,
+    /// When the last attempt was sent (the one that answered, if any): whatever the
+    /// answer holds that the server made before this was made by an earlier attempt.
+    pub last_sent: SystemTime,
+    /// How long the last attempt took.
+    pub last_took: Duration,
+}
+
+impl Default for Attempts {
+    fn default() -> Self {
+        Self {
+            count: 0,
+            retried: Vec::new(),
+            endpoint: 0,
+            last_sent: SystemTime::UNIX_EPOCH,
+            last_took: Duration::ZERO,
+        }
+    }
+}
+
+impl Attempts {
+    fn begin(&mut self, endpoint: usize) {
+        self.count += 1;
+        self.endpoint = endpoint;
+        self.last_sent = SystemTime::now();
     }
 }
 

@@ -8,7 +8,8 @@
 //! - [`Worker`]: the managed worker loop. Handlers are async closures
 //!   `Fn(Job) -> impl Future<Output = Result<(), Failure>>`, one per kind; the worker claims
 //!   for free slots, replays lost claims, extends leases, marks `SUBMITTED` when asked
-//!   ([`Job::submitting`]), settles in batches, fails over, and drains on shutdown.
+//!   ([`Job::submitting`]), settles in batches, fails over, and drains on shutdown. A
+//!   [`WorkerObserver`] sees each lease's calls as they are sent and answered.
 //!
 //! ```no_run
 //! use outboxd_client::{Connection, Failure, Job, NewIntent, Outbox, Worker};
@@ -56,13 +57,18 @@ pub mod proto {
     tonic::include_proto!("outbox.v1");
 }
 
-pub use connection::{CallOptions, Client, Connection, ConnectionBuilder, Credentials, Retry};
+pub use connection::{
+    Attempts, CallOptions, Client, Connection, ConnectionBuilder, Credentials, Retry,
+};
 pub use error::Error;
 pub use producer::{
     EnqueueResult, FUNCTION_TOKEN_SQL, NewIntent, Outbox, PLAIN_TOKEN_SQL, TokenSource,
 };
 pub use proto::IntentState;
-pub use worker::{Failure, Job, Worker, WorkerBuilder, WorkerStats};
+pub use worker::{
+    Answer, ClaimEvent, Failure, Job, LeaseCall, LeaseId, Worker, WorkerBuilder, WorkerObserver,
+    WorkerStats,
+};
 
 /// A std duration as a protobuf one.
 pub(crate) fn proto_duration(duration: std::time::Duration) -> prost_types::Duration {

@@ -61,6 +61,39 @@ pub async fn insert_api_key(
     Ok(())
 }
 
+/// Stores a key unless one with the same hash is stored already (live or revoked: a
+/// revoked key is never brought back). Returns whether it was stored now.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`], e.g. an unknown scope (CHECK constraint).
+pub async fn insert_api_key_unless_stored(
+    db: impl PgExecutor<'_>,
+    record: &ApiKeyRecord,
+    key_hash: &[u8],
+) -> Result<bool> {
+    let inserted = sqlx::query(
+        r#"
+        INSERT INTO outbox.api_key (id, name, prefix, key_hash, tenants, all_tenants, scopes,
+                                    regions, created_at)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+        ON CONFLICT (key_hash) DO NOTHING
+        "#,
+    )
+    .bind(record.id)
+    .bind(&record.name)
+    .bind(&record.prefix)
+    .bind(key_hash)
+    .bind(&record.tenants)
+    .bind(record.all_tenants)
+    .bind(&record.scopes)
+    .bind(&record.regions)
+    .bind(record.created_at)
+    .execute(db)
+    .await?
+    .rows_affected();
+    Ok(inserted == 1)
+}
+
 /// The live (not revoked) key with this hash.
 ///
 /// # Errors

@@ -27,7 +27,8 @@ mod staged;
 
 pub use access::{AcquireCounters, AlsoAtBegin, Pools, ScopeKey, TenantScope, begin, begin_with};
 pub use api_keys::{
-    ApiKeyRecord, find_api_key, insert_api_key, list_api_keys, lookup_api_key, revoke_api_key,
+    ApiKeyRecord, find_api_key, insert_api_key, insert_api_key_unless_stored, list_api_keys,
+    lookup_api_key, revoke_api_key,
 };
 pub use claim::{CLAIM_CALL, ClaimParams, Claimed, claim_intents, release_leases};
 pub use enqueue::{EnqueueParams, Inserted, insert_intents};

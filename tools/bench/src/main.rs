@@ -24,6 +24,7 @@ mod report;
 mod server;
 mod suite;
 mod txn_latency;
+mod workers;
 
 use std::process::ExitCode;
 

@@ -6,15 +6,13 @@
 //! measurement), 6 the fixed rate over a large finished history and with xmin pinned.
 //! Peers run 1, 2 and 3/4 (pgbench 1 and 2).
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use clap::Args;
-use outboxd::client::Client;
 use outboxd::config::Settings;
 use outboxd::proto::v1;
 use outboxd::startup::{self, EMBEDDED_FLEET_ROLE, EMBEDDED_SERVICE_ROLE};
@@ -31,6 +29,7 @@ use crate::peers;
 use crate::report::{Hist, Outcome, Row, print_rows};
 use crate::server::ServerProcess;
 use crate::txn_latency::{self, Producer, Scenario, WARMUP};
+use crate::workers::{Shape, Workers};
 
 /// Padding of every intent's JSON payload, the same for every system (bench/peer.js uses
 /// 48 too): `{"n":123,"pad":"xxx…"}` is about 70 bytes.
@@ -74,7 +73,8 @@ pub struct AllArgs {
     /// Workers of the burn-down [4; smoke 2].
     #[arg(long, value_name = "N")]
     pub workers: Option<usize>,
-    /// Intents per Claim (and per Ack) in the burn-down, for every system.
+    /// Intents per Claim (and per Ack) in the burn-down, for every system (outboxd's SDK
+    /// workers: handler slots each, so at most this many per Claim).
     #[arg(long, default_value_t = 100, value_name = "N",
           value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub claim_batch: u32,
@@ -288,7 +288,7 @@ pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyho
     println!(
         "statistics: {}; outboxd's database VACUUMed (ANALYZE too) after its burn-down, before the \
          fixed rates\nsizes: {} intents batched ({} per call, {} clients), {} one per call ({} clients); \
-         burn-down of all of them by {} workers, {} per Claim and per Ack; {} s per offered \
+         burn-down of all of them by {} workers, {} per Claim and per Ack (outboxd: at most); {} s per offered \
          rate; {} commit → claimable iterations\n",
         if sizes.analyze {
             "each database ANALYZEd right before its burn-down"
@@ -315,7 +315,10 @@ fn print_notes() {
     for note in [
         "**outboxd** runs in a child process (`serve-child`: the same `Application` as \
          `outboxd serve`, as the non-owner role with row-level security, API keys), a fresh \
-         one per section; the load generator is this process, over gRPC on loopback.",
+         one per section; the load generator is this process, over gRPC on loopback. Its \
+         workers are the Rust SDK's managed worker (`outboxd-client`): each Claim asks for its \
+         free handler slots (at most the claim batch), Acks are batched by the SDK (2 ms), and \
+         the fixed rates' workers send plain long polls (no `request_id`: the hand-off).",
         "**raw SQL (pgbench)**: `pgbench -M prepared` as a superuser, no service in between: \
          the burn-down makes the store's own claim and ack calls (`CLAIM_CALL`, `ACK_CALL`: \
          the functions `outbox.claim` and `outbox.ack_into_batches`; at retention 0 `ACK_AND_DELETE_CALL`, \
@@ -342,7 +345,8 @@ fn print_notes() {
         "**latency of**: `call` is one Enqueue (or add/insert/send) call; `claim+ack` one \
          Claim of a batch plus its Ack; `enqueue OK → claim` the time from the producer's \
          Enqueue returning to a long-polling worker's Claim returning the intent (negative \
-         samples, the worker first, count as 0); `COMMIT → claim` the two-phase token's \
+         samples, the worker first, count as 0); for outboxd's SDK workers `claim+ack` is per \
+         intent, from its Claim sent to its Ack answered; `COMMIT → claim` the two-phase token's \
          latency as in `txn-latency`.",
         "**× outboxd**: the row's throughput divided by outboxd's for the same scenario. \
          **app CPU**: the outboxd server process (not the load generator), pgbench, or the \
@@ -449,9 +453,12 @@ impl<'a> Section<'a> {
     }
 }
 
+/// Kind of every intent outboxd's scenarios enqueue.
+const THROUGHPUT_KIND: &str = "bench.throughput";
+
 fn new_intent(n: u64) -> v1::NewIntent {
     v1::NewIntent {
-        kind: "bench.throughput".to_owned(),
+        kind: THROUGHPUT_KIND.to_owned(),
         payload: format!("{{\"n\":{n},\"pad\":\"{}\"}}", "x".repeat(PAYLOAD_PAD)).into_bytes(),
         content_type: "application/json".to_owned(),
         ..Default::default()
@@ -660,47 +667,9 @@ async fn merge(mut tasks: JoinSet<anyhow::Result<Hist>>) -> anyhow::Result<Hist>
     Ok(all)
 }
 
-fn lease_refs(leases: &[v1::Lease]) -> Vec<v1::LeaseRef> {
-    leases
-        .iter()
-        .map(|l| v1::LeaseRef {
-            intent_id: l.intent.as_ref().map(|i| i.id.clone()).unwrap_or_default(),
-            lease_id: l.lease_id.clone(),
-        })
-        .collect()
-}
-
-async fn ack(client: &mut Client, leases: &[v1::Lease]) -> anyhow::Result<()> {
-    let results = client
-        .ack(v1::AckRequest {
-            leases: lease_refs(leases),
-        })
-        .await
-        .context("Ack")?
-        .into_inner()
-        .results;
-    ensure!(
-        results.iter().all(|r| r.error.is_none()),
-        "Ack failed: {:?}",
-        results.iter().find(|r| r.error.is_some())
-    );
-    Ok(())
-}
-
-fn claim_request(worker: usize, max: u32, wait: Option<Duration>) -> v1::ClaimRequest {
-    v1::ClaimRequest {
-        worker_id: format!("bench-worker-{worker}"),
-        max_intents: max as i32,
-        wait: wait.map(|w| prost_types::Duration {
-            seconds: w.as_secs() as i64,
-            nanos: w.subsec_nanos() as i32,
-        }),
-        ..Default::default()
-    }
-}
-
-/// Scenario 2: `workers` loops of Claim(batch) + Ack until `total` intents are acked (or
-/// the queue has stayed empty for 10 s). Returns the acked count and the cycle latency.
+/// Scenario 2: `workers` SDK workers with `batch` handler slots each ack intents until
+/// `total` are acked (or none was for 10 s). Returns the acked count and the latency from a
+/// Claim sent to the Ack of each of its intents.
 async fn burn_down(
     endpoint: &str,
     key: &str,
@@ -708,41 +677,23 @@ async fn burn_down(
     workers: usize,
     batch: u32,
 ) -> anyhow::Result<(u64, Hist)> {
-    let acked = Arc::new(AtomicU64::new(0));
-    let mut tasks = JoinSet::new();
-    for w in 0..workers {
-        let mut client = connect_client(endpoint, key).await?;
-        let acked = Arc::clone(&acked);
-        tasks.spawn(async move {
-            let mut hist = Hist::new();
-            let mut idle_since: Option<Instant> = None;
-            loop {
-                let t = Instant::now();
-                let leases = client
-                    .claim(claim_request(w, batch, None))
-                    .await
-                    .context("Claim")?
-                    .into_inner()
-                    .leases;
-                if leases.is_empty() {
-                    // Empty while others still hold the last leases: look again shortly.
-                    if acked.load(Ordering::Relaxed) >= total
-                        || idle_since.get_or_insert(t).elapsed() > Duration::from_secs(10)
-                    {
-                        return anyhow::Ok(hist);
-                    }
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                    continue;
-                }
-                idle_since = None;
-                ack(&mut client, &leases).await?;
-                hist.record(t.elapsed());
-                acked.fetch_add(leases.len() as u64, Ordering::Relaxed);
-            }
-        });
+    let shape = Shape {
+        workers,
+        concurrency: batch as usize,
+        wait: Duration::from_secs(1),
+        replay_claims: true,
+    };
+    let running = Workers::start(endpoint, key, THROUGHPUT_KIND, &shape)?;
+    let (mut acked, mut progress) = (0, Instant::now());
+    while acked < total && progress.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let now = running.acked();
+        if now > acked {
+            (acked, progress) = (now, Instant::now());
+        }
     }
-    let hist = merge(tasks).await?;
-    Ok((acked.load(Ordering::Relaxed), hist))
+    let (_, cycles) = running.stop().await?;
+    Ok((acked, cycles))
 }
 
 /// What one offered rate gave.
@@ -948,45 +899,15 @@ async fn fixed_rate(
     seconds: f64,
     workers: usize,
 ) -> anyhow::Result<RateRun> {
-    let stop = Arc::new(AtomicBool::new(false));
-    let claimed: Arc<Mutex<Vec<(String, Instant)>>> = Arc::default();
-    let mut worker_tasks = JoinSet::new();
-    for w in 0..workers {
-        let mut client = connect_client(endpoint, &target.worker_key).await?;
-        let (stop, claimed) = (Arc::clone(&stop), Arc::clone(&claimed));
-        worker_tasks.spawn(async move {
-            let mut acks = JoinSet::new();
-            while !stop.load(Ordering::Relaxed) {
-                let leases = client
-                    .claim(claim_request(
-                        w,
-                        RATE_CLAIM_MAX,
-                        Some(Duration::from_millis(200)),
-                    ))
-                    .await
-                    .context("Claim")?
-                    .into_inner()
-                    .leases;
-                let t = Instant::now();
-                if leases.is_empty() {
-                    continue;
-                }
-                claimed.lock().await.extend(
-                    leases
-                        .iter()
-                        .filter_map(|l| l.intent.as_ref().map(|i| (i.id.clone(), t))),
-                );
-                // Ack off the claim loop, so the next Claim is not delayed by it.
-                let mut c = client.clone();
-                acks.spawn(async move { ack(&mut c, &leases).await });
-            }
-            while let Some(r) = acks.join_next().await {
-                r??;
-            }
-            anyhow::Ok(())
-        });
-    }
-
+    // Plain long polls, as a latency-minded worker would run: an Enqueue hands its
+    // intents to a waiting Claim.
+    let shape = Shape {
+        workers,
+        concurrency: RATE_CLAIM_MAX as usize,
+        wait: Duration::from_millis(200),
+        replay_claims: false,
+    };
+    let running = Workers::start(endpoint, &target.worker_key, THROUGHPUT_KIND, &shape)?;
     let mut producers = Vec::new();
     for _ in 0..8 {
         producers.push(connect_client(endpoint, &target.producer_key).await?);
@@ -1034,16 +955,10 @@ async fn fixed_rate(
     let seconds = start.elapsed().as_secs_f64();
     let sent_count = sent.lock().await.len() as u64;
     let deadline = Instant::now() + DRAIN_TIMEOUT;
-    while (claimed.lock().await.len() as u64) < sent_count && Instant::now() < deadline {
+    while (running.claimed() as u64) < sent_count && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    stop.store(true, Ordering::Relaxed);
-    while let Some(r) = worker_tasks.join_next().await {
-        r??;
-    }
-    let claimed: HashMap<String, Instant> = std::mem::take(&mut *claimed.lock().await)
-        .into_iter()
-        .collect();
+    let (claimed, _) = running.stop().await?;
     let mut hist = Hist::new();
     let mut matched = 0;
     for (id, t_ok) in sent.lock().await.iter() {

@@ -19,7 +19,8 @@
 //! - r2 stops within its shutdown grace with its database gone.
 //!
 //! Producers and workers are tasks of this process (the outboxd replicas and PostgreSQL are
-//! real processes): the checks need each call's answer, not a journal.
+//! real processes): the checks need each call's answer, not a journal. The workers are the
+//! Rust SDK's managed worker (`work.rs`).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::Ipv4Addr;
@@ -44,12 +45,18 @@ use crate::rng::Rng;
 use crate::rpc::{CALL_TIMEOUT, reason, request};
 use crate::run::{free_port, replica_env_on, wait_serving};
 
+mod work;
+
 const DATABASE: &str = "outbox";
 const SERVICE_ROLE: &str = "outboxd_service";
 
 /// Role the replicas' fleet pools connect as (a member of outboxd_fleet).
 const FLEET_ROLE: &str = "outboxd_fleet_service";
 const TENANT: &str = "failover";
+
+/// Kinds of the producers' intents and of the sentinel's.
+const EVENT_KIND: &str = "failover.event";
+const SENTINEL_KIND: &str = "failover.sentinel";
 /// `application_name` of the standby's walreceiver, as `synchronous_standby_names` names it.
 const STANDBY_NAME: &str = "standby1";
 /// The replicas' `OUTBOX_SHUTDOWN__GRACE` (see `run::replica_env_on`).
@@ -506,9 +513,13 @@ async fn scenario(args: &FailoverArgs, seed: u64, dir: &Path) -> anyhow::Result<
     }
     let mut workers = Vec::new();
     for _ in 0..args.workers {
-        workers.push(tokio::task::spawn_local(work(
+        // Each starts on a replica of its own choosing (the SDK stays where it is answered).
+        let mut endpoints: Vec<String> = [p1, p2].map(|p| format!("127.0.0.1:{p}")).into();
+        endpoints.rotate_left(rng.below(2) as usize);
+        workers.push(tokio::task::spawn_local(work::work(
             shared.clone(),
-            rng.next_u64(),
+            endpoints,
+            key.clone(),
             stop_workers.clone(),
         )));
     }
@@ -626,7 +637,7 @@ async fn produce(
         seq += 1;
         let intents: Vec<v1::NewIntent> = (0..1 + rng.below(2))
             .map(|i| v1::NewIntent {
-                kind: "failover.event".to_owned(),
+                kind: EVENT_KIND.to_owned(),
                 payload: format!("{{\"producer\":\"{name}\",\"seq\":{seq},\"i\":{i}}}")
                     .into_bytes(),
                 content_type: "application/json".to_owned(),
@@ -768,7 +779,7 @@ async fn transaction(
 async fn sentinel(shared: &Shared, rng: &mut Rng, primary_port: u16) -> anyhow::Result<Vec<Uuid>> {
     let mut conn = PgConnection::connect(&url(primary_port, "postgres")).await?;
     let intents = vec![v1::NewIntent {
-        kind: "failover.sentinel".to_owned(),
+        kind: SENTINEL_KIND.to_owned(),
         payload: b"{}".to_vec(),
         content_type: "application/json".to_owned(),
         idempotency_key: "sentinel".to_owned(),
@@ -791,72 +802,6 @@ async fn sentinel(shared: &Shared, rng: &mut Rng, primary_port: u16) -> anyhow::
         .filter(|t| t.ending == Ending::Committed && committed);
     txn.map(|t| t.ids.clone())
         .context("the sentinel transaction did not commit")
-}
-
-/// One worker: long-polling Claims, each lease acked at once, until `stop`.
-async fn work(shared: Arc<Shared>, seed: u64, stop: CancellationToken) {
-    let mut rng = Rng::new(seed);
-    while !stop.is_cancelled() {
-        let message = v1::ClaimRequest {
-            worker_id: "failover".to_owned(),
-            max_intents: 20,
-            lease_duration: Some(prost_types::Duration {
-                seconds: 3,
-                nanos: 0,
-            }),
-            wait: Some(prost_types::Duration {
-                seconds: 0,
-                nanos: 500_000_000,
-            }),
-            ..Default::default()
-        };
-        let Ok(claimed) = shared
-            .call(&mut rng, Duration::from_secs(2), |mut c| {
-                let r = request(message.clone(), CALL_TIMEOUT);
-                async move { c.claim(r).await }
-            })
-            .await
-        else {
-            continue;
-        };
-        if claimed.leases.is_empty() {
-            continue;
-        }
-        let refs: Vec<v1::LeaseRef> = claimed
-            .leases
-            .iter()
-            .map(|l| v1::LeaseRef {
-                intent_id: l.intent.as_ref().map(|i| i.id.clone()).unwrap_or_default(),
-                lease_id: l.lease_id.clone(),
-            })
-            .collect();
-        {
-            let mut seen = shared.seen();
-            for r in &refs {
-                if let Ok(id) = r.intent_id.parse() {
-                    seen.claimed.insert(id);
-                }
-            }
-        }
-        let message = v1::AckRequest { leases: refs };
-        if let Ok(acked) = shared
-            .call(&mut rng, Duration::from_secs(3), |mut c| {
-                let r = request(message.clone(), CALL_TIMEOUT);
-                async move { c.ack(r).await }
-            })
-            .await
-        {
-            let at = shared.now();
-            let mut seen = shared.seen();
-            for result in acked.results {
-                if result.error.is_none()
-                    && let Ok(id) = result.intent_id.parse()
-                {
-                    seen.acked.push((id, at));
-                }
-            }
-        }
-    }
 }
 
 /// Settles every COMMIT that lost its answer by the new primary's commit log; returns a

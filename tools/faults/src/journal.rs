@@ -147,16 +147,9 @@ pub enum Event {
         result: Outcome,
         tries: u32,
     },
-    /// Worker: an ExtendLease attempt is about to be sent, one line per attempt (for the
-    /// record: the checker trusts only an extension the server answered OK, since an
-    /// unanswered attempt may as well have been refused).
-    ExtendSent {
-        t: i64,
-        intent: Uuid,
-        lease: Uuid,
-        duration_ms: i64,
-    },
-    /// Worker: ExtendLease's outcome and the new expiry.
+    /// Worker: a heartbeat's ExtendLease outcome and the new expiry (the checker trusts
+    /// only an extension the server answered OK, since an unanswered one may as well have
+    /// been refused).
     Extended {
         t: i64,
         intent: Uuid,
@@ -174,8 +167,10 @@ pub enum Event {
         seen: String,
         committed: bool,
     },
-    /// Worker: a lease too close to its expiry was left to expire instead of acted on.
-    Skipped {
+    /// Worker: the SDK found the lease lost (a call answered that it is not ours, or it
+    /// expired before a heartbeat got through): the handler was cancelled and nothing more
+    /// is reported for it.
+    LeaseLost {
         t: i64,
         intent: Uuid,
         lease: Uuid,

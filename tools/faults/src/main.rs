@@ -36,6 +36,7 @@ mod rng;
 mod rpc;
 mod run;
 mod storm;
+mod witness;
 mod worker;
 
 use std::process::ExitCode;

@@ -1,12 +1,57 @@
 //! A worker's second session: after each OK it reads the intent back at once, so the
 //! checker can tell an OK that arrived before its change was committed.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::{Connection, PgConnection};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::journal::Settle;
+use crate::journal::{Event, Journal, Settle, now_us};
+
+/// An OK to read back: `call` answered OK for `lease` on `intent`.
+pub struct ReadBack {
+    pub call: Settle,
+    pub intent: Uuid,
+    pub lease: Uuid,
+}
+
+/// A task reading back, in order, each OK sent to it, and journaling what it saw; once
+/// `done` is cancelled it finishes what was queued and ends.
+pub fn spawn(
+    url: String,
+    journal: Arc<Journal>,
+    done: CancellationToken,
+) -> (mpsc::UnboundedSender<ReadBack>, JoinHandle<()>) {
+    let (sender, mut queue) = mpsc::unbounded_channel::<ReadBack>();
+    let task = tokio::spawn(async move {
+        let mut reader = CommitReader::new(url);
+        loop {
+            let next = tokio::select! {
+                next = queue.recv() => next,
+                () = done.cancelled() => queue.try_recv().ok(),
+            };
+            let Some(ok) = next else {
+                return;
+            };
+            // Unreadable (PostgreSQL down): nothing to judge.
+            if let Some(seen) = reader.read(ok.intent).await {
+                journal.log(&Event::ReadBack {
+                    t: now_us(),
+                    intent: ok.intent,
+                    lease: ok.lease,
+                    call: ok.call,
+                    committed: ok.call.committed(&seen, ok.lease),
+                    seen: seen.state,
+                });
+            }
+        }
+    });
+    (sender, task)
+}
 
 /// The intent as another session sees it.
 pub struct Seen {

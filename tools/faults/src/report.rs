@@ -191,7 +191,7 @@ impl Summary<'_> {
         table.row(
             "leases taken",
             c.leases.to_string(),
-            format!("{} left to expire by a late worker", c.skipped),
+            format!("{} found lost by the worker, then left alone", c.lost),
         );
         table.row(
             "side effects performed",

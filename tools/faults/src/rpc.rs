@@ -1,5 +1,5 @@
-//! The clients' side of lost responses: a set of outboxd endpoints (the fault proxies in
-//! front of every replica) and a call helper that retries a transient failure with the
+//! The producers' side of lost responses (the workers have the SDK's): a set of outboxd
+//! endpoints (the fault proxies in front of every replica) and a call helper that retries a transient failure with the
 //! *same* request, moving to the next replica each time. Because the request is the same,
 //! a retry carries the same idempotency keys, Claim `request_id` or lease: exactly what the
 //! server's replay rules are for.
@@ -22,7 +22,7 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Debug)]
 pub enum CallError {
     /// The server refused the request itself; retrying would not help.
-    Definite { status: Status, tries: u32 },
+    Definite { status: Status },
     /// No definite answer before the budget ran out.
     Exhausted { last: String, tries: u32 },
 }
@@ -35,14 +35,6 @@ impl CallError {
             Self::Exhausted { last, tries } => format!("no answer after {tries} tries: {last}"),
         }
     }
-
-    /// The stable `ErrorInfo` reason of a definite refusal.
-    pub fn reason(&self) -> Option<String> {
-        match self {
-            Self::Definite { status, .. } => Some(reason(status)),
-            Self::Exhausted { .. } => None,
-        }
-    }
 }
 
 /// A successful call and what it took.
@@ -52,15 +44,6 @@ pub struct Called<T> {
     pub value: T,
     /// Attempts made (1 when nothing was lost).
     pub tries: u32,
-    /// The transient errors of the failed attempts.
-    pub errors: Vec<String>,
-    /// When the successful attempt was sent (µs): anything the answer holds that the
-    /// server made before this instant was made by an earlier attempt (a replay).
-    pub last_try: i64,
-    /// Index of the endpoint (replica) that answered.
-    pub via: usize,
-    /// How long the answered attempt took, in µs.
-    pub took_us: i64,
 }
 
 /// Clients for every endpoint, all with the same key.
@@ -107,16 +90,11 @@ impl Rpc {
         let mut errors = Vec::new();
         loop {
             let tries = errors.len() as u32 + 1;
-            let sent = crate::journal::now_us();
             match attempt(self.clients[index].clone()).await {
                 Ok(response) => {
                     return Ok(Called {
                         value: response.into_inner(),
                         tries,
-                        errors,
-                        last_try: sent,
-                        via: index,
-                        took_us: crate::journal::now_us() - sent,
                     });
                 }
                 Err(status) if is_transient(&status) => {
@@ -129,7 +107,7 @@ impl Rpc {
                     backoff = (backoff * 2).min(Duration::from_millis(400));
                     index = (index + 1) % self.clients.len();
                 }
-                Err(status) => return Err(CallError::Definite { status, tries }),
+                Err(status) => return Err(CallError::Definite { status }),
             }
         }
     }
@@ -144,7 +122,7 @@ pub fn request<T>(message: T, timeout: Duration) -> tonic::Request<T> {
 
 /// Failures a retry of the same request may cure: the transport (lost responses, a killed
 /// replica, a reset connection), an unavailable database, and the server's conflict retry.
-fn is_transient(status: &Status) -> bool {
+pub fn is_transient(status: &Status) -> bool {
     match status.code() {
         Code::Unavailable
         | Code::Unknown

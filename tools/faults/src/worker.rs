@@ -1,38 +1,36 @@
-//! A worker process: Claim → for payments MarkSubmitted → perform the
-//! side effect → Ack, sometimes Fail (RETRY, PERMANENT, UNKNOWN) or ExtendLease instead,
-//! journaling every step. "Performing the side effect" is appending a `performed` line to
-//! the journal before the Ack is sent: the journal is the external system whose duplicates
-//! the checker counts.
+//! A worker process: `outboxd-client`'s managed worker (claims for free slots, heartbeats,
+//! batched settles, `submitting`, failover, drain), with handlers that play the targets:
+//! for payments MarkSubmitted, then the side effect, then Ack, sometimes Fail (RETRY,
+//! PERMANENT, UNKNOWN) instead, and now and then work that outlives the lease (the
+//! heartbeats must extend it). "Performing the side effect" is appending a `performed`
+//! line to the journal before the handler returns: the journal is the external system
+//! whose duplicates the checker counts. Everything else the SDK does is journaled by its
+//! observer (`witness`), so the suite that proves the server proves the SDK too.
 //!
-//! It behaves as a careful worker should: it retries a lost response with the same request
-//! (same `request_id`, same lease), and it does not start a side effect on a lease that is
-//! about to expire. Kills and stops by the orchestrator make it late anyway. Half of its
-//! Claims carry no `request_id`, as a plain long poll does: those an enqueue of the same
-//! replica may hand intents to (`outboxd::outbox::claim::handoff`), and a lost answer's leases
-//! expire instead of being returned to the retry.
+//! Faults stay outside the SDK: the orchestrator kills and stops this process, and the
+//! proxies in front of the replicas lose answers. Half of the processes send plain long
+//! polls (no `request_id`), as most workers do: those an enqueue of the same replica may
+//! hand intents to (`outboxd::outbox::claim::handoff`), and a lost answer's leases expire
+//! instead of being returned to the retry.
 
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use outboxd::proto::v1;
+use outboxd_client::{Connection, Failure, Job, Worker};
 use tokio_util::sync::CancellationToken;
-use uuid::Uuid;
 
-use crate::journal::{Event, FailKind, Journal, LeaseSeen, Outcome, Settle, now_us, timestamp_us};
-use crate::read_back::CommitReader;
+use crate::journal::{Event, Journal, now_us};
 use crate::rng::Rng;
-use crate::rpc::{CALL_TIMEOUT, CallError, Called, Rpc, request};
-use crate::{API_KEY_ENV, PAYMENT_KIND};
+use crate::rpc::CALL_TIMEOUT;
+use crate::witness::Witness;
+use crate::{API_KEY_ENV, IDEMPOTENT_KIND, PAYMENT_KIND};
 
 /// How long a Claim long-polls.
 const CLAIM_WAIT: Duration = Duration::from_secs(1);
 
-/// Retry budget of one logical call (Claim, Ack, Fail, …): longer than a PostgreSQL crash
-/// and restart, so most calls get through, short enough that some leases expire first.
-const CALL_BUDGET: Duration = Duration::from_secs(10);
-
-/// A side effect is started only if the lease has at least this much left.
-const SAFETY_MARGIN_US: i64 = 300_000;
+/// How long handlers may finish after SIGTERM (the orchestrator kills at 5 s).
+const GRACE: Duration = Duration::from_secs(3);
 
 /// Command line of `outboxd-faults worker` (started by `run`, not by hand).
 #[derive(Debug, clap::Args)]
@@ -58,422 +56,156 @@ pub struct WorkerArgs {
     pub database_url: Option<String>,
 }
 
-struct Worker {
-    name: String,
-    rpc: Rpc,
-    rng: Rng,
-    journal: Journal,
+/// What the handlers share: the choices and the journal.
+struct Target {
+    rng: Mutex<Rng>,
+    journal: Arc<Journal>,
     lease: Duration,
-    reader: Option<CommitReader>,
 }
 
-/// Runs until SIGTERM, then finishes the batch in hand and exits.
+/// Runs until SIGTERM, then drains (the SDK's drain) and exits.
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let key = std::env::var(API_KEY_ENV)?;
     let stop = crate::stop_on_sigterm()?;
-    let mut worker = Worker {
-        rpc: Rpc::new(&args.endpoints, &key, args.seed)?,
-        rng: Rng::new(args.seed.rotate_left(17)),
-        journal: Journal::create(&args.journal)?,
-        lease: Duration::from_millis(args.lease_ms),
-        reader: args.database_url.map(CommitReader::new),
-        name: args.name,
-    };
-    while !stop.is_cancelled() {
-        let leases = worker.claim(&stop).await;
-        for lease in leases {
-            worker.handle(&lease).await;
+    let mut rng = Rng::new(args.seed.rotate_left(17));
+    let journal = Arc::new(Journal::create(&args.journal)?);
+    // Each process starts on another replica (the SDK stays on the one that answers), so
+    // every replica, the small-pool one too, carries workers.
+    let replicas = args.endpoints.len();
+    let rotation = rng.below(replicas as u64) as usize;
+    let mut endpoints = args.endpoints;
+    endpoints.rotate_left(rotation);
+    let connection = Connection::builder(endpoints)
+        .api_key(key)
+        .connect_timeout(Duration::from_secs(1))
+        .call_timeout(CALL_TIMEOUT)
+        .build()?;
+    let reads_done = CancellationToken::new();
+    let (read_backs, reader) = match args.database_url {
+        Some(url) => {
+            let (sender, task) = crate::read_back::spawn(url, journal.clone(), reads_done.clone());
+            (Some(sender), Some(task))
         }
+        None => (None, None),
+    };
+    let witness = Witness {
+        journal: journal.clone(),
+        read_backs,
+        rotation,
+        replicas,
+    };
+    let lease = Duration::from_millis(args.lease_ms);
+    let replay_claims = rng.chance(0.5);
+    let concurrency = 1 + rng.below(3) as usize;
+    let target = Arc::new(Target {
+        rng: Mutex::new(rng),
+        journal,
+        lease,
+    });
+    let mut builder = Worker::builder(connection)
+        .worker_id(args.name)
+        .kinds(Vec::<String>::new())
+        .concurrency(concurrency)
+        .lease(lease)
+        .claim_wait(CLAIM_WAIT)
+        .grace(GRACE)
+        .replay_claims(replay_claims)
+        .observer(witness);
+    for kind in [IDEMPOTENT_KIND, PAYMENT_KIND] {
+        let target = target.clone();
+        builder = builder.handler(kind, move |job: Job| {
+            let target = target.clone();
+            async move { target.handle(job).await }
+        });
     }
-    Ok(())
+    let worker = builder.build()?;
+    let result = worker.run_until(stop.cancelled()).await;
+    // Every settle has been answered: the reader finishes what was queued.
+    reads_done.cancel();
+    if let Some(reader) = reader {
+        let _ = reader.await;
+    }
+    Ok(result?)
 }
 
-impl Worker {
-    async fn claim(&mut self, stop: &CancellationToken) -> Vec<LeaseSeen> {
-        let request_id = self.rng.chance(0.5).then(Uuid::new_v4);
-        let message = v1::ClaimRequest {
-            worker_id: self.name.clone(),
-            region: String::new(),
-            kinds: vec![],
-            max_intents: 1 + self.rng.below(3) as i32,
-            lease_duration: Some(duration(self.lease)),
-            wait: Some(duration(CLAIM_WAIT)),
-            request_id: request_id.map(|id| id.to_string()).unwrap_or_default(),
-        };
-        let called = tokio::select! {
-            called = self.rpc.call(CALL_BUDGET, |mut client| {
-                let request = request(message.clone(), CLAIM_WAIT + CALL_TIMEOUT);
-                async move { client.claim(request).await }
-            }) => called,
-            // A long-poll may hold the shutdown; nothing was taken if we drop it here, and
-            // if something was, its lease expires like a killed worker's.
-            _ = stop.cancelled() => return vec![],
-        };
-        let duration_ms = self.lease.as_millis() as i64;
-        match called {
-            Ok(Called {
-                value,
-                tries,
-                errors,
-                last_try,
-                ..
-            }) => {
-                let leases: Vec<LeaseSeen> = value.leases.iter().filter_map(seen).collect();
-                if !leases.is_empty() || tries > 1 {
-                    self.journal.log(&Event::Claimed {
-                        t: now_us(),
-                        request: request_id,
-                        duration_ms,
-                        tries,
-                        errors,
-                        last_try,
-                        leases: leases.clone(),
-                    });
-                }
-                leases
-            }
-            Err(error) => {
-                let tries = match &error {
-                    CallError::Definite { tries, .. } | CallError::Exhausted { tries, .. } => {
-                        *tries
-                    }
-                };
-                self.journal.log(&Event::Claimed {
-                    t: now_us(),
-                    request: request_id,
-                    duration_ms,
-                    tries,
-                    errors: vec![error.describe()],
-                    last_try: now_us(),
-                    leases: vec![],
-                });
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                vec![]
-            }
-        }
-    }
-
-    async fn handle(&mut self, lease: &LeaseSeen) {
-        if lease.kind == PAYMENT_KIND {
-            self.handle_payment(lease).await;
+impl Target {
+    async fn handle(&self, job: Job) -> Result<(), Failure> {
+        if job.kind() == PAYMENT_KIND {
+            self.payment(&job).await
         } else {
-            self.handle_idempotent(lease).await;
+            self.idempotent(&job).await
         }
     }
 
     /// An idempotent target: no MarkSubmitted; a lost Ack means a retry by someone else.
-    async fn handle_idempotent(&mut self, lease: &LeaseSeen) {
-        let roll = self.rng.below(100);
+    async fn idempotent(&self, job: &Job) -> Result<(), Failure> {
+        let roll = self.below(100);
         if roll < 3 {
-            self.fail(lease, FailKind::Permanent).await;
-            return;
+            return Err(Failure::permanent(self.injected("Permanent", job)));
         }
         if roll < 10 {
-            self.fail(lease, FailKind::Retry).await;
-            return;
+            return Err(Failure::retry(self.injected("Retry", job)).after(RETRY_AFTER));
         }
-        let mut expires = lease.expires;
         if roll < 12 {
-            // Slow work: extend the lease half way through, as a long handler would.
-            tokio::time::sleep(self.lease.mul_f64(0.6)).await;
-            match self.extend(lease).await {
-                Some(extended) => expires = extended,
-                None => return,
-            }
-            tokio::time::sleep(self.lease.mul_f64(0.3)).await;
+            // Slow work, longer than the lease: only the heartbeats keep it ours.
+            tokio::time::sleep(self.lease.mul_f64(1.5)).await;
         } else {
-            tokio::time::sleep(self.rng.millis(2, 25)).await;
+            tokio::time::sleep(self.millis(2, 25)).await;
         }
-        if !self.still_mine(lease, expires) {
-            return;
-        }
-        self.perform(lease);
+        self.perform(job);
         // The side effect's own latency: the window in which a kill or stop makes the
         // delivery a duplicate.
-        tokio::time::sleep(self.rng.millis(0, 60)).await;
-        self.ack(lease).await;
+        tokio::time::sleep(self.millis(0, 60)).await;
+        Ok(())
     }
 
-    /// A non-idempotent target: MarkSubmitted before the call, so a lost outcome goes to an
-    /// operator instead of a blind retry.
-    async fn handle_payment(&mut self, lease: &LeaseSeen) {
-        if !self.still_mine(lease, lease.expires) {
-            return;
-        }
-        if !self.mark_submitted(lease).await {
-            return;
-        }
-        tokio::time::sleep(self.rng.millis(2, 25)).await;
-        let roll = self.rng.below(100);
+    /// A non-idempotent target: MarkSubmitted before the call, so a lost outcome goes to
+    /// an operator instead of a blind retry.
+    async fn payment(&self, job: &Job) -> Result<(), Failure> {
+        job.submitting().await?;
+        tokio::time::sleep(self.millis(2, 25)).await;
+        let roll = self.below(100);
         if roll < 4 {
             // The target refused outright: nothing happened, so a retry is safe.
-            self.fail(lease, FailKind::Retry).await;
-            return;
+            return Err(Failure::retry(self.injected("Retry", job)).after(RETRY_AFTER));
         }
         if roll < 8 {
             // The call timed out: it may or may not have happened.
-            if self.rng.chance(0.5) {
-                self.perform(lease);
+            if self.below(2) == 0 {
+                self.perform(job);
             }
-            self.fail(lease, FailKind::Unknown).await;
+            return Err(Failure::unknown(self.injected("Unknown", job)));
+        }
+        self.perform(job);
+        tokio::time::sleep(self.millis(0, 60)).await;
+        Ok(())
+    }
+
+    fn perform(&self, job: &Job) {
+        let (Ok(intent), Ok(lease)) = (job.id().parse(), job.lease_id().parse()) else {
             return;
-        }
-        self.perform(lease);
-        tokio::time::sleep(self.rng.millis(0, 60)).await;
-        self.ack(lease).await;
-    }
-
-    fn still_mine(&self, lease: &LeaseSeen, expires: i64) -> bool {
-        if now_us() + SAFETY_MARGIN_US < expires {
-            return true;
-        }
-        self.journal.log(&Event::Skipped {
-            t: now_us(),
-            intent: lease.intent,
-            lease: lease.lease,
-            why: "lease about to expire".into(),
-        });
-        false
-    }
-
-    fn perform(&self, lease: &LeaseSeen) {
+        };
         self.journal.log(&Event::Performed {
             t: now_us(),
-            intent: lease.intent,
-            lease: lease.lease,
-            attempt: lease.attempt,
+            intent,
+            lease,
+            attempt: job.attempt() as i32,
         });
     }
 
-    async fn mark_submitted(&mut self, lease: &LeaseSeen) -> bool {
-        self.journal.log(&Event::MarkSent {
-            t: now_us(),
-            intent: lease.intent,
-            lease: lease.lease,
-        });
-        let message = v1::MarkSubmittedRequest {
-            leases: vec![lease_ref(lease)],
-        };
-        let called = self
-            .rpc
-            .call(CALL_BUDGET, |mut client| {
-                let request = request(message.clone(), CALL_TIMEOUT);
-                async move { client.mark_submitted(request).await }
-            })
-            .await;
-        let tries = tries_of(&called);
-        let result = outcome(called.map(|c| first(c.value.results)));
-        let ok = result == Outcome::Ok;
-        self.journal.log(&Event::Marked {
-            t: now_us(),
-            intent: lease.intent,
-            lease: lease.lease,
-            result,
-            tries,
-        });
-        if ok {
-            self.read_back(Settle::MarkSubmitted, lease).await;
-        }
-        ok
+    fn injected(&self, kind: &str, job: &Job) -> String {
+        format!("injected {kind} by {}", job.worker_id())
     }
 
-    /// Extends the lease; the new expiry, or None when the lease is not ours any more.
-    async fn extend(&mut self, lease: &LeaseSeen) -> Option<i64> {
-        let message = v1::ExtendLeaseRequest {
-            leases: vec![lease_ref(lease)],
-            lease_duration: Some(duration(self.lease)),
-        };
-        let journal = &self.journal;
-        let duration_ms = self.lease.as_millis() as i64;
-        let called = self
-            .rpc
-            .call(CALL_BUDGET, |mut client| {
-                // Logged per attempt, so the journal shows every try a lost response caused.
-                journal.log(&Event::ExtendSent {
-                    t: now_us(),
-                    intent: lease.intent,
-                    lease: lease.lease,
-                    duration_ms,
-                });
-                let request = request(message.clone(), CALL_TIMEOUT);
-                async move { client.extend_lease(request).await }
-            })
-            .await;
-        let item = called.map(|c| first(c.value.results));
-        let expires = item
-            .as_ref()
-            .ok()
-            .and_then(|i| i.lease_expires_at.as_ref())
-            .map(timestamp_us);
-        let result = outcome(item);
-        self.journal.log(&Event::Extended {
-            t: now_us(),
-            intent: lease.intent,
-            lease: lease.lease,
-            expires: expires.filter(|_| result == Outcome::Ok),
-            result: result.clone(),
-        });
-        expires.filter(|_| result == Outcome::Ok)
+    fn below(&self, n: u64) -> u64 {
+        self.rng.lock().unwrap_or_else(|e| e.into_inner()).below(n)
     }
 
-    async fn ack(&mut self, lease: &LeaseSeen) {
-        self.journal.log(&Event::AckSent {
-            t: now_us(),
-            intent: lease.intent,
-            lease: lease.lease,
-        });
-        let message = v1::AckRequest {
-            leases: vec![lease_ref(lease)],
-        };
-        let called = self
-            .rpc
-            .call(CALL_BUDGET, |mut client| {
-                let request = request(message.clone(), CALL_TIMEOUT);
-                async move { client.ack(request).await }
-            })
-            .await;
-        let tries = tries_of(&called);
-        let (errors, via) = match &called {
-            Ok(c) => (c.errors.clone(), Some((c.via, c.took_us))),
-            Err(e) => (vec![e.describe()], None),
-        };
-        let result = outcome(called.map(|c| first(c.value.results)));
-        let ok = result == Outcome::Ok;
-        self.journal.log(&Event::Acked {
-            t: now_us(),
-            intent: lease.intent,
-            lease: lease.lease,
-            result,
-            tries,
-            errors,
-            via,
-        });
-        if ok {
-            self.read_back(Settle::Ack, lease).await;
-        }
-    }
-
-    async fn fail(&mut self, lease: &LeaseSeen, kind: FailKind) {
-        self.journal.log(&Event::FailSent {
-            t: now_us(),
-            intent: lease.intent,
-            lease: lease.lease,
-            outcome: kind,
-        });
-        let outcome_wire = match kind {
-            FailKind::Retry => v1::FailOutcome::Retry,
-            FailKind::Permanent => v1::FailOutcome::Permanent,
-            FailKind::Unknown => v1::FailOutcome::Unknown,
-        };
-        let message = v1::FailRequest {
-            failures: vec![v1::Failure {
-                lease: Some(lease_ref(lease)),
-                error: format!("injected {kind:?} by {}", self.name),
-                outcome: outcome_wire as i32,
-                retry_after: (kind == FailKind::Retry)
-                    .then(|| duration(Duration::from_millis(100))),
-            }],
-        };
-        let called = self
-            .rpc
-            .call(CALL_BUDGET, |mut client| {
-                let request = request(message.clone(), CALL_TIMEOUT);
-                async move { client.fail(request).await }
-            })
-            .await;
-        let tries = tries_of(&called);
-        let result = outcome(called.map(|c| first(c.value.results)));
-        let ok = result == Outcome::Ok;
-        self.journal.log(&Event::Failed {
-            t: now_us(),
-            intent: lease.intent,
-            lease: lease.lease,
-            outcome: kind,
-            result,
-            tries,
-        });
-        if ok {
-            self.read_back(Settle::Fail, lease).await;
-        }
-    }
-
-    /// Reads the intent back from another session right after `call` was answered OK
-    /// for `lease`, and journals whether its change was already committed.
-    async fn read_back(&mut self, call: Settle, lease: &LeaseSeen) {
-        let Some(reader) = &mut self.reader else {
-            return;
-        };
-        // Unreadable (PostgreSQL down): nothing to judge.
-        if let Some(seen) = reader.read(lease.intent).await {
-            self.journal.log(&Event::ReadBack {
-                t: now_us(),
-                intent: lease.intent,
-                lease: lease.lease,
-                call,
-                committed: call.committed(&seen, lease.lease),
-                seen: seen.state,
-            });
-        }
+    fn millis(&self, lo_ms: u64, hi_ms: u64) -> Duration {
+        let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
+        rng.millis(lo_ms, hi_ms)
     }
 }
 
-fn seen(lease: &v1::Lease) -> Option<LeaseSeen> {
-    let intent = lease.intent.as_ref()?;
-    Some(LeaseSeen {
-        intent: intent.id.parse().ok()?,
-        lease: lease.lease_id.parse().ok()?,
-        kind: intent.kind.clone(),
-        attempt: lease.attempt,
-        expires: timestamp_us(lease.lease_expires_at.as_ref()?),
-        state: intent.state().as_str_name().to_owned(),
-        handed_off: lease.attempt == 1
-            && intent.created_at.is_some()
-            && intent.updated_at == intent.created_at,
-    })
-}
-
-fn lease_ref(lease: &LeaseSeen) -> v1::LeaseRef {
-    v1::LeaseRef {
-        intent_id: lease.intent.to_string(),
-        lease_id: lease.lease.to_string(),
-    }
-}
-
-fn duration(d: Duration) -> prost_types::Duration {
-    prost_types::Duration {
-        seconds: d.as_secs() as i64,
-        nanos: d.subsec_nanos() as i32,
-    }
-}
-
-fn first(mut results: Vec<v1::LeaseResult>) -> v1::LeaseResult {
-    if results.is_empty() {
-        v1::LeaseResult::default()
-    } else {
-        results.swap_remove(0)
-    }
-}
-
-fn tries_of<T>(called: &Result<Called<T>, CallError>) -> u32 {
-    match called {
-        Ok(c) => c.tries,
-        Err(CallError::Definite { tries, .. } | CallError::Exhausted { tries, .. }) => *tries,
-    }
-}
-
-/// The per-item outcome of a one-lease settle call.
-fn outcome(item: Result<v1::LeaseResult, CallError>) -> Outcome {
-    match item {
-        Ok(v1::LeaseResult { error: None, .. }) => Outcome::Ok,
-        Ok(v1::LeaseResult {
-            error: Some(error), ..
-        }) if error.reason == "LEASE_LOST" => Outcome::LeaseLost,
-        Ok(v1::LeaseResult {
-            error: Some(error), ..
-        }) => Outcome::Rejected(error.reason),
-        Err(e @ CallError::Definite { .. }) => {
-            Outcome::Rejected(e.reason().unwrap_or_else(|| e.describe()))
-        }
-        Err(e @ CallError::Exhausted { .. }) => Outcome::Unknown(e.describe()),
-    }
-}
+/// `retry_after` of an injected RETRY.
+const RETRY_AFTER: Duration = Duration::from_millis(100);

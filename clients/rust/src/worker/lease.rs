@@ -56,6 +56,11 @@ impl LeaseState {
         }
     }
 
+    /// The ids, for a [`WorkerObserver`](super::WorkerObserver).
+    pub(crate) fn id(&self) -> super::LeaseId<'_> {
+        super::LeaseId::new(&self.intent_id, &self.lease_id)
+    }
+
     pub(crate) fn expires(&self) -> Instant {
         *self.expires.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -4,6 +4,7 @@
 
 mod job;
 mod lease;
+mod observer;
 mod settle;
 
 use std::collections::HashMap;
@@ -22,8 +23,9 @@ use uuid::Uuid;
 use self::job::FailureKind;
 pub use self::job::{Failure, Job};
 use self::lease::LeaseState;
+pub use self::observer::{Answer, ClaimEvent, LeaseCall, LeaseId, WorkerObserver};
 use self::settle::{Outcome, Settle};
-use crate::connection::{Backoff, CallOptions, Connection, Retry};
+use crate::connection::{Attempts, Backoff, CallOptions, Connection, Retry};
 use crate::error::Error;
 use crate::proto::{self, FailOutcome};
 use crate::proto_duration;
@@ -102,6 +104,8 @@ struct Config {
     claim_wait: Duration,
     grace: Duration,
     settle_delay: Duration,
+    /// Claims carry a `request_id` (replayed after a lost answer).
+    replay_claims: bool,
 }
 
 /// What every task of a running worker shares.
@@ -113,6 +117,8 @@ struct Shared {
     leases: Mutex<HashMap<String, Arc<LeaseState>>>,
     stats: Counters,
     running: AtomicBool,
+    /// None unless set: then no event is built.
+    observer: Option<Arc<dyn WorkerObserver>>,
 }
 
 /// Builds a [`Worker`]; see [`Worker::builder`].
@@ -128,6 +134,8 @@ pub struct WorkerBuilder {
     claim_wait: Duration,
     grace: Duration,
     settle_delay: Duration,
+    replay_claims: bool,
+    observer: Option<Arc<dyn WorkerObserver>>,
 }
 
 impl WorkerBuilder {
@@ -218,6 +226,23 @@ impl WorkerBuilder {
         self
     }
 
+    /// Whether each Claim carries a `request_id` (default true). With one, a Claim whose
+    /// answer was lost is retried with the same id and the server returns the leases it
+    /// took. Without (`false`), Claims are plain long polls: an `Enqueue` of the same
+    /// replica may hand its intents straight to a waiting one (the hand-off: lower
+    /// latency at a steady rate), but a lost answer's leases are stranded until they
+    /// expire.
+    pub fn replay_claims(mut self, replay: bool) -> Self {
+        self.replay_claims = replay;
+        self
+    }
+
+    /// Tells `observer` what the worker does with each lease: see [`WorkerObserver`].
+    pub fn observer(mut self, observer: impl WorkerObserver) -> Self {
+        self.observer = Some(Arc::new(observer));
+        self
+    }
+
     /// The worker.
     ///
     /// # Errors
@@ -259,6 +284,7 @@ impl WorkerBuilder {
             claim_wait: self.claim_wait,
             grace: self.grace,
             settle_delay: self.settle_delay,
+            replay_claims: self.replay_claims,
         };
         Ok(Worker {
             shared: Arc::new(Shared {
@@ -268,6 +294,7 @@ impl WorkerBuilder {
                 leases: Mutex::new(HashMap::new()),
                 stats: Counters::default(),
                 running: AtomicBool::new(false),
+                observer: self.observer,
             }),
         })
     }
@@ -294,7 +321,8 @@ impl WorkerBuilder {
 ///   (at most 1,000), so it never holds a lease it cannot start. It long-polls.
 /// - **Replays lost claims**: each Claim has a `request_id`; a transient failure is
 ///   retried with the same id (on the next endpoint), so the leases a lost answer
-///   carried are returned instead of stranded until they expire.
+///   carried are returned instead of stranded until they expire (unless
+///   [`WorkerBuilder::replay_claims`] turned it off).
 /// - **Heartbeats**: every third of the lease, live leases are extended in one
 ///   `ExtendLease` call. A lease answered `LEASE_LOST`, or whose local expiry (counted
 ///   from when the Claim was sent) passes without an extension, is lost: its handler is
@@ -339,6 +367,8 @@ impl Worker {
             claim_wait: Duration::from_secs(5),
             grace: Duration::from_secs(30),
             settle_delay: Duration::from_millis(2),
+            replay_claims: true,
+            observer: None,
         }
     }
 
@@ -477,6 +507,7 @@ impl Shared {
     /// when the leases began, on this clock.
     async fn claim(&self, n: usize) -> Result<(Vec<proto::Lease>, Instant), Error> {
         let config = &self.config;
+        let request_id = config.replay_claims.then(|| Uuid::new_v4().to_string());
         let request = proto::ClaimRequest {
             worker_id: config.worker_id.clone(),
             region: config.region.clone(),
@@ -484,36 +515,41 @@ impl Shared {
             max_intents: i32::try_from(n).unwrap_or(i32::MAX),
             lease_duration: Some(proto_duration(config.lease)),
             wait: Some(proto_duration(config.claim_wait)),
-            request_id: Uuid::new_v4().to_string(),
+            request_id: request_id.clone().unwrap_or_default(),
         };
         let timeout = self.connection.call_timeout();
         let options =
             CallOptions::new(config.claim_wait + timeout).budget(config.lease.max(timeout));
         let first_sent = Instant::now();
-        let mut retried = false;
+        let mut attempts = Attempts::default();
         let mut backoff = Backoff::default();
         loop {
+            let retried_before = attempts.retried.len();
             let answer = self
                 .connection
-                .call_counted(
-                    options,
-                    |_| {
-                        retried = true;
-                        self.stats.claim_retries.add(1);
-                    },
-                    |mut client| {
-                        let request = request.clone();
-                        async move { client.claim(request).await }
-                    },
-                )
+                .call_traced(options, &mut attempts, |mut client| {
+                    let request = request.clone();
+                    async move { client.claim(request).await }
+                })
                 .await;
+            self.stats
+                .claim_retries
+                .add((attempts.retried.len() - retried_before) as u64);
             match answer {
                 Ok(answer) => {
+                    self.observe(|o| {
+                        o.claimed(&ClaimEvent {
+                            request_id: request_id.as_deref(),
+                            lease_duration: config.lease,
+                            leases: &answer.leases,
+                            attempts: &attempts,
+                        });
+                    });
                     // A replay returns leases the first attempt took: count from its
                     // send. A first answer's leases began about when it was made (a long
                     // poll answers as it leases).
                     let answered = Instant::now();
-                    let leased_at = if retried {
+                    let leased_at = if attempts.count > 1 {
                         first_sent
                     } else {
                         answered
@@ -525,12 +561,19 @@ impl Shared {
                 Err(Error::Status(status)) if Retry::Transient.allows(&status) => {
                     // The budget is spent: keep the request_id and keep trying, slower.
                     tracing::warn!(worker = %config.worker_id, "outboxd Claim: {status}");
-                    retried = true;
                     self.stats.claim_retries.add(1);
+                    attempts.retried.push(*status);
                     tokio::time::sleep(backoff.next()).await;
                 }
                 Err(error) => return Err(error),
             }
+        }
+    }
+
+    /// Tells the observer, if there is one (`event` is not run otherwise).
+    fn observe(&self, event: impl FnOnce(&dyn WorkerObserver)) {
+        if let Some(observer) = &self.observer {
+            event(observer.as_ref());
         }
     }
 
@@ -694,13 +737,25 @@ impl Shared {
         let request = proto::MarkSubmittedRequest {
             leases: vec![lease.reference()],
         };
+        self.observe(|o| o.sending(lease.id(), LeaseCall::MarkSubmitted));
+        let mut attempts = Attempts::default();
         let answer = self
             .connection
-            .call(options, |mut client| {
+            .call_traced(options, &mut attempts, |mut client| {
                 let request = request.clone();
                 async move { client.mark_submitted(request).await }
             })
             .await;
+        self.observe(|o| {
+            let result = answer.as_ref().map(|a| a.results.first());
+            if let Some(result) = result.transpose() {
+                let answer = Answer {
+                    result,
+                    attempts: &attempts,
+                };
+                o.answered(lease.id(), LeaseCall::MarkSubmitted, &answer);
+            }
+        });
         let answer = match answer {
             Ok(answer) => answer,
             // The external call has not started: a retry is safe whatever happened.
@@ -729,6 +784,7 @@ impl Shared {
     fn lose(&self, lease: &LeaseState, why: &str) {
         if lease.lose() {
             self.stats.lease_lost.add(1);
+            self.observe(|o| o.lease_lost(lease.id(), why));
             tracing::warn!(
                 worker = %self.config.worker_id,
                 intent = %lease.intent_id,
@@ -787,13 +843,31 @@ impl Shared {
         let heartbeat = self.config.heartbeat;
         let options =
             CallOptions::new(self.connection.call_timeout().min(heartbeat)).budget(heartbeat);
+        self.observe(|o| {
+            for lease in leases {
+                o.sending(lease.id(), LeaseCall::ExtendLease);
+            }
+        });
+        let mut attempts = Attempts::default();
         let answer = self
             .connection
-            .call(options, |mut client| {
+            .call_traced(options, &mut attempts, |mut client| {
                 let request = request.clone();
                 async move { client.extend_lease(request).await }
             })
             .await;
+        self.observe(|o| {
+            for (i, lease) in leases.iter().enumerate() {
+                let result = answer.as_ref().map(|a| a.results.get(i));
+                if let Some(result) = result.transpose() {
+                    let answer = Answer {
+                        result,
+                        attempts: &attempts,
+                    };
+                    o.answered(lease.id(), LeaseCall::ExtendLease, &answer);
+                }
+            }
+        });
         let answer = match answer {
             Ok(answer) => answer,
             Err(error) => {

@@ -12,8 +12,8 @@ use tokio::task::JoinSet;
 use tonic::Code;
 
 use super::lease::LeaseState;
-use super::{LOST_REASONS, MAX_BATCH, Shared, proto_duration};
-use crate::connection::CallOptions;
+use super::{Answer, LOST_REASONS, LeaseCall, MAX_BATCH, Shared, proto_duration};
+use crate::connection::{Attempts, CallOptions};
 use crate::error::Error;
 use crate::proto::{self, FailOutcome, LeaseResult};
 
@@ -32,6 +32,16 @@ pub(crate) enum Outcome {
         error: String,
         retry_after: Option<Duration>,
     },
+}
+
+impl Outcome {
+    /// The call that reports it, as a [`WorkerObserver`](super::WorkerObserver) names it.
+    fn call(&self) -> LeaseCall {
+        match self {
+            Self::Ack => LeaseCall::Ack,
+            Self::Fail { outcome, .. } => LeaseCall::Fail(*outcome),
+        }
+    }
 }
 
 /// A lease and what to report for it.
@@ -112,26 +122,38 @@ impl Shared {
     }
 
     async fn settle(&self, call: Call, items: Vec<Settle>) {
-        match self.send(call, &items).await {
-            Ok(results) => self.apply(call, &items, &results),
+        let mut attempts = Attempts::default();
+        match self.send(call, &items, &mut attempts).await {
+            Ok(results) => self.apply(call, &items, &results, &attempts),
             // One bad item refuses the whole call: settle each alone, so the others apply.
             Err(error) if error.code() == Some(Code::InvalidArgument) && items.len() > 1 => {
                 for item in items {
                     let item = [item];
-                    match self.send(call, &item).await {
-                        Ok(results) => self.apply(call, &item, &results),
-                        Err(error) => self.settle_failed(call, &item, &error),
+                    let mut attempts = Attempts::default();
+                    match self.send(call, &item, &mut attempts).await {
+                        Ok(results) => self.apply(call, &item, &results, &attempts),
+                        Err(error) => self.settle_failed(call, &item, &error, &attempts),
                     }
                 }
             }
-            Err(error) => self.settle_failed(call, &items, &error),
+            Err(error) => self.settle_failed(call, &items, &error, &attempts),
         }
     }
 
-    async fn send(&self, call: Call, items: &[Settle]) -> Result<Vec<LeaseResult>, Error> {
+    async fn send(
+        &self,
+        call: Call,
+        items: &[Settle],
+        attempts: &mut Attempts,
+    ) -> Result<Vec<LeaseResult>, Error> {
         for settle in items {
             settle.lease.set_settling();
         }
+        self.observe(|o| {
+            for settle in items {
+                o.sending(settle.lease.id(), settle.outcome.call());
+            }
+        });
         let timeout = self.connection.call_timeout();
         // Repeating a settle with the same leases is a replay: answered OK if it applied.
         let options = CallOptions::new(timeout).budget(self.config.lease.max(timeout));
@@ -142,7 +164,7 @@ impl Shared {
                 };
                 let answer = self
                     .connection
-                    .call(options, |mut client| {
+                    .call_traced(options, attempts, |mut client| {
                         let request = request.clone();
                         async move { client.ack(request).await }
                     })
@@ -155,7 +177,7 @@ impl Shared {
                 };
                 let answer = self
                     .connection
-                    .call(options, |mut client| {
+                    .call_traced(options, attempts, |mut client| {
                         let request = request.clone();
                         async move { client.fail(request).await }
                     })
@@ -165,9 +187,18 @@ impl Shared {
         }
     }
 
-    fn apply(&self, call: Call, items: &[Settle], results: &[LeaseResult]) {
+    fn apply(&self, call: Call, items: &[Settle], results: &[LeaseResult], attempts: &Attempts) {
         let mut done = 0;
         for (index, settle) in items.iter().enumerate() {
+            if let Some(result) = results.get(index) {
+                self.observe(|o| {
+                    let answer = Answer {
+                        result: Ok(result),
+                        attempts,
+                    };
+                    o.answered(settle.lease.id(), settle.outcome.call(), &answer);
+                });
+            }
             match results.get(index).map(|r| r.error.as_ref()) {
                 Some(None) => done += 1,
                 Some(Some(error)) if LOST_REASONS.contains(&error.reason.as_str()) => {
@@ -207,7 +238,7 @@ impl Shared {
 
     /// No answer within the budget: the leases expire and the intents come back (or go to
     /// an operator, once submitted).
-    fn settle_failed(&self, call: Call, items: &[Settle], error: &Error) {
+    fn settle_failed(&self, call: Call, items: &[Settle], error: &Error, attempts: &Attempts) {
         tracing::error!(
             worker = %self.config.worker_id,
             count = items.len(),
@@ -216,6 +247,13 @@ impl Shared {
         );
         self.stats.settle_errors.add(items.len() as u64);
         for settle in items {
+            self.observe(|o| {
+                let answer = Answer {
+                    result: Err(error),
+                    attempts,
+                };
+                o.answered(settle.lease.id(), settle.outcome.call(), &answer);
+            });
             self.forget(&settle.lease);
         }
     }

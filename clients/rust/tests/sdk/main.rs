@@ -4,6 +4,7 @@
 
 mod connection;
 mod harness;
+mod observer;
 mod producer;
 mod proxy;
 mod worker;

@@ -6,11 +6,14 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use outboxd_client::{CallOptions, Failure, IntentState, Job, NewIntent, Outbox, Worker, proto};
+use outboxd_client::{
+    CallOptions, Failure, IntentState, Job, LeaseCall, NewIntent, Outbox, Worker, proto,
+};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::harness::{connect, connection, intent, kind, stack, state, wait_for, wait_state};
+use crate::observer::{Observed, Recorder};
 use crate::proxy::{Cuts, Proxy};
 use crate::{Running, enqueue, list};
 
@@ -619,9 +622,11 @@ async fn a_lease_whose_heartbeats_cannot_get_through_is_lost_and_never_acked() {
     let proxy = Proxy::start(&stack.endpoints[0], Cuts::new(0, usize::MAX)).await;
     let started = Arc::new(Notify::new());
     let token = Arc::new(Mutex::new(None));
+    let recorder = Recorder::default();
     let blocked = Worker::builder(connect(std::slice::from_ref(&proxy.addr)))
         .concurrency(1)
         .lease(Duration::from_secs(1))
+        .observer(recorder.clone())
         .handler(&k, {
             let (started, token) = (started.clone(), token.clone());
             move |job: Job| {
@@ -665,6 +670,20 @@ async fn a_lease_whose_heartbeats_cannot_get_through_is_lost_and_never_acked() {
     assert_eq!(delivered.attempts, 2);
     assert_eq!(rival_stats.acked, 1);
     assert_eq!((stats.acked, stats.failed), (0, 0), "{stats:?}");
+    // The observer was told it was lost, and nothing was sent for it after.
+    let events = recorder.events();
+    let lost = events.iter().position(|e| matches!(e, Observed::Lost(_)));
+    assert!(lost.is_some(), "{events:?}");
+    assert!(
+        !events.iter().any(|e| matches!(
+            e,
+            Observed::Sending(
+                _,
+                LeaseCall::Ack | LeaseCall::Fail(_) | LeaseCall::MarkSubmitted
+            )
+        )),
+        "{events:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -47,12 +47,32 @@ pub(super) fn duplicate_cause(
             "worker exited between the side effect and its Ack"
         }
         None if l.fail_sent.is_some() => "outcome reported by Fail after the lease was lost",
-        None => UNEXPLAINED,
+        None => l.lost.map_or(UNEXPLAINED, |lost| lost_to(l, lost, faults)),
         Some(_) if held_up.is_some() => held_up_by(held_up.expect("checked")),
         Some((_, _, errors)) if !errors.is_empty() => {
             "Ack retried (lost response, replica or PostgreSQL down) until the lease had expired"
         }
         Some(_) => "lease expired under load before the Ack",
+    }
+}
+
+/// A lease the worker found lost after its side effect, so it sent no Ack: explained only
+/// by a service fault while it was held (its heartbeats or its Ack could not get through).
+fn lost_to(l: &LeaseLife, lost: i64, faults: &[FaultRecord]) -> &'static str {
+    let kinds: Vec<FaultKind> = faults
+        .iter()
+        .filter(|f| f.kind.disrupts_service() && f.start <= lost && f.end >= l.claim_t)
+        .map(|f| f.kind)
+        .collect();
+    match HOLD_UP_PRIORITY.iter().find(|k| kinds.contains(k)) {
+        Some(FaultKind::OutboxdStop) => "lease lost: heartbeats held by a frozen replica",
+        Some(FaultKind::LockStall) => "lease lost: heartbeats blocked behind a row-lock stall",
+        Some(FaultKind::PostgresCrash) => "lease lost: heartbeats held up by the PostgreSQL crash",
+        Some(FaultKind::OutboxdKill) => "lease lost: heartbeats held up by a killed replica",
+        Some(FaultKind::LostResponses) => "lease lost: heartbeat responses lost",
+        Some(_) => "lease lost: heartbeats held up by terminated sessions",
+        None if kinds.contains(&FaultKind::CancelStorm) => "lease lost during a cancel storm",
+        None => UNEXPLAINED,
     }
 }
 

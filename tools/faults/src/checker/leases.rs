@@ -36,6 +36,8 @@ pub(super) struct LeaseLife {
     pub(super) ack: Option<(Outcome, i64, Vec<String>)>,
     pub(super) fail_sent: Option<(FailKind, i64)>,
     pub(super) fail: Option<(FailKind, Outcome)>,
+    /// When the worker found it lost (and reported nothing more for it).
+    pub(super) lost: Option<i64>,
 }
 
 impl LeaseLife {
@@ -118,6 +120,7 @@ pub(super) fn collect_leases(obs: &Observations, v: &mut Verdict) -> HashMap<Uui
                             ack: None,
                             fail_sent: None,
                             fail: None,
+                            lost: None,
                         },
                     );
                 }
@@ -195,7 +198,10 @@ pub(super) fn collect_leases(obs: &Observations, v: &mut Verdict) -> HashMap<Uui
                     }
                     l.fail = Some((*outcome, result.clone()));
                 }
-                Event::Skipped { .. } => v.counts.skipped += 1,
+                Event::LeaseLost { t, .. } => {
+                    v.counts.lost += 1;
+                    l.lost.get_or_insert(*t);
+                }
                 _ => {}
             }
         }
@@ -208,9 +214,8 @@ fn lease_of(event: &Event) -> Option<Uuid> {
     match event {
         Event::MarkSent { lease, .. }
         | Event::Marked { lease, .. }
-        | Event::ExtendSent { lease, .. }
         | Event::Extended { lease, .. }
-        | Event::Skipped { lease, .. }
+        | Event::LeaseLost { lease, .. }
         | Event::Performed { lease, .. }
         | Event::AckSent { lease, .. }
         | Event::Acked { lease, .. }

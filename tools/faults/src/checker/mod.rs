@@ -172,8 +172,8 @@ pub struct Counts {
     pub acks_unknown: u64,
     /// Fails answered LEASE_LOST.
     pub fails_lease_lost: u64,
-    /// Leases left to expire by a worker that found them too late.
-    pub skipped: u64,
+    /// Leases the worker found lost (its handler cancelled, nothing reported for them).
+    pub lost: u64,
     /// Lease pairs checked for overlap.
     pub lease_pairs: u64,
     /// Calls that succeeded only after retries (lost responses, replicas down), by RPC.

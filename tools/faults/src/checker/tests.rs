@@ -115,6 +115,21 @@ fn acked(intent: Uuid, lease: Uuid, at: i64, result: Outcome) -> Event {
     }
 }
 
+/// A second worker leases `id` again at 13 s (attempt 2), performs and acks it: the
+/// intent ends delivered under that lease.
+fn delivered_again(world: &mut World, id: Uuid, kind: &str) {
+    let (second, lease) = claim(id, 2, 13, kind);
+    world.snapshot.intents.get_mut(&id).unwrap().lease_id = Some(lease);
+    world.worker(
+        "w2.g1",
+        vec![
+            second,
+            performed(id, lease, 13),
+            acked(id, lease, 13, Outcome::Ok),
+        ],
+    );
+}
+
 fn guarantees(v: &Verdict) -> Vec<Guarantee> {
     v.violations.iter().map(|x| x.guarantee).collect()
 }
@@ -239,8 +254,6 @@ fn an_accepted_ack_of_a_stale_lease_is_a_violation() {
 fn a_submitted_intent_handed_out_again_is_a_violation() {
     let (mut world, id) = World::committed("delivered", None);
     let (first, marked) = claim(id, 1, 10, "fault.payment");
-    let (second, lease) = claim(id, 2, 13, "fault.payment");
-    world.snapshot.intents.get_mut(&id).unwrap().lease_id = Some(lease);
     let mark = Event::Marked {
         t: 10 * SECOND,
         intent: id,
@@ -249,14 +262,7 @@ fn a_submitted_intent_handed_out_again_is_a_violation() {
         tries: 1,
     };
     world.worker("w1.g1", vec![first, mark]);
-    world.worker(
-        "w2.g1",
-        vec![
-            second,
-            performed(id, lease, 13),
-            acked(id, lease, 13, Outcome::Ok),
-        ],
-    );
+    delivered_again(&mut world, id, "fault.payment");
     assert!(guarantees(&world.check()).contains(&Guarantee::SubmittedNotReHanded));
 }
 
@@ -264,17 +270,8 @@ fn a_submitted_intent_handed_out_again_is_a_violation() {
 fn a_duplicate_is_explained_by_a_kill_and_unexplained_without_one() {
     let (mut world, id) = World::committed("delivered", None);
     let (first, killed) = claim(id, 1, 10, "fault.email");
-    let (second, lease) = claim(id, 2, 13, "fault.email");
-    world.snapshot.intents.get_mut(&id).unwrap().lease_id = Some(lease);
     world.worker("w1.g1", vec![first, performed(id, killed, 10)]);
-    world.worker(
-        "w2.g1",
-        vec![
-            second,
-            performed(id, lease, 13),
-            acked(id, lease, 13, Outcome::Ok),
-        ],
-    );
+    delivered_again(&mut world, id, "fault.email");
     assert!(guarantees(&world.check()).contains(&Guarantee::DuplicatesExplained));
     world.faults.push(FaultRecord {
         kind: FaultKind::WorkerKill,
@@ -283,6 +280,37 @@ fn a_duplicate_is_explained_by_a_kill_and_unexplained_without_one() {
         end: 10 * SECOND + 10,
         detail: String::new(),
     });
+    let v = world.check();
+    assert!(v.violations.is_empty(), "{:?}", v.violations);
+    assert_eq!(v.duplicate_total(), 1);
+}
+
+#[test]
+fn a_lease_found_lost_after_its_side_effect_is_explained_only_by_a_service_fault() {
+    let (mut world, id) = World::committed("delivered", None);
+    let (first, lost) = claim(id, 1, 10, "fault.email");
+    let gave_up = Event::LeaseLost {
+        t: 12 * SECOND,
+        intent: id,
+        lease: lost,
+        why: "it expired before a heartbeat got through".into(),
+    };
+    world.worker("w1.g1", vec![first, performed(id, lost, 10), gave_up]);
+    delivered_again(&mut world, id, "fault.email");
+    let v = world.check();
+    assert!(guarantees(&v).contains(&Guarantee::DuplicatesExplained));
+    assert_eq!(v.counts.lost, 1);
+    // A fault that ended before the claim explains nothing.
+    let lost_responses = |start: i64| FaultRecord {
+        kind: FaultKind::LostResponses,
+        target: "r1".into(),
+        start,
+        end: start + SECOND,
+        detail: String::new(),
+    };
+    world.faults.push(lost_responses(8 * SECOND));
+    assert!(guarantees(&world.check()).contains(&Guarantee::DuplicatesExplained));
+    world.faults.push(lost_responses(11 * SECOND));
     let v = world.check();
     assert!(v.violations.is_empty(), "{:?}", v.violations);
     assert_eq!(v.duplicate_total(), 1);

@@ -52,8 +52,8 @@ pub struct RunArgs {
     /// the default.
     #[arg(long, default_value_t = 2)]
     pub small_pool: u32,
-    /// Lease the workers ask for.
-    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    /// Lease the workers ask for (at least 1s: the SDK's worker refuses less).
+    #[arg(long, default_value = "2s", value_parser = parse_lease)]
     pub lease: Duration,
     /// Mean pause between a producer's transactions, in ms (the load knob).
     #[arg(long, default_value_t = 60)]
@@ -79,6 +79,14 @@ mod inject;
 
 pub(crate) fn parse_duration(value: &str) -> Result<Duration, String> {
     humantime::parse_duration(value).map_err(|e| e.to_string())
+}
+
+fn parse_lease(value: &str) -> Result<Duration, String> {
+    let lease = parse_duration(value)?;
+    if lease < Duration::from_secs(1) {
+        return Err("the SDK's worker needs a lease of at least 1s".to_owned());
+    }
+    Ok(lease)
 }
 
 struct Replica {

@@ -1,0 +1,161 @@
+//! The `outboxd` commands a deployment runs as Jobs (charts/outboxd): `migrate` with the
+//! owner's and the service's URLs, and `keys create --secret-from-env`, each run as the
+//! real binary against a real PostgreSQL, as the chart's Jobs run them.
+
+use std::process::Output;
+
+use outboxd::proto::v1;
+use outboxd::startup::{self, Database};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::helpers::{TestApp, fresh_database, other_database};
+
+/// `outboxd <args>` with only `env` of the OUTBOX_* variables (it refuses unknown ones,
+/// and the tests' own are not its).
+async fn outboxd(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_outboxd"));
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("OUTBOX_") {
+            command.env_remove(name);
+        }
+    }
+    command.args(args).envs(env.iter().copied());
+    command.output().await.expect("run outboxd")
+}
+
+fn text(output: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout: {}\nstderr: {}",
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+fn as_role(url: &str, role: &str) -> String {
+    url.replacen("://postgres@", &format!("://{role}@"), 1)
+}
+
+#[tokio::test]
+async fn migrate_with_the_owner_and_service_urls_grants_the_service_and_fleet_roles() {
+    // An empty database and two login roles nobody granted anything, as a chart install
+    // finds them: the migrate Job must leave them ready to serve.
+    let owner_url = other_database().await;
+    let owner = PgPool::connect(&owner_url).await.unwrap();
+    let suffix = &Uuid::new_v4().simple().to_string()[..12];
+    let (service, fleet) = (format!("svc_{suffix}"), format!("fleet_{suffix}"));
+    for role in [&service, &fleet] {
+        sqlx::query(&format!("CREATE ROLE {role} LOGIN"))
+            .execute(&owner)
+            .await
+            .unwrap();
+    }
+    let (service_url, fleet_url) = (as_role(&owner_url, &service), as_role(&owner_url, &fleet));
+    let env = [
+        ("OUTBOX_DATABASE__URL", service_url.as_str()),
+        ("OUTBOX_DATABASE__FLEET_URL", fleet_url.as_str()),
+        ("OUTBOX_DATABASE__MIGRATION_URL", owner_url.as_str()),
+    ];
+    // Twice: the Job runs on every upgrade.
+    for _ in 0..2 {
+        let migrated = outboxd(&["migrate"], &env).await;
+        assert!(migrated.status.success(), "{}", text(&migrated));
+        assert!(String::from_utf8_lossy(&migrated.stdout).contains("migrations applied"));
+    }
+
+    let (may_delete, fleet_member, service_in_fleet): (bool, bool, bool) = sqlx::query_as(
+        "SELECT has_table_privilege($1, 'outbox.intent', 'DELETE'),
+                pg_has_role($2, 'outboxd_fleet', 'MEMBER'),
+                pg_has_role($1, 'outboxd_fleet', 'MEMBER')",
+    )
+    .bind(&service)
+    .bind(&fleet)
+    .fetch_one(&owner)
+    .await
+    .unwrap();
+    assert!(may_delete, "the service role was not granted");
+    assert!(
+        fleet_member,
+        "the fleet role is not a member of outboxd_fleet"
+    );
+    assert!(
+        !service_in_fleet,
+        "the service role must not see every tenant"
+    );
+    // What a server checks of both roles before it serves.
+    let database = Database {
+        service_url,
+        fleet_url: Some(fleet_url),
+        embedded: None,
+    };
+    let pools = startup::connect_pools(&database, 2).await.unwrap();
+    pools.close().await;
+    owner.close().await;
+}
+
+#[tokio::test]
+async fn keys_create_from_an_environment_variable_stores_that_key_once_for_the_server() {
+    let url = fresh_database().await;
+    let secret = format!("obx_{}", Uuid::new_v4().simple());
+    let create = |secret: String| {
+        let url = url.clone();
+        async move {
+            let args = [
+                "keys",
+                "create",
+                "--name",
+                "bootstrap",
+                "--tenant",
+                "acme",
+                "--scope",
+                "admin",
+                "--secret-from-env",
+                "BOOTSTRAP_KEY",
+                "--json",
+            ];
+            let env = [
+                ("OUTBOX_DATABASE__MIGRATION_URL", url.as_str()),
+                ("BOOTSTRAP_KEY", secret.as_str()),
+            ];
+            outboxd(&args, &env).await
+        }
+    };
+    // The Job runs on every install and upgrade: stored the first time only.
+    for expected in [true, false] {
+        let created = create(secret.clone()).await;
+        assert!(created.status.success(), "{}", text(&created));
+        let stdout = String::from_utf8_lossy(&created.stdout);
+        assert!(!text(&created).contains(&secret), "the secret was printed");
+        let reply: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(reply["stored"], expected, "{stdout}");
+    }
+    let owner = PgPool::connect(&url).await.unwrap();
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.api_key")
+        .fetch_one(&owner)
+        .await
+        .unwrap();
+    assert_eq!(stored, 1);
+
+    // A key too short to be a secret is refused, without being echoed or stored.
+    let short = create("obx_0123456789abcdef".to_owned()).await;
+    assert!(!short.status.success(), "{}", text(&short));
+    assert!(
+        !text(&short).contains("0123456789abcdef"),
+        "{}",
+        text(&short)
+    );
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.api_key")
+        .fetch_one(&owner)
+        .await
+        .unwrap();
+    assert_eq!(stored, 1);
+    owner.close().await;
+
+    let app = TestApp::spawn_on(url, |_| {}).await;
+    let mut client = app.client_with(Some(&secret), None).await;
+    client
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .expect("the server accepts the stored key");
+}

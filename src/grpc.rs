@@ -333,14 +333,12 @@ fn caller_trace(metadata: &tonic::metadata::MetadataMap) -> Option<TraceContext>
 }
 
 /// Records, on the current settle span, how many intents it settles (and which, if one).
-fn record_settling(leases: impl ExactSizeIterator<Item = outbox::IntentId>) {
+fn record_settling(mut leases: impl ExactSizeIterator<Item = outbox::IntentId>) {
     let span = tracing::Span::current();
     let count = leases.len();
     span.record("messaging.batch.message_count", count);
-    if count == 1 {
-        for id in leases {
-            span.record("messaging.message.id", id.to_string());
-        }
+    if let (1, Some(id)) = (count, leases.next()) {
+        span.record("messaging.message.id", id.to_string());
     }
 }
 

@@ -108,6 +108,35 @@ async fn the_workers_receive_and_settle_spans_link_back_to_the_producers_trace()
     }
 }
 
+#[tokio::test]
+async fn a_call_that_fails_records_its_status_as_the_error_type_of_its_span() {
+    exported();
+    let app = TestApp::spawn().await;
+    let trace_id = uuid::Uuid::new_v4().simple().to_string();
+    let mut request = tonic::Request::new(v1::AckRequest {
+        leases: vec![v1::LeaseRef {
+            intent_id: "not an id".to_owned(),
+            lease_id: String::new(),
+        }],
+    });
+    request.metadata_mut().insert(
+        "traceparent",
+        format!("00-{trace_id}-00f067aa0ba902b7-01")
+            .parse()
+            .unwrap(),
+    );
+    let refused = app.client().ack(request).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+
+    let ack = span("ack", |s| s.span_context.trace_id().to_string() == trace_id).await;
+    let error_type = ack
+        .attributes
+        .iter()
+        .find(|kv| kv.key.as_str() == "error.type")
+        .map(|kv| kv.value.as_str().into_owned());
+    assert_eq!(error_type.as_deref(), Some("InvalidArgument"));
+}
+
 /// An OTLP/gRPC collector: keeps every span exported to it.
 #[derive(Clone, Default)]
 struct Collector(Arc<Mutex<Vec<otlp::Span>>>);

@@ -2,6 +2,7 @@
 //! producer's transactions, the worker loop, failover and the drain. No mocked server; every
 //! wait polls a condition against a deadline.
 
+mod claim_batch;
 mod connection;
 mod harness;
 mod observer;

@@ -1,17 +1,15 @@
 //! `claim_batch`: full Claims while there is a backlog, and no waiting for company when the
 //! queue is short.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outboxd_client::{
     ClaimEvent, Failure, IntentState, Job, NewIntent, Outbox, Worker, WorkerObserver,
 };
-use tokio::sync::Notify;
 
 use crate::harness::{connection, kind, wait_for, wait_state};
-use crate::{Running, enqueue};
+use crate::{Gate, Running, enqueue};
 
 /// An answered Claim: leases asked for, leases got, their intents' ids.
 type Claim = (usize, usize, Vec<String>);
@@ -58,10 +56,7 @@ async fn with_a_backlog_and_quick_handlers_every_claim_asks_for_the_whole_batch(
         .build()
         .unwrap();
     let running = Running::start(worker);
-    wait_for("400 acks", Duration::from_secs(60), || {
-        (running.worker.stats().acked >= 400).then_some(())
-    })
-    .await;
+    running.acked(400, Duration::from_secs(60)).await;
     let stats = running.worker.stats();
     running.stop().await.unwrap();
     assert_eq!((stats.claimed, stats.acked), (400, 400), "{stats:?}");
@@ -82,23 +77,19 @@ async fn a_short_queue_is_claimed_at_once_with_fewer_free_slots_than_the_batch()
     let k = kind("short");
     let claims = Claims::default();
     // "hold" keeps its slot until released: the worker is then never all free again.
-    let release = Arc::new(Notify::new());
-    let released = Arc::new(AtomicBool::new(false));
+    let gate = Gate::default();
     let worker = Worker::builder(connection.clone())
         .concurrency(8)
         .claim_batch(8)
         .claim_linger(FOREVER)
         .observer(claims.clone())
         .handler(&k, {
-            let (release, released) = (release.clone(), released.clone());
+            let gate = gate.clone();
             move |job: Job| {
-                let (release, released) = (release.clone(), released.clone());
+                let gate = gate.clone();
                 async move {
                     if job.payload() == b"hold" {
-                        let notified = release.notified();
-                        if !released.load(Ordering::SeqCst) {
-                            notified.await;
-                        }
+                        gate.wait().await;
                     }
                     Ok::<_, Failure>(())
                 }
@@ -117,8 +108,7 @@ async fn a_short_queue_is_claimed_at_once_with_fewer_free_slots_than_the_batch()
     let quick = enqueue_one(&outbox, &k, "quick").await;
     let delivered = wait_state(&connection, &quick, IntentState::Delivered).await;
     assert_eq!(delivered.attempts, 1);
-    released.store(true, Ordering::SeqCst);
-    release.notify_waiters();
+    gate.open();
     wait_state(&connection, &hold, IntentState::Delivered).await;
     running.stop().await.unwrap();
     let claims = claims.all();

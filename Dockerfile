@@ -11,6 +11,9 @@
 FROM docker.io/library/rust:1-bookworm AS builder
 WORKDIR /src
 COPY . .
+# The commit that outbox_build_info reports: .git is not in the context, so pass it,
+# `--build-arg OUTBOXD_BUILD_COMMIT=$(git rev-parse --short=12 HEAD)` (else "unknown").
+ARG OUTBOXD_BUILD_COMMIT=""
 # The caches keep the registry and target directory between builds (BuildKit, podman);
 # the binary is copied out because a cache mount is not part of the layer.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \

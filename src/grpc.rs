@@ -80,6 +80,11 @@ impl OutboxHandler {
             }
         }
         let direct = token.is_none();
+        // Labels now, before the intents move: results come back in the intents' order.
+        let kind_labels: Vec<&str> = intents
+            .iter()
+            .map(|i| self.metrics.kind_label(&i.kind))
+            .collect();
         let results = outbox::enqueue::enqueue(
             &self.pools,
             &self.direct_enqueues,
@@ -104,7 +109,13 @@ impl OutboxHandler {
         if direct && recorded > handed_off {
             self.pending.announce();
         }
-        self.metrics.enqueued.inc_by(recorded as u64);
+        self.metrics.record_enqueued(
+            results
+                .iter()
+                .zip(&kind_labels)
+                .filter(|(r, _)| !r.deduplicated)
+                .map(|(_, kind)| *kind),
+        );
         Ok(Response::new(v1::EnqueueResponse {
             results: results.into_iter().map(Into::into).collect(),
         }))
@@ -262,10 +273,40 @@ type RpcResult<T> = Result<Response<T>, Status>;
 async fn to_completion<T: Send + 'static>(
     work: impl Future<Output = RpcResult<T>> + Send + 'static,
 ) -> RpcResult<T> {
-    match tokio::spawn(work.in_current_span()).await {
+    let answer = match tokio::spawn(work.in_current_span()).await {
         Ok(answer) => answer,
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         Err(_) => Err(Status::unavailable("the server is shutting down; retry")),
+    };
+    answer.inspect_err(log_refusal)
+}
+
+/// The level a call answered with `code` is logged at: the caller's mistakes and the
+/// protocol's ordinary refusals (a bad request or key, a lease lost, not found) at DEBUG,
+/// since anyone who can reach the port can cause them by the thousand (a port scan filled
+/// the error log); a server that cannot answer now (UNAVAILABLE, DEADLINE_EXCEEDED) at INFO,
+/// its cause logged where it happened (a database error at ERROR); only a fault of outboxd
+/// itself (INTERNAL, UNKNOWN, DATA_LOSS) at ERROR, which also marks the call's span failed.
+fn refusal_level(code: tonic::Code) -> tracing::Level {
+    use tonic::Code::*;
+    match code {
+        Internal | Unknown | DataLoss => tracing::Level::ERROR,
+        Unavailable | DeadlineExceeded => tracing::Level::INFO,
+        _ => tracing::Level::DEBUG,
+    }
+}
+
+/// Logs a call's error status at its [`refusal_level`], in the call's span.
+fn log_refusal(status: &Status) {
+    let (code, message) = (status.code(), status.message());
+    match refusal_level(code) {
+        tracing::Level::ERROR => {
+            tracing::error!(rpc.grpc.status_code = ?code, message, "call failed")
+        }
+        tracing::Level::INFO => {
+            tracing::info!(rpc.grpc.status_code = ?code, message, "call failed")
+        }
+        _ => tracing::debug!(rpc.grpc.status_code = ?code, message, "call refused"),
     }
 }
 
@@ -308,10 +349,7 @@ impl OutboxHandler {
         if let Some(tp) = &remote {
             telemetry::set_remote_parent(&span, tp);
         }
-        self.enqueue_traced(request, remote)
-            .instrument(span)
-            .await
-            .inspect_err(|status| tracing::debug!(error = %status, "Enqueue refused"))
+        self.enqueue_traced(request, remote).instrument(span).await
     }
 
     async fn claim_work(
@@ -371,11 +409,10 @@ impl OutboxHandler {
         );
         if !replayed {
             let now = self.clock.now().unwrap_or_else(chrono::Utc::now);
-            self.metrics.record_claimed(
-                intents
-                    .iter()
-                    .map(|i| (now - i.available_at).to_std().unwrap_or_default()),
-            );
+            self.metrics.record_claimed(intents.iter().map(|i| {
+                let waited = (now - i.available_at).to_std().unwrap_or_default();
+                (i.kind.as_str(), waited)
+            }));
         }
         Ok(Response::new(v1::ClaimResponse {
             leases: intents.into_iter().map(Into::into).collect(),
@@ -596,7 +633,6 @@ impl OutboxService for OutboxHandler {
             auth.key,
             claim.worker,
         ),
-        err
     )]
     async fn claim(&self, request: Request<v1::ClaimRequest>) -> RpcResult<v1::ClaimResponse> {
         let gone = CancellationToken::new();
@@ -604,7 +640,7 @@ impl OutboxService for OutboxHandler {
         to_completion(self.clone().claim_work(request, gone)).await
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "ExtendLease", auth.key), err)]
+    #[tracing::instrument(skip_all, fields(rpc.method = "ExtendLease", auth.key))]
     async fn extend_lease(
         &self,
         request: Request<v1::ExtendLeaseRequest>,
@@ -612,7 +648,7 @@ impl OutboxService for OutboxHandler {
         to_completion(self.clone().extend_lease_work(request)).await
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "MarkSubmitted", auth.key), err)]
+    #[tracing::instrument(skip_all, fields(rpc.method = "MarkSubmitted", auth.key))]
     async fn mark_submitted(
         &self,
         request: Request<v1::MarkSubmittedRequest>,
@@ -624,7 +660,6 @@ impl OutboxService for OutboxHandler {
         skip_all,
         fields(otel.name = "settle", otel.kind = "client", messaging.system = MESSAGING_SYSTEM,
                messaging.operation.type = "settle", rpc.method = "Ack", auth.key),
-        err
     )]
     async fn ack(&self, request: Request<v1::AckRequest>) -> RpcResult<v1::AckResponse> {
         to_completion(self.clone().ack_work(request)).await
@@ -634,13 +669,12 @@ impl OutboxService for OutboxHandler {
         skip_all,
         fields(otel.name = "settle", otel.kind = "client", messaging.system = MESSAGING_SYSTEM,
                messaging.operation.type = "settle", rpc.method = "Fail", auth.key),
-        err
     )]
     async fn fail(&self, request: Request<v1::FailRequest>) -> RpcResult<v1::FailResponse> {
         to_completion(self.clone().fail_work(request)).await
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "Reconcile", auth.key), err)]
+    #[tracing::instrument(skip_all, fields(rpc.method = "Reconcile", auth.key))]
     async fn reconcile(
         &self,
         request: Request<v1::ReconcileRequest>,
@@ -648,7 +682,7 @@ impl OutboxService for OutboxHandler {
         to_completion(self.clone().reconcile_work(request)).await
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "GetIntent", auth.key), err)]
+    #[tracing::instrument(skip_all, fields(rpc.method = "GetIntent", auth.key))]
     async fn get_intent(
         &self,
         request: Request<v1::GetIntentRequest>,
@@ -656,7 +690,7 @@ impl OutboxService for OutboxHandler {
         to_completion(self.clone().get_intent_work(request)).await
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "ListIntents", auth.key), err)]
+    #[tracing::instrument(skip_all, fields(rpc.method = "ListIntents", auth.key))]
     async fn list_intents(
         &self,
         request: Request<v1::ListIntentsRequest>,
@@ -664,7 +698,7 @@ impl OutboxService for OutboxHandler {
         to_completion(self.clone().list_intents_work(request)).await
     }
 
-    #[tracing::instrument(skip_all, fields(rpc.method = "GetQueueStats", auth.key), err)]
+    #[tracing::instrument(skip_all, fields(rpc.method = "GetQueueStats", auth.key))]
     async fn get_queue_stats(
         &self,
         request: Request<v1::GetQueueStatsRequest>,
@@ -677,6 +711,31 @@ impl OutboxService for OutboxHandler {
 mod tests {
     use super::*;
     use crate::outbox::{IntentId, leased_intent};
+
+    #[test]
+    fn client_errors_are_logged_below_warn_and_only_server_faults_at_error() {
+        use tonic::Code::*;
+        for code in [
+            InvalidArgument,
+            Unauthenticated,
+            PermissionDenied,
+            NotFound,
+            AlreadyExists,
+            FailedPrecondition,
+            Aborted,
+            OutOfRange,
+            ResourceExhausted,
+            Cancelled,
+            Unimplemented,
+        ] {
+            assert_eq!(refusal_level(code), tracing::Level::DEBUG, "{code:?}");
+        }
+        assert_eq!(refusal_level(Unavailable), tracing::Level::INFO);
+        assert_eq!(refusal_level(DeadlineExceeded), tracing::Level::INFO);
+        for code in [Internal, Unknown, DataLoss] {
+            assert_eq!(refusal_level(code), tracing::Level::ERROR, "{code:?}");
+        }
+    }
 
     #[test]
     fn a_reply_budget_keeps_the_oldest_that_fit_and_always_one() {

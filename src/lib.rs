@@ -2,6 +2,7 @@
 //! own PostgreSQL transaction; workers lease them over gRPC, perform the side effect and
 //! report the outcome. See docs/design.md for the contract and README.md for use.
 
+pub mod admin;
 pub mod auth;
 pub mod cli;
 pub mod client;

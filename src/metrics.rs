@@ -1,19 +1,23 @@
 //! Prometheus metrics: what happened (counters, fed by the RPC handlers and the sweeps),
-//! how the queue looks (gauges, refreshed from PostgreSQL), and RPC latency by method and
-//! code (a tower layer). Labels never carry tenant or intent ids: unbounded cardinality.
+//! how the queue looks (gauges, refreshed from PostgreSQL), RPC latency by method and
+//! code (a tower layer), the process, the build and the connection pools; exposed as
+//! OpenMetrics or as the Prometheus text format 0.0.4, whichever the scraper asks for.
+//! Labels never carry tenant or intent ids: unbounded cardinality.
 
+use std::collections::BTreeSet;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
@@ -23,12 +27,14 @@ use crate::outbox::claim::ClaimCounters;
 use crate::outbox::enqueue::EnqueueCounters;
 use crate::outbox::maintenance::{SweepObserver, SweepReport};
 use crate::outbox::promotion::PromotionObserver;
-use crate::outbox::store::{self, AlsoAtBegin, Pools, PromotionReport, TenantScope};
+use crate::outbox::store::{
+    self, AcquireCounters, AlsoAtBegin, Pools, PromotionReport, TenantScope,
+};
 
 /// Labels of RPC metrics.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RpcLabels {
-    /// gRPC method, e.g. `Claim`.
+    /// Full gRPC method name, e.g. `/outbox.v1.OutboxService/Claim`.
     pub method: String,
     /// gRPC status code name, e.g. `OK`, `NOT_FOUND`.
     pub code: String,
@@ -37,8 +43,22 @@ pub struct RpcLabels {
 /// Labels of per-method histograms.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct MethodLabels {
-    /// gRPC method.
+    /// Full gRPC method name.
     pub method: String,
+}
+
+/// Labels of counters by intent kind.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    /// The intent's kind when `OUTBOX_METRICS__KINDS` lists it, else `other`.
+    pub kind: String,
+}
+
+/// Labels of connection-pool metrics.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabels {
+    /// `tenant` (requests for named tenants) or `fleet` (work across tenants).
+    pub pool: String,
 }
 
 /// Labels of queue-depth gauges.
@@ -73,12 +93,18 @@ fn wait_histogram() -> Histogram {
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
+    /// Kinds that get a `kind` label of their own (`OUTBOX_METRICS__KINDS`); the rest count
+    /// as `other`, so the label's cardinality is the list's length plus one.
+    kinds: Vec<String>,
+    /// Regions whose `outbox_intents` series exist: once seen, a region's states read 0
+    /// rather than vanish when they empty (an alert on an absent series would misfire).
+    regions_seen: Mutex<BTreeSet<String>>,
     /// RPCs by method and code.
     pub rpc_requests: Family<RpcLabels, Counter>,
     /// RPC latency by method.
     pub rpc_duration: HistogramFamily<MethodLabels>,
-    /// Intents recorded (not counting deduplicated ones).
-    pub enqueued: Counter,
+    /// Intents recorded (not counting deduplicated ones), by kind.
+    pub enqueued: Family<KindLabels, Counter>,
     /// Transactions of direct-mode Enqueue calls, each carrying one call or several
     /// (group commit: calls per transaction = calls / this).
     pub enqueue_transactions: Counter,
@@ -86,8 +112,8 @@ pub struct Metrics {
     pub enqueue_calls_waiting: Gauge,
     /// Claim calls long-polling: they looked, found nothing, and wait for work.
     pub claims_waiting: Gauge,
-    /// Intents leased by Claim.
-    pub claimed: Counter,
+    /// Intents leased by Claim, by kind.
+    pub claimed: Family<KindLabels, Counter>,
     /// Of those, intents a waiting Claim received from the Enqueue that inserted them.
     pub handed_off: Counter,
     /// Intents an Enqueue leased to a waiting Claim that never received them (its call
@@ -117,6 +143,10 @@ pub struct Metrics {
     pub oldest_staged_age: Gauge<f64, AtomicU64>,
     /// Intents awaiting an operator (NEEDS_RECONCILE + DEAD_LETTERED).
     pub reconcile_backlog: Gauge,
+    /// Time to get a connection from each pool.
+    pub pool_acquire: HistogramFamily<PoolLabels>,
+    /// Transactions waiting for a connection from each pool.
+    pub pool_acquires_waiting: Family<PoolLabels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -125,18 +155,42 @@ impl Default for Metrics {
     }
 }
 
+/// The states `outbox_intents` counts: every live one (finished ones are counters).
+const LIVE_STATES: [IntentState; 6] = [
+    IntentState::Staged,
+    IntentState::Pending,
+    IntentState::Leased,
+    IntentState::Submitted,
+    IntentState::NeedsReconcile,
+    IntentState::DeadLettered,
+];
+
+/// The `kind` label of intents whose kind `OUTBOX_METRICS__KINDS` does not list.
+pub const OTHER_KIND: &str = "other";
+
+/// The commit this binary was built from (build.rs), or `unknown` outside a git checkout.
+pub const BUILD_COMMIT: &str = env!("OUTBOXD_BUILD_COMMIT");
+
 impl Metrics {
-    /// A registry with every metric registered under the `outbox_` prefix.
+    /// A registry with every metric registered (outboxd's under the `outbox_` prefix, the
+    /// process's as `process_*`), no kind labelled on its own.
     pub fn new() -> Self {
+        Self::with_kinds(Vec::new())
+    }
+
+    /// [`Metrics::new`], labelling intents of `kinds` by their kind (the rest `other`).
+    pub fn with_kinds(kinds: Vec<String>) -> Self {
         let mut m = Self {
-            registry: Registry::with_prefix("outbox"),
+            registry: Registry::default(),
+            kinds,
+            regions_seen: Mutex::new(BTreeSet::from([String::new()])),
             rpc_requests: Family::default(),
             rpc_duration: Family::new_with_constructor(latency_histogram),
-            enqueued: Counter::default(),
+            enqueued: Family::default(),
             enqueue_transactions: Counter::default(),
             enqueue_calls_waiting: Gauge::default(),
             claims_waiting: Gauge::default(),
-            claimed: Counter::default(),
+            claimed: Family::default(),
             handed_off: Counter::default(),
             given_back: Counter::default(),
             enqueue_to_claim: Family::new_with_constructor(wait_histogram),
@@ -151,8 +205,33 @@ impl Metrics {
             oldest_pending_age: Gauge::default(),
             oldest_staged_age: Gauge::default(),
             reconcile_backlog: Gauge::default(),
+            pool_acquire: Family::new_with_constructor(latency_histogram),
+            pool_acquires_waiting: Family::default(),
         };
-        let r = &mut m.registry;
+        // Series that exist before anything happens: a dashboard or an alert sees 0, not
+        // an absent series, for every kind label and every live state.
+        for kind in m.kinds.iter().map(String::as_str).chain([OTHER_KIND]) {
+            let labels = KindLabels {
+                kind: kind.to_owned(),
+            };
+            let _ = m.enqueued.get_or_create(&labels);
+            let _ = m.claimed.get_or_create(&labels);
+        }
+        m.set_depth(&[], &BTreeSet::from([String::new()]));
+        m.registry.register_collector(Box::new(ProcessCollector));
+        let build_info = Family::<[(&'static str, &'static str); 2], Gauge>::default();
+        build_info
+            .get_or_create(&[
+                ("version", env!("CARGO_PKG_VERSION")),
+                ("commit", BUILD_COMMIT),
+            ])
+            .set(1);
+        let r = m.registry.sub_registry_with_prefix("outbox");
+        r.register(
+            "build_info",
+            "The version and commit of this outboxd, as labels of a constant 1",
+            build_info,
+        );
         r.register(
             "rpc_requests",
             "gRPC requests by method and status code",
@@ -165,7 +244,7 @@ impl Metrics {
         );
         r.register(
             "intents_enqueued",
-            "Intents recorded by Enqueue",
+            "Intents recorded by Enqueue, by kind",
             m.enqueued.clone(),
         );
         r.register(
@@ -197,7 +276,7 @@ impl Metrics {
         );
         r.register(
             "intents_claimed",
-            "Intents leased by Claim",
+            "Intents leased by Claim, by kind",
             m.claimed.clone(),
         );
         r.register(
@@ -256,15 +335,62 @@ impl Metrics {
             "Intents awaiting an operator decision",
             m.reconcile_backlog.clone(),
         );
+        r.register(
+            "db_pool_acquire_seconds",
+            "Time a transaction waited for a connection from the pool",
+            m.pool_acquire.clone(),
+        );
+        r.register(
+            "db_pool_acquires_waiting",
+            "Transactions waiting for a connection from the pool now",
+            m.pool_acquires_waiting.clone(),
+        );
         m
     }
 
-    /// The exposition text.
-    pub fn encode(&self) -> String {
+    /// Exports the size of `pools` on every scrape, and hands them the counters of their
+    /// acquires; returns the pools that count.
+    pub fn observe_pools(&mut self, pools: Pools) -> Pools {
+        self.registry
+            .sub_registry_with_prefix("outbox")
+            .register_collector(Box::new(PoolCollector {
+                pools: pools.clone(),
+            }));
+        let counters = |pool: &str| {
+            let labels = PoolLabels {
+                pool: pool.to_owned(),
+            };
+            AcquireCounters {
+                seconds: self.pool_acquire.get_or_create(&labels).clone(),
+                waiting: self.pool_acquires_waiting.get_or_create(&labels).clone(),
+            }
+        };
+        let (tenant, fleet) = (counters("tenant"), counters("fleet"));
+        pools.with_acquire_counters(tenant, fleet)
+    }
+
+    /// The exposition text in `format`.
+    pub fn encode(&self, format: Format) -> String {
         let mut out = String::new();
         // Writing to a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
-        out
+        match format {
+            Format::OpenMetrics => out,
+            Format::Text004 => text_004(&out),
+        }
+    }
+
+    /// The `kind` label of an intent of `kind`.
+    pub fn kind_label(&self, kind: &str) -> &str {
+        self.kinds
+            .iter()
+            .find(|k| *k == kind)
+            .map_or(OTHER_KIND, String::as_str)
+    }
+
+    /// Counts intents recorded by Enqueue, by kind.
+    pub fn record_enqueued<'a>(&self, kinds: impl Iterator<Item = &'a str>) {
+        count_by_kind(&self.enqueued, kinds.map(|k| self.kind_label(k)));
     }
 
     /// Refreshes the queue gauges from the database (across tenants).
@@ -278,25 +404,46 @@ impl Metrics {
             store::begin_with(pools, &TenantScope::All, &[AlsoAtBegin::IndexPlans]).await?;
         let depth = store::queue_depth(&mut tx).await?;
         tx.commit().await?;
-        self.intents.clear();
-        let mut backlog = 0;
-        for d in &depth.counts {
-            self.intents
-                .get_or_create(&DepthLabels {
-                    state: d.state.as_str().to_owned(),
-                    region: d.region.clone(),
-                })
-                .set(d.count);
-            if d.state.awaits_decision() {
-                backlog += d.count;
-            }
-        }
+        let regions = {
+            let mut seen = self
+                .regions_seen
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            seen.extend(depth.counts.iter().map(|d| d.region.clone()));
+            seen.clone()
+        };
+        let backlog = self.set_depth(&depth.counts, &regions);
         self.reconcile_backlog.set(backlog);
         self.oldest_pending_age
             .set(depth.oldest_pending_age.unwrap_or(0.0));
         self.oldest_staged_age
             .set(depth.oldest_staged_age.unwrap_or(0.0));
         Ok(())
+    }
+
+    /// Sets `outbox_intents` of every live state in every region of `regions` to its count
+    /// in `counts`, 0 where there is none; returns the intents awaiting a decision.
+    fn set_depth(&self, counts: &[store::StateCount], regions: &BTreeSet<String>) -> i64 {
+        let mut backlog = 0;
+        for region in regions {
+            for state in LIVE_STATES {
+                let count = counts
+                    .iter()
+                    .filter(|d| d.state == state && d.region == *region)
+                    .map(|d| d.count)
+                    .sum();
+                self.intents
+                    .get_or_create(&DepthLabels {
+                        state: state.as_str().to_owned(),
+                        region: region.clone(),
+                    })
+                    .set(count);
+                if state.awaits_decision() {
+                    backlog += count;
+                }
+            }
+        }
+        backlog
     }
 
     /// The counters of direct enqueues.
@@ -315,15 +462,16 @@ impl Metrics {
         }
     }
 
-    /// Records claimed intents and how long each waited while claimable.
-    pub fn record_claimed(&self, waited: impl Iterator<Item = Duration>) {
+    /// Records claimed intents (their kinds) and how long each waited while claimable.
+    pub fn record_claimed<'a>(&self, claimed: impl Iterator<Item = (&'a str, Duration)>) {
         let histogram = self.enqueue_to_claim.get_or_create(&MethodLabels {
-            method: "Claim".to_owned(),
+            method: CLAIM_METHOD.to_owned(),
         });
-        for w in waited {
-            self.claimed.inc();
-            histogram.observe(w.as_secs_f64());
-        }
+        let kinds = claimed.map(|(kind, waited)| {
+            histogram.observe(waited.as_secs_f64());
+            self.kind_label(kind)
+        });
+        count_by_kind(&self.claimed, kinds);
     }
 
     /// Counts per-item results that ended in `state`.
@@ -396,38 +544,261 @@ pub async fn refresh_until_stopped(
     }
 }
 
-/// Serves `GET /metrics` on `listener` until `shutdown`.
-pub async fn serve(
-    metrics: Arc<Metrics>,
-    listener: tokio::net::TcpListener,
-    shutdown: CancellationToken,
-) -> std::io::Result<()> {
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move || {
-            let metrics = metrics.clone();
-            async move {
-                (
-                    [(
-                        axum::http::header::CONTENT_TYPE,
-                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    )],
-                    metrics.encode(),
-                )
-            }
-        }),
-    );
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await
+/// Adds each of `kinds` (labels) to its counter in `family`, one `get_or_create` per
+/// distinct label rather than per intent.
+fn count_by_kind<'a>(family: &Family<KindLabels, Counter>, kinds: impl Iterator<Item = &'a str>) {
+    let mut counts: Vec<(&str, u64)> = Vec::new();
+    for kind in kinds {
+        match counts.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((kind, 1)),
+        }
+    }
+    for (kind, n) in counts {
+        family
+            .get_or_create(&KindLabels {
+                kind: kind.to_owned(),
+            })
+            .inc_by(n);
+    }
 }
 
-/// Binds the metrics listener.
-///
-/// # Errors
-/// The address cannot be bound.
-pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr).await
+/// An exposition format of `/metrics`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// OpenMetrics 1.0.0 (`application/openmetrics-text`).
+    OpenMetrics,
+    /// The Prometheus text format 0.0.4 (`text/plain`), what scrapers that do not ask for
+    /// OpenMetrics parse (promtool, prometheus_client's parser, older Prometheus).
+    Text004,
+}
+
+impl Format {
+    /// The format an `Accept` header asks for: OpenMetrics when it names
+    /// `application/openmetrics-text` with a weight (q) above 0 and at least that of any
+    /// other type it accepts; text 0.0.4 otherwise (no header, `*/*`, `text/plain`).
+    pub fn negotiate(accept: Option<&str>) -> Self {
+        let (mut openmetrics, mut other) = (0.0f32, 0.0f32);
+        for range in accept.unwrap_or("").split(',') {
+            let mut parts = range.split(';').map(str::trim);
+            let media = parts.next().unwrap_or("").to_ascii_lowercase();
+            let q = parts
+                .filter_map(|p| p.strip_prefix("q="))
+                .find_map(|q| q.parse::<f32>().ok())
+                .unwrap_or(1.0);
+            match media.as_str() {
+                "application/openmetrics-text" => openmetrics = openmetrics.max(q),
+                "" => {}
+                _ => other = other.max(q),
+            }
+        }
+        match openmetrics > 0.0 && openmetrics >= other {
+            true => Self::OpenMetrics,
+            false => Self::Text004,
+        }
+    }
+
+    /// The `Content-Type` of a reply in this format.
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Self::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            Self::Text004 => "text/plain; version=0.0.4; charset=utf-8",
+        }
+    }
+}
+
+/// OpenMetrics text as the Prometheus text format 0.0.4: a counter's HELP and TYPE name
+/// its samples (`x_total`, where OpenMetrics names the family `x`), an info family is a
+/// gauge `x_info`, and there are no UNIT lines nor `# EOF`. Without this a 0.0.4 parser
+/// sees samples of families it has no HELP nor TYPE for ("no help text"), and counters
+/// as untyped.
+fn text_004(openmetrics: &str) -> String {
+    let types: std::collections::HashMap<&str, &str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_once(' '))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let descriptor = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
+        let Some((prefix, rest)) = descriptor else {
+            out.push_str(line);
+            out.push('\n');
+            continue;
+        };
+        let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+        let (suffix, tail) = match (types.get(name).copied(), prefix) {
+            (Some("counter"), _) => ("_total", tail),
+            (Some("info"), "# TYPE ") => ("_info", "gauge"),
+            (Some("info"), _) => ("_info", tail),
+            _ => ("", tail),
+        };
+        out.push_str(&format!("{prefix}{name}{suffix} {tail}\n"));
+    }
+    out
+}
+
+/// The process's CPU time, memory and file descriptors (the `process_*` metrics of the
+/// Prometheus client libraries), read from `/proc/self` at each scrape. Written here because
+/// no maintained collector exists for prometheus-client (the `metrics` crate's one
+/// needs that other library), and the reading is a few files. Elsewhere than Linux it
+/// exports nothing.
+#[derive(Debug)]
+struct ProcessCollector;
+
+/// What `/proc/self` says of this process.
+#[derive(Debug, Default, PartialEq)]
+struct ProcessStats {
+    cpu_seconds: f64,
+    resident_bytes: i64,
+    virtual_bytes: i64,
+    start_time_seconds: i64,
+    threads: i64,
+    open_fds: i64,
+    max_fds: i64,
+}
+
+impl ProcessStats {
+    /// Reads them, or `None` where there is no `/proc/self/stat` (not Linux).
+    fn read() -> Option<Self> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let boot_time = std::fs::read_to_string("/proc/stat").ok()?;
+        let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
+        let ticks = rustix::param::clock_ticks_per_second() as f64;
+        let page = rustix::param::page_size() as i64;
+        let mut stats = Self::parse(&stat, &boot_time, &limits, ticks, page)?;
+        stats.open_fds = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as i64);
+        Some(stats)
+    }
+
+    /// From the text of `/proc/self/stat`, `/proc/stat` and `/proc/self/limits`.
+    fn parse(stat: &str, system: &str, limits: &str, ticks: f64, page: i64) -> Option<Self> {
+        // The command name (field 2) may hold spaces and parentheses: fields resume after
+        // the last ')'. `fields[0]` is then field 3, the state.
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let field = |n: usize| -> Option<f64> { fields.get(n - 3)?.parse().ok() };
+        let boot: f64 = system
+            .lines()
+            .find_map(|l| l.strip_prefix("btime "))?
+            .trim()
+            .parse()
+            .ok()?;
+        let max_fds = limits
+            .lines()
+            .find(|l| l.starts_with("Max open files"))
+            .and_then(|l| l.split_whitespace().nth(3))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        Some(Self {
+            cpu_seconds: (field(14)? + field(15)?) / ticks,
+            threads: field(20)? as i64,
+            start_time_seconds: (boot + field(22)? / ticks) as i64,
+            virtual_bytes: field(23)? as i64,
+            resident_bytes: field(24)? as i64 * page,
+            open_fds: 0,
+            max_fds,
+        })
+    }
+}
+
+impl Collector for ProcessCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let Some(p) = ProcessStats::read() else {
+            return Ok(());
+        };
+        ConstCounter::new(p.cpu_seconds).encode(encoder.encode_descriptor(
+            "process_cpu_seconds",
+            "Total user and system CPU time spent in seconds",
+            None,
+            MetricType::Counter,
+        )?)?;
+        for (name, help, value) in [
+            (
+                "process_resident_memory_bytes",
+                "Resident memory size in bytes",
+                p.resident_bytes,
+            ),
+            (
+                "process_virtual_memory_bytes",
+                "Virtual memory size in bytes",
+                p.virtual_bytes,
+            ),
+            (
+                "process_start_time_seconds",
+                "Start time of the process since the Unix epoch in seconds",
+                p.start_time_seconds,
+            ),
+            (
+                "process_threads",
+                "Number of OS threads in the process",
+                p.threads,
+            ),
+            (
+                "process_open_fds",
+                "Number of open file descriptors",
+                p.open_fds,
+            ),
+            (
+                "process_max_fds",
+                "Maximum number of open file descriptors",
+                p.max_fds,
+            ),
+        ] {
+            ConstGauge::new(value).encode(encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                MetricType::Gauge,
+            )?)?;
+        }
+        Ok(())
+    }
+}
+
+/// The size of the connection pools, read from them at each scrape.
+#[derive(Debug)]
+struct PoolCollector {
+    pools: Pools,
+}
+
+impl Collector for PoolCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let pools = [
+            ("tenant", self.pools.tenant()),
+            ("fleet", self.pools.fleet()),
+        ];
+        type Read = fn(&sqlx::PgPool) -> i64;
+        let read: [(&str, &str, Read); 3] = [
+            (
+                "db_pool_connections",
+                "Connections the pool holds open (idle and in use)",
+                |p| i64::from(p.size()),
+            ),
+            (
+                "db_pool_idle_connections",
+                "Open connections of the pool that are idle",
+                |p| p.num_idle() as i64,
+            ),
+            (
+                "db_pool_max_connections",
+                "Most connections the pool opens (OUTBOX_DATABASE__MAX_CONNECTIONS)",
+                |p| i64::from(p.options().get_max_connections()),
+            ),
+        ];
+        for (name, help, value) in read {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (label, pool) in pools {
+                let labels = [("pool", label)];
+                ConstGauge::new(value(pool)).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Tower layer counting and timing every gRPC request by method and status code.
@@ -528,42 +899,37 @@ fn code_name(code: tonic::Code) -> &'static str {
     }
 }
 
-/// Prefix of the OutboxService methods' paths.
-const OUTBOX_SERVICE_PATH: &str = "/outbox.v1.OutboxService/";
+/// The full name of Claim, the `method` of `outbox_enqueue_to_claim_seconds`.
+const CLAIM_METHOD: &str = "/outbox.v1.OutboxService/Claim";
 
-/// The OutboxService methods, labelled by their name.
-const OUTBOX_METHODS: [&str; 10] = [
-    "Enqueue",
-    "Claim",
-    "ExtendLease",
-    "MarkSubmitted",
-    "Ack",
-    "Fail",
-    "Reconcile",
-    "GetIntent",
-    "ListIntents",
-    "GetQueueStats",
-];
-
-/// The other methods served (health, reflection), labelled by their full path.
-const OTHER_METHODS: [&str; 4] = [
+/// The methods served, labelled by their full gRPC name (`/package.Service/Method`): one
+/// form for every service, the name gRPC itself puts on the wire (`:path`).
+const METHODS: [&str; 14] = [
+    "/outbox.v1.OutboxService/Enqueue",
+    CLAIM_METHOD,
+    "/outbox.v1.OutboxService/ExtendLease",
+    "/outbox.v1.OutboxService/MarkSubmitted",
+    "/outbox.v1.OutboxService/Ack",
+    "/outbox.v1.OutboxService/Fail",
+    "/outbox.v1.OutboxService/Reconcile",
+    "/outbox.v1.OutboxService/GetIntent",
+    "/outbox.v1.OutboxService/ListIntents",
+    "/outbox.v1.OutboxService/GetQueueStats",
     "/grpc.health.v1.Health/Check",
     "/grpc.health.v1.Health/Watch",
     "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
 ];
 
-/// The `method` label of a request's path: "Claim" for "/outbox.v1.OutboxService/Claim",
-/// the full path of a health or reflection method, and "unknown" for anything else. A
-/// fixed set, because the path is whatever a client sent, before any authentication: a
-/// label made of it grew the registry with every new path, without end, and a `"` in one
-/// made the whole exposition unparseable (label values are written unescaped).
+/// The `method` label of a request's path: the path of a method served, and "unknown" for
+/// anything else. A fixed set, because the path is whatever a client sent, before any
+/// authentication: a label made of it grew the registry with every new path, without end,
+/// and a `"` in one made the whole exposition unparseable (label values are written
+/// unescaped).
 fn method_label(path: &str) -> &'static str {
-    let outbox = path
-        .strip_prefix(OUTBOX_SERVICE_PATH)
-        .and_then(|name| OUTBOX_METHODS.iter().find(|m| **m == name));
-    outbox
-        .or_else(|| OTHER_METHODS.iter().find(|m| **m == path))
+    METHODS
+        .iter()
+        .find(|m| **m == path)
         .copied()
         .unwrap_or("unknown")
 }
@@ -590,14 +956,11 @@ mod tests {
     }
 
     #[test]
-    fn every_served_method_has_a_label_of_its_own_and_any_other_path_is_unknown() {
+    fn every_served_method_is_labelled_by_its_full_name_and_any_other_path_is_unknown() {
         let outbox = methods_of(crate::proto::FILE_DESCRIPTOR_SET);
-        assert_eq!(outbox.len(), OUTBOX_METHODS.len());
-        for (service, method) in outbox {
-            assert_eq!(service, "outbox.v1.OutboxService");
-            assert_eq!(method_label(&format!("/{service}/{method}")), method);
-        }
+        assert_eq!(outbox.len(), 10);
         for descriptors in [
+            crate::proto::FILE_DESCRIPTOR_SET,
             tonic_health::pb::FILE_DESCRIPTOR_SET,
             tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET,
             tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET,
@@ -616,6 +979,90 @@ mod tests {
         ] {
             assert_eq!(method_label(path), "unknown", "{path}");
         }
+    }
+
+    #[test]
+    fn openmetrics_is_served_only_to_a_scraper_that_prefers_it() {
+        use Format::*;
+        for (accept, format) in [
+            (None, Text004),
+            (Some(""), Text004),
+            (Some("*/*"), Text004),
+            (Some("text/plain; version=0.0.4"), Text004),
+            (Some("application/openmetrics-text"), OpenMetrics),
+            (
+                Some("application/openmetrics-text;version=1.0.0"),
+                OpenMetrics,
+            ),
+            (
+                Some("application/openmetrics-text;version=1.0.0;q=0.5,text/plain;q=0.3,*/*;q=0.2"),
+                OpenMetrics,
+            ),
+            (
+                Some("text/plain,application/openmetrics-text;q=0.9"),
+                Text004,
+            ),
+            (Some("application/openmetrics-text;q=0"), Text004),
+            (Some("Application/OpenMetrics-Text"), OpenMetrics),
+            (Some("application/openmetrics-text;q=nonsense"), OpenMetrics),
+        ] {
+            assert_eq!(Format::negotiate(accept), format, "{accept:?}");
+        }
+    }
+
+    #[test]
+    fn text_004_names_counter_families_by_their_samples_and_drops_what_it_lacks() {
+        let m = Metrics::new();
+        m.record_enqueued(["job"].into_iter());
+        let openmetrics = m.encode(Format::OpenMetrics);
+        assert!(openmetrics.contains("# TYPE outbox_intents_enqueued counter\n"));
+        assert!(openmetrics.ends_with("# EOF\n"));
+        let text = m.encode(Format::Text004);
+        assert!(text.contains("# HELP outbox_intents_enqueued_total Intents recorded"));
+        assert!(text.contains("# TYPE outbox_intents_enqueued_total counter\n"));
+        assert!(text.contains("outbox_intents_enqueued_total{kind=\"other\"} 1\n"));
+        assert!(text.contains("# TYPE outbox_intents gauge\n"));
+        assert!(!text.contains("# EOF") && !text.contains("# UNIT"));
+        // Only the descriptors change (the process's own figures move between scrapes).
+        let samples = |t: &str| {
+            t.lines()
+                .filter(|l| !l.starts_with('#') && !l.starts_with("process_"))
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(samples(&text), samples(&openmetrics));
+        assert_eq!(
+            text_004("# HELP x_info Build.\n# TYPE x info\nx_info{v=\"1\"} 1\n# EOF\n"),
+            "# HELP x_info Build.\n# TYPE x_info gauge\nx_info{v=\"1\"} 1\n"
+        );
+    }
+
+    #[test]
+    fn process_stats_are_read_from_procfs_text_even_with_a_strange_command_name() {
+        let stat = "4242 (out box) d) S 1 4242 4242 0 -1 4194560 1000 0 0 0 \
+                    250 150 0 0 20 0 7 0 12345 1000000 300 18446744073709551615";
+        let system = "cpu  1 2 3\nbtime 1700000000\nprocesses 9\n";
+        let limits = "Limit                     Soft Limit           Hard Limit           Units\n\
+                      Max open files            1024                 524288               files\n";
+        let stats = ProcessStats::parse(stat, system, limits, 100.0, 4096).unwrap();
+        assert_eq!(
+            stats,
+            ProcessStats {
+                cpu_seconds: 4.0,
+                resident_bytes: 300 * 4096,
+                virtual_bytes: 1_000_000,
+                start_time_seconds: 1_700_000_123,
+                threads: 7,
+                open_fds: 0,
+                max_fds: 1024,
+            }
+        );
+        assert_eq!(
+            ProcessStats::parse("garbage", system, limits, 100.0, 4096),
+            None
+        );
+        let live = ProcessStats::read().expect("Linux");
+        assert!(live.resident_bytes > 0 && live.open_fds > 0 && live.threads > 0);
     }
 
     #[test]

@@ -23,6 +23,43 @@ pub mod v1 {
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/outbox_descriptor.bin"));
 
+/// The descriptors reflection serves: the API's, and the `google.rpc` error details every
+/// error carries (`ErrorInfo`, `BadRequest`, …) as `google/rpc/error_details.proto`, which
+/// the API's file is given as a dependency. Reflection clients (buf curl, grpcurl) decode
+/// only types they reach from the service's file through its dependencies, and showed
+/// the details as base64 when merely registered beside it. The proto itself does not
+/// import them: that would make every generated SDK depend on googleapis' types.
+///
+/// # Errors
+/// A descriptor set that does not decode (a build gone wrong).
+pub fn reflection_descriptors() -> Result<Vec<u8>, prost::DecodeError> {
+    use prost::Message;
+    let mut api = prost_types::FileDescriptorSet::decode(FILE_DESCRIPTOR_SET)?;
+    let details = prost_types::FileDescriptorSet::decode(tonic_types::pb::FILE_DESCRIPTOR_SET)?;
+    // tonic-types names its files without their googleapis directory.
+    let canonical = |name: &str| match name {
+        "error_details.proto" | "status.proto" => format!("google/rpc/{name}"),
+        other => other.to_owned(),
+    };
+    for mut file in details.file {
+        file.name = Some(canonical(file.name()));
+        for dependency in &mut file.dependency {
+            *dependency = canonical(dependency);
+        }
+        if !api.file.iter().any(|f| f.name == file.name) {
+            api.file.push(file);
+        }
+    }
+    for file in &mut api.file {
+        if file.package() == "outbox.v1" {
+            for needed in ["google/rpc/error_details.proto", "google/rpc/status.proto"] {
+                file.dependency.push(needed.to_owned());
+            }
+        }
+    }
+    Ok(api.encode_to_vec())
+}
+
 /// Wire form of a timestamp.
 pub fn timestamp(t: DateTime<Utc>) -> prost_types::Timestamp {
     prost_types::Timestamp {

@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use tonic_health::server::HealthReporter;
 
+use crate::admin::{self, Readiness};
 use crate::auth::Authenticator;
 use crate::config::{Settings, TlsSettings};
 use crate::embedded::{EmbeddedConfig, EmbeddedPostgres};
@@ -24,7 +25,7 @@ use crate::grpc::OutboxHandler;
 use crate::metrics::{self, Metrics, RpcMetricsLayer};
 use crate::outbox::notify::PendingSignal;
 use crate::outbox::{Clock, maintenance, promotion, store};
-use crate::proto::{FILE_DESCRIPTOR_SET, v1::outbox_service_server::OutboxServiceServer};
+use crate::proto::v1::outbox_service_server::OutboxServiceServer;
 use crate::watch::EndsAtShutdown;
 
 /// Name of the database outboxd creates in its embedded cluster.
@@ -74,7 +75,28 @@ pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<PgPool> 
 /// modified migration.
 pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
     refuse_pre_baseline(pool).await?;
-    crate::MIGRATOR.run(pool).await.context("migrations failed")
+    let mut conn = pool.acquire().await.context("cannot connect to migrate")?;
+    // sqlx creates its table with IF NOT EXISTS at every run, and PostgreSQL answers with
+    // a NOTICE ("relation _sqlx_migrations already exists, skipping") that sqlx logs at
+    // INFO on every start. Notices say nothing an operator needs here; warnings still
+    // come through.
+    sqlx::query("SET client_min_messages = warning")
+        .execute(&mut *conn)
+        .await
+        .context("cannot connect to migrate")?;
+    let migrated = crate::MIGRATOR
+        .run(&mut *conn)
+        .await
+        .context("migrations failed");
+    // The connection goes back to the pool: back to the server's default for the next user.
+    if migrated.is_ok() {
+        sqlx::query("RESET client_min_messages")
+            .execute(&mut *conn)
+            .await?;
+    } else {
+        conn.close_on_drop();
+    }
+    migrated
 }
 
 /// Refuses a database that holds migrations older than the first one this binary carries,
@@ -455,6 +477,7 @@ pub struct Application {
     metrics_addr: Option<SocketAddr>,
     shutdown: CancellationToken,
     health: HealthReporter,
+    readiness: Arc<Readiness>,
     drain_delay: Duration,
     grace: Duration,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
@@ -477,21 +500,30 @@ impl Application {
         listener: TcpListener,
         runtime: Runtime,
     ) -> anyhow::Result<Self> {
+        let mut metrics = Metrics::with_kinds(settings.metrics.kinds.0.clone());
+        // Before anything holds a clone: every transaction's acquire is counted.
+        let pools = metrics.observe_pools(pools);
+        let metrics = Arc::new(metrics);
+        let readiness = Arc::new(Readiness::default());
         let pool = pools.tenant().clone();
         let local_addr = listener.local_addr()?;
         let shutdown = CancellationToken::new();
         let pending = PendingSignal::default();
-        let metrics = Arc::new(Metrics::new());
         let cluster_id = store::cluster_identifier(&pool).await?;
         let mut background =
             spawn_background(settings, &pools, &runtime, &pending, &metrics, &shutdown);
         let metrics_addr = match settings.metrics.listen_addr {
             Some(addr) => {
-                let listener = metrics::bind(addr)
+                let listener = admin::bind(addr)
                     .await
                     .with_context(|| format!("cannot listen for metrics on {addr}"))?;
                 let bound = listener.local_addr()?;
-                let serve = metrics::serve(metrics.clone(), listener, shutdown.clone());
+                let serve = admin::serve(
+                    metrics.clone(),
+                    readiness.clone(),
+                    listener,
+                    shutdown.clone(),
+                );
                 background.push(tokio::spawn(async move {
                     if let Err(e) = serve.await {
                         tracing::error!(error.message = %e, "metrics endpoint failed");
@@ -509,6 +541,7 @@ impl Application {
         background.push(tokio::spawn(watch_database(
             pools.clone(),
             health.clone(),
+            readiness.clone(),
             shutdown.clone(),
         )));
         let auth = Arc::new(Authenticator::new(pool.clone(), settings.auth.cache_ttl));
@@ -530,9 +563,11 @@ impl Application {
                 .context("invalid TLS configuration")?;
         }
         let (reflection_v1, reflection_v1alpha) = if settings.grpc.reflection {
+            let descriptors = crate::proto::reflection_descriptors()
+                .context("the API's file descriptors do not decode")?;
             let configure = || {
                 tonic_reflection::server::Builder::configure()
-                    .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+                    .register_encoded_file_descriptor_set(&descriptors)
                     .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             };
             (
@@ -560,7 +595,8 @@ impl Application {
                 shutdown.clone().cancelled_owned(),
             );
         let server = tokio::spawn(server);
-        tracing::info!(listen.addr = %local_addr, metrics.addr = ?metrics_addr, "outboxd serving gRPC");
+        let metrics_shown = metrics_addr.map_or_else(|| "off".to_owned(), |a| a.to_string());
+        tracing::info!(listen.addr = %local_addr, metrics.addr = %metrics_shown, "outboxd serving gRPC");
         if settings.maintenance.retention.is_zero() {
             tracing::info!(
                 "retention of finished intents is zero: Ack deletes the intents without an \
@@ -572,6 +608,7 @@ impl Application {
             metrics_addr,
             shutdown,
             health,
+            readiness,
             drain_delay: settings.shutdown.drain_delay,
             grace: settings.shutdown.grace,
             server,
@@ -585,7 +622,8 @@ impl Application {
         self.local_addr
     }
 
-    /// Address of the `/metrics` endpoint, if enabled (port 0 resolved).
+    /// Address of the admin listener (`/metrics`, `/livez`, `/readyz`), if enabled (port 0
+    /// resolved).
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.metrics_addr
     }
@@ -607,6 +645,7 @@ impl Application {
 
     /// [`Application::stop`], returning also when the grace ends.
     async fn stop_with_deadline(self) -> (anyhow::Result<()>, tokio::time::Instant) {
+        self.readiness.drain();
         self.health
             .set_not_serving::<OutboxServiceServer<OutboxHandler>>()
             .await;
@@ -664,7 +703,12 @@ const DATABASE_CHECK_INTERVAL: Duration = Duration::from_secs(2);
 /// Keeps health in step with the database: NOT_SERVING while PostgreSQL is unreachable or
 /// the service role lacks its grants (every call would fail), SERVING again once it is
 /// back, until shutdown (which owns the status from then on).
-async fn watch_database(pools: store::Pools, health: HealthReporter, shutdown: CancellationToken) {
+async fn watch_database(
+    pools: store::Pools,
+    health: HealthReporter,
+    readiness: Arc<Readiness>,
+    shutdown: CancellationToken,
+) {
     let mut serving = true;
     loop {
         tokio::select! {
@@ -679,6 +723,7 @@ async fn watch_database(pools: store::Pools, health: HealthReporter, shutdown: C
             continue;
         }
         serving = probe.is_ok();
+        readiness.set_database_usable(serving);
         let status = match &probe {
             Ok(()) => {
                 tracing::info!("database reachable again; serving");

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import traceback
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -292,6 +293,8 @@ def check_wiring(docs, image, binary):
                     continue
                 if "grpc" in probe:
                     check(probe["grpc"]["port"] in port_names.values(), f"{kind} gRPC port is not a container port")
+                elif "httpGet" in probe:
+                    check(probe["httpGet"]["port"] in port_names, f"{kind} HTTP port is not a named container port")
                 elif "tcpSocket" in probe:
                     check(probe["tcpSocket"]["port"] in port_names, f"{kind} TCP port is not a named container port")
     return deployment
@@ -309,13 +312,13 @@ def expect_default(docs, notes):
     check(env == {
         "OUTBOX_LISTEN_ADDR": "0.0.0.0:50051", "OUTBOX_DATABASE__URL": None,
         "OUTBOX_DATABASE__FLEET_URL": None, "OUTBOX_LOG__FORMAT": "json",
-        "OUTBOX_ALLOW_PLAINTEXT": "true", "OUTBOX_METRICS__LISTEN_ADDR": "0.0.0.0:9090",
+        "OUTBOX_ALLOW_PLAINTEXT": "true", "OUTBOX_METRICS__LISTEN_ADDR": "0.0.0.0:9464",
         "OUTBOX_SHUTDOWN__DRAIN_DELAY": "5s", "OUTBOX_SHUTDOWN__GRACE": "20s",
     }, f"server env {env}")
     check({p["name"] for p in one(docs, "Service")["spec"]["ports"]} == {"grpc", "metrics"}, "Service ports")
-    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-        check(server[kind]["grpc"]["port"] == 50051, f"{kind} not a gRPC probe on 50051")
-    check(server["readinessProbe"]["grpc"]["service"] == "outbox.v1.OutboxService", "readiness checks another service")
+    paths = {"startupProbe": "/livez", "readinessProbe": "/readyz", "livenessProbe": "/livez"}
+    for kind, path in paths.items():
+        check(server[kind].get("httpGet") == {"path": path, "port": "metrics"}, f"{kind} not GET {path} on the metrics port")
     job = one(docs, "Job")
     check(job["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade", "Job is not a pre-install hook")
     check(job["spec"]["template"]["spec"]["containers"][0]["args"] == ["migrate"], "Job does not run migrate")
@@ -348,7 +351,7 @@ def expect_tls(docs, notes):
     check(env["OUTBOX_TLS__CLIENT_CA_FILE"]["value"] == "/etc/outboxd/client-ca/ca.crt", "client CA path")
     check("OUTBOX_ALLOW_PLAINTEXT" not in env, "plaintext opt-in set with TLS")
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-        check("tcpSocket" in server[kind], f"{kind} should fall back to TCP with TLS (kubelet gRPC probes have no TLS)")
+        check("httpGet" in server[kind], f"{kind} should stay HTTP on the plaintext metrics port with TLS")
     svc = one(docs, "Service")
     check("appProtocol" not in svc["spec"]["ports"][0], "h2c appProtocol on a TLS port")
     check("https" in notes, "NOTES do not mention https")
@@ -364,6 +367,10 @@ def expect_metrics_off(docs, notes):
     env = env_map(server_container(one(docs, "Deployment")))
     check(env["OUTBOX_METRICS__LISTEN_ADDR"]["value"] == "", "metrics not turned off")
     check([p["name"] for p in one(docs, "Service")["spec"]["ports"]] == ["grpc"], "Service still has a metrics port")
+    server = server_container(one(docs, "Deployment"))
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        check(server[kind].get("grpc", {}).get("port") == 50051, f"{kind} should fall back to gRPC health without the admin port")
+    check(server["readinessProbe"]["grpc"]["service"] == "outbox.v1.OutboxService", "readiness checks another service")
 
 
 def expect_hook(docs, notes):
@@ -405,7 +412,7 @@ def expect_service_monitor(docs, notes):
     check(sm["apiVersion"] == "monitoring.coreos.com/v1", sm["apiVersion"])
     check(sm["metadata"]["labels"].get("release") == "kube-prometheus-stack", "extra labels missing")
     env = env_map(server_container(one(docs, "Deployment")))
-    check(env["OUTBOX_METRICS__LISTEN_ADDR"]["value"] == "0.0.0.0:9090", "metrics address")
+    check(env["OUTBOX_METRICS__LISTEN_ADDR"]["value"] == "0.0.0.0:9464", "metrics address")
     check({p["name"] for p in one(docs, "Service")["spec"]["ports"]} == {"grpc", "metrics"}, "Service ports")
     np = one(docs, "NetworkPolicy")
     check(len(np["spec"]["ingress"]) == 2, "NetworkPolicy should open grpc and metrics")
@@ -708,6 +715,14 @@ def call_with_key(port: int, key: str) -> grpc.StatusCode:
 def probe_once(probe: dict, port_names: dict, credentials=None) -> str:
     """What kubelet would do for this probe, against 127.0.0.1."""
     timeout = probe.get("timeoutSeconds", 1)
+    if "httpGet" in probe:
+        port = probe["httpGet"]["port"]
+        port = port_names[port] if isinstance(port, str) else port
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{probe['httpGet']['path']}", timeout=timeout) as reply:
+                return "SERVING" if 200 <= reply.status < 400 else f"HTTP {reply.status}"
+        except urllib.error.HTTPError as e:
+            return "NOT_SERVING" if e.code == 503 else f"HTTP {e.code}"
     if "grpc" in probe:
         return health(probe["grpc"]["port"], probe["grpc"].get("service", ""), None, timeout)
     if "tcpSocket" in probe:
@@ -904,7 +919,7 @@ def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool
         drain = int(env["OUTBOX_SHUTDOWN__DRAIN_DELAY"].rstrip("s"))
         stopped_at = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        if drain and not tls:
+        if drain and ("httpGet" in server["readinessProbe"] or not tls):
             time.sleep(min(1.0, drain / 2))
             readiness = probe_once(server["readinessProbe"], port_names)
             check(readiness == "NOT_SERVING", f"readiness during the drain delay: {readiness}")
@@ -1126,7 +1141,7 @@ def main() -> int:
 
     def tls_runtime():
         runtime_test(args, chart, binary, pg, "none", tls=True)
-    r.run("runtime: tls + clientCA (mounted Secret files, TCP probes, mTLS health)", tls_runtime)
+    r.run("runtime: tls + clientCA (mounted Secret files, HTTP probes on the admin port, mTLS health)", tls_runtime)
 
     if args.image_check:
         def image():

@@ -211,12 +211,81 @@ pub struct TlsSettings {
 pub struct Metrics {
     /// `/metrics` listen address; `None` (an empty variable) disables the endpoint.
     #[serde(deserialize_with = "load::empty_is_none")]
-    #[default(Some(SocketAddr::from(([127, 0, 0, 1], 9090))))]
+    #[default(Some(SocketAddr::from(([127, 0, 0, 1], DEFAULT_METRICS_PORT))))]
     pub listen_addr: Option<SocketAddr>,
     /// How often queue gauges are refreshed from the database.
     #[serde(with = "humantime_serde")]
     #[default(Duration::from_secs(5))]
     pub refresh_interval: Duration,
+    /// Intent kinds that get a `kind` label of their own; the others count as `other`.
+    pub kinds: KindList,
+}
+
+/// The default port of the admin listener (`/metrics`, `/livez`, `/readyz`): the
+/// OpenTelemetry SDKs' Prometheus exporter port, an application's metrics port by
+/// convention, where 9090 is Prometheus' own and 9100-9999 are the exporters'.
+pub const DEFAULT_METRICS_PORT: u16 = 9464;
+
+/// `OUTBOX_METRICS__KINDS`: comma-separated intent kinds, each labelled on its own in the
+/// metrics. An allow-list, not every kind seen: kinds are the producers' strings, and a
+/// label of each would grow the series without bound.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KindList(pub Vec<String>);
+
+impl KindList {
+    /// Most kinds listed: each multiplies the series of the counters by kind.
+    pub const MAX: usize = 100;
+    /// Longest kind listed.
+    pub const MAX_LENGTH: usize = 200;
+}
+
+impl std::str::FromStr for KindList {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let kinds: Vec<String> = s
+            .split(',')
+            .map(str::trim)
+            .filter(|k| !k.is_empty())
+            .map(str::to_owned)
+            .collect();
+        if kinds.len() > Self::MAX {
+            return Err(format!(
+                "lists {} kinds; at most {} may have a label of their own",
+                kinds.len(),
+                Self::MAX
+            ));
+        }
+        for kind in &kinds {
+            // Label values are written unescaped: a quote or backslash would break the page.
+            if kind.len() > Self::MAX_LENGTH
+                || kind
+                    .chars()
+                    .any(|c| c.is_control() || c == '"' || c == '\\')
+            {
+                return Err(format!(
+                    "kind {kind:?} must be at most {} bytes without quotes, backslashes or \
+                     control characters",
+                    Self::MAX_LENGTH
+                ));
+            }
+        }
+        Ok(Self(kinds))
+    }
+}
+
+impl Serialize for KindList {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0.join(","))
+    }
+}
+
+impl<'de> Deserialize<'de> for KindList {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
 }
 
 /// `OUTBOX_GRPC__*`: optional gRPC services.

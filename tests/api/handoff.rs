@@ -67,7 +67,8 @@ async fn a_waiting_claim_is_handed_the_intent_enqueued_for_it_and_acks_it_under_
     );
     app.wait_for_metric("outbox_intents_handed_off_total 1")
         .await;
-    app.wait_for_metric("outbox_intents_claimed_total 1").await;
+    app.wait_for_metric(r#"outbox_intents_claimed_total{kind="other"} 1"#)
+        .await;
     let stored = app.intent(&results[0].id).await;
     assert_eq!(stored.state, v1::IntentState::Leased as i32);
     assert_eq!(stored.attempts, 1);

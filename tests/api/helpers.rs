@@ -53,9 +53,7 @@ fn cluster() -> &'static Cluster {
             },
             Err(_) => {
                 remove_clusters_of_finished_runs();
-                let dir = std::env::temp_dir()
-                    .join(format!("outboxd-test-{}", std::process::id()))
-                    .join("pgdata");
+                let dir = scratch_dir().join("pgdata");
                 let mut config = EmbeddedConfig::new(dir);
                 // Test speed only: a crash of the OS is not simulated, so fsync buys nothing
                 // here. synchronous_commit stays on as in production.
@@ -104,15 +102,67 @@ fn cluster() -> &'static Cluster {
     })
 }
 
-/// Deletes the cluster directories earlier test processes left in the temp dir (a cluster
-/// lives as long as its process, whose exit stops PostgreSQL but cannot delete the
-/// directory: GBs per run once every test's database is in it).
+/// This test process's scratch directory, `outboxd-test-<pid>` in the temp dir: the shared
+/// cluster's data (GBs once every test's database is in it), the clusters of tests that
+/// crash PostgreSQL, certificates, logs. Deleted when the process ends, however it ends
+/// (passed, failed, aborted, killed): a child shell waits for the end of its stdin, which
+/// only this process holds, then for the clusters' postmasters to exit, and removes it. In
+/// a process group of its own, so the Ctrl-C that stops the tests does not stop it.
+pub fn scratch_dir() -> &'static std::path::Path {
+    static SCRATCH: OnceLock<(std::path::PathBuf, Option<std::process::ChildStdin>)> =
+        OnceLock::new();
+    let (path, _remover) = SCRATCH.get_or_init(|| {
+        use std::os::unix::process::CommandExt;
+        let path = std::env::temp_dir().join(format!("outboxd-test-{}", std::process::id()));
+        std::fs::create_dir_all(&path).expect("create the tests' scratch directory");
+        const REMOVE_AT_EXIT: &str = r#"
+            trap '' INT TERM HUP
+            cat >/dev/null
+            # PostgreSQL gets SIGQUIT as its parent dies; give it up to 30 s to exit.
+            for _ in $(seq 300); do
+                live=0
+                for pid_file in "$1"/*/postmaster.pid "$1"/*/*/postmaster.pid; do
+                    [ -f "$pid_file" ] && kill -0 "$(head -n1 "$pid_file")" 2>/dev/null && live=1
+                done
+                [ "$live" = 0 ] && break
+                sleep 0.1
+            done
+            rm -rf "$1"
+        "#;
+        let remover = std::process::Command::new("sh")
+            .args(["-c", REMOVE_AT_EXIT, "sh"])
+            .arg(&path)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .process_group(0)
+            .spawn()
+            .ok()
+            .and_then(|mut child| child.stdin.take());
+        (path, remover)
+    });
+    path
+}
+
+/// Deletes the scratch directories earlier test processes left in the temp dir, should
+/// their remover not have run (a machine that went down with them), and the certificate
+/// directories of runs before there was one.
 fn remove_clusters_of_finished_runs() {
     let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
         return;
     };
     for entry in entries.flatten() {
         let name = entry.file_name();
+        // Certificates of runs before the scratch directory (they were never removed); an
+        // hour old, so certainly not a running test's.
+        if name.to_str().is_some_and(|n| n.starts_with("outboxd-tls-")) {
+            let age = entry.metadata().and_then(|m| m.modified()).ok();
+            let age = age.and_then(|m| m.elapsed().ok()).unwrap_or_default();
+            if age > Duration::from_secs(3600) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+            continue;
+        }
         let Some(pid) = name
             .to_str()
             .and_then(|n| n.strip_prefix("outboxd-test-"))
@@ -410,15 +460,44 @@ impl TestApp {
 
     /// GET /metrics, the body as text.
     pub async fn scrape(&self) -> String {
+        let (status, _, body) = self.admin_get("/metrics", None).await;
+        assert_eq!(status, 200, "{body}");
+        body
+    }
+
+    /// GET `path` from the admin listener (`/metrics`, `/livez`, `/readyz`) with `accept`
+    /// as its Accept header: the status code, the headers (lowercase names) and the body.
+    pub async fn admin_get(
+        &self,
+        path: &str,
+        accept: Option<&str>,
+    ) -> (u16, Vec<(String, String)>, String) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let addr = self.metrics_addr.expect("metrics enabled");
         let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let request = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        let accept = accept
+            .map(|a| format!("Accept: {a}\r\n"))
+            .unwrap_or_default();
+        let request =
+            format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{accept}Connection: close\r\n\r\n");
         stream.write_all(request.as_bytes()).await.unwrap();
         let mut response = String::new();
         stream.read_to_string(&mut response).await.unwrap();
-        assert!(response.starts_with("HTTP/1.1 200"), "{response}");
-        response.split_once("\r\n\r\n").unwrap().1.to_owned()
+        let (head, body) = response.split_once("\r\n\r\n").unwrap();
+        let mut lines = head.lines();
+        let status = lines
+            .next()
+            .unwrap()
+            .split(' ')
+            .nth(1)
+            .unwrap()
+            .parse()
+            .unwrap();
+        let headers = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+            .collect();
+        (status, headers, body.to_owned())
     }
 
     /// Takes the application out, to stop it from another task.

@@ -50,7 +50,7 @@ impl Server {
             .port();
         let binary = std::env::var("MEMORY_TEST_OUTBOXD")
             .unwrap_or_else(|_| env!("CARGO_BIN_EXE_outboxd").to_owned());
-        let log = std::env::temp_dir().join(format!("outboxd-memory-{port}.log"));
+        let log = crate::helpers::scratch_dir().join(format!("outboxd-memory-{port}.log"));
         let mut command = Command::new(binary);
         // It refuses OUTBOX_* variables it does not know (the tests' own).
         for (name, _) in std::env::vars_os() {
@@ -64,6 +64,8 @@ impl Server {
             .env("OUTBOX_DATABASE__FLEET_URL", fleet_url(url))
             .env("OUTBOX_LISTEN_ADDR", format!("127.0.0.1:{port}"))
             .env("OUTBOX_DATABASE__MAX_CONNECTIONS", "8")
+            // Not the default port: another server on this machine may hold it.
+            .env("OUTBOX_METRICS__LISTEN_ADDR", "127.0.0.1:0")
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())

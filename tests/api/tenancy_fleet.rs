@@ -252,7 +252,7 @@ async fn every_table_under_row_level_security_opens_to_the_fleet_grant_and_no_se
     assert_eq!(others.len(), 3, "{others:?}");
     for (policy, expr) in &others {
         assert!(
-            expr.contains("current_tenants()") && !expr.contains("cross_tenant"),
+            expr.contains("outbox.verified_tenants") && !expr.contains("cross_tenant"),
             "{policy}: {expr}"
         );
     }

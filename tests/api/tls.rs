@@ -21,8 +21,9 @@ struct Pki {
 
 impl Pki {
     fn new() -> Self {
+        // In the run's scratch directory, removed at its end even if this test fails.
         let dir =
-            std::env::temp_dir().join(format!("outboxd-tls-{}", uuid::Uuid::new_v4().simple()));
+            crate::helpers::scratch_dir().join(format!("tls-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).unwrap();
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -48,6 +49,12 @@ impl Pki {
 
     fn ca_path(&self) -> PathBuf {
         self.dir.join("ca.pem")
+    }
+}
+
+impl Drop for Pki {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

@@ -374,7 +374,8 @@ async fn app_on_own_cluster() -> (TestApp, EmbeddedPostgres) {
 
 /// [`app_on_own_cluster`] with extra server settings.
 async fn app_on_own_cluster_with(settings: Vec<(String, String)>) -> (TestApp, EmbeddedPostgres) {
-    let dir = std::env::temp_dir().join(format!("outboxd-crash-{}", uuid::Uuid::new_v4().simple()));
+    let dir =
+        crate::helpers::scratch_dir().join(format!("crash-{}", uuid::Uuid::new_v4().simple()));
     let mut config = EmbeddedConfig::new(dir);
     config.settings = settings;
     let cluster = tokio::task::spawn_blocking(move || EmbeddedPostgres::start(config))

@@ -289,13 +289,19 @@ Call with (dict "root" $ "migrate" true|false).
 {{- end }}
 
 {{/*
-A probe. Kubelet's gRPC probe speaks plaintext only, so with tls.enabled the probes fall
-back to a TCP connect on the gRPC port (outboxd has no plaintext health port yet).
+A probe: HTTP on the admin port (`metrics`, plain HTTP whatever the gRPC port's TLS), whose
+/readyz reflects a drain and an unusable database, with or without TLS. With metrics off
+there is no admin port: kubelet's gRPC probe, or a TCP connect with TLS (kubelet's gRPC
+probe speaks plaintext only), which sees neither.
 */}}
 {{- define "outbox.probe" -}}
 {{- $root := index . 0 }}
 {{- $probe := index . 1 }}
-{{- if $root.Values.tls.enabled }}
+{{- if $root.Values.metrics.enabled }}
+httpGet:
+  path: {{ $probe.path }}
+  port: metrics
+{{- else if $root.Values.tls.enabled }}
 tcpSocket:
   port: grpc
 {{- else }}
@@ -305,5 +311,5 @@ grpc:
   service: {{ . | quote }}
   {{- end }}
 {{- end }}
-{{- toYaml (omit $probe "enabled" "service") | nindent 0 }}
+{{- toYaml (omit $probe "enabled" "service" "path") | nindent 0 }}
 {{- end }}

@@ -7,8 +7,12 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Instant;
 
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use sha2::{Digest, Sha256};
+use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres, Transaction};
 
 use crate::outbox::Result;
@@ -49,6 +53,18 @@ pub struct Pools {
     tenant: PgPool,
     fleet: PgPool,
     scope_key: ScopeKey,
+    /// What the tenant and the fleet pool's acquires count, when the caller hands counters.
+    acquires: Option<Arc<[AcquireCounters; 2]>>,
+}
+
+/// What acquiring a connection for a transaction counts: how long it took, and how many
+/// wait for one now (a pool too small for the load shows here first).
+#[derive(Debug, Clone)]
+pub struct AcquireCounters {
+    /// Seconds each acquire took.
+    pub seconds: Histogram,
+    /// Acquires waiting now.
+    pub waiting: Gauge,
 }
 
 impl Pools {
@@ -63,6 +79,27 @@ impl Pools {
             tenant,
             fleet,
             scope_key,
+            acquires: None,
+        })
+    }
+
+    /// These pools, counting the acquires of their transactions' connections into
+    /// `tenant` and `fleet`.
+    pub fn with_acquire_counters(
+        mut self,
+        tenant: AcquireCounters,
+        fleet: AcquireCounters,
+    ) -> Self {
+        self.acquires = Some(Arc::new([tenant, fleet]));
+        self
+    }
+
+    /// The counters of the pool that acts for `scope`, if any.
+    fn acquire_counters(&self, scope: &TenantScope) -> Option<AcquireCounters> {
+        let acquires = self.acquires.as_deref()?;
+        Some(match scope {
+            TenantScope::Tenants(_) => acquires[0].clone(),
+            TenantScope::All => acquires[1].clone(),
         })
     }
 
@@ -215,7 +252,8 @@ pub async fn begin_with(
         begin.push_str("; ");
         begin.push_str(statement);
     }
-    let mut tx = begin_on_live_connection(pool, begin).await?;
+    let counters = pools.acquire_counters(scope);
+    let mut tx = begin_on_live_connection(pool, begin, counters).await?;
     if let TenantScope::Tenants(_) = scope {
         let settings = pools.scope_settings(scope);
         sqlx::query("SELECT outbox.enter_scope($1, $2)")
@@ -239,10 +277,18 @@ pub async fn begin_with(
 async fn begin_on_live_connection(
     pool: &PgPool,
     statement: String,
+    counters: Option<AcquireCounters>,
 ) -> Result<Transaction<'static, Postgres>> {
     let pool = pool.clone();
     let begin = tokio::spawn(async move {
-        on_live_connection(&pool, || pool.begin_with(statement.clone())).await
+        on_live_connection(&pool, || async {
+            let connection = acquire_counted(&pool, counters.as_ref()).await?;
+            // What `PgPool::begin_with` does, with the acquire timed on its own: the BEGIN
+            // is a round trip whatever the pool's state, the acquire is what a pool too
+            // small makes wait.
+            Transaction::begin(connection, Some(statement.clone().into())).await
+        })
+        .await
     });
     match begin.await {
         Ok(begun) => Ok(begun?),
@@ -270,6 +316,30 @@ where
             done => return done,
         }
     }
+}
+
+/// A connection from `pool`, the wait counted into `counters`.
+async fn acquire_counted(
+    pool: &PgPool,
+    counters: Option<&AcquireCounters>,
+) -> sqlx::Result<PoolConnection<Postgres>> {
+    let Some(counters) = counters else {
+        return pool.acquire().await;
+    };
+    /// Takes the acquire off `waiting` however it ends.
+    struct Waiting<'a>(&'a Gauge);
+    impl Drop for Waiting<'_> {
+        fn drop(&mut self) {
+            self.0.dec();
+        }
+    }
+    let started = Instant::now();
+    counters.waiting.inc();
+    let waiting = Waiting(&counters.waiting);
+    let connection = pool.acquire().await;
+    drop(waiting);
+    counters.seconds.observe(started.elapsed().as_secs_f64());
+    connection
 }
 
 /// The connection is gone: closed under us, or PostgreSQL said it is shutting it down.

@@ -25,7 +25,7 @@ mod reconcile;
 mod settle;
 mod staged;
 
-pub use access::{AlsoAtBegin, Pools, ScopeKey, TenantScope, begin, begin_with};
+pub use access::{AcquireCounters, AlsoAtBegin, Pools, ScopeKey, TenantScope, begin, begin_with};
 pub use api_keys::{
     ApiKeyRecord, find_api_key, insert_api_key, insert_api_key_unless_stored, list_api_keys,
     lookup_api_key, revoke_api_key,

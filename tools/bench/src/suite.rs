@@ -74,7 +74,7 @@ pub struct AllArgs {
     #[arg(long, value_name = "N")]
     pub workers: Option<usize>,
     /// Intents per Claim (and per Ack) in the burn-down, for every system (outboxd's SDK
-    /// workers: handler slots each, so at most this many per Claim).
+    /// workers: handler slots each, and a Claim waits for all of them to be free).
     #[arg(long, default_value_t = 100, value_name = "N",
           value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub claim_batch: u32,
@@ -667,9 +667,9 @@ async fn merge(mut tasks: JoinSet<anyhow::Result<Hist>>) -> anyhow::Result<Hist>
     Ok(all)
 }
 
-/// Scenario 2: `workers` SDK workers with `batch` handler slots each ack intents until
-/// `total` are acked (or none was for 10 s). Returns the acked count and the latency from a
-/// Claim sent to the Ack of each of its intents.
+/// Scenario 2: `workers` SDK workers with `batch` handler slots each, claiming `batch` at a
+/// time, ack intents until `total` are acked (or none was for 10 s). Returns the acked
+/// count and the latency from a Claim sent to the Ack of each of its intents.
 async fn burn_down(
     endpoint: &str,
     key: &str,
@@ -679,7 +679,10 @@ async fn burn_down(
 ) -> anyhow::Result<(u64, Hist)> {
     let shape = Shape {
         workers,
+        // Each Claim waits for the whole batch of free slots while the backlog lasts, as
+        // the hand-written Claim(batch) → Ack(batch) loops before the SDK did.
         concurrency: batch as usize,
+        claim_batch: batch as usize,
         wait: Duration::from_secs(1),
         replay_claims: true,
     };
@@ -692,6 +695,8 @@ async fn burn_down(
             (acked, progress) = (now, Instant::now());
         }
     }
+    let (claims, asked, got) = running.fill();
+    eprintln!("outboxd-bench: {claims} Claims with leases, {asked:.1} asked and {got:.1} got each");
     let (_, cycles) = running.stop().await?;
     Ok((acked, cycles))
 }
@@ -904,6 +909,7 @@ async fn fixed_rate(
     let shape = Shape {
         workers,
         concurrency: RATE_CLAIM_MAX as usize,
+        claim_batch: RATE_CLAIM_MAX as usize,
         wait: Duration::from_millis(200),
         replay_claims: false,
     };

@@ -1,6 +1,6 @@
 //! The load generator's workers: `outboxd-client`'s managed worker (claims for free slots,
-//! batched Acks), timed from outside by its observer, so the bench measures the SDK a user
-//! would run rather than a loop of its own.
+//! a full batch of them while there is a backlog; batched Acks), timed from outside by its
+//! observer, so the bench measures the SDK a user would run rather than a loop of its own.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -22,14 +22,18 @@ pub struct Shape {
     pub workers: usize,
     /// Handler slots of each: its Claims ask for at most this many leases.
     pub concurrency: usize,
+    /// Free slots a Claim waits for while there is a backlog (`WorkerBuilder::claim_batch`).
+    pub claim_batch: usize,
     /// How long a Claim long-polls.
     pub wait: Duration,
     /// Claims with a `request_id`; without, an Enqueue may hand intents to a waiting one.
     pub replay_claims: bool,
 }
 
-/// When each intent was claimed, and each Claim + Ack cycle.
+/// When each intent was claimed, each Claim + Ack cycle, and how full the Claims were.
 struct Timing {
+    /// Claims answered with leases: (Claims, leases asked for, leases got).
+    fill: Mutex<(u64, u64, u64)>,
     /// Intent id → (Claim sent, Claim answered).
     claimed: Mutex<HashMap<String, (Instant, Instant)>>,
     /// Claim sent → its Ack answered, per intent.
@@ -40,6 +44,12 @@ impl WorkerObserver for Timing {
     fn claimed(&self, claim: &ClaimEvent<'_>) {
         let answered = Instant::now();
         let sent = answered - claim.attempts.last_took;
+        if !claim.leases.is_empty() {
+            let mut fill = lock(&self.fill);
+            fill.0 += 1;
+            fill.1 += claim.max_intents as u64;
+            fill.2 += claim.leases.len() as u64;
+        }
         let mut claimed = lock(&self.claimed);
         for lease in claim.leases {
             if let Some(intent) = &lease.intent {
@@ -72,6 +82,7 @@ impl Workers {
     /// Starts `shape.workers` workers on `endpoint` with `key`.
     pub fn start(endpoint: &str, key: &str, kind: &str, shape: &Shape) -> anyhow::Result<Self> {
         let timing = Arc::new(Timing {
+            fill: Mutex::default(),
             claimed: Mutex::default(),
             cycles: Mutex::new(Hist::new()),
         });
@@ -82,6 +93,7 @@ impl Workers {
             let worker = Worker::builder(connection)
                 .worker_id(format!("bench-worker-{w}"))
                 .concurrency(shape.concurrency)
+                .claim_batch(shape.claim_batch)
                 .claim_wait(shape.wait)
                 .replay_claims(shape.replay_claims)
                 .observer(timing.clone())
@@ -108,6 +120,13 @@ impl Workers {
     /// Intents claimed so far, by all.
     pub fn claimed(&self) -> usize {
         lock(&self.timing.claimed).len()
+    }
+
+    /// Claims that got leases, and the average leases each asked for and got.
+    pub fn fill(&self) -> (u64, f64, f64) {
+        let (claims, asked, got) = *lock(&self.timing.fill);
+        let per = |n: u64| n as f64 / claims.max(1) as f64;
+        (claims, per(asked), per(got))
     }
 
     /// Drains them; fails when one stopped with an error or a lease was not acked cleanly.

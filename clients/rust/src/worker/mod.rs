@@ -1,6 +1,7 @@
-//! The managed worker loop: claims only for free handler slots (long-polling, each Claim
-//! with a `request_id` its retries reuse), runs one tokio task per leased intent, extends
-//! every live lease, settles in batches, and drains on shutdown.
+//! The managed worker loop: claims only for free handler slots, in full batches while
+//! there is a backlog (long-polling, each Claim with a `request_id` its retries reuse),
+//! runs one tokio task per leased intent, extends every live lease, settles in batches,
+//! and drains on shutdown.
 
 mod job;
 mod lease;
@@ -99,6 +100,10 @@ struct Config {
     /// The Claim filter.
     kinds: Vec<String>,
     concurrency: usize,
+    /// Free slots a Claim waits for while there is a backlog (1 to `concurrency`).
+    claim_batch: usize,
+    /// The longest a free slot waits for that company.
+    claim_linger: Duration,
     lease: Duration,
     heartbeat: Duration,
     claim_wait: Duration,
@@ -130,6 +135,9 @@ pub struct WorkerBuilder {
     region: String,
     kinds: Option<Vec<String>>,
     concurrency: usize,
+    /// None: `concurrency`.
+    claim_batch: Option<usize>,
+    claim_linger: Duration,
     lease: Duration,
     claim_wait: Duration,
     grace: Duration,
@@ -201,6 +209,25 @@ impl WorkerBuilder {
         self
     }
 
+    /// How many free slots a Claim waits for while there is a backlog (default: all of
+    /// them, `concurrency`; at most `concurrency` and 1,000). Quick handlers then share one
+    /// Claim and one Ack per batch instead of one each. It never idles a worker: one with
+    /// no handler running has every slot free, a Claim answered with fewer leases than it
+    /// asked for (a short queue) is followed at once by the next, and a free slot waits at
+    /// most [`claim_linger`](Self::claim_linger). `1` claims as soon as any slot is free.
+    pub fn claim_batch(mut self, slots: usize) -> Self {
+        self.claim_batch = Some(slots);
+        self
+    }
+
+    /// The longest a free slot waits for `claim_batch` company before the worker claims
+    /// with fewer (default 5 ms): what slow handlers with a backlog may lose per slot and
+    /// Claim.
+    pub fn claim_linger(mut self, linger: Duration) -> Self {
+        self.claim_linger = linger;
+        self
+    }
+
     /// The lease asked for with each Claim (default 30 s, at least 1 s); heartbeats extend
     /// live leases every third of it.
     pub fn lease(mut self, lease: Duration) -> Self {
@@ -247,7 +274,7 @@ impl WorkerBuilder {
     ///
     /// # Errors
     /// [`Error::Invalid`]: two handlers for one kind, no handler and no kinds, a
-    /// concurrency of 0, or a lease shorter than 1 s.
+    /// concurrency or a claim batch of 0, or a lease shorter than 1 s.
     pub fn build(self) -> Result<Worker, Error> {
         if let Some(kind) = self.duplicate {
             return Err(Error::Invalid(format!(
@@ -262,6 +289,11 @@ impl WorkerBuilder {
         if self.concurrency == 0 {
             return Err(Error::Invalid(
                 "outboxd worker: concurrency must be at least 1".into(),
+            ));
+        }
+        if self.claim_batch == Some(0) {
+            return Err(Error::Invalid(
+                "outboxd worker: claim_batch must be at least 1".into(),
             ));
         }
         if self.lease < Duration::from_secs(1) {
@@ -279,6 +311,13 @@ impl WorkerBuilder {
             region: self.region,
             kinds,
             concurrency: self.concurrency,
+            // More could never be free at once (nor asked for in one Claim).
+            claim_batch: self
+                .claim_batch
+                .unwrap_or(self.concurrency)
+                .min(self.concurrency)
+                .min(MAX_BATCH),
+            claim_linger: self.claim_linger,
             lease: self.lease,
             heartbeat: self.lease / 3,
             claim_wait: self.claim_wait,
@@ -318,7 +357,9 @@ impl WorkerBuilder {
 ///
 /// What it does for you:
 /// - **Claims only for free slots**: `max_intents` is the number of idle handler slots
-///   (at most 1,000), so it never holds a lease it cannot start. It long-polls.
+///   (at most 1,000), so it never holds a lease it cannot start. It long-polls. While
+///   there is a backlog it waits for [`WorkerBuilder::claim_batch`] free slots (or
+///   [`WorkerBuilder::claim_linger`]), so quick handlers share a Claim and an Ack.
 /// - **Replays lost claims**: each Claim has a `request_id`; a transient failure is
 ///   retried with the same id (on the next endpoint), so the leases a lost answer
 ///   carried are returned instead of stranded until they expire (unless
@@ -363,6 +404,8 @@ impl Worker {
             region: String::new(),
             kinds: None,
             concurrency: 16,
+            claim_batch: None,
+            claim_linger: Duration::from_millis(5),
             lease: Duration::from_secs(30),
             claim_wait: Duration::from_secs(5),
             grace: Duration::from_secs(30),
@@ -466,6 +509,9 @@ impl Shared {
         settles: &mpsc::UnboundedSender<Settle>,
     ) -> Option<Error> {
         let slots = Arc::new(Semaphore::new(self.config.concurrency));
+        // The last Claim got fewer leases than it asked for: the queue is short, so
+        // waiting for company would only add latency.
+        let mut short = true;
         loop {
             while jobs.try_join_next().is_some() {}
             let first = tokio::select! {
@@ -480,16 +526,35 @@ impl Shared {
                     Err(_) => break,
                 }
             }
+            if !short {
+                // A backlog: quick handlers free their slots within moments of each
+                // other, and one Claim (then one Ack) for all of them costs PostgreSQL
+                // one commit instead of one each.
+                let linger = tokio::time::sleep(self.config.claim_linger);
+                tokio::pin!(linger);
+                while permits.len() < self.config.claim_batch {
+                    tokio::select! {
+                        biased;
+                        () = stop.cancelled() => return None,
+                        permit = slots.clone().acquire_owned() => {
+                            permits.push(permit.expect("the semaphore is never closed"));
+                        }
+                        () = &mut linger => break,
+                    }
+                }
+            }
+            let asked = permits.len();
             let claimed = tokio::select! {
                 biased;
                 // Leases already taken are run even if a stop came meanwhile: they were
                 // claimed before it, and get the grace like any other.
-                claimed = self.claim(permits.len()) => claimed,
+                claimed = self.claim(asked) => claimed,
                 // A cancelled long poll gives back whatever it leased.
                 () = stop.cancelled() => return None,
             };
             match claimed {
                 Ok((leases, leased_at)) => {
+                    short = leases.len() < asked;
                     for lease in leases {
                         self.start(lease, leased_at, permits.pop(), jobs, settles);
                     }
@@ -540,6 +605,7 @@ impl Shared {
                     self.observe(|o| {
                         o.claimed(&ClaimEvent {
                             request_id: request_id.as_deref(),
+                            max_intents: n,
                             lease_duration: config.lease,
                             leases: &answer.leases,
                             attempts: &attempts,

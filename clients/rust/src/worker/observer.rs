@@ -121,6 +121,8 @@ pub struct ClaimEvent<'a> {
     /// The Claim's `request_id` (`None`: a plain long poll, see
     /// [`WorkerBuilder::replay_claims`](crate::WorkerBuilder::replay_claims)).
     pub request_id: Option<&'a str>,
+    /// The leases asked for (`max_intents`: the free slots it claimed for).
+    pub max_intents: usize,
     /// The lease asked for.
     pub lease_duration: Duration,
     /// The leases, as the server sent them (possibly none).

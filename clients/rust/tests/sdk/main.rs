@@ -2,6 +2,7 @@
 //! producer's transactions, the worker loop, failover and the drain. No mocked server; every
 //! wait polls a condition against a deadline.
 
+mod claim_batch;
 mod connection;
 mod harness;
 mod observer;
@@ -9,9 +10,12 @@ mod producer;
 mod proxy;
 mod worker;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use outboxd_client::{CallOptions, Connection, Error, NewIntent, Outbox, Worker, proto};
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -39,6 +43,14 @@ impl Running {
         }
     }
 
+    /// Waits (up to `timeout`) until the worker has acked at least `n` leases.
+    pub async fn acked(&self, n: u64, timeout: Duration) {
+        harness::wait_for(&format!("{n} acks"), timeout, || {
+            (self.worker.stats().acked >= n).then_some(())
+        })
+        .await;
+    }
+
     /// Begins the drain without waiting for it.
     pub fn begin_stop(&self) {
         self.stop.cancel();
@@ -62,6 +74,27 @@ impl Running {
     pub async fn crash(self) {
         self.handle.abort();
         let _ = self.handle.await;
+    }
+}
+
+/// A latch that handlers wait on until the test opens it (after which they pass at once).
+#[derive(Clone, Default)]
+pub struct Gate(Arc<(Notify, AtomicBool)>);
+
+impl Gate {
+    pub async fn wait(&self) {
+        let (notify, open) = &*self.0;
+        // Made before the check: an `open` in between still wakes it.
+        let notified = notify.notified();
+        if !open.load(Ordering::SeqCst) {
+            notified.await;
+        }
+    }
+
+    pub fn open(&self) {
+        let (notify, open) = &*self.0;
+        open.store(true, Ordering::SeqCst);
+        notify.notify_waiters();
     }
 }
 

@@ -15,7 +15,7 @@ use tokio::time::Instant;
 use crate::harness::{connect, connection, intent, kind, stack, state, wait_for, wait_state};
 use crate::observer::{Observed, Recorder};
 use crate::proxy::{Cuts, Proxy};
-use crate::{Running, enqueue, list};
+use crate::{Gate, Running, enqueue, list};
 
 type Seen = Arc<Mutex<HashMap<String, u32>>>;
 
@@ -481,15 +481,9 @@ async fn the_worker_moves_on_when_an_endpoint_is_down_or_dies() {
         .build()
         .unwrap();
     let running = Running::start(worker);
-    wait_for("50 acks", Duration::from_secs(30), || {
-        (running.worker.stats().acked >= 50).then_some(())
-    })
-    .await;
+    running.acked(50, Duration::from_secs(30)).await;
     stack.kill_server(pid);
-    wait_for("300 acks", Duration::from_secs(60), || {
-        (running.worker.stats().acked >= 300).then_some(())
-    })
-    .await;
+    running.acked(300, Duration::from_secs(60)).await;
     let stats = running.worker.stats();
     running.stop().await.unwrap();
     let seen = seen.lock().unwrap().clone();
@@ -516,19 +510,15 @@ async fn the_drain_stops_claiming_lets_handlers_finish_settles_then_returns() {
     let outbox = Outbox::new(connection.clone());
     let k = kind("drain");
     let ids = enqueue(&outbox, &k, 4, 0).await;
-    let release = Arc::new(Notify::new());
-    let released = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let gate = Gate::default();
     let worker = Worker::builder(connection.clone())
         .concurrency(4)
         .handler(&k, {
-            let (release, released) = (release.clone(), released.clone());
+            let gate = gate.clone();
             move |_job: Job| {
-                let (release, released) = (release.clone(), released.clone());
+                let gate = gate.clone();
                 async move {
-                    let notified = release.notified();
-                    if !released.load(Ordering::SeqCst) {
-                        notified.await;
-                    }
+                    gate.wait().await;
                     Ok::<_, Failure>(())
                 }
             }
@@ -547,8 +537,7 @@ async fn the_drain_stops_claiming_lets_handlers_finish_settles_then_returns() {
         !running.is_finished(),
         "returned while its handlers were running"
     );
-    released.store(true, Ordering::SeqCst);
-    release.notify_waiters();
+    gate.open();
     running.stop().await.unwrap();
     // Settled before run_until returned: no waiting here.
     for id in &ids {

@@ -1,19 +1,5 @@
 -- Undoes …04: the policies call outbox.current_tenants() again, which reads the secret
 -- itself, as …03_baseline_tenancy defined them.
-CREATE OR REPLACE FUNCTION outbox.grant_service_role(role_name text) RETURNS void
-LANGUAGE plpgsql
-AS $$
-BEGIN
-    EXECUTE format('GRANT USAGE ON SCHEMA outbox TO %I', role_name);
-    EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.intent, outbox.resolution TO %I', role_name);
-    EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.delivered_batch TO %I', role_name);
-    EXECUTE format('GRANT SELECT ON outbox.all_intents TO %I', role_name);
-    EXECUTE format('GRANT USAGE ON ALL SEQUENCES IN SCHEMA outbox TO %I', role_name);
-    EXECUTE format('GRANT SELECT ON outbox.api_key TO %I', role_name);
-    EXECUTE format('GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA outbox TO %I', role_name);
-END;
-$$;
-
 CREATE OR REPLACE FUNCTION outbox.current_tenants() RETURNS text[]
 LANGUAGE plpgsql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp

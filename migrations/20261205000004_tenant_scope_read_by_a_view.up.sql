@@ -20,7 +20,10 @@ WHERE s.singleton
                                          || convert_to(current_setting('outbox.tenants', true),
                                                        'UTF8'))),
                'hex');
-REVOKE ALL ON outbox.verified_tenants FROM PUBLIC;
+-- Everyone may read it, as everyone could always call outbox.current_tenants() (functions
+-- are PUBLIC's to execute): it shows a caller only the list its own proof proves, and the
+-- policies of every role read it.
+GRANT SELECT ON outbox.verified_tenants TO PUBLIC;
 
 -- The function stays for tools and tests, reading the same view.
 CREATE OR REPLACE FUNCTION outbox.current_tenants() RETURNS text[]
@@ -37,20 +40,3 @@ ALTER POLICY resolution_of_current_tenants ON outbox.resolution
 ALTER POLICY delivered_batch_of_current_tenants ON outbox.delivered_batch
     USING (tenant_id = ANY ((SELECT v.tenants FROM outbox.verified_tenants v)::text[]))
     WITH CHECK (tenant_id = ANY ((SELECT v.tenants FROM outbox.verified_tenants v)::text[]));
-
--- Every role that runs statements under the policies reads the view.
-CREATE OR REPLACE FUNCTION outbox.grant_service_role(role_name text) RETURNS void
-LANGUAGE plpgsql
-AS $$
-BEGIN
-    EXECUTE format('GRANT USAGE ON SCHEMA outbox TO %I', role_name);
-    EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.intent, outbox.resolution TO %I', role_name);
-    EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.delivered_batch TO %I', role_name);
-    EXECUTE format('GRANT SELECT ON outbox.all_intents, outbox.verified_tenants TO %I', role_name);
-    EXECUTE format('GRANT USAGE ON ALL SEQUENCES IN SCHEMA outbox TO %I', role_name);
-    EXECUTE format('GRANT SELECT ON outbox.api_key TO %I', role_name);
-    EXECUTE format('GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA outbox TO %I', role_name);
-END;
-$$;
-
-SELECT outbox.regrant_service_roles();

@@ -24,7 +24,8 @@ use crate::outbox::store::{self, BackoffParams, ClaimParams, DeliveredRows, Pool
 use crate::outbox::{self, Clock, Error, FieldViolation, Intent, IntentState};
 use crate::proto::v1::outbox_service_server::{OutboxService, OutboxServiceServer};
 use crate::proto::v1::{self};
-use crate::telemetry::{self, TRACEPARENT};
+use crate::telemetry::messaging::{self, ACK, CLAIM, ENQUEUE, FAIL};
+use crate::telemetry::{self, TRACEPARENT, TRACESTATE, TraceContext};
 use crate::validate;
 
 /// Serves `OutboxService` over the tenant and fleet pools (`store::Pools`).
@@ -46,13 +47,13 @@ pub struct OutboxHandler {
 }
 
 impl OutboxHandler {
-    /// Enqueue inside its "send" span. Each intent carries the trace context it was produced
-    /// in (its own `traceparent` header, else this span's, else the caller's metadata), so
-    /// the worker's spans can link back to the producer's trace.
-    async fn enqueue_traced(
-        &self,
+    /// Enqueue inside its span. Each intent carries the trace context it was produced in
+    /// (its own `traceparent` header, else this span's, else the caller's metadata, each
+    /// with its `tracestate`), so the worker's spans can link back to the producer's trace.
+    async fn enqueue_work(
+        self,
         request: Request<v1::EnqueueRequest>,
-        remote_traceparent: Option<String>,
+        caller_trace: Option<TraceContext>,
     ) -> RpcResult<v1::EnqueueResponse> {
         let (caller, scope) = self.access(&request, Permission::Produce).await?;
         let tenant = scope
@@ -71,12 +72,22 @@ impl OutboxHandler {
         }
         let span = tracing::Span::current();
         span.record("messaging.batch.message_count", intents.len());
-        if let Some(tp) = telemetry::traceparent_of(&span).or(remote_traceparent) {
+        if let Some(kind) = messaging::single(intents.iter().map(|i| i.kind.as_str())) {
+            ENQUEUE.record_destination(&span, kind);
+        }
+        if let Some(tc) = TraceContext::of(&span).or(caller_trace) {
             for intent in &mut intents {
+                // A producer's own traceparent wins, and a tracestate goes only with its own
+                // traceparent: never pair one context's state with another's.
+                if intent.headers.contains_key(TRACEPARENT) {
+                    continue;
+                }
                 intent
                     .headers
-                    .entry(TRACEPARENT.to_owned())
-                    .or_insert_with(|| tp.clone());
+                    .insert(TRACEPARENT.to_owned(), tc.traceparent.clone());
+                if let Some(ts) = &tc.tracestate {
+                    intent.headers.insert(TRACESTATE.to_owned(), ts.clone());
+                }
             }
         }
         let direct = token.is_none();
@@ -101,6 +112,9 @@ impl OutboxHandler {
                 self.pending.announce();
             }
         })?;
+        if let [one] = results.as_slice() {
+            span.record("messaging.message.id", one.id.to_string());
+        }
         let recorded = results.iter().filter(|r| !r.deduplicated).count();
         let handed_off = results.iter().filter(|r| r.handed_off).count();
         // Committed: wake claimers (delayed intents too, so a claimer's sleep is cut to the
@@ -299,6 +313,8 @@ fn refusal_level(code: tonic::Code) -> tracing::Level {
 /// Logs a call's error status at its [`refusal_level`], in the call's span.
 fn log_refusal(status: &Status) {
     let (code, message) = (status.code(), status.message());
+    // The messaging spans' `error.type` (a no-op in spans without the field).
+    tracing::Span::current().record("error.type", format!("{code:?}"));
     match refusal_level(code) {
         tracing::Level::ERROR => {
             tracing::error!(rpc.grpc.status_code = ?code, message, "call failed")
@@ -310,48 +326,36 @@ fn log_refusal(status: &Status) {
     }
 }
 
-/// `messaging.system` of every span (OpenTelemetry messaging conventions).
-const MESSAGING_SYSTEM: &str = "outboxd";
+/// The caller's trace context: its `traceparent` and `tracestate` metadata, if valid.
+fn caller_trace(metadata: &tonic::metadata::MetadataMap) -> Option<TraceContext> {
+    let get = |name| metadata.get(name).and_then(|v| v.to_str().ok());
+    TraceContext::parse(get(TRACEPARENT)?, get(TRACESTATE))
+}
 
-/// Links the current settle span to the producers of the intents it settled.
+/// Records, on the current settle span, how many intents it settles (and which, if one).
+fn record_settling(mut leases: impl ExactSizeIterator<Item = outbox::IntentId>) {
+    let span = tracing::Span::current();
+    let count = leases.len();
+    span.record("messaging.batch.message_count", count);
+    if let (1, Some(id)) = (count, leases.next()) {
+        span.record("messaging.message.id", id.to_string());
+    }
+}
+
+/// Links the current settle span to the producers of the intents it settled (their
+/// `traceparent`: the settle statements return no `tracestate`).
 fn link_settled(results: &[outbox::ItemResult]) {
     telemetry::link_to(
         &tracing::Span::current(),
-        results.iter().filter_map(|r| r.traceparent.as_deref()),
+        results
+            .iter()
+            .filter_map(|r| r.traceparent.as_deref())
+            .map(|tp| (tp, None)),
     );
 }
 
 /// The RPCs' work, each run to completion by [`to_completion`].
 impl OutboxHandler {
-    async fn enqueue_work(
-        self,
-        request: Request<v1::EnqueueRequest>,
-    ) -> RpcResult<v1::EnqueueResponse> {
-        // Built by hand rather than with #[instrument]: the producer's trace context must
-        // become its parent before the span starts.
-        let span = tracing::info_span!(
-            "send",
-            otel.name = "send",
-            otel.kind = "producer",
-            messaging.system = MESSAGING_SYSTEM,
-            messaging.operation.type = "send",
-            messaging.batch.message_count = tracing::field::Empty,
-            rpc.method = "Enqueue",
-            auth.key = tracing::field::Empty,
-        );
-        // Stored with each intent that has none of its own, so only a valid context, in
-        // canonical form: the metadata is outside the limits the intents' headers are held to.
-        let remote = request
-            .metadata()
-            .get(TRACEPARENT)
-            .and_then(|v| v.to_str().ok())
-            .and_then(telemetry::canonical_traceparent);
-        if let Some(tp) = &remote {
-            telemetry::set_remote_parent(&span, tp);
-        }
-        self.enqueue_traced(request, remote).instrument(span).await
-    }
-
     async fn claim_work(
         self,
         request: Request<v1::ClaimRequest>,
@@ -364,7 +368,12 @@ impl OutboxHandler {
         let caller_timeout = caller_timeout(request.metadata());
         let claim = validate::claim(request.into_inner(), &self.limits)?;
         caller.require_region("region", &claim.region)?;
-        tracing::Span::current().record("claim.worker", claim.worker_id.as_str());
+        let span = tracing::Span::current();
+        span.record("claim.worker", claim.worker_id.as_str());
+        span.record("messaging.client.id", claim.worker_id.as_str());
+        if let [kind] = claim.kinds.as_slice() {
+            CLAIM.record_destination(&span, kind);
+        }
         let params = ClaimParams {
             worker_id: &claim.worker_id,
             region: &claim.region,
@@ -399,13 +408,18 @@ impl OutboxHandler {
         if !over_budget.is_empty() && !replayed {
             self.claims.give_back(&scope, over_budget);
         }
-        let span = tracing::Span::current();
         span.record("messaging.batch.message_count", intents.len());
+        if let [one] = intents.as_slice() {
+            span.record("messaging.message.id", one.id.to_string());
+        }
+        // The receive span's parent is the worker's call; each intent's producer is a link.
         telemetry::link_to(
             &span,
-            intents
-                .iter()
-                .filter_map(|i| i.headers.0.get(TRACEPARENT).map(String::as_str)),
+            intents.iter().filter_map(|i| {
+                let headers = &i.headers.0;
+                let tp = headers.get(TRACEPARENT)?;
+                Some((tp.as_str(), headers.get(TRACESTATE).map(String::as_str)))
+            }),
         );
         if !replayed {
             let now = self.clock.now().unwrap_or_else(chrono::Utc::now);
@@ -450,6 +464,7 @@ impl OutboxHandler {
     async fn ack_work(self, request: Request<v1::AckRequest>) -> RpcResult<v1::AckResponse> {
         let (caller, scope) = self.access(&request, Permission::Consume).await?;
         let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
+        record_settling(leases.iter().map(|l| l.intent_id));
         let results = store::ack_intents(
             &self.pools,
             caller.settling(&scope),
@@ -469,6 +484,7 @@ impl OutboxHandler {
     async fn fail_work(self, request: Request<v1::FailRequest>) -> RpcResult<v1::FailResponse> {
         let (caller, scope) = self.access(&request, Permission::Consume).await?;
         let failures = validate::fail(request.into_inner(), &self.limits)?;
+        record_settling(failures.iter().map(|f| f.lease.intent_id));
         let results = store::fail_intents(
             &self.pools,
             caller.settling(&scope),
@@ -618,26 +634,22 @@ impl OutboxService for OutboxHandler {
         &self,
         request: Request<v1::EnqueueRequest>,
     ) -> RpcResult<v1::EnqueueResponse> {
-        to_completion(self.clone().enqueue_work(request)).await
+        let caller = caller_trace(request.metadata());
+        let span = ENQUEUE.span(caller.as_ref());
+        to_completion(self.clone().enqueue_work(request, caller))
+            .instrument(span)
+            .await
     }
 
-    #[tracing::instrument(
-        skip_all,
-        fields(
-            otel.name = "receive",
-            otel.kind = "consumer",
-            messaging.system = MESSAGING_SYSTEM,
-            messaging.operation.type = "receive",
-            messaging.batch.message_count,
-            rpc.method = "Claim",
-            auth.key,
-            claim.worker,
-        ),
-    )]
     async fn claim(&self, request: Request<v1::ClaimRequest>) -> RpcResult<v1::ClaimResponse> {
         let gone = CancellationToken::new();
         let _gone_when_dropped = gone.clone().drop_guard();
-        to_completion(self.clone().claim_work(request, gone)).await
+        // Built by hand rather than with #[instrument], as the other messaging spans: the
+        // caller's trace context must become the parent before the span starts.
+        let span = CLAIM.span(caller_trace(request.metadata()).as_ref());
+        to_completion(self.clone().claim_work(request, gone))
+            .instrument(span)
+            .await
     }
 
     #[tracing::instrument(skip_all, fields(rpc.method = "ExtendLease", auth.key))]
@@ -656,22 +668,18 @@ impl OutboxService for OutboxHandler {
         to_completion(self.clone().mark_submitted_work(request)).await
     }
 
-    #[tracing::instrument(
-        skip_all,
-        fields(otel.name = "settle", otel.kind = "client", messaging.system = MESSAGING_SYSTEM,
-               messaging.operation.type = "settle", rpc.method = "Ack", auth.key),
-    )]
     async fn ack(&self, request: Request<v1::AckRequest>) -> RpcResult<v1::AckResponse> {
-        to_completion(self.clone().ack_work(request)).await
+        let span = ACK.span(caller_trace(request.metadata()).as_ref());
+        to_completion(self.clone().ack_work(request))
+            .instrument(span)
+            .await
     }
 
-    #[tracing::instrument(
-        skip_all,
-        fields(otel.name = "settle", otel.kind = "client", messaging.system = MESSAGING_SYSTEM,
-               messaging.operation.type = "settle", rpc.method = "Fail", auth.key),
-    )]
     async fn fail(&self, request: Request<v1::FailRequest>) -> RpcResult<v1::FailResponse> {
-        to_completion(self.clone().fail_work(request)).await
+        let span = FAIL.span(caller_trace(request.metadata()).as_ref());
+        to_completion(self.clone().fail_work(request))
+            .instrument(span)
+            .await
     }
 
     #[tracing::instrument(skip_all, fields(rpc.method = "Reconcile", auth.key))]

@@ -6,7 +6,7 @@ import asyncio
 import collections
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import pytest
 from conftest import Running, list_intents, state, wait_state
@@ -242,3 +242,75 @@ def test_an_unreachable_endpoint_is_skipped_for_the_next_one(
     with Running(worker):
         wait_for("10 acks", lambda: worker.stats.acked == 10, timeout=20)
     assert sorted(handled) == sorted(ids)
+
+
+class Claims:
+    """Wraps a worker's `_claim`: each answered Claim as (max_intents asked, leases got)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.answered: list[tuple[int, int]] = []
+        self.sent: list[int] = []
+        claim = worker._claim
+
+        async def recorded(n: int) -> tuple[Sequence[pb.Lease], float]:
+            self.sent.append(n)
+            leases, sent = await claim(n)
+            self.answered.append((n, len(leases)))
+            return leases, sent
+
+        worker._claim = recorded  # type: ignore[method-assign]
+
+
+def test_with_a_backlog_and_quick_handlers_every_claim_asks_for_the_whole_batch(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    k = kind("backlog")
+    ids = enqueue(outbox, k, 48)
+    # A linger far past the test's deadlines: any Claim sent for fewer than the whole batch
+    # was sent without waiting for it.
+    worker = Worker(stack.endpoints, stack.api_key, concurrency=8, claim_linger=60, claim_wait=1)
+    assert worker.claim_batch == 8
+    claims = Claims(worker)
+    handled: list[str] = []
+
+    @worker.handler(k)
+    def quick(intent: Intent) -> None:
+        # 0 to 7 ms: the slots of one batch free one by one (instant handlers on threads
+        # often free them all in one loop turn, which would hide a Claim made too early).
+        time.sleep(int(intent.payload) % 8 / 1000)
+        handled.append(intent.id)
+
+    with Running(worker):
+        wait_for("48 acks", lambda: worker.stats.acked == 48, timeout=30)
+        # After the last full Claim the next waits for the whole batch too (then finds none).
+        wait_for("a Claim after the backlog", lambda: len(claims.answered) > 6, timeout=30)
+    assert sorted(handled) == sorted(ids)
+    assert claims.answered[:6] == [(8, 8)] * 6, claims.answered
+    assert set(claims.sent) == {8}, claims.sent
+
+
+def test_an_idle_worker_claims_a_single_intent_at_once_and_claims_again_after_a_short_answer(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    k = kind("idle")
+    # The linger would hold a Claim far past every deadline here: none is applied.
+    worker = Worker(stack.endpoints, stack.api_key, concurrency=4, claim_linger=60, claim_wait=30)
+    claims = Claims(worker)
+    started = threading.Event()
+    release = threading.Event()
+
+    @worker.handler(k)
+    def hold(intent: Intent) -> None:
+        started.set()
+        assert release.wait(30)
+
+    with Running(worker):
+        wait_for("the idle long poll", lambda: claims.sent == [4], timeout=15)
+        [intent_id] = enqueue(outbox, k, 1)
+        assert started.wait(15), "the single intent was not claimed at once"
+        # The answer was short: the next Claim goes out at once, for the 3 slots still free.
+        wait_for("the next Claim", lambda: claims.sent == [4, 3], timeout=15)
+        assert claims.answered == [(4, 1)]
+        release.set()
+        wait_for("the Ack", lambda: worker.stats.acked == 1, timeout=15)
+    wait_state(outbox, intent_id, "DELIVERED")

@@ -90,8 +90,18 @@ export interface WorkerOptions extends ConnectionOptions {
   heartbeatMs?: number;
   /** Long-poll of each Claim. Default 20 s. */
   claimWaitMs?: number;
-  /** Most leases per Claim. Default 100. */
+  /**
+   * Most leases per Claim, and the free slots a Claim waits for after one that came back
+   * full (a backlog), so quick handlers share one Claim and one Ack. Default `concurrency`
+   * (at most 1,000; it was 100). An idle worker and a Claim after a short one never wait.
+   */
   claimBatch?: number;
+  /**
+   * The longest a free slot waits for `claimBatch` company before the worker claims with
+   * fewer: what slow handlers with a backlog may lose per slot and Claim. Default 5 ms;
+   * 0 claims as soon as any slot is free.
+   */
+  claimLingerMs?: number;
   /** Claims in flight at once while there is a backlog (one long poll when idle). Default 2. */
   claimers?: number;
   /** Most leases per Ack or Fail call. Default 500. */
@@ -161,6 +171,8 @@ export class Worker {
   private readonly waiters = new Set<() => void>();
   private reserved = 0;
   private backlog = false;
+  /** A claimer is waiting for `claimBatch` free slots: the others leave them to it. */
+  private gathering = false;
   private readonly stopping = new AbortController();
   private readonly graceOver = new AbortController();
   private runPromise: Promise<void> | undefined;
@@ -170,6 +182,7 @@ export class Worker {
   private readonly heartbeatMs: number;
   private readonly claimWaitMs: number;
   private readonly claimBatch: number;
+  private readonly claimLingerMs: number;
   private readonly claimers: number;
   private readonly settleBatch: number;
   private readonly settleDelayMs: number;
@@ -183,7 +196,11 @@ export class Worker {
     this.leaseMs = positive("leaseMs", options.leaseMs ?? 30_000);
     this.heartbeatMs = positive("heartbeatMs", options.heartbeatMs ?? Math.max(50, Math.floor(this.leaseMs / 3)));
     this.claimWaitMs = positive("claimWaitMs", options.claimWaitMs ?? 20_000);
-    this.claimBatch = positive("claimBatch", options.claimBatch ?? 100);
+    this.claimBatch = positive("claimBatch", options.claimBatch ?? Math.min(this.concurrency, 1_000));
+    this.claimLingerMs = options.claimLingerMs ?? 5;
+    if (!Number.isFinite(this.claimLingerMs) || this.claimLingerMs < 0) {
+      throw new RangeError("outboxd: claimLingerMs must not be negative");
+    }
     this.claimers = positive("claimers", options.claimers ?? 2);
     this.settleBatch = positive("settleBatch", options.settleBatch ?? 500);
     this.settleDelayMs = options.settleDelayMs ?? 2;
@@ -269,19 +286,36 @@ export class Worker {
 
   /**
    * One claim loop. Claimer 0 always runs; the others claim only while the last reply was
-   * full (a backlog), so an idle worker holds a single long poll.
+   * full (a backlog), so an idle worker holds a single long poll. During a backlog one
+   * claimer at a time waits for `claimBatch` free slots (or `claimLingerMs`).
    */
   private async claimer(index: number, kinds: string[], tracing: Awaited<ReturnType<typeof loadTracing>>): Promise<void> {
     let failures = 0;
     while (!this.stopping.signal.aborted) {
-      const free = this.concurrency - this.running - this.reserved;
-      if (free <= 0 || this.settling > 4 * this.settleBatch || (index > 0 && !this.backlog)) {
+      let free = this.freeSlots();
+      if (free <= 0 || this.settling > 4 * this.settleBatch || (index > 0 && !this.backlog) || this.gathering) {
         await new Promise<void>((resolve) => this.waiters.add(resolve));
         continue;
+      }
+      const gathered = this.backlog && free < Math.min(this.claimBatch, this.concurrency);
+      if (gathered) {
+        // A backlog: quick handlers free their slots within moments of each other, and
+        // one Claim (then one Ack) for all of them costs PostgreSQL one commit, not one each.
+        this.gathering = true;
+        try {
+          await this.gather();
+        } finally {
+          this.gathering = false;
+        }
+        if (this.stopped) break;
+        free = this.freeSlots();
+        if (free <= 0) continue;
       }
       // Reserved before the call: never lease more than can be started.
       const max = Math.min(free, this.claimBatch);
       this.reserved += max;
+      // A claimer left waiting while this one gathered may claim what is still free.
+      if (gathered) this.wakeAll();
       const requestId = randomUUID();
       const sentAt = Date.now();
       let tries = 0;
@@ -332,7 +366,37 @@ export class Worker {
       // poll about when its answer came (the server answers as it leases).
       const leasedAt = Math.max(sentAt, Date.now() - 1_000);
       for (const lease of leases) this.start(lease, leasedAt, tracing);
-      if (this.backlog) this.wakeAll();
+      // A full reply lets the other claimers claim; a short one ends another claimer's
+      // wait for company (the queue is short).
+      this.wakeAll();
+    }
+  }
+
+  private freeSlots(): number {
+    return this.concurrency - this.running - this.reserved;
+  }
+
+  /**
+   * Waits until `claimBatch` slots are free, `claimLingerMs` has passed, the queue turned
+   * out short (another claimer's reply), or the worker stops.
+   */
+  private async gather(): Promise<void> {
+    const target = Math.min(this.claimBatch, this.concurrency);
+    const deadline = Date.now() + this.claimLingerMs;
+    while (!this.stopped && this.backlog && this.freeSlots() < target) {
+      const left = deadline - Date.now();
+      if (left <= 0) return;
+      await new Promise<void>((resolve) => {
+        const wake = (): void => {
+          clearTimeout(timer);
+          resolve();
+        };
+        const timer = setTimeout(() => {
+          this.waiters.delete(wake);
+          resolve();
+        }, left);
+        this.waiters.add(wake);
+      });
     }
   }
 

@@ -281,3 +281,70 @@ describe("transport", () => {
     }
   });
 });
+
+/** Records each Claim's `max_intents` as sent, and (asked, leases got) once answered. */
+function claimSpy(): { sent: number[]; answered: [number, number][]; interceptor: Interceptor } {
+  const sent: number[] = [];
+  const answered: [number, number][] = [];
+  const interceptor: Interceptor = (next) => async (request) => {
+    if (request.method.name !== "Claim") return next(request);
+    const asked = (request.message as unknown as { maxIntents: number }).maxIntents;
+    sent.push(asked);
+    const response = await next(request);
+    if (!response.stream) answered.push([asked, (response.message as unknown as { leases: unknown[] }).leases.length]);
+    return response;
+  };
+  return { sent, answered, interceptor };
+}
+
+describe("claim batching", () => {
+  test("with a backlog and quick handlers every Claim asks for the whole batch", async () => {
+    await enqueue("batch.backlog", 48);
+    const spy = claimSpy();
+    // A linger far past the test's deadlines: any Claim sent for fewer than the whole batch
+    // was sent without waiting for it. Two claimers (the default) must not split the batch.
+    const w = worker({ concurrency: 8, claimLingerMs: 60_000, claimWaitMs: 1_000, interceptors: [spy.interceptor] });
+    w.handle("batch.backlog", async (intent) => {
+      // 0 to 7 ms: the slots of one batch free one by one.
+      await new Promise((r) => setTimeout(r, intent.json<{ n: number }>().n % 8));
+    });
+    const run = w.run();
+    await waitFor("48 acks", () => w.stats().acked === 48, 30_000);
+    // After the last full Claim the next waits for the whole batch too (then finds none).
+    await waitFor("a Claim after the backlog", () => spy.answered.length > 6, 30_000);
+    await w.stop();
+    await run;
+    assert.deepEqual(spy.answered.slice(0, 6), Array.from({ length: 6 }, () => [8, 8]), JSON.stringify(spy.answered));
+    assert.deepEqual([...new Set(spy.sent)], [8], JSON.stringify(spy.sent));
+  });
+
+  test("an idle worker claims a single intent at once, and after the short answer claims again at once", async () => {
+    const spy = claimSpy();
+    let release!: () => void;
+    const released = new Promise<void>((r) => (release = r));
+    let started = false;
+    // The linger would hold a Claim far past every deadline here: none is applied.
+    const w = worker({ concurrency: 4, claimLingerMs: 60_000, claimWaitMs: 30_000, interceptors: [spy.interceptor] });
+    w.handle("batch.idle", async () => {
+      started = true;
+      await released;
+    });
+    const run = w.run();
+    try {
+      await waitFor("the idle long poll", () => spy.sent.length === 1);
+      const [id] = await enqueue("batch.idle", 1);
+      await waitFor("the single intent claimed", () => started, 15_000);
+      // The answer was short: the next Claim goes out at once, for the 3 slots still free.
+      await waitFor("the next Claim", () => spy.sent.length === 2, 15_000);
+      assert.deepEqual(spy.sent, [4, 3]);
+      assert.deepEqual(spy.answered, [[4, 1]]);
+      release();
+      await waitFor("the Ack", () => w.stats().acked === 1);
+      assert.equal((await fx.intent(id ?? "")).state, "DELIVERED");
+    } finally {
+      release();
+      await w.stop();
+      await run;
+    }
+  });
+});

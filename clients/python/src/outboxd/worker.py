@@ -34,6 +34,9 @@ log = logging.getLogger("outboxd")
 Handler = Callable[["Intent"], Union[Awaitable[None], None]]
 H = TypeVar("H", bound=Callable[..., Any])
 
+# Most leases per Claim and items per settle or heartbeat call (the server's default limit).
+_MAX_BATCH = 1000
+
 # Per-item reasons meaning "this lease is not ours any more".
 _LOST_REASONS = frozenset({"LEASE_LOST", "NOT_FOUND", "INVALID_STATE"})
 
@@ -254,7 +257,10 @@ class Worker:
     (UNKNOWN once `intent.submitting()` was entered). Handlers may be `async def`.
 
     Options: `region` (claim that region's intents and region-less ones), `concurrency`
-    (handler slots: never more leases than free slots), `lease` (seconds asked per lease;
+    (handler slots: never more leases than free slots), `claim_batch` (free slots a Claim
+    waits for after a full one, while there is a backlog; default all of `concurrency`),
+    `claim_linger` (the longest, in seconds, a free slot waits for that company: 0.005),
+    `lease` (seconds asked per lease;
     heartbeats extend it every `lease / 3`), `claim_wait` (long-poll), `grace` (seconds
     running handlers get after a stop), `kinds` (claim filter; default: the handler
     kinds), `worker_id`, `tenant`, `credentials` (grpc.ChannelCredentials for TLS),
@@ -269,6 +275,8 @@ class Worker:
         *,
         region: str = "",
         concurrency: int = 16,
+        claim_batch: Optional[int] = None,
+        claim_linger: float = 0.005,
         lease: float = 30.0,
         claim_wait: float = 5.0,
         grace: float = 30.0,
@@ -282,6 +290,10 @@ class Worker:
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        if claim_batch is not None and claim_batch < 1:
+            raise ValueError("claim_batch must be at least 1")
+        if claim_linger < 0:
+            raise ValueError("claim_linger must not be negative")
         if lease < 1.0:
             raise ValueError("lease must be at least 1 second")
         self._config = Config(
@@ -292,6 +304,9 @@ class Worker:
         )
         self.region = region
         self.concurrency = concurrency
+        # More could never be free at once (nor asked for in one Claim).
+        self.claim_batch = min(claim_batch or concurrency, concurrency, _MAX_BATCH)
+        self.claim_linger = claim_linger
         self.lease = lease
         self.claim_wait = claim_wait
         self.grace = grace
@@ -410,16 +425,30 @@ class Worker:
     async def _claim_loop(self) -> None:
         assert self._stop is not None
         stop_wait = asyncio.create_task(self._stop.wait())
+        # The last Claim got fewer leases than it asked for: the queue is short, so waiting
+        # for company would only add latency.
+        short = True
         try:
             while not self._stop.is_set():
                 free = self.concurrency - self._running
                 if free <= 0:
-                    self._slot_freed.clear()
-                    slot = asyncio.create_task(self._slot_freed.wait())
-                    await asyncio.wait({slot, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-                    slot.cancel()
+                    await self._slot_or_stop(stop_wait)
                     continue
-                claim = asyncio.create_task(self._claim(min(free, 1000)))
+                if not short and free < self.claim_batch:
+                    # A backlog: quick handlers free their slots within moments of each
+                    # other, and one Claim (then one Ack) for all of them costs PostgreSQL
+                    # one commit instead of one each.
+                    deadline = time.monotonic() + self.claim_linger
+                    while self.concurrency - self._running < self.claim_batch and not self._stop.is_set():
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        await self._slot_or_stop(stop_wait, left)
+                    if self._stop.is_set():
+                        break
+                    free = self.concurrency - self._running
+                asked = min(free, _MAX_BATCH)
+                claim = asyncio.create_task(self._claim(asked))
                 await asyncio.wait({claim, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
                 if not claim.done():
                     # A long-poll may hold the shutdown. A cancelled Claim gives back
@@ -435,12 +464,20 @@ class Worker:
                     log.error("outboxd worker %s: Claim refused: %s", self.worker_id, error)
                     self._stop.set()
                     break
+                short = len(leases) < asked
                 # Leases already taken are run even if a stop came meanwhile: they were
                 # claimed before it, and they get the grace like any other.
                 for lease in leases:
                     self._start(lease, sent)
         finally:
             stop_wait.cancel()
+
+    async def _slot_or_stop(self, stop_wait: asyncio.Task[bool], timeout: Optional[float] = None) -> None:
+        """Waits until a handler frees its slot, the worker stops, or `timeout` passes."""
+        self._slot_freed.clear()
+        slot = asyncio.create_task(self._slot_freed.wait())
+        await asyncio.wait({slot, stop_wait}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        slot.cancel()
 
     async def _claim(self, n: int) -> tuple[Sequence[pb.Lease], float]:
         """One logical Claim: retried with the same request_id until it is answered, so a

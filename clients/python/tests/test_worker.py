@@ -6,7 +6,7 @@ import asyncio
 import collections
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import pytest
 from conftest import Running, list_intents, state, wait_state
@@ -15,6 +15,7 @@ from proxy import Cuts, FaultProxy
 
 import outboxd
 from outboxd import Intent, NewIntent, Permanent, Retry, Worker, pb
+from outboxd.worker import _fail_text as fail_text
 
 
 def enqueue(outbox: outboxd.Outbox, kind: str, n: int, size: int = 0) -> list[str]:
@@ -193,6 +194,45 @@ def test_handler_outcomes_map_to_ack_retry_dead_letter_and_reconcile(
         assert "no handler for kind" in orphan.last_error
     assert attempts == {"ok": 1, "retry": 2, "boom": 2, "async": 1}
     assert worker.stats.acked == 4 and worker.stats.failed == 5
+
+
+def test_an_error_with_a_newline_and_a_tab_is_failed_at_once_with_spaces_in_their_place(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    k = kind("multiline")
+    short = outbox.enqueue_direct(k, b"short").id
+    long = outbox.enqueue_direct(k, b"long").id
+    # Leases far longer than the wait below: a refused Fail would leave the intents LEASED
+    # until they expire, so reaching PENDING proves the Fail itself was accepted.
+    worker = Worker(stack.endpoints, stack.api_key, concurrency=2, lease=120)
+
+    @worker.handler(k)
+    def fail(intent: Intent) -> None:
+        # Retried much later: the intents stay PENDING while the test looks.
+        if intent.payload == b"long":
+            raise Retry("\u00e9" * 5000 + "\n", after=600)  # over the server's 4096 characters
+        raise Retry("charge failed:\n\tcard declined\r\n", after=600)
+
+    def failed(intent_id: str) -> Callable[[], Optional[pb.Intent]]:
+        def check() -> Optional[pb.Intent]:
+            i = outbox.get_intent(intent_id).intent
+            # PENDING before the claim too: the attempt tells the failed one apart.
+            return i if i.state == pb.INTENT_STATE_PENDING and i.attempts == 1 else None
+
+        return check
+
+    with Running(worker):
+        short_failed = wait_for("the short error's Fail applied", failed(short), timeout=30, interval=0.05)
+        long_failed = wait_for("the long error's Fail applied", failed(long), timeout=30, interval=0.05)
+    assert short_failed.last_error == "charge failed:  card declined  "
+    assert long_failed.last_error == "\u00e9" * 4096
+    assert worker.stats.failed == 2 and worker.stats.settle_errors == 0, worker.stats
+
+
+def test_fail_text_turns_control_characters_into_spaces_and_cuts_on_characters() -> None:
+    assert fail_text("line one\nline\ttwo\r\n\x7f\x85end") == "line one line two    end"
+    assert fail_text("d\u00e9j\u00e0 vu \U0001f600") == "d\u00e9j\u00e0 vu \U0001f600"
+    assert fail_text("\U0001f600" * 5000) == "\U0001f600" * 4096
 
 
 def test_lost_claim_answers_are_replayed_and_strand_no_lease(

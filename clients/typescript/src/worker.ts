@@ -467,7 +467,7 @@ export class Worker {
           ? create(FailureSchema, {
               lease: { intentId: intent.id, leaseId: live.leaseId },
               outcome: outcome.outcome,
-              error: outcome.error.slice(0, 1000),
+              error: failText(outcome.error),
               ...(outcome.retryAfterMs !== undefined ? { retryAfter: durationFromMs(outcome.retryAfterMs) } : {}),
             })
           : undefined,
@@ -719,7 +719,7 @@ export class Worker {
             create(FailureSchema, {
               lease: { intentId: live.intent.id, leaseId: live.leaseId },
               outcome: FailOutcome.RETRY,
-              error: `worker ${this.workerId} shut down before the handler finished`,
+              error: failText(`worker ${this.workerId} shut down before the handler finished`),
             }),
           );
           this.emit({ type: "abandoned", intent: live.intent, outcome: "retry" });
@@ -786,6 +786,26 @@ function batches(items: PendingSettle[], size: number): PendingSettle[][] {
     batch.items.push(item);
   }
   return out.map((b) => b.items);
+}
+
+/** Longest `error` sent with a Fail, in characters (code points): the server's default
+ * `OUTBOX_LIMITS__MAX_TEXT_LENGTH` (the Rust and Python SDKs cut at the same). */
+const MAX_ERROR_CHARS = 4096;
+
+/**
+ * The `error` of a Fail as the server accepts it: every control character (a stack trace's
+ * newlines, tabs) becomes a space and the text is cut to `MAX_ERROR_CHARS` code points (never
+ * inside a surrogate pair). Refused text would refuse the Fail, and the intent would wait out
+ * its lease.
+ */
+export function failText(text: string): string {
+  let out = "";
+  let chars = 0;
+  for (const c of text) {
+    if (chars++ === MAX_ERROR_CHARS) break;
+    out += c;
+  }
+  return out.replace(/\p{Cc}/gu, " ");
 }
 
 function fail(outcome: FailOutcome, error: string, retryAfterMs?: number): Outcome {

@@ -4,7 +4,8 @@ import { after, afterEach, before, describe, test } from "node:test";
 import { ConnectError, type Interceptor } from "@connectrpc/connect";
 import { context, trace } from "@opentelemetry/api";
 import { AsyncLocalStorageContextManager } from "@opentelemetry/context-async-hooks";
-import { Code, LeaseLostError, Outbox, Permanent, Retry, ShutdownError, Worker, type WorkerOptions } from "../src/index.js";
+import { Code, LeaseLostError, Outbox, Permanent, Retry, ShutdownError, Worker, type WorkerEvent, type WorkerOptions } from "../src/index.js";
+import { failText } from "../src/worker.js";
 import { Fixture, freePort, waitFor } from "./harness.js";
 
 let fx: Fixture;
@@ -199,6 +200,44 @@ describe("outcomes", () => {
     await run;
     assert.match((await fx.intent(permanent ?? "")).lastError, /bad address/);
     assert.match((await fx.intent(unknown ?? "")).lastError, /PSP timed out/);
+  });
+
+  test("an error with a newline and a tab is failed at once, with spaces in their place", async () => {
+    const events: WorkerEvent[] = [];
+    // Leases far longer than the wait below: a refused Fail would leave the intents LEASED
+    // until they expire, so reaching PENDING proves the Fail itself was accepted.
+    const w = worker({ concurrency: 2, leaseMs: 120_000, onEvent: (e) => events.push(e) });
+    w.handle("multiline.error", (intent) => {
+      // Retried much later: the intents stay PENDING while the test looks.
+      if (intent.json<{ n: number }>().n === 1) throw new Retry(`${"\u{1F600}".repeat(5_000)}\n`, 600_000); // over 4,096 code points
+      throw new Retry("charge failed:\n\tcard declined\r\n", 600_000);
+    });
+    const run = w.run();
+    const [short, long] = await enqueue("multiline.error", 2);
+    const pending = async (id: string) => {
+      const intent = await fx.intent(id);
+      // PENDING before the claim too: the attempt tells the failed one apart.
+      return intent.state === "PENDING" && intent.attempts === 1 ? intent : undefined;
+    };
+    const failed = await waitFor("the short error's Fail applied", () => pending(short ?? ""), 30_000);
+    const failedLong = await waitFor("the long error's Fail applied", () => pending(long ?? ""), 30_000);
+    await w.stop();
+    await run;
+    assert.equal(failed.attempts, 1);
+    assert.equal(failed.lastError, "charge failed:  card declined  ");
+    assert.equal(failedLong.lastError, "\u{1F600}".repeat(4_096));
+    assert.equal(w.stats().failed, 2);
+    assert.deepEqual(
+      events.filter((e) => e.type === "settleFailed" || e.type === "settleRejected"),
+      [],
+    );
+  });
+
+  test("failText turns control characters into spaces and cuts on code points", () => {
+    assert.equal(failText("line one\nline\ttwo\r\n\x7f\x85end"), "line one line two    end");
+    assert.equal(failText("déjà vu \u{1F600}"), "déjà vu \u{1F600}");
+    assert.equal(failText("\u{1F600}".repeat(5_000)), "\u{1F600}".repeat(4_096));
+    assert.equal(failText(`${"a".repeat(4_095)}\u{1F600}b`), `${"a".repeat(4_095)}\u{1F600}`);
   });
 
   test("an intent of a kind the worker claims but has no handler for is dead-lettered with a clear error", async () => {

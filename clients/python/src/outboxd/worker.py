@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import time
+import unicodedata
 import uuid
 from dataclasses import dataclass
 from types import TracebackType
@@ -36,6 +37,10 @@ H = TypeVar("H", bound=Callable[..., Any])
 
 # Most leases per Claim and items per settle or heartbeat call (the server's default limit).
 _MAX_BATCH = 1000
+
+# Longest `error` sent with a Fail, in characters: the server's default
+# OUTBOX_LIMITS__MAX_TEXT_LENGTH (the Rust and TypeScript SDKs cut at the same).
+_MAX_ERROR_CHARS = 4096
 
 # Per-item reasons meaning "this lease is not ours any more".
 _LOST_REASONS = frozenset({"LEASE_LOST", "NOT_FOUND", "INVALID_STATE"})
@@ -728,7 +733,7 @@ class Worker:
     async def _send_fails(self, fails: list[_Settle]) -> None:
         failures = []
         for s in fails:
-            f = pb.Failure(lease=s.lease.ref(), error=s.error[:4000], outcome=s.outcome)  # type: ignore[arg-type]
+            f = pb.Failure(lease=s.lease.ref(), error=_fail_text(s.error), outcome=s.outcome)  # type: ignore[arg-type]
             if s.outcome == pb.FAIL_OUTCOME_RETRY and s.retry_after is not None:
                 f.retry_after.CopyFrom(duration(max(s.retry_after, 0.001)))
             failures.append(f)
@@ -803,6 +808,13 @@ class Worker:
         self._all_settled.clear()
         if self._unsettled:
             await self._all_settled.wait()
+
+
+def _fail_text(text: str) -> str:
+    """The `error` of a Fail as the server accepts it: every control character (a traceback's
+    newlines, tabs) becomes a space and the text is cut to `_MAX_ERROR_CHARS` characters.
+    Refused text would refuse the Fail, and the intent would wait out its lease."""
+    return "".join(" " if unicodedata.category(c) == "Cc" else c for c in text[:_MAX_ERROR_CHARS])
 
 
 def _describe(e: BaseException) -> str:

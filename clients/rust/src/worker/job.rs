@@ -226,7 +226,8 @@ impl Failure {
         }
     }
 
-    /// The text kept as the intent's `last_error`.
+    /// The text kept as the intent's `last_error` (sent with control characters as spaces,
+    /// cut to 4096 characters: the server refuses either).
     pub fn message(&self) -> &str {
         &self.message
     }

@@ -20,8 +20,9 @@ use crate::proto::{self, FailOutcome, LeaseResult};
 /// Settle calls in flight at once.
 const FLUSHES_IN_FLIGHT: usize = 4;
 
-/// Longest `error` text sent with a Fail (the server's default limit is 4096 characters).
-const MAX_ERROR_CHARS: usize = 4000;
+/// Longest `error` text sent with a Fail, in characters: the server's default
+/// `OUTBOX_LIMITS__MAX_TEXT_LENGTH` (the Python and TypeScript SDKs cut at the same).
+const MAX_ERROR_CHARS: usize = 4096;
 
 /// What to report for one lease.
 #[derive(Debug)]
@@ -270,7 +271,7 @@ fn failure(settle: &Settle) -> proto::Failure {
     };
     proto::Failure {
         lease: Some(settle.lease.reference()),
-        error: error.chars().take(MAX_ERROR_CHARS).collect(),
+        error: fail_text(error),
         outcome: *outcome as i32,
         retry_after: match outcome {
             FailOutcome::Retry => {
@@ -279,6 +280,17 @@ fn failure(settle: &Settle) -> proto::Failure {
             _ => None,
         },
     }
+}
+
+/// The `error` of a Fail as the server accepts it: every control character (a multi-line
+/// message's newlines, tabs) becomes a space and the text is cut to [`MAX_ERROR_CHARS`]
+/// characters. Refused text would refuse the Fail, and the intent would wait out its lease.
+fn fail_text(error: &str) -> String {
+    error
+        .chars()
+        .take(MAX_ERROR_CHARS)
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect()
 }
 
 /// Splits settles into calls of at most `MAX_BATCH` that never name one intent twice (a
@@ -323,5 +335,18 @@ mod tests {
             .map(|b| b.iter().map(|s| s.lease.lease_id.as_str()).collect())
             .collect();
         assert_eq!(ids, [vec!["1", "2"], vec!["3"]]);
+    }
+
+    #[test]
+    fn fail_text_turns_control_characters_into_spaces_and_cuts_on_characters() {
+        assert_eq!(
+            fail_text("line one\nline\ttwo\r\n\u{7f}\u{85}end"),
+            "line one line two    end"
+        );
+        assert_eq!(fail_text("déjà vu"), "déjà vu");
+        let long = "é".repeat(MAX_ERROR_CHARS + 10);
+        let cut = fail_text(&long);
+        assert_eq!(cut.chars().count(), MAX_ERROR_CHARS);
+        assert_eq!(cut, "é".repeat(MAX_ERROR_CHARS));
     }
 }

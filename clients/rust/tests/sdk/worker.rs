@@ -307,6 +307,59 @@ async fn handler_results_map_to_ack_retry_dead_letter_and_reconcile() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_with_a_newline_and_a_tab_is_failed_at_once_with_spaces_in_their_place() {
+    let connection = connection();
+    let outbox = Outbox::new(connection.clone());
+    let k = kind("multiline");
+    let mut ids = Vec::new();
+    for payload in ["short", "long"] {
+        let intent = NewIntent::new(&k, payload);
+        ids.push(outbox.enqueue_direct(intent).await.unwrap().id);
+    }
+    let [short, long] = <[String; 2]>::try_from(ids).unwrap();
+    // Leases far longer than `wait_state`'s 30 s: a refused Fail would leave the intents
+    // LEASED until then, so reaching PENDING proves the Fail itself was accepted.
+    let worker = Worker::builder(connection.clone())
+        .concurrency(2)
+        .lease(Duration::from_secs(120))
+        .handler(&k, |job: Job| async move {
+            let message = if job.payload() == b"long" {
+                // Over the server's 4096 characters, two bytes each.
+                format!("{}\n", "é".repeat(5000))
+            } else {
+                "charge failed:\n\tcard declined\r\n".to_owned()
+            };
+            // Retried much later: the intents stay PENDING while the test looks.
+            Err(Failure::from(std::io::Error::other(message)).after(Duration::from_secs(600)))
+        })
+        .build()
+        .unwrap();
+    let running = Running::start(worker);
+    let mut failed = Vec::new();
+    for id in [&short, &long] {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let intent = intent(&connection, id).await;
+            // PENDING before the claim too: the attempt tells the failed one apart.
+            if intent.state() == IntentState::Pending && intent.attempts == 1 {
+                failed.push(intent);
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{id}'s Fail not applied after 30 s: {intent:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let stats = running.worker.stats();
+    running.stop().await.unwrap();
+    assert_eq!(failed[0].last_error, "charge failed:  card declined  ");
+    assert_eq!(failed[1].last_error, "é".repeat(4096));
+    assert_eq!((stats.failed, stats.settle_errors), (2, 0), "{stats:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_item_of_a_batched_ack_does_not_fail_its_neighbours() {
     let connection = connection();
     let k = kind("batch");

@@ -704,6 +704,11 @@ async fn a_lease_whose_heartbeats_cannot_get_through_is_lost_and_never_acked() {
         .unwrap();
     let rival = Running::start(rival);
     let delivered = wait_state(&connection, &id, IntentState::Delivered).await;
+    // The server commits before it answers: the rival counts its Ack a moment later.
+    wait_for("the rival's Ack counted", Duration::from_secs(10), || {
+        (rival.worker.stats().acked == 1).then_some(())
+    })
+    .await;
     let rival_stats = rival.worker.stats();
     rival.stop().await.unwrap();
     proxy.freeze(false);

@@ -243,6 +243,8 @@ impl EmbeddedPostgres {
         cmd.arg("-D").arg(&self.data_dir).args(["-p", &port_arg]);
         let args = "-h 127.0.0.1 -c unix_socket_directories= -c listen_addresses=127.0.0.1";
         cmd.args(args.split(' '));
+        // Ordering keys order intents by their transactions' commit times (docs/ordering.md).
+        cmd.args(["-c", "track_commit_timestamp=on"]);
         for (name, value) in &self.settings {
             cmd.arg("-c").arg(format!("{name}={value}"));
         }

@@ -593,6 +593,7 @@ impl OutboxHandler {
                 states: list.states,
                 kind: list.kind,
                 region: list.region,
+                ordering_key: list.ordering_key,
                 key_regions: caller.regions,
                 after: list.after,
                 limit: list.limit,

@@ -109,6 +109,7 @@ pub fn reply_bytes_at_most(i: &Intent) -> usize {
         + headers
         + bytes(i.worker_id.as_ref().map_or(0, String::len))
         + bytes(i.last_error.as_ref().map_or(0, String::len))
+        + bytes(i.ordering_key.as_ref().map_or(0, String::len))
 }
 
 impl From<IntentState> for v1::IntentState {
@@ -122,6 +123,7 @@ impl From<IntentState> for v1::IntentState {
             IntentState::NeedsReconcile => Self::NeedsReconcile,
             IntentState::DeadLettered => Self::DeadLettered,
             IntentState::Discarded => Self::Discarded,
+            IntentState::Waiting => Self::Waiting,
         }
     }
 }
@@ -159,6 +161,7 @@ impl From<Intent> for v1::Intent {
             lease_expires_at: i.lease_expires_at.map(timestamp),
             worker_id: i.worker_id.unwrap_or_default(),
             last_error: i.last_error.unwrap_or_default(),
+            ordering_key: i.ordering_key.unwrap_or_default(),
         }
     }
 }
@@ -249,6 +252,8 @@ impl From<outbox::store::QueueStats> for v1::GetQueueStatsResponse {
             oldest_pending_at: s.oldest_pending_at.map(timestamp),
             oldest_staged_at: s.oldest_staged_at.map(timestamp),
             reconcile_backlog,
+            blocked_keys: s.blocked_keys,
+            oldest_blocked_at: s.oldest_blocked_at.map(timestamp),
         }
     }
 }

@@ -25,7 +25,7 @@ pub fn code_of(reason: Reason) -> Code {
         Reason::LeaseLost | Reason::InvalidState => Code::FailedPrecondition,
         Reason::IdempotencyConflict => Code::AlreadyExists,
         Reason::TxnAborted | Reason::IdempotencyKeyInUse => Code::Aborted,
-        Reason::TxnCommitted => Code::FailedPrecondition,
+        Reason::TxnCommitted | Reason::OrderingUnavailable => Code::FailedPrecondition,
         Reason::Unavailable | Reason::CommitOutcomeUnknown => Code::Unavailable,
         Reason::Conflict => Code::Aborted,
         Reason::Internal => Code::Internal,
@@ -97,6 +97,16 @@ impl From<Error> for Status {
             Error::TxnFinished(_) => (
                 Reason::TxnCommitted,
                 error_info(Reason::TxnCommitted, HashMap::new()),
+            ),
+            Error::OrderingUnavailable => (
+                Reason::OrderingUnavailable,
+                error_info(
+                    Reason::OrderingUnavailable,
+                    HashMap::from([(
+                        "setting".to_owned(),
+                        "track_commit_timestamp".to_owned(),
+                    )]),
+                ),
             ),
             Error::KeyHolderGone { key } => (
                 Reason::Conflict,

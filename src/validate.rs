@@ -230,6 +230,7 @@ impl Check {
             Ok(v1::IntentState::NeedsReconcile) => IntentState::NeedsReconcile,
             Ok(v1::IntentState::DeadLettered) => IntentState::DeadLettered,
             Ok(v1::IntentState::Discarded) => IntentState::Discarded,
+            Ok(v1::IntentState::Waiting) => IntentState::Waiting,
             Ok(v1::IntentState::Unspecified) | Err(_) => {
                 self.fail(field, format!("{value} is not a known intent state"));
                 return None;
@@ -320,6 +321,12 @@ pub fn enqueue(
             false,
             limits.max_name_length,
         );
+        c.text(
+            &f("ordering_key"),
+            &intent.ordering_key,
+            false,
+            limits.max_name_length,
+        );
         if !intent.idempotency_key.is_empty() && !keys.insert(intent.idempotency_key.clone()) {
             c.fail(
                 f("idempotency_key"),
@@ -386,6 +393,7 @@ pub fn enqueue(
             content_type: intent.content_type,
             region: intent.region,
             idempotency_key: (!intent.idempotency_key.is_empty()).then_some(intent.idempotency_key),
+            ordering_key: (!intent.ordering_key.is_empty()).then_some(intent.ordering_key),
             headers: intent.headers.into_iter().collect::<BTreeMap<_, _>>(),
             max_attempts,
             schedule,
@@ -746,6 +754,8 @@ pub struct List {
     pub kind: Option<String>,
     /// Region filter.
     pub region: Option<String>,
+    /// Ordering key filter.
+    pub ordering_key: Option<String>,
     /// Page size.
     pub limit: i64,
     /// Keyset cursor.
@@ -771,6 +781,7 @@ pub fn list(req: v1::ListIntentsRequest, limits: &Limits) -> Result<List> {
     let states = dedup(states);
     c.name("kind", &req.kind, false, limits.max_name_length);
     c.name("region", &req.region, false, limits.max_region_length);
+    c.text("ordering_key", &req.ordering_key, false, limits.max_name_length);
     let limit = page(
         &mut c,
         "page_size",
@@ -793,6 +804,7 @@ pub fn list(req: v1::ListIntentsRequest, limits: &Limits) -> Result<List> {
         states,
         kind: (!req.kind.is_empty()).then_some(req.kind),
         region: (!req.region.is_empty()).then_some(req.region),
+        ordering_key: (!req.ordering_key.is_empty()).then_some(req.ordering_key),
         limit,
         after,
         include_payload: req.include_payload,

@@ -232,12 +232,25 @@ pub enum IntentsCommand {
         /// Only this region.
         #[arg(long, default_value = "")]
         region: String,
+        /// Only this ordering key.
+        #[arg(long, default_value = "")]
+        ordering_key: String,
         /// Most intents.
         #[arg(long, default_value_t = 50)]
         limit: i32,
         /// Continue after this page token.
         #[arg(long, default_value = "")]
         page_token: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Show an ordering key's queue: its first intent, and why the others wait.
+    Key {
+        /// The ordering key.
+        key: String,
+        /// Most intents.
+        #[arg(long, default_value_t = 50)]
+        limit: i32,
         #[command(flatten)]
         client: ClientArgs,
     },

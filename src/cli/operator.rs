@@ -14,6 +14,7 @@ use super::{
 };
 use crate::client::{self, Client, Credentials};
 use crate::proto::v1;
+use crate::outbox::IntentState;
 
 /// Runs one operator command against the server.
 pub(super) async fn run(command: Command) -> anyhow::Result<()> {
@@ -165,23 +166,45 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                     state,
                     kind,
                     region,
+                    ordering_key,
                     limit,
                     page_token,
                     client,
                 },
         } => {
-            list(
-                &client,
-                state
+            let request = v1::ListIntentsRequest {
+                states: state
                     .into_iter()
                     .map(|s| v1::IntentState::from(s) as i32)
                     .collect(),
                 kind,
                 region,
-                limit,
+                ordering_key,
+                page_size: limit,
                 page_token,
-            )
-            .await
+                include_payload: false,
+            };
+            let response = connect(&client).await?.list_intents(request).await?;
+            print_list(&client, &response.into_inner(), || {})
+        }
+        Command::Intents {
+            command: IntentsCommand::Key { key, limit, client },
+        } => {
+            let request = v1::ListIntentsRequest {
+                states: IntentState::ALL
+                    .into_iter()
+                    .filter(|s| !matches!(s, IntentState::Delivered | IntentState::Discarded))
+                    .map(|s| v1::IntentState::from(s) as i32)
+                    .collect(),
+                ordering_key: key,
+                page_size: limit,
+                ..Default::default()
+            };
+            let response = connect(&client).await?.list_intents(request).await?;
+            let response = response.into_inner();
+            print_list(&client, &response, || {
+                println!("{}", why_key_waits(&response.intents))
+            })
         }
         Command::Intents {
             command: IntentsCommand::Get { id, client },
@@ -217,19 +240,16 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
         Command::Reconcile {
             command: ReconcileCommand::List { limit, client },
         } => {
-            let states = vec![
-                v1::IntentState::NeedsReconcile as i32,
-                v1::IntentState::DeadLettered as i32,
-            ];
-            list(
-                &client,
-                states,
-                String::new(),
-                String::new(),
-                limit,
-                String::new(),
-            )
-            .await
+            let request = v1::ListIntentsRequest {
+                states: vec![
+                    v1::IntentState::NeedsReconcile as i32,
+                    v1::IntentState::DeadLettered as i32,
+                ],
+                page_size: limit,
+                ..Default::default()
+            };
+            let response = connect(&client).await?.list_intents(request).await?;
+            print_list(&client, &response.into_inner(), || {})
         }
         Command::Reconcile {
             command:
@@ -355,26 +375,12 @@ async fn connect(args: &ClientArgs) -> anyhow::Result<Client> {
     Ok(client::client(channel, credentials))
 }
 
-async fn list(
+/// Prints a page of intents, then `summary` (text output only).
+fn print_list(
     client: &ClientArgs,
-    states: Vec<i32>,
-    kind: String,
-    region: String,
-    limit: i32,
-    page_token: String,
+    response: &v1::ListIntentsResponse,
+    summary: impl FnOnce(),
 ) -> anyhow::Result<()> {
-    let response = connect(client)
-        .await?
-        .list_intents(v1::ListIntentsRequest {
-            states,
-            kind,
-            region,
-            page_size: limit,
-            page_token,
-            include_payload: false,
-        })
-        .await?
-        .into_inner();
     print(
         client,
         json!({
@@ -401,7 +407,58 @@ async fn list(
             if !response.next_page_token.is_empty() {
                 println!("more: --page-token {}", response.next_page_token);
             }
+            summary();
         },
+    )
+}
+
+/// Why an ordering key's later intents wait, from its live intents: what its first intent
+/// is doing. An operator's DEAD decision releases a key, but a listing cannot tell that
+/// DEAD_LETTERED intent from one that holds its key, so another head is preferred.
+fn why_key_waits(intents: &[v1::Intent]) -> String {
+    use v1::IntentState as S;
+    let state = |i: &v1::Intent| S::try_from(i.state).unwrap_or(S::Unspecified);
+    let waiting = intents.iter().filter(|i| state(i) == S::Waiting).count();
+    let head = intents
+        .iter()
+        .find(|i| !matches!(state(i), S::Waiting | S::DeadLettered))
+        .or_else(|| intents.iter().find(|i| state(i) == S::DeadLettered));
+    let Some(head) = head else {
+        return if waiting == 0 {
+            "nothing live under this key".to_owned()
+        } else {
+            format!("{waiting} waiting, no head yet: the next advance of the key makes one pending")
+        };
+    };
+    let now = std::time::SystemTime::now();
+    let why = match state(head) {
+        S::Staged => "its producer transaction is still open".to_owned(),
+        S::Pending if head.attempts > 0 && head.available_at.as_ref().is_some_and(|t| {
+            std::time::SystemTime::try_from(*t).is_ok_and(|t| t > now)
+        }) => format!(
+            "retrying after attempt {}/{} failed ({}); next try at {}",
+            head.attempts,
+            head.max_attempts,
+            head.last_error,
+            time(head.available_at.as_ref())
+        ),
+        S::Pending => "claimable now".to_owned(),
+        S::Leased | S::Submitted => format!(
+            "being delivered by {} (lease until {})",
+            head.worker_id,
+            time(head.lease_expires_at.as_ref())
+        ),
+        S::NeedsReconcile => "needs an operator's decision (outboxd reconcile resolve)".to_owned(),
+        S::DeadLettered => format!(
+            "dead-lettered ({}); an operator's decision (outboxd reconcile resolve) releases the key",
+            head.last_error
+        ),
+        _ => state_name(head.state),
+    };
+    format!(
+        "first: {} {} ({why}); {waiting} waiting behind it",
+        head.id,
+        state_name(head.state)
     )
 }
 

@@ -51,6 +51,7 @@ pub(super) fn print_intent_detail(i: &v1::Intent) {
     );
     println!("attempts:        {}/{}", i.attempts, i.max_attempts);
     println!("idempotency key: {}", i.idempotency_key);
+    println!("ordering key:    {}", i.ordering_key);
     println!("created at:      {}", time(i.created_at.as_ref()));
     println!("available at:    {}", time(i.available_at.as_ref()));
     println!("worker:          {}", i.worker_id);
@@ -68,6 +69,7 @@ pub(super) fn intent_json(i: &v1::Intent) -> Value {
         "payload": String::from_utf8_lossy(&i.payload),
         "content_type": i.content_type,
         "idempotency_key": i.idempotency_key,
+        "ordering_key": i.ordering_key,
         "headers": i.headers,
         "attempts": i.attempts,
         "max_attempts": i.max_attempts,

@@ -148,6 +148,8 @@ pub struct Metrics {
     pub oldest_staged_age: Gauge<f64, AtomicU64>,
     /// Intents awaiting an operator (NEEDS_RECONCILE + DEAD_LETTERED).
     pub reconcile_backlog: Gauge,
+    /// Ordering keys held back by their first intent (retrying, or awaiting an operator).
+    pub blocked_keys: Gauge,
     /// Time to get a connection from each pool.
     pub pool_acquire: HistogramFamily<PoolLabels>,
     /// Transactions waiting for a connection from each pool.
@@ -161,8 +163,9 @@ impl Default for Metrics {
 }
 
 /// The states `outbox_intents` counts: every live one (finished ones are counters).
-const LIVE_STATES: [IntentState; 6] = [
+const LIVE_STATES: [IntentState; 7] = [
     IntentState::Staged,
+    IntentState::Waiting,
     IntentState::Pending,
     IntentState::Leased,
     IntentState::Submitted,
@@ -210,6 +213,7 @@ impl Metrics {
             oldest_pending_age: Gauge::default(),
             oldest_staged_age: Gauge::default(),
             reconcile_backlog: Gauge::default(),
+            blocked_keys: Gauge::default(),
             pool_acquire: Family::new_with_constructor(latency_histogram),
             pool_acquires_waiting: Family::default(),
         };
@@ -341,6 +345,11 @@ impl Metrics {
             m.reconcile_backlog.clone(),
         );
         r.register(
+            "blocked_ordering_keys",
+            "Ordering keys whose first intent holds the later ones back (retrying, dead-lettered or awaiting reconcile)",
+            m.blocked_keys.clone(),
+        );
+        r.register(
             "db_pool_acquire_seconds",
             "Time a transaction waited for a connection from the pool",
             m.pool_acquire.clone(),
@@ -423,6 +432,7 @@ impl Metrics {
             .set(depth.oldest_pending_age.unwrap_or(0.0));
         self.oldest_staged_age
             .set(depth.oldest_staged_age.unwrap_or(0.0));
+        self.blocked_keys.set(depth.blocked_keys);
         Ok(())
     }
 

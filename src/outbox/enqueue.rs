@@ -196,7 +196,9 @@ pub async fn enqueue(
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<Enqueued>> {
     let Some(token) = token else {
-        if intents.len() > MAX_GROUPED_CALL {
+        // Ordered intents are not grouped: their transaction holds their keys' locks until
+        // it commits (`store::insert_intents`), which a shared one would hold for all.
+        if intents.len() > MAX_GROUPED_CALL || intents.iter().any(|i| i.ordering_key.is_some()) {
             // In a task of its own, as a shared transaction is: a call cancelled while it
             // commits must not take with it the answer to the claims it handed intents to
             // (`super::claim::handoff`).

@@ -72,12 +72,15 @@ pub enum IntentState {
     DeadLettered,
     /// The producer transaction aborted.
     Discarded,
+    /// Behind an earlier intent of its ordering key that has not finished.
+    Waiting,
 }
 
 impl IntentState {
     /// Every state, in lifecycle order.
-    pub const ALL: [IntentState; 8] = [
+    pub const ALL: [IntentState; 9] = [
         Self::Staged,
+        Self::Waiting,
         Self::Pending,
         Self::Leased,
         Self::Submitted,
@@ -103,6 +106,7 @@ impl IntentState {
             Self::NeedsReconcile => "needs_reconcile",
             Self::DeadLettered => "dead_lettered",
             Self::Discarded => "discarded",
+            Self::Waiting => "waiting",
         }
     }
 }
@@ -137,6 +141,9 @@ pub struct NewIntent {
     pub region: String,
     /// Per-tenant deduplication key.
     pub idempotency_key: Option<String>,
+    /// Intents of one tenant with the same key are delivered one at a time, in commit
+    /// order (docs/ordering.md).
+    pub ordering_key: Option<String>,
     /// Headers carried to the worker.
     pub headers: BTreeMap<String, String>,
     /// Claims allowed before dead-lettering.
@@ -182,6 +189,8 @@ pub struct Intent {
     pub worker_id: Option<String>,
     /// Last reported error.
     pub last_error: Option<String>,
+    /// Ordering key.
+    pub ordering_key: Option<String>,
 }
 
 /// A LEASED intent as a claim returns it, now, for unit tests.
@@ -206,6 +215,7 @@ pub(crate) fn leased_intent(id: IntentId) -> Intent {
         lease_expires_at: Some(now),
         worker_id: Some("a".to_owned()),
         last_error: None,
+        ordering_key: None,
     }
 }
 
@@ -215,7 +225,8 @@ pub struct Enqueued {
     /// Id of the (possibly pre-existing) intent.
     pub id: IntentId,
     /// Its state as the call recorded it: STAGED or PENDING for a new intent (a PENDING
-    /// one may be leased already, see `handed_off`), the current one for a deduplicated one.
+    /// one may be leased already, see `handed_off`), WAITING for a new ordered one behind
+    /// an earlier one of its key; the current one for a deduplicated one.
     pub state: IntentState,
     /// True when an idempotency key matched an intent already stored.
     pub deduplicated: bool,
@@ -346,6 +357,8 @@ pub enum Reason {
     TxnAborted,
     /// The producer transaction named by the token already committed.
     TxnCommitted,
+    /// Ordering keys need the database to record commit times.
+    OrderingUnavailable,
     /// The database is unreachable or overloaded; retry.
     Unavailable,
     /// The connection failed while the call's transaction committed: it may have
@@ -375,6 +388,7 @@ impl Reason {
             Self::RegionNotAllowed => "REGION_NOT_ALLOWED",
             Self::TxnAborted => "TXN_ABORTED",
             Self::TxnCommitted => "TXN_COMMITTED",
+            Self::OrderingUnavailable => "ORDERING_UNAVAILABLE",
             Self::Unavailable => "UNAVAILABLE",
             Self::CommitOutcomeUnknown => "COMMIT_OUTCOME_UNKNOWN",
             Self::Conflict => "CONFLICT",
@@ -532,6 +546,12 @@ pub enum Error {
          recorded twice)"
     )]
     CommitOutcomeUnknown,
+    /// Ordered intents need the database to record commit times, and it does not.
+    #[error(
+        "ordering keys need PostgreSQL's track_commit_timestamp = on (set it in postgresql.conf \
+         and restart PostgreSQL); this database does not record commit times"
+    )]
+    OrderingUnavailable,
     /// A database failure.
     #[error(transparent)]
     Database(#[from] sqlx::Error),

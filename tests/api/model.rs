@@ -686,6 +686,7 @@ fn state_name(state: St) -> &'static str {
         St::NeedsReconcile => "needs_reconcile",
         St::DeadLettered => "dead_lettered",
         St::Discarded => "discarded",
+        St::Waiting => "waiting",
         St::Unspecified => "unspecified",
     }
 }

@@ -141,6 +141,7 @@ fn new_intent() -> impl Strategy<Value = v1::NewIntent> {
             optional_printable(),
             region_like(),
             optional_printable(),
+            optional_printable(),
         ),
         prop_oneof![
             3 => hash_map("[a-z]{1,3}", "[a-z ]{0,3}", 0..2),
@@ -155,7 +156,7 @@ fn new_intent() -> impl Strategy<Value = v1::NewIntent> {
     )
         .prop_map(
             |(
-                (kind, payload, content_type, region, idempotency_key),
+                (kind, payload, content_type, region, idempotency_key, ordering_key),
                 headers,
                 max_attempts,
                 schedule,
@@ -166,6 +167,7 @@ fn new_intent() -> impl Strategy<Value = v1::NewIntent> {
                     content_type,
                     region,
                     idempotency_key,
+                    ordering_key,
                     headers,
                     max_attempts,
                     schedule,
@@ -305,9 +307,10 @@ fn list_request() -> impl Strategy<Value = v1::ListIntentsRequest> {
         prop_oneof![3 => 0..3i32, 1 => small_i32()],
         prop_oneof![Just(String::new()), uuid_text().boxed()],
         any::<bool>(),
+        optional_printable(),
     )
         .prop_map(
-            |(states, kind, region, page_size, page_token, include_payload)| {
+            |(states, kind, region, page_size, page_token, include_payload, ordering_key)| {
                 v1::ListIntentsRequest {
                     states,
                     kind,
@@ -315,6 +318,7 @@ fn list_request() -> impl Strategy<Value = v1::ListIntentsRequest> {
                     page_size,
                     page_token,
                     include_payload,
+                    ordering_key,
                 }
             },
         )

@@ -170,9 +170,14 @@ impl Handoffs {
 
     /// Takes the waiting claimers `intents` of `tenant` go to, in order: each intent that
     /// may be handed off goes to the longest-waiting claimer that takes it and has room.
-    /// `None` when nothing is handed off.
+    /// `None` when nothing is handed off: nor is any of a batch with an idempotency key (a
+    /// keyed insert may find its key held) or an ordering key (an ordered intent is PENDING
+    /// only once it is its key's head).
     pub fn take(&self, tenant: &str, intents: &[NewIntent]) -> Option<Taken> {
-        if intents.iter().any(|i| i.idempotency_key.is_some()) {
+        if intents
+            .iter()
+            .any(|i| i.idempotency_key.is_some() || i.ordering_key.is_some())
+        {
             return None;
         }
         let mut waiting = self.lock();

@@ -1,5 +1,7 @@
 //! Enqueue: one batch insert with per-tenant idempotency keys.
 
+use std::collections::HashSet;
+
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgArguments;
 use sqlx::types::Json;
@@ -7,6 +9,7 @@ use sqlx::{Arguments, FromRow, PgConnection};
 use uuid::Uuid;
 
 use super::millis;
+use super::ordering::{advance_keys, lock_ordering_keys};
 use crate::outbox::{Enqueued, Error, Intent, IntentId, IntentState, NewIntent, Result, Schedule};
 
 /// Inputs of [`insert_intents`].
@@ -89,6 +92,7 @@ pub async fn insert_intents(
     let mut max_attempts = Vec::with_capacity(n);
     let mut delays_ms: Vec<Option<i64>> = Vec::with_capacity(n);
     let mut at: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(n);
+    let mut ordering_keys = Vec::with_capacity(n);
     for intent in params.intents {
         ids.push(Uuid::now_v7());
         kinds.push(intent.kind.as_str());
@@ -105,6 +109,15 @@ pub async fn insert_intents(
         };
         delays_ms.push(delay);
         at.push(instant);
+        ordering_keys.push(intent.ordering_key.as_deref());
+    }
+    let ordered = ordering_keys.iter().any(Option::is_some);
+    debug_assert!(
+        !ordered || params.leases.is_empty(),
+        "an ordered intent is never handed off"
+    );
+    if ordered && !lock_ordering_keys(conn, params.tenant_id, &ordering_keys).await? {
+        return Err(Error::OrderingUnavailable);
     }
     let (lease_workers, lease_ms): (Vec<Option<&str>>, Vec<Option<i64>>) = params
         .leases
@@ -119,7 +132,7 @@ pub async fn insert_intents(
         (None, None)
     };
 
-    // `$1`–`$15` of every statement (only one of them runs).
+    // `$1`–`$16` of every statement (only one of them runs).
     let mut args = PgArguments::default();
     (|| {
         args.add(params.tenant_id)?;
@@ -136,7 +149,8 @@ pub async fn insert_intents(
         args.add(params.now)?;
         args.add(params.txn_xid.map(|x| x.to_string()))?;
         args.add(&lease_workers)?;
-        args.add(&lease_ms)
+        args.add(&lease_ms)?;
+        args.add(ordered.then_some(&ordering_keys))
     })()
     .map_err(sqlx::Error::Encode)?;
     let state = if params.txn_xid.is_some() {
@@ -160,6 +174,10 @@ pub async fn insert_intents(
             sqlx::query_with(ENQUEUE, args).execute(&mut *conn).await?;
             Vec::new()
         };
+        let heads = match params.txn_xid {
+            None => advance_own_keys(conn, params.tenant_id, &ordering_keys, params.now).await?,
+            Some(_) => HashSet::new(),
+        };
         let enqueued = ids
             .into_iter()
             .zip(
@@ -169,9 +187,10 @@ pub async fn insert_intents(
                     .map(Option::is_some)
                     .chain(std::iter::repeat(false)),
             )
-            .map(|(id, handed_off)| Enqueued {
+            .zip(&ordering_keys)
+            .map(|((id, handed_off), key)| Enqueued {
                 id: IntentId(id),
-                state,
+                state: state_of_new(state, key.is_some(), heads.contains(&id)),
                 deduplicated: false,
                 handed_off,
             })
@@ -182,13 +201,21 @@ pub async fn insert_intents(
     let rows: Vec<InsertRow> = sqlx::query_as_with(ENQUEUE_KEYED, args)
         .fetch_all(&mut *conn)
         .await?;
+    let heads = match params.txn_xid {
+        None => advance_own_keys(conn, params.tenant_id, &ordering_keys, params.now).await?,
+        Some(_) => HashSet::new(),
+    };
 
     let mut results = Vec::with_capacity(n);
     for (row, intent) in rows.into_iter().zip(params.intents) {
         if row.inserted {
             results.push(Enqueued {
                 id: IntentId(row.new_id),
-                state,
+                state: state_of_new(
+                    state,
+                    intent.ordering_key.is_some(),
+                    heads.contains(&row.new_id),
+                ),
                 deduplicated: false,
                 handed_off: false,
             });
@@ -233,6 +260,27 @@ pub async fn insert_intents(
         enqueued: results,
         leased: Vec::new(),
     })
+}
+
+/// The state a new intent was inserted in: `unordered` (STAGED or PENDING) unless it is a
+/// direct ordered one, which is PENDING if it became its key's head, WAITING otherwise.
+fn state_of_new(unordered: IntentState, ordered: bool, head: bool) -> IntentState {
+    match (unordered, ordered, head) {
+        (IntentState::Pending, true, false) => IntentState::Waiting,
+        (state, _, _) => state,
+    }
+}
+
+/// A direct Enqueue's own ordered intents: each key's first becomes PENDING if its key has
+/// no head; the intents that did.
+async fn advance_own_keys(
+    conn: &mut PgConnection,
+    tenant_id: &str,
+    keys: &[Option<&str>],
+    now: Option<DateTime<Utc>>,
+) -> Result<HashSet<Uuid>> {
+    let keys: Vec<(&str, &str)> = keys.iter().flatten().map(|k| (tenant_id, *k)).collect();
+    advance_keys(conn, &keys, now).await
 }
 
 /// The intent holding `key`, read with a fresh snapshot; gone if it finished since the

@@ -21,7 +21,8 @@ pub async fn get_intent(
         r#"
         SELECT i.id, i.state, i.kind, i.payload, i.content_type, i.region, i.idempotency_key,
                i.headers, i.attempts, i.max_attempts, i.available_at, i.created_at,
-               i.updated_at, i.lease_id, i.lease_expires_at, i.worker_id, i.last_error
+               i.updated_at, i.lease_id, i.lease_expires_at, i.worker_id, i.last_error,
+               i.ordering_key
         FROM outbox.intents_by_id(ARRAY[$1]::uuid[]) i
         WHERE (cardinality($2::text[]) = 0 OR i.region = '' OR i.region = ANY($2::text[]))
         "#,
@@ -68,6 +69,8 @@ pub struct ListParams {
     pub kind: Option<String>,
     /// Only this region.
     pub region: Option<String>,
+    /// Only this ordering key.
+    pub ordering_key: Option<String>,
     /// Only intents in these regions, the caller's API key's (empty: any).
     pub key_regions: Vec<String>,
     /// Only ids greater than this (keyset paging; ids are time ordered).
@@ -98,6 +101,7 @@ pub async fn list_intents(conn: &mut PgConnection, params: ListParams) -> Result
         .bind(&params.key_regions)
         .bind(i64::try_from(params.max_bytes).unwrap_or(i64::MAX))
         .bind(params.include_payload)
+        .bind(&params.ordering_key)
         .fetch_all(conn)
         .await?;
     Ok(intents)
@@ -123,7 +127,25 @@ pub struct QueueStats {
     pub oldest_pending_at: Option<DateTime<Utc>>,
     /// Enqueue time of the oldest STAGED intent.
     pub oldest_staged_at: Option<DateTime<Utc>>,
+    /// Ordering keys whose head holds the later intents back ([`BLOCKED_HEADS`]).
+    pub blocked_keys: i64,
+    /// The last state change of the longest-blocked head.
+    pub oldest_blocked_at: Option<DateTime<Utc>>,
 }
+
+/// The heads of ordering keys that hold their keys back: waiting out a retry's backoff,
+/// NEEDS_RECONCILE, or DEAD_LETTERED without an operator's decision. Each is the one head
+/// of its key, so they count keys. Read through intent_ordering_head_idx. $1 the API key's
+/// regions (empty: any), $2 now (or NULL).
+pub(crate) const BLOCKED_HEADS: &str = r#"
+    FROM outbox.intent i
+    WHERE i.ordering_key IS NOT NULL
+      AND i.state IN ('pending', 'needs_reconcile', 'dead_lettered')
+      AND (i.state <> 'dead_lettered' OR i.finished_at IS NULL)
+      AND (i.state <> 'pending'
+           OR (i.attempts > 0 AND i.available_at > coalesce($2::timestamptz, now())))
+      AND (cardinality($1::text[]) = 0 OR i.region = '' OR i.region = ANY($1::text[]))
+"#;
 
 /// Counts the transaction's tenants' intents in `regions` (empty: any) by state and region.
 ///
@@ -173,10 +195,18 @@ pub async fn queue_stats(
         .bind(regions)
         .fetch_one(&mut *conn)
         .await?;
+    let (blocked_keys, oldest_blocked_at): (i64, Option<DateTime<Utc>>) =
+        sqlx::query_as(&format!("SELECT count(*), min(i.updated_at) {BLOCKED_HEADS}"))
+            .bind(regions)
+            .bind(now)
+            .fetch_one(&mut *conn)
+            .await?;
     Ok(QueueStats {
         counts,
         oldest_pending_at,
         oldest_staged_at,
+        blocked_keys,
+        oldest_blocked_at,
     })
 }
 
@@ -190,6 +220,8 @@ pub struct QueueDepth {
     pub oldest_pending_age: Option<f64>,
     /// Seconds the oldest STAGED intent has waited.
     pub oldest_staged_age: Option<f64>,
+    /// Ordering keys held back by their head ([`BLOCKED_HEADS`]).
+    pub blocked_keys: i64,
 }
 
 /// Reads [`QueueDepth`].
@@ -219,6 +251,12 @@ pub async fn queue_depth(conn: &mut PgConnection) -> Result<QueueDepth> {
         FROM outbox.intent
         WHERE state IN ('needs_reconcile', 'dead_lettered', 'staged')
         GROUP BY state, region
+        UNION ALL
+        SELECT state, region, count(*) AS count
+        FROM outbox.intent
+        WHERE state = 'waiting'
+          AND ordering_key IS NOT NULL
+        GROUP BY state, region
         "#,
     )
     .fetch_all(&mut *conn)
@@ -234,10 +272,16 @@ pub async fn queue_depth(conn: &mut PgConnection) -> Result<QueueDepth> {
     )
     .fetch_one(&mut *conn)
     .await?;
+    let blocked_keys: i64 = sqlx::query_scalar(&format!("SELECT count(*) {BLOCKED_HEADS}"))
+        .bind(Vec::<String>::new())
+        .bind(None::<DateTime<Utc>>)
+        .fetch_one(&mut *conn)
+        .await?;
     Ok(QueueDepth {
         counts,
         oldest_pending_age,
         oldest_staged_age,
+        blocked_keys,
     })
 }
 

@@ -21,6 +21,7 @@ mod enqueue;
 mod inspect;
 mod listeners;
 mod maintenance;
+mod ordering;
 mod reconcile;
 mod settle;
 mod staged;
@@ -38,6 +39,7 @@ pub use inspect::{
 };
 pub use listeners::{hold_listener_lock, others_listen};
 pub use maintenance::{BackoffParams, purge_finished_intents, rescue_expired_leases};
+pub use ordering::{advance_keys, lock_ordering_keys};
 pub use reconcile::{ReconcileParams, ReconcileTarget, resolve_intents};
 pub use settle::{
     ACK_AND_DELETE_CALL, ACK_CALL, DeliveredRows, SettleScope, ack_intents, extend_leases,
@@ -121,11 +123,12 @@ pub(crate) const INTENT_COLUMN_NAMES: [&str; INTENT_COLUMNS] = [
     "lease_expires_at",
     "worker_id",
     "last_error",
+    "ordering_key",
 ];
 
 /// How many columns of an intent a claim selects ([`INTENT_COLUMN_NAMES`]); the
 /// statement's own columns follow them.
-pub(crate) const INTENT_COLUMNS: usize = 17;
+pub(crate) const INTENT_COLUMNS: usize = 18;
 
 /// Decodes the [`Intent`](crate::outbox::Intent) in the first [`INTENT_COLUMNS`] columns of
 /// `row`, in the order of [`INTENT_COLUMN_NAMES`], by position. A claim decodes up to a thousand
@@ -171,6 +174,7 @@ pub(crate) fn intent_at(
         lease_expires_at: get(row, 14, checked)?,
         worker_id: get(row, 15, checked)?,
         last_error: get(row, 16, checked)?,
+        ordering_key: get(row, 17, checked)?,
     })
 }
 

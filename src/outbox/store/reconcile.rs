@@ -7,6 +7,7 @@ use uuid::Uuid;
 
 use super::PENDING_CHANNEL;
 use super::current::current_intents;
+use super::ordering::advance_keys;
 use crate::outbox::{Decision, IntentId, IntentState, ItemError, ItemResult, Result};
 
 /// Which intents a decision applies to.
@@ -69,6 +70,8 @@ struct ResolveRow {
     id: Uuid,
     applied: bool,
     state: Option<IntentState>,
+    tenant_id: Option<String>,
+    ordering_key: Option<String>,
 }
 
 /// Applies `decision` to the target intents that await a decision, recording who, when
@@ -111,6 +114,13 @@ pub async fn resolve_intents(
             .bind(limit),
     };
     let rows = query.fetch_all(&mut *conn).await?;
+    // A decided ordered intent lets its key move on (DELIVERED, DEAD), or takes its place
+    // in it again (REQUEUE: WAITING, PENDING at once if it is the key's first).
+    let keys: Vec<(&str, &str)> = rows
+        .iter()
+        .filter_map(|r| Some((r.tenant_id.as_deref()?, r.ordering_key.as_deref()?)))
+        .collect();
+    let heads = advance_keys(conn, &keys, params.now).await?;
     // The state of each item not applied, as it is now (`super::current`).
     let unapplied: Vec<Uuid> = rows.iter().filter(|r| !r.applied).map(|r| r.id).collect();
     let current = current_intents(conn, &unapplied, params.key_regions).await?;
@@ -118,7 +128,11 @@ pub async fn resolve_intents(
         .into_iter()
         .map(|row| {
             let id = IntentId(row.id);
-            let state = row.state.or_else(|| current.get(&row.id).map(|c| c.state));
+            let state = match row.state {
+                Some(IntentState::Waiting) if heads.contains(&row.id) => Some(IntentState::Pending),
+                Some(state) => Some(state),
+                None => current.get(&row.id).map(|c| c.state),
+            };
             let error = match state {
                 _ if row.applied => None,
                 None => Some(ItemError::not_found(id)),

@@ -6,6 +6,7 @@ use sqlx::{PgConnection, PgExecutor};
 use uuid::Uuid;
 
 use super::PENDING_CHANNEL;
+use super::ordering::advance_keys;
 use crate::outbox::{Enqueued, IntentId, IntentState, NewIntent, Result};
 
 /// How PostgreSQL reports a transaction (`pg_xact_status`).
@@ -138,17 +139,19 @@ pub struct PromotionReport {
 }
 
 /// Resolves up to `limit` STAGED intents whose producer transaction has finished, across
-/// tenants: committed → PENDING (and claimers are notified), aborted → DISCARDED. Intents
-/// of transactions still in progress are left alone and cost nothing but an index probe.
+/// tenants: committed → PENDING (and claimers are notified), or WAITING for an ordered one
+/// (with its transaction's commit time), whose key then advances; aborted → DISCARDED.
+/// Intents of transactions still in progress are left alone and cost nothing but an index
+/// probe.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn promote_staged_intents(
-    db: impl PgExecutor<'_>,
+    conn: &mut PgConnection,
     limit: i64,
     now: Option<DateTime<Utc>>,
 ) -> Result<PromotionReport> {
-    let states: Vec<(IntentState,)> = sqlx::query_as(
+    let rows: Vec<(IntentState, String, Option<String>)> = sqlx::query_as(
         r#"
         WITH staged_xids AS (
             SELECT DISTINCT txn_xid
@@ -179,7 +182,8 @@ pub async fn promote_staged_intents(
         resolved AS (
             UPDATE outbox.intent i
             SET state = CASE finished.status
-                    WHEN 'committed' THEN 'pending'
+                    WHEN 'committed'
+                        THEN CASE WHEN i.ordering_key IS NULL THEN 'pending' ELSE 'waiting' END
                     WHEN 'aborted' THEN 'discarded'
                     ELSE 'needs_reconcile'
                 END::outbox.intent_state,
@@ -198,27 +202,35 @@ pub async fn promote_staged_intents(
                         THEN 'producer transaction id not handed out by this cluster yet '
                              '(intents restored from another cluster?)'
                     END,
+                order_ts = CASE WHEN finished.status = 'committed' AND i.ordering_key IS NOT NULL
+                                THEN coalesce(outbox.commit_time(i.txn_xid), '-infinity') END,
                 updated_at = coalesce($2::timestamptz, now())
             FROM finished
             WHERE i.id = finished.id
-            RETURNING i.state
+            RETURNING i.state, i.tenant_id, i.ordering_key
         ),
         woken AS (
             SELECT pg_notify($3, '')
             WHERE EXISTS (SELECT 1 FROM resolved WHERE state = 'pending')
         )
-        SELECT state FROM resolved, (SELECT count(*) FROM woken) AS w
+        SELECT state, tenant_id, ordering_key FROM resolved, (SELECT count(*) FROM woken) AS w
         "#,
     )
     .bind(limit)
     .bind(now)
     .bind(PENDING_CHANNEL)
-    .fetch_all(db)
+    .fetch_all(&mut *conn)
     .await?;
+    // Whatever became of a STAGED ordered intent, its key may move on.
+    let keys: Vec<(&str, &str)> = rows
+        .iter()
+        .filter_map(|(_, tenant, key)| Some((tenant.as_str(), key.as_deref()?)))
+        .collect();
+    advance_keys(conn, &keys, now).await?;
     let mut report = PromotionReport::default();
-    for (state,) in states {
+    for (state, _, _) in rows {
         match state {
-            IntentState::Pending => report.promoted += 1,
+            IntentState::Pending | IntentState::Waiting => report.promoted += 1,
             IntentState::Discarded => report.discarded += 1,
             _ => report.forgotten += 1,
         }

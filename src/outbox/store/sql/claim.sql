@@ -21,7 +21,7 @@ ran_out AS MATERIALIZED (
 )
 SELECT i.id, i.state, i.kind, i.payload, i.content_type, i.region, i.idempotency_key,
        i.headers, i.attempts, i.max_attempts, i.available_at, i.created_at, i.updated_at,
-       i.lease_id, i.lease_expires_at, i.worker_id, i.last_error,
+       i.lease_id, i.lease_expires_at, i.worker_id, i.last_error, i.ordering_key,
        due.seconds AS next_due_in,
        pg_current_xact_id_if_assigned() IS NULL AS replayed,
        (SELECT ran_out FROM ran_out) AS ran_out

@@ -1,6 +1,7 @@
 -- A page of ListIntents (store::list_intents). $1 states (empty: any), $2 kind (or NULL),
 -- $3 region (or NULL), $4 the cursor (ids above it; the nil UUID for none), $5 page size,
--- $6 the API key's regions (empty: any), $7 the byte budget, $8 include payloads.
+-- $6 the API key's regions (empty: any), $7 the byte budget, $8 include payloads, $9
+-- ordering key (or NULL: any; the history holds no ordered intents).
 --
 -- Each part is read in id order up to the page's size, then the parts are merged: the live
 -- table by its primary key, the batch history by its bucket index (ids are ordered as
@@ -13,7 +14,7 @@ SELECT i.id, i.state, i.kind,
        CASE WHEN $8 THEN i.payload ELSE ''::bytea END AS payload,
        i.content_type, i.region, i.idempotency_key, i.headers, i.attempts,
        i.max_attempts, i.available_at, i.created_at, i.updated_at, i.lease_id,
-       i.lease_expires_at, i.worker_id, i.last_error
+       i.lease_expires_at, i.worker_id, i.last_error, i.ordering_key
 FROM (
     SELECT u.*, w.weight,
            sum(w.weight) OVER (ORDER BY u.id ROWS UNBOUNDED PRECEDING) AS through
@@ -25,16 +26,18 @@ FROM (
               AND ($2::text IS NULL OR i.kind = $2)
               AND ($3::text IS NULL OR i.region = $3)
               AND (cardinality($6::text[]) = 0 OR i.region = '' OR i.region = ANY($6::text[]))
+              AND ($9::text IS NULL OR i.ordering_key = $9)
               AND i.id > $4
             ORDER BY i.id
             LIMIT $5
         )
         UNION ALL
         (
-            SELECT i.*
+            SELECT i.*, NULL::text, NULL::timestamptz, NULL::bigint
             FROM outbox.delivered_batch b
             CROSS JOIN LATERAL unnest(b.items) i
             WHERE (cardinality($1::outbox.intent_state[]) = 0 OR 'delivered' = ANY($1))
+              AND $9::text IS NULL
               AND b.bucket >= (SELECT outbox.history_bucket($4))
               AND ($3::text IS NULL OR b.region = $3)
               AND (cardinality($6::text[]) = 0 OR b.region = '' OR b.region = ANY($6::text[]))

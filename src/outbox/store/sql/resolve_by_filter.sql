@@ -5,7 +5,10 @@
 WITH target AS (
     SELECT i.id, i.state
     FROM outbox.intent i
-    WHERE i.state = ANY($1)
+    WHERE (i.state = ANY($1)
+           -- DEAD on a DEAD_LETTERED intent that holds its ordering key releases the key.
+           OR ($2 = 'dead' AND i.state = 'dead_lettered' AND i.ordering_key IS NOT NULL
+               AND i.finished_at IS NULL))
       AND i.state = ANY($8)
       AND ($9::text IS NULL OR i.kind = $9)
       AND ($10::text IS NULL OR i.region = $10)
@@ -19,19 +22,22 @@ resolved AS (
     UPDATE outbox.intent i
     SET state = CASE $2
             WHEN 'delivered' THEN 'delivered'
-            WHEN 'requeue' THEN 'pending'
+            -- An ordered one waits for its key (outbox.advance_keys, run next).
+            WHEN 'requeue' THEN CASE WHEN i.ordering_key IS NULL THEN 'pending' ELSE 'waiting' END
             ELSE 'dead_lettered'
         END::outbox.intent_state,
         attempts = CASE WHEN $2 = 'requeue' THEN 0 ELSE i.attempts END,
         available_at = CASE WHEN $2 = 'requeue' THEN coalesce($5::timestamptz, now())
                             ELSE i.available_at END,
-        finished_at = CASE WHEN $2 = 'delivered' THEN coalesce($5::timestamptz, now()) END,
+        -- A DEAD_LETTERED ordered intent with a finish time no longer holds its key.
+        finished_at = CASE WHEN $2 = 'delivered' OR ($2 = 'dead' AND i.ordering_key IS NOT NULL)
+                           THEN coalesce($5::timestamptz, now()) END,
         lease_id = NULL,
         lease_expires_at = NULL,
         updated_at = coalesce($5::timestamptz, now())
     FROM target
     WHERE i.id = target.id
-    RETURNING i.id, i.tenant_id, i.state, target.state AS from_state
+    RETURNING i.id, i.tenant_id, i.state, target.state AS from_state, i.ordering_key
 ),
 recorded AS (
     INSERT INTO outbox.resolution (tenant_id, intent_id, from_state, decision, actor, reason,
@@ -43,7 +49,8 @@ recorded AS (
 woken AS (
     SELECT pg_notify($6, '') WHERE $2 = 'requeue' AND EXISTS (SELECT 1 FROM resolved)
 )
-SELECT resolved.id, true AS applied, resolved.state
+SELECT resolved.id, true AS applied, resolved.state, resolved.tenant_id,
+       resolved.ordering_key
 FROM resolved
 CROSS JOIN (SELECT count(*) FROM recorded) AS r
 CROSS JOIN (SELECT count(*) FROM woken) AS w

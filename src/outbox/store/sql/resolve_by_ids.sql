@@ -3,7 +3,7 @@
 -- $2 the decision ('delivered', 'requeue' or 'dead'), $3 actor, $4 reason, $5 now (or
 -- NULL), $6 the pending channel (a requeue wakes claimers), $7 the API key's regions
 -- (empty: any), $8 the intent ids. One row per id, in request order: whether it applied,
--- and the state it left the intent in.
+-- the state it left the intent in, and its tenant and ordering key (to advance).
 WITH input AS (
     SELECT * FROM unnest($8::uuid[]) WITH ORDINALITY AS t(id, ord)
 ),
@@ -11,7 +11,10 @@ target AS (
     SELECT i.id, i.state
     FROM outbox.intent i
     JOIN input ON input.id = i.id
-    WHERE i.state = ANY($1)
+    WHERE (i.state = ANY($1)
+           -- DEAD on a DEAD_LETTERED intent that holds its ordering key releases the key.
+           OR ($2 = 'dead' AND i.state = 'dead_lettered' AND i.ordering_key IS NOT NULL
+               AND i.finished_at IS NULL))
       AND (cardinality($7::text[]) = 0 OR i.region = '' OR i.region = ANY($7::text[]))
     FOR UPDATE OF i
 ),
@@ -19,19 +22,22 @@ resolved AS (
     UPDATE outbox.intent i
     SET state = CASE $2
             WHEN 'delivered' THEN 'delivered'
-            WHEN 'requeue' THEN 'pending'
+            -- An ordered one waits for its key (outbox.advance_keys, run next).
+            WHEN 'requeue' THEN CASE WHEN i.ordering_key IS NULL THEN 'pending' ELSE 'waiting' END
             ELSE 'dead_lettered'
         END::outbox.intent_state,
         attempts = CASE WHEN $2 = 'requeue' THEN 0 ELSE i.attempts END,
         available_at = CASE WHEN $2 = 'requeue' THEN coalesce($5::timestamptz, now())
                             ELSE i.available_at END,
-        finished_at = CASE WHEN $2 = 'delivered' THEN coalesce($5::timestamptz, now()) END,
+        -- A DEAD_LETTERED ordered intent with a finish time no longer holds its key.
+        finished_at = CASE WHEN $2 = 'delivered' OR ($2 = 'dead' AND i.ordering_key IS NOT NULL)
+                           THEN coalesce($5::timestamptz, now()) END,
         lease_id = NULL,
         lease_expires_at = NULL,
         updated_at = coalesce($5::timestamptz, now())
     FROM target
     WHERE i.id = target.id
-    RETURNING i.id, i.tenant_id, i.state, target.state AS from_state
+    RETURNING i.id, i.tenant_id, i.state, target.state AS from_state, i.ordering_key
 ),
 recorded AS (
     INSERT INTO outbox.resolution (tenant_id, intent_id, from_state, decision, actor, reason,
@@ -43,7 +49,8 @@ recorded AS (
 woken AS (
     SELECT pg_notify($6, '') WHERE $2 = 'requeue' AND EXISTS (SELECT 1 FROM resolved)
 )
-SELECT input.id, resolved.id IS NOT NULL AS applied, resolved.state
+SELECT input.id, resolved.id IS NOT NULL AS applied, resolved.state, resolved.tenant_id,
+       resolved.ordering_key
 FROM input
 LEFT JOIN resolved ON resolved.id = input.id
 CROSS JOIN (SELECT count(*) FROM recorded) AS r

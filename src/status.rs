@@ -102,10 +102,7 @@ impl From<Error> for Status {
                 Reason::OrderingUnavailable,
                 error_info(
                     Reason::OrderingUnavailable,
-                    HashMap::from([(
-                        "setting".to_owned(),
-                        "track_commit_timestamp".to_owned(),
-                    )]),
+                    HashMap::from([("setting".to_owned(), "track_commit_timestamp".to_owned())]),
                 ),
             ),
             Error::KeyHolderGone { key } => (

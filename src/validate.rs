@@ -781,7 +781,12 @@ pub fn list(req: v1::ListIntentsRequest, limits: &Limits) -> Result<List> {
     let states = dedup(states);
     c.name("kind", &req.kind, false, limits.max_name_length);
     c.name("region", &req.region, false, limits.max_region_length);
-    c.text("ordering_key", &req.ordering_key, false, limits.max_name_length);
+    c.text(
+        "ordering_key",
+        &req.ordering_key,
+        false,
+        limits.max_name_length,
+    );
     let limit = page(
         &mut c,
         "page_size",

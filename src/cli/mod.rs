@@ -83,6 +83,9 @@ pub enum Command {
         /// Idempotency key.
         #[arg(long, default_value = "")]
         key: String,
+        /// Ordering key: intents with the same one are delivered one at a time, in order.
+        #[arg(long, default_value = "")]
+        ordering_key: String,
         /// Claims allowed before dead-lettering (0 = server default).
         #[arg(long, default_value_t = 0)]
         max_attempts: i32,

@@ -13,8 +13,8 @@ use super::{
     ClientArgs, Command, DecisionArg, IntentsCommand, LeaseArgs, Outcome, ReconcileCommand,
 };
 use crate::client::{self, Client, Credentials};
-use crate::proto::v1;
 use crate::outbox::IntentState;
+use crate::proto::v1;
 
 /// Runs one operator command against the server.
 pub(super) async fn run(command: Command) -> anyhow::Result<()> {
@@ -25,6 +25,7 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
             content_type,
             region,
             key,
+            ordering_key,
             max_attempts,
             client,
         } => {
@@ -37,6 +38,7 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                         content_type,
                         region,
                         idempotency_key: key,
+                        ordering_key,
                         max_attempts,
                         ..Default::default()
                     }],
@@ -328,6 +330,8 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                     "oldest_pending_at": time(stats.oldest_pending_at.as_ref()),
                     "oldest_staged_at": time(stats.oldest_staged_at.as_ref()),
                     "reconcile_backlog": stats.reconcile_backlog,
+                    "blocked_keys": stats.blocked_keys,
+                    "oldest_blocked_at": time(stats.oldest_blocked_at.as_ref()),
                 }),
                 || {
                     println!("{:<16} {:<12} {:>10}", "STATE", "REGION", "COUNT");
@@ -340,6 +344,11 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                         println!("{:<16} {:<12} {:>10}", state_name(c.state), region, c.count);
                     }
                     println!("reconcile backlog: {}", stats.reconcile_backlog);
+                    println!(
+                        "blocked ordering keys: {} (oldest since {})",
+                        stats.blocked_keys,
+                        time(stats.oldest_blocked_at.as_ref())
+                    );
                     println!(
                         "oldest claimable pending since: {}",
                         time(stats.oldest_pending_at.as_ref())
@@ -427,36 +436,42 @@ fn why_key_waits(intents: &[v1::Intent]) -> String {
         return if waiting == 0 {
             "nothing live under this key".to_owned()
         } else {
-            format!("{waiting} waiting, no head yet: the next advance of the key makes one pending")
+            format!(
+                "{waiting} waiting and no first intent (not expected: a key moves on in the transaction that finishes its first)"
+            )
         };
     };
     let now = std::time::SystemTime::now();
+    let due_later = head
+        .available_at
+        .as_ref()
+        .is_some_and(|t| std::time::SystemTime::try_from(*t).is_ok_and(|t| t > now));
     let why = match state(head) {
         S::Staged => "its producer transaction is still open".to_owned(),
-        S::Pending if head.attempts > 0 && head.available_at.as_ref().is_some_and(|t| {
-            std::time::SystemTime::try_from(*t).is_ok_and(|t| t > now)
-        }) => format!(
-            "retrying after attempt {}/{} failed ({}); next try at {}",
+        S::Pending if head.attempts > 0 && due_later => format!(
+            "retrying, attempt {}/{} failed ({}); next try at {}",
             head.attempts,
             head.max_attempts,
             head.last_error,
             time(head.available_at.as_ref())
         ),
-        S::Pending => "claimable now".to_owned(),
+        S::Pending => "claimable".to_owned(),
         S::Leased | S::Submitted => format!(
-            "being delivered by {} (lease until {})",
+            "being delivered by {}, lease until {}",
             head.worker_id,
             time(head.lease_expires_at.as_ref())
         ),
-        S::NeedsReconcile => "needs an operator's decision (outboxd reconcile resolve)".to_owned(),
+        S::NeedsReconcile => {
+            "blocks the key until an operator decides (outboxd reconcile resolve)".to_owned()
+        }
         S::DeadLettered => format!(
-            "dead-lettered ({}); an operator's decision (outboxd reconcile resolve) releases the key",
+            "blocks the key until an operator decides (outboxd reconcile resolve); last error: {}",
             head.last_error
         ),
-        _ => state_name(head.state),
+        _ => String::new(),
     };
     format!(
-        "first: {} {} ({why}); {waiting} waiting behind it",
+        "first: {} {}: {why}; {waiting} waiting behind it",
         head.id,
         state_name(head.state)
     )

@@ -25,7 +25,7 @@ pub async fn promote_all(pools: &Pools, clock: &Clock) -> Result<PromotionReport
     loop {
         let mut tx =
             store::begin_with(pools, &TenantScope::All, &[AlsoAtBegin::IndexPlans]).await?;
-        let r = store::promote_staged_intents(&mut *tx, BATCH, clock.now()).await?;
+        let r = store::promote_staged_intents(&mut tx, BATCH, clock.now()).await?;
         tx.commit().await?;
         total.promoted += r.promoted;
         total.discarded += r.discarded;

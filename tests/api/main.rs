@@ -17,6 +17,7 @@ mod memory;
 mod migrations;
 mod model;
 mod observability;
+mod ordering;
 mod outage;
 mod properties;
 mod protocol;

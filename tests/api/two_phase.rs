@@ -373,7 +373,9 @@ async fn app_on_own_cluster() -> (TestApp, EmbeddedPostgres) {
 }
 
 /// [`app_on_own_cluster`] with extra server settings.
-async fn app_on_own_cluster_with(settings: Vec<(String, String)>) -> (TestApp, EmbeddedPostgres) {
+pub(crate) async fn app_on_own_cluster_with(
+    settings: Vec<(String, String)>,
+) -> (TestApp, EmbeddedPostgres) {
     let dir =
         crate::helpers::scratch_dir().join(format!("crash-{}", uuid::Uuid::new_v4().simple()));
     let mut config = EmbeddedConfig::new(dir);
@@ -406,7 +408,7 @@ async fn crash_and_restart(mut cluster: EmbeddedPostgres) -> EmbeddedPostgres {
     .unwrap()
 }
 
-async fn stop_own_cluster(app: TestApp, mut cluster: EmbeddedPostgres) {
+pub(crate) async fn stop_own_cluster(app: TestApp, mut cluster: EmbeddedPostgres) {
     app.stop().await;
     tokio::task::spawn_blocking(move || {
         cluster.stop().unwrap();

@@ -409,6 +409,7 @@ mod tests {
             content_type: String::new(),
             region: String::new(),
             idempotency_key: None,
+            ordering_key: None,
             headers: BTreeMap::new(),
             max_attempts: 5,
             schedule: Schedule::Now,

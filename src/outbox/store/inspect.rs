@@ -195,12 +195,13 @@ pub async fn queue_stats(
         .bind(regions)
         .fetch_one(&mut *conn)
         .await?;
-    let (blocked_keys, oldest_blocked_at): (i64, Option<DateTime<Utc>>) =
-        sqlx::query_as(&format!("SELECT count(*), min(i.updated_at) {BLOCKED_HEADS}"))
-            .bind(regions)
-            .bind(now)
-            .fetch_one(&mut *conn)
-            .await?;
+    let (blocked_keys, oldest_blocked_at): (i64, Option<DateTime<Utc>>) = sqlx::query_as(&format!(
+        "SELECT count(*), min(i.updated_at) {BLOCKED_HEADS}"
+    ))
+    .bind(regions)
+    .bind(now)
+    .fetch_one(&mut *conn)
+    .await?;
     Ok(QueueStats {
         counts,
         oldest_pending_at,

@@ -1,0 +1,468 @@
+//! Ordering keys: one tenant's intents of one key are leased one at a time, in the order
+//! their transactions committed, and a head that cannot be delivered holds its key.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use outboxd::proto::v1::{self, Decision, FailOutcome, IntentState};
+use sqlx::{Connection, PgConnection};
+use tonic::Code;
+
+use crate::helpers::{TENANT, TestApp, assert_status, claim_request, id_of, intent};
+use crate::two_phase::{app_on_own_cluster_with, stop_own_cluster};
+
+fn ordered(key: &str, payload: &str) -> v1::NewIntent {
+    v1::NewIntent {
+        ordering_key: key.to_owned(),
+        ..intent("order.event", payload)
+    }
+}
+
+fn decide(id: &str, decision: Decision) -> v1::ReconcileRequest {
+    v1::ReconcileRequest {
+        target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
+            ids: vec![id.to_owned()],
+        })),
+        decision: decision as i32,
+        actor: "alice".into(),
+        reason: "looked at it".into(),
+        limit: 0,
+    }
+}
+
+async fn stats(app: &TestApp) -> v1::GetQueueStatsResponse {
+    app.client()
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+/// Claims and acks one intent at a time until none is left; the ids in delivery order.
+async fn drain_one_by_one(app: &TestApp) -> Vec<String> {
+    let mut delivered = Vec::new();
+    loop {
+        let leases = app.claim_n("w", 1).await;
+        let Some(lease) = leases.first() else {
+            return delivered;
+        };
+        delivered.push(id_of(lease).to_owned());
+        app.ack(&[lease]).await;
+    }
+}
+
+#[tokio::test]
+async fn a_key_is_leased_one_intent_at_a_time_in_request_order() {
+    let app = TestApp::spawn().await;
+    let results = app
+        .enqueue(vec![
+            ordered("order-1", "created"),
+            ordered("order-1", "paid"),
+            ordered("order-2", "created"),
+            intent("email.send", "{}"),
+            ordered("order-1", "shipped"),
+        ])
+        .await
+        .unwrap();
+    let states: Vec<IntentState> = results.iter().map(|r| r.state()).collect();
+    assert_eq!(
+        states,
+        [
+            IntentState::Pending,
+            IntentState::Waiting,
+            IntentState::Pending,
+            IntentState::Pending,
+            IntentState::Waiting
+        ]
+    );
+    let ids: Vec<&str> = results.iter().map(|r| r.id.as_str()).collect();
+
+    // Each key's first, and the unordered one alongside, in one claim.
+    let leases = app.claim_n("w", 10).await;
+    let mut claimed: Vec<&str> = leases.iter().map(id_of).collect();
+    claimed.sort();
+    let mut heads = vec![ids[0], ids[2], ids[3]];
+    heads.sort();
+    assert_eq!(claimed, heads);
+    assert_eq!(app.intent(ids[1]).await.ordering_key, "order-1");
+    assert_eq!(app.state(ids[4]).await, IntentState::Waiting);
+    assert!(
+        app.claim_n("w", 10).await.is_empty(),
+        "a key's second waits"
+    );
+
+    let refs: Vec<&v1::Lease> = leases.iter().collect();
+    app.ack(&refs).await;
+    assert_eq!(drain_one_by_one(&app).await, [ids[1], ids[4]]);
+}
+
+#[tokio::test]
+async fn producers_committing_out_of_enqueue_order_are_delivered_in_commit_order() {
+    let app = TestApp::spawn().await;
+    let mut producers = Vec::new();
+    let mut ids = Vec::new();
+    // Three producer transactions enqueue, in this order, to one key…
+    for name in ["a", "b", "c"] {
+        let mut conn = app.producer().await;
+        sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
+        let token: String = sqlx::query_scalar("SELECT outbox.txn_token()")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+        let results = app
+            .client()
+            .enqueue(v1::EnqueueRequest {
+                intents: vec![ordered("account-7", name)],
+                txn_token: token,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .results;
+        assert_eq!(results[0].state(), IntentState::Staged);
+        ids.push(results[0].id.clone());
+        producers.push(conn);
+    }
+    // …a direct Enqueue of the key commits while they are open…
+    let direct = app
+        .enqueue(vec![ordered("account-7", "direct")])
+        .await
+        .unwrap();
+    assert_eq!(
+        direct[0].state(),
+        IntentState::Waiting,
+        "an open producer transaction of the key may still commit first"
+    );
+    // …and they commit c, a, b.
+    for i in [2, 0, 1] {
+        sqlx::query("COMMIT")
+            .execute(&mut producers[i])
+            .await
+            .unwrap();
+    }
+    app.wait_for_state(&direct[0].id, IntentState::Pending)
+        .await;
+    assert_eq!(
+        drain_one_by_one(&app).await,
+        [
+            direct[0].id.clone(),
+            ids[2].clone(),
+            ids[0].clone(),
+            ids[1].clone()
+        ]
+    );
+}
+
+#[tokio::test]
+async fn a_rolled_back_producer_releases_the_key_it_held() {
+    let app = TestApp::spawn().await;
+    let mut producer = app.producer().await;
+    let mut tx = producer.begin().await.unwrap();
+    let token: String = sqlx::query_scalar("SELECT outbox.txn_token()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    app.client()
+        .enqueue(v1::EnqueueRequest {
+            intents: vec![ordered("k", "rolled back")],
+            txn_token: token,
+        })
+        .await
+        .unwrap();
+    let direct = app.enqueue(vec![ordered("k", "direct")]).await.unwrap();
+    assert_eq!(direct[0].state(), IntentState::Waiting);
+    tx.rollback().await.unwrap();
+    // An abort sends no NOTIFY: the promotion's polling sweep finds it.
+    app.wait_for_state(&direct[0].id, IntentState::Pending)
+        .await;
+}
+
+#[tokio::test]
+async fn a_retried_head_keeps_the_later_intents_of_its_key_waiting() {
+    let app = TestApp::spawn().await;
+    let ids = app
+        .enqueue_ids(vec![ordered("k", "first"), ordered("k", "second")])
+        .await;
+    let leases = app.claim_n("w", 10).await;
+    assert_eq!(leases.len(), 1);
+    app.fail(&leases[0], FailOutcome::Retry).await;
+
+    assert!(app.claim_n("w", 10).await.is_empty());
+    assert_eq!(app.state(&ids[1]).await, IntentState::Waiting);
+    let s = stats(&app).await;
+    assert_eq!(s.blocked_keys, 1);
+    assert!(s.oldest_blocked_at.is_some());
+
+    app.advance(Duration::from_secs(3600));
+    let again = app.claim_n("w", 10).await;
+    assert_eq!(again.iter().map(id_of).collect::<Vec<_>>(), [&ids[0]]);
+    assert_eq!(again[0].attempt, 2);
+    app.ack(&[&again[0]]).await;
+    assert_eq!(drain_one_by_one(&app).await, [ids[1].clone()]);
+    assert_eq!(stats(&app).await.blocked_keys, 0);
+}
+
+#[tokio::test]
+async fn a_dead_lettered_head_blocks_its_key_until_an_operator_decides() {
+    let app = TestApp::spawn().await;
+    let mut head = ordered("k", "head");
+    head.max_attempts = 1;
+    let ids = app
+        .enqueue_ids(vec![head, ordered("k", "next"), ordered("k", "last")])
+        .await;
+    let leases = app.claim_n("w", 10).await;
+    app.fail(&leases[0], FailOutcome::Retry).await;
+    assert_eq!(app.state(&ids[0]).await, IntentState::DeadLettered);
+
+    app.advance(Duration::from_secs(3600));
+    assert!(app.claim_n("w", 10).await.is_empty(), "the key is blocked");
+    assert_eq!(stats(&app).await.blocked_keys, 1);
+
+    // REQUEUE runs the head again, still before the others.
+    let r = app
+        .reconcile(decide(&ids[0], Decision::Requeue))
+        .await
+        .unwrap();
+    assert_eq!(r[0].state(), IntentState::Pending);
+    let again = app.claim_n("w", 10).await;
+    assert_eq!(again.iter().map(id_of).collect::<Vec<_>>(), [&ids[0]]);
+    app.fail(&again[0], FailOutcome::Permanent).await;
+    assert!(app.claim_n("w", 10).await.is_empty());
+
+    // DEAD gives it up and releases the key.
+    let r = app
+        .reconcile(decide(&ids[0], Decision::Dead))
+        .await
+        .unwrap();
+    assert!(r[0].error.is_none(), "{:?}", r[0].error);
+    assert_eq!(r[0].state(), IntentState::DeadLettered);
+    assert_eq!(app.state(&ids[1]).await, IntentState::Pending);
+    assert_eq!(stats(&app).await.blocked_keys, 0);
+    assert_eq!(drain_one_by_one(&app).await, ids[1..]);
+    assert_eq!(app.get(&ids[0]).await.resolutions.len(), 2);
+}
+
+#[tokio::test]
+async fn a_head_needing_reconcile_holds_its_key_until_it_is_decided_delivered() {
+    let app = TestApp::spawn().await;
+    let ids = app
+        .enqueue_ids(vec![ordered("k", "charge"), ordered("k", "receipt")])
+        .await;
+    let leases = app.claim_n("w", 10).await;
+    app.fail(&leases[0], FailOutcome::Unknown).await;
+    assert_eq!(app.state(&ids[0]).await, IntentState::NeedsReconcile);
+    assert!(app.claim_n("w", 10).await.is_empty());
+
+    app.reconcile(decide(&ids[0], Decision::Delivered))
+        .await
+        .unwrap();
+    assert_eq!(drain_one_by_one(&app).await, [ids[1].clone()]);
+}
+
+#[tokio::test]
+async fn a_key_never_has_two_live_leases_across_replicas_and_concurrent_claimers() {
+    const KEYS: usize = 12;
+    const PER_KEY: usize = 10;
+    let app = TestApp::spawn().await;
+    let other = TestApp::spawn_on(app.url.clone(), |_| {}).await;
+    let mut expected: HashMap<String, Vec<String>> = HashMap::new();
+    for round in 0..PER_KEY {
+        let intents = (0..KEYS)
+            .map(|k| ordered(&format!("key-{k}"), &format!("{round}")))
+            .chain([intent("unordered", "{}")])
+            .collect();
+        let results = app.enqueue(intents).await.unwrap();
+        for (k, r) in results.iter().take(KEYS).enumerate() {
+            expected
+                .entry(format!("key-{k}"))
+                .or_default()
+                .push(r.id.clone());
+        }
+    }
+
+    // Live leases per key, counted up when a claim answers and down before the Ack is
+    // sent: two leases of one key alive at once would count 2.
+    let live: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let delivered: Arc<Mutex<HashMap<String, Vec<String>>>> = Arc::default();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut claimers = Vec::new();
+    for c in 0..8 {
+        let server = if c % 2 == 0 {
+            app.client()
+        } else {
+            other.client()
+        };
+        let (live, delivered) = (live.clone(), delivered.clone());
+        claimers.push(tokio::spawn(async move {
+            let mut client = server;
+            let mut idle = 0;
+            while idle < 20 && Instant::now() < deadline {
+                let leases = client
+                    .claim(claim_request(&format!("w{c}"), 4))
+                    .await
+                    .unwrap()
+                    .into_inner()
+                    .leases;
+                if leases.is_empty() {
+                    idle += 1;
+                    tokio::task::yield_now().await;
+                    continue;
+                }
+                idle = 0;
+                let keys: Vec<String> = leases
+                    .iter()
+                    .map(|l| l.intent.as_ref().unwrap().ordering_key.clone())
+                    .collect();
+                {
+                    let mut live = live.lock().unwrap();
+                    let mut delivered = delivered.lock().unwrap();
+                    for (lease, key) in leases.iter().zip(&keys) {
+                        if key.is_empty() {
+                            continue;
+                        }
+                        let n = live.entry(key.clone()).or_default();
+                        *n += 1;
+                        assert_eq!(*n, 1, "two live leases of {key}");
+                        delivered
+                            .entry(key.clone())
+                            .or_default()
+                            .push(id_of(lease).to_owned());
+                    }
+                }
+                {
+                    let mut live = live.lock().unwrap();
+                    for key in keys.iter().filter(|k| !k.is_empty()) {
+                        *live.get_mut(key).unwrap() -= 1;
+                    }
+                }
+                let refs = leases.iter().map(crate::helpers::lease_ref).collect();
+                client.ack(v1::AckRequest { leases: refs }).await.unwrap();
+            }
+        }));
+    }
+    for c in claimers {
+        c.await.unwrap();
+    }
+    assert_eq!(*delivered.lock().unwrap(), expected);
+    other.stop().await;
+}
+
+#[tokio::test]
+async fn intents_of_a_key_are_listed_by_their_ordering_key() {
+    let app = TestApp::spawn().await;
+    let ids = app
+        .enqueue_ids(vec![
+            ordered("a", "1"),
+            ordered("b", "1"),
+            ordered("a", "2"),
+        ])
+        .await;
+    let page = app
+        .client()
+        .list_intents(v1::ListIntentsRequest {
+            ordering_key: "a".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let listed: Vec<&str> = page.intents.iter().map(|i| i.id.as_str()).collect();
+    assert_eq!(listed, [&ids[0], &ids[2]]);
+    assert_eq!(page.intents[1].state(), IntentState::Waiting);
+    assert_eq!(app.stat(IntentState::Waiting, None).await, 1);
+}
+
+#[tokio::test]
+async fn ordered_intents_are_refused_where_postgres_records_no_commit_times() {
+    let (app, cluster) =
+        app_on_own_cluster_with(vec![("track_commit_timestamp".into(), "off".into())]).await;
+    let before = app.snapshot().await;
+    let status = app
+        .enqueue(vec![intent("x", "{}"), ordered("k", "1")])
+        .await
+        .unwrap_err();
+    assert_status(
+        &status,
+        Code::FailedPrecondition,
+        "ORDERING_UNAVAILABLE",
+        &[],
+    );
+    assert!(status.message().contains("track_commit_timestamp"));
+    assert_eq!(app.snapshot().await, before, "nothing was written");
+    // Unordered intents are unaffected.
+    app.enqueue(vec![intent("x", "{}")]).await.unwrap();
+    stop_own_cluster(app, cluster).await;
+}
+
+#[tokio::test]
+async fn a_producer_connection_sees_the_head_move_in_the_ack_that_delivered_it() {
+    // The advance is part of the Ack's transaction: read from another session right
+    // after the answer, the next intent is already PENDING.
+    let app = TestApp::spawn().await;
+    let ids = app
+        .enqueue_ids(vec![ordered("k", "1"), ordered("k", "2")])
+        .await;
+    let lease = app.claim_n("w", 1).await;
+    app.ack(&[&lease[0]]).await;
+    let mut conn = PgConnection::connect(&app.url).await.unwrap();
+    let state: String =
+        sqlx::query_scalar("SELECT state::text FROM outbox.intent WHERE id = $1::uuid")
+            .bind(&ids[1])
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    assert_eq!(state, "pending");
+}
+
+/// `outboxd <args>` against `app` as an operator would run it.
+async fn cli(app: &TestApp, key: &str, args: &[&str]) -> String {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_outboxd"));
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("OUTBOX_") {
+            command.env_remove(name);
+        }
+    }
+    let server = format!("http://{}", app.addr);
+    command
+        .args(args)
+        .args(["--server", &server, "--api-key", key]);
+    let output = command.output().await.unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{args:?}: {stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+#[tokio::test]
+async fn the_cli_enqueues_with_an_ordering_key_and_shows_why_a_key_waits() {
+    let app = TestApp::spawn().await;
+    let key = app.key(&[TENANT], &["admin"], &[]).await;
+    let mut ids = Vec::new();
+    for payload in ["{\"n\":1}", "{\"n\":2}"] {
+        let args = ["enqueue", "--kind", "order.event", "--payload", payload];
+        let out = cli(
+            &app,
+            &key,
+            &[&args[..], &["--ordering-key", "order-9", "--json"]].concat(),
+        )
+        .await;
+        let results: serde_json::Value = serde_json::from_str(&out).unwrap();
+        ids.push(results[0]["id"].as_str().unwrap().to_owned());
+    }
+    let leases = app.claim_n("w", 10).await;
+    app.fail(&leases[0], FailOutcome::Permanent).await;
+
+    let out = cli(&app, &key, &["intents", "key", "order-9"]).await;
+    assert!(
+        out.contains(&format!("first: {} DEAD_LETTERED: blocks the key", ids[0])),
+        "{out}"
+    );
+    assert!(out.contains("1 waiting behind it"), "{out}");
+    let out = cli(&app, &key, &["stats", "--json"]).await;
+    let stats: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(stats["blocked_keys"], 1, "{out}");
+}

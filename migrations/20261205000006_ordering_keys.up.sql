@@ -103,6 +103,16 @@ BEGIN
         ORDER BY 3
     LOOP
         PERFORM pg_advisory_xact_lock(k.lock_id);
+        -- Commit times are read while PostgreSQL still has them (it forgets them with the
+        -- commit log, after a few hundred million transactions), also behind a head that
+        -- stays blocked: each direct Enqueue of the key fills in the ones before it.
+        UPDATE outbox.intent i
+        SET order_ts = coalesce(outbox.commit_time(i.txn_xid), '-infinity')
+        WHERE i.tenant_id = k.tenant
+          AND i.ordering_key = k.ordering_key
+          AND i.state = 'waiting'
+          AND i.order_ts IS NULL
+          AND i.txn_xid IS DISTINCT FROM own;
         CONTINUE WHEN EXISTS (
             SELECT 1
             FROM outbox.intent i
@@ -112,13 +122,6 @@ BEGIN
                               'dead_lettered')
               AND (i.state <> 'dead_lettered' OR i.finished_at IS NULL)
         );
-        UPDATE outbox.intent i
-        SET order_ts = coalesce(outbox.commit_time(i.txn_xid), '-infinity')
-        WHERE i.tenant_id = k.tenant
-          AND i.ordering_key = k.ordering_key
-          AND i.state = 'waiting'
-          AND i.order_ts IS NULL
-          AND i.txn_xid IS DISTINCT FROM own;
         head := NULL;
         SELECT i.id INTO head
         FROM outbox.intent i

@@ -75,13 +75,17 @@ END
 $$;
 
 -- Makes the next WAITING intent of each (tenants[k], ordering_keys[k]) PENDING where the
--- key has no head, and returns those intents; under each key's lock, in lock order. A key
--- with a STAGED intent waits for that transaction to end (the promotion advances it then):
--- it may yet commit before the transactions of the WAITING ones.
+-- key has no head, and returns those intents: the keys' locks in lock order, then one
+-- statement per step for all the keys (an Ack of 1,000 ordered intents moves 1,000 keys).
+-- A key with a STAGED intent waits for that transaction to end (the promotion advances it
+-- then): it may yet commit before the transactions of the WAITING ones.
 --
 -- Every WAITING intent of another transaction has committed (a direct Enqueue holds the
 -- key's lock until its commit is visible), so its commit time can be read; the caller's
--- own come after them all, as its transaction commits last.
+-- own come after them all, as its transaction commits last. Commit times are read while
+-- PostgreSQL still has them (it forgets them with the commit log, after a few hundred
+-- million transactions), also behind a head that stays blocked: each direct Enqueue of a
+-- key fills in the ones before it.
 CREATE FUNCTION outbox.advance_keys(tenants text[], ordering_keys text[], as_of timestamptz)
 RETURNS SETOF uuid
 LANGUAGE plpgsql VOLATILE
@@ -89,58 +93,70 @@ SET enable_seqscan = off
 SET enable_bitmapscan = off
 AS $$
 DECLARE
-    k record;
     own xid8 := pg_current_xact_id_if_assigned();
     at timestamptz := coalesce(as_of, now());
-    head uuid;
-    advanced boolean := false;
+    key_tenants text[];
+    key_names text[];
+    lock_id bigint;
 BEGIN
-    FOR k IN
-        SELECT DISTINCT u.tenant, u.ordering_key,
-               outbox.ordering_lock(u.tenant, u.ordering_key) AS lock_id
-        FROM unnest(tenants, ordering_keys) AS u(tenant, ordering_key)
-        WHERE u.ordering_key IS NOT NULL
-        ORDER BY 3
+    SELECT array_agg(u.tenant ORDER BY u.lock_id), array_agg(u.ordering_key ORDER BY u.lock_id)
+    INTO key_tenants, key_names
+    FROM (
+        SELECT DISTINCT t.tenant, t.ordering_key,
+               outbox.ordering_lock(t.tenant, t.ordering_key) AS lock_id
+        FROM unnest(tenants, ordering_keys) AS t(tenant, ordering_key)
+        WHERE t.ordering_key IS NOT NULL
+    ) u;
+    IF key_tenants IS NULL THEN
+        RETURN;
+    END IF;
+    FOR lock_id IN
+        SELECT outbox.ordering_lock(k.tenant, k.ordering_key)
+        FROM unnest(key_tenants, key_names) AS k(tenant, ordering_key)
     LOOP
-        PERFORM pg_advisory_xact_lock(k.lock_id);
-        -- Commit times are read while PostgreSQL still has them (it forgets them with the
-        -- commit log, after a few hundred million transactions), also behind a head that
-        -- stays blocked: each direct Enqueue of the key fills in the ones before it.
-        UPDATE outbox.intent i
-        SET order_ts = coalesce(outbox.commit_time(i.txn_xid), '-infinity')
-        WHERE i.tenant_id = k.tenant
-          AND i.ordering_key = k.ordering_key
-          AND i.state = 'waiting'
-          AND i.order_ts IS NULL
-          AND i.txn_xid IS DISTINCT FROM own;
-        CONTINUE WHEN EXISTS (
-            SELECT 1
-            FROM outbox.intent i
-            WHERE i.tenant_id = k.tenant
-              AND i.ordering_key = k.ordering_key
-              AND i.state IN ('staged', 'pending', 'leased', 'submitted', 'needs_reconcile',
-                              'dead_lettered')
-              AND (i.state <> 'dead_lettered' OR i.finished_at IS NULL)
-        );
-        head := NULL;
-        SELECT i.id INTO head
-        FROM outbox.intent i
-        WHERE i.tenant_id = k.tenant
-          AND i.ordering_key = k.ordering_key
-          AND i.state = 'waiting'
-        ORDER BY i.order_ts, i.order_seq
-        LIMIT 1;
-        CONTINUE WHEN head IS NULL;
-        -- Claimable from now on, as a promoted STAGED intent is (outbox::claim::floor).
+        PERFORM pg_advisory_xact_lock(lock_id);
+    END LOOP;
+
+    UPDATE outbox.intent i
+    SET order_ts = coalesce(outbox.commit_time(i.txn_xid), '-infinity')
+    FROM unnest(key_tenants, key_names) AS k(tenant, ordering_key)
+    WHERE i.tenant_id = k.tenant
+      AND i.ordering_key = k.ordering_key
+      AND i.state = 'waiting'
+      AND i.order_ts IS NULL
+      AND i.txn_xid IS DISTINCT FROM own;
+
+    -- Claimable from now on, as a promoted STAGED intent is (outbox::claim::floor).
+    RETURN QUERY
         UPDATE outbox.intent i
         SET state = 'pending',
             available_at = greatest(i.available_at, at),
             updated_at = at
-        WHERE i.id = head;
-        advanced := true;
-        RETURN NEXT head;
-    END LOOP;
-    IF advanced THEN
+        FROM (
+            SELECT next.id
+            FROM unnest(key_tenants, key_names) AS k(tenant, ordering_key)
+            CROSS JOIN LATERAL (
+                SELECT w.id
+                FROM outbox.intent w
+                WHERE w.tenant_id = k.tenant
+                  AND w.ordering_key = k.ordering_key
+                  AND w.state = 'waiting'
+                ORDER BY w.order_ts, w.order_seq
+                LIMIT 1
+            ) next
+            WHERE NOT EXISTS (
+                SELECT 1
+                FROM outbox.intent h
+                WHERE h.tenant_id = k.tenant
+                  AND h.ordering_key = k.ordering_key
+                  AND h.state IN ('staged', 'pending', 'leased', 'submitted', 'needs_reconcile',
+                                  'dead_lettered')
+                  AND (h.state <> 'dead_lettered' OR h.finished_at IS NULL)
+            )
+        ) heads
+        WHERE i.id = heads.id
+        RETURNING i.id;
+    IF FOUND THEN
         PERFORM pg_notify('outbox_intent_pending', '');
     END IF;
 END

@@ -218,6 +218,9 @@ async fn a_dead_lettered_head_blocks_its_key_until_an_operator_decides() {
     app.advance(Duration::from_secs(3600));
     assert!(app.claim_n("w", 10).await.is_empty(), "the key is blocked");
     assert_eq!(stats(&app).await.blocked_keys, 1);
+    app.wait_for_metric("outbox_blocked_ordering_keys 1").await;
+    app.wait_for_metric("outbox_intents{state=\"waiting\",region=\"\"} 2")
+        .await;
 
     // REQUEUE runs the head again, still before the others.
     let r = app

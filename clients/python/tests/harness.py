@@ -93,7 +93,9 @@ class Cluster:
             str(self.root / "postgres.log"),
             "-o",
             f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root} -c fsync=off "
-            "-c max_connections=200 -c full_page_writes=off",
+            # Commit times order the intents of an ordering key (Enqueue refuses ordered
+            # intents without them).
+            "-c max_connections=200 -c full_page_writes=off -c track_commit_timestamp=on",
         )
 
     def stop(self) -> None:

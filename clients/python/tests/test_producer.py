@@ -14,7 +14,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 import outboxd
-from outboxd import AsyncOutbox, Intent, NewIntent, Outbox, TransactionRequired, Worker
+from outboxd import AsyncOutbox, Intent, NewIntent, Outbox, TransactionRequired, Worker, pb
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +155,35 @@ def test_refusals_carry_the_servers_reason(stack: Stack, outbox: Outbox, kind: C
     with pytest.raises(outboxd.OutboxError) as invalid:
         outbox.enqueue_direct("", b"b")
     assert invalid.value.reason == "INVALID_ARGUMENT"
+
+
+def test_intents_of_one_ordering_key_are_claimable_one_at_a_time_in_request_order(
+    outbox: Outbox, kind: Callable[[str], str]
+) -> None:
+    k = kind("ordered")
+    first, second = outbox.enqueue_direct_many(
+        [NewIntent(kind=k, payload=b"1", ordering_key=f"{k}/account-7") for _ in range(2)]
+    )
+    assert [first.state, second.state] == ["PENDING", "WAITING"]
+    assert outbox.get_intent(second.id).intent.ordering_key == f"{k}/account-7"
+
+    def claim(wait: float) -> list[pb.Lease]:
+        request = pb.ClaimRequest(worker_id="ordering-test", kinds=[k], max_intents=10)
+        if wait:
+            request.wait.FromMilliseconds(int(wait * 1000))
+        return list(outbox._client.call("Claim", request, pb.ClaimResponse, timeout=wait + 5, budget=wait + 5).leases)
+
+    # Ten asked, one leased: the second waits behind the first.
+    leases = claim(0)
+    assert [lease.intent.id for lease in leases] == [first.id]
+    assert claim(0) == []
+    acked = outbox._client.call(
+        "Ack",
+        pb.AckRequest(leases=[pb.LeaseRef(intent_id=first.id, lease_id=leases[0].lease_id)]),
+        pb.AckResponse,
+        timeout=5,
+        budget=5,
+    )
+    assert not acked.results[0].HasField("error")
+    # The Ack made the second the key's head, in its own transaction: claimable now.
+    assert [lease.intent.id for lease in claim(5)] == [second.id]

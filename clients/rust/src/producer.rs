@@ -53,6 +53,7 @@ pub enum TokenSource {
 /// let intent = NewIntent::new("email.send", br#"{"to":"ada@example.com"}"#.to_vec())
 ///     .content_type("application/json")
 ///     .idempotency_key("orders/7/welcome-email")
+///     .ordering_key("customers/42")
 ///     .header("x-order", "7")
 ///     .delay(Duration::from_secs(60));
 /// ```
@@ -90,6 +91,16 @@ impl NewIntent {
     /// lost is retried safely.
     pub fn idempotency_key(mut self, key: impl Into<String>) -> Self {
         self.message.idempotency_key = key.into();
+        self
+    }
+
+    /// Delivered one at a time with the other intents of this key (per tenant), in the
+    /// order their transactions committed (within one call, request order): a later one
+    /// is [`IntentState::Waiting`] until the earlier ones finish. Empty: unordered. Needs
+    /// the database's `track_commit_timestamp` (else `FAILED_PRECONDITION`,
+    /// `ORDERING_UNAVAILABLE`).
+    pub fn ordering_key(mut self, key: impl Into<String>) -> Self {
+        self.message.ordering_key = key.into();
         self
     }
 
@@ -143,8 +154,8 @@ impl From<proto::NewIntent> for NewIntent {
 pub struct EnqueueResult {
     /// The intent's id (the existing one's when deduplicated).
     pub id: String,
-    /// `Staged` in a transaction, `Pending` when direct; the current state when
-    /// deduplicated.
+    /// `Staged` in a transaction, `Pending` when direct (`Waiting` behind an unfinished
+    /// intent of its ordering key); the current state when deduplicated.
     pub state: IntentState,
     /// The idempotency key matched an intent already recorded.
     pub deduplicated: bool,

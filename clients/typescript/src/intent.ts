@@ -16,6 +16,8 @@ export interface Intent {
   readonly region: string;
   /** Idempotency key given at enqueue; empty if none. Handy as the target's own key. */
   readonly idempotencyKey: string;
+  /** Ordering key given at enqueue; empty if none. */
+  readonly orderingKey: string;
   /** Headers given at enqueue (`traceparent` among them when traced). */
   readonly headers: Readonly<Record<string, string>>;
   /** Attempt number of this delivery, starting at 1. */
@@ -42,6 +44,7 @@ export function intentOf(lease: Lease): Intent {
     contentType: wire?.contentType ?? "",
     region: wire?.region ?? "",
     idempotencyKey: wire?.idempotencyKey ?? "",
+    orderingKey: wire?.orderingKey ?? "",
     headers: wire?.headers ?? {},
     attempt: lease.attempt,
     maxAttempts: wire?.maxAttempts ?? 0,

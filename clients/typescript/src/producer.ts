@@ -26,6 +26,12 @@ export interface IntentInput {
   idempotencyKey?: string;
   /** Headers carried to the worker. The active OpenTelemetry span's `traceparent` is added. */
   headers?: Record<string, string>;
+  /**
+   * Intents of one tenant with the same ordering key are delivered one at a time, in the
+   * order their transactions committed (within one call, array order); a later one is
+   * WAITING until the earlier ones finish. Empty or absent: unordered.
+   */
+  orderingKey?: string;
   /** Claims allowed before it is dead-lettered; default the server's (5). */
   maxAttempts?: number;
   /** Claimable this long after the call. */
@@ -44,12 +50,16 @@ export type IntentStateName =
   | "DELIVERED"
   | "NEEDS_RECONCILE"
   | "DEAD_LETTERED"
-  | "DISCARDED";
+  | "DISCARDED"
+  | "WAITING";
 
 /** One enqueued intent, in request order. */
 export interface Enqueued {
   id: string;
-  /** STAGED (two-phase: until the transaction commits), PENDING (direct), or a deduplicated intent's state. */
+  /**
+   * STAGED (two-phase: until the transaction commits), PENDING (direct), WAITING (direct,
+   * behind an unfinished intent of its ordering key), or a deduplicated intent's state.
+   */
   state: IntentStateName;
   /** The idempotency key matched an intent already recorded. */
   deduplicated: boolean;
@@ -263,6 +273,7 @@ function toWire(input: IntentInput, traceparent: string | undefined): NewIntent 
     idempotencyKey: input.idempotencyKey ?? "",
     headers,
     maxAttempts: input.maxAttempts ?? 0,
+    orderingKey: input.orderingKey ?? "",
   });
   if (input.delayMs !== undefined) intent.schedule = { case: "delay", value: durationFromMs(input.delayMs) };
   else if (input.availableAt !== undefined) {

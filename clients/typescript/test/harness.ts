@@ -100,7 +100,8 @@ export class Postgres {
       join(dir, "postgres.log"),
       "-w",
       "-o",
-      `-p ${port} -k ${dir} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200`,
+      // track_commit_timestamp: commit times order the intents of an ordering key.
+      `-p ${port} -k ${dir} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200 -c track_commit_timestamp=on`,
       "start",
     ]);
     const cluster = new Postgres(dir, port);

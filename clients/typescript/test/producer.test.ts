@@ -2,6 +2,7 @@
 import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
 import knexFactory from "knex";
+import { durationFromMs } from "@bufbuild/protobuf/wkt";
 import pg from "pg";
 import { NotInTransactionError, Outbox, Worker, type PrismaTransactionLike } from "../src/index.js";
 import { Fixture, waitFor } from "./harness.js";
@@ -119,6 +120,30 @@ describe("node-postgres", () => {
     assert.equal(first?.state, "PENDING");
     assert.equal(second?.id, first?.id);
     assert.equal(second?.deduplicated, true);
+  });
+
+  test("intents of one ordering key are claimable one at a time, in request order", async () => {
+    const kind = "ordered.kind";
+    const [first, second] = await outbox.enqueueDirect([
+      { kind, payload: "1", orderingKey: "account/7" },
+      { kind, payload: "2", orderingKey: "account/7" },
+    ]);
+    assert.ok(first && second);
+    assert.deepEqual([first.state, second.state], ["PENDING", "WAITING"]);
+    const policy = { budgetMs: 10_000, tryTimeoutMs: 10_000 };
+    const claim = async (waitMs: number) => {
+      const request = { workerId: "ordering-test", kinds: [kind], maxIntents: 10, ...(waitMs ? { wait: durationFromMs(waitMs) } : {}) };
+      return (await fx.ops.call((c, o) => c.claim(request, o), policy)).leases;
+    };
+    // Ten asked, one leased: the second waits behind the first.
+    const leases = await claim(0);
+    assert.deepEqual(leases.map((l) => l.intent?.id), [first.id]);
+    assert.equal(leases[0]?.intent?.orderingKey, "account/7");
+    assert.equal((await claim(0)).length, 0);
+    const acked = await fx.ops.call((c, o) => c.ack({ leases: [{ intentId: first.id, leaseId: leases[0]?.leaseId ?? "" }] }, o), policy);
+    assert.equal(acked.results[0]?.error, undefined);
+    // The Ack made the second the key's head, in its own transaction: claimable now.
+    assert.deepEqual((await claim(5_000)).map((l) => l.intent?.id), [second.id]);
   });
 });
 

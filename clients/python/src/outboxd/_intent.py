@@ -38,7 +38,9 @@ class NewIntent:
     """One intent to enqueue (the batch form of `Outbox.enqueue`).
 
     `payload`: bytes are sent as they are; a str is UTF-8 encoded; anything else is JSON
-    encoded and `content_type` defaults to `application/json`.
+    encoded and `content_type` defaults to `application/json`. `ordering_key`: intents of
+    one key are delivered one at a time, in commit order (within one call, list order);
+    None or empty: unordered.
     """
 
     kind: str
@@ -50,6 +52,7 @@ class NewIntent:
     max_attempts: int = 0
     delay: Optional[float] = None
     available_at: Optional[dt.datetime] = None
+    ordering_key: Optional[str] = None
 
     def to_pb(self) -> pb.NewIntent:
         from . import _otel
@@ -72,6 +75,7 @@ class NewIntent:
             idempotency_key=self.idempotency_key,
             headers=headers,
             max_attempts=self.max_attempts,
+            ordering_key=self.ordering_key or "",
         )
         if self.delay is not None and self.available_at is not None:
             raise ValueError("give delay or available_at, not both")
@@ -84,8 +88,9 @@ class NewIntent:
 
 @dataclass(frozen=True)
 class EnqueueResult:
-    """One enqueued intent: its id, its state (`STAGED`, `PENDING`, … without the
-    `INTENT_STATE_` prefix) and whether its idempotency key matched an existing one."""
+    """One enqueued intent: its id, its state (`STAGED`, `PENDING`, `WAITING` behind an
+    earlier intent of its ordering key, … without the `INTENT_STATE_` prefix) and whether
+    its idempotency key matched an existing one."""
 
     id: str
     state: str

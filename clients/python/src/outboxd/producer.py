@@ -58,6 +58,7 @@ def _intents(
     max_attempts: int,
     delay: Optional[float],
     available_at: Optional[dt.datetime],
+    ordering_key: Optional[str],
 ) -> list[NewIntent]:
     return [
         NewIntent(
@@ -70,6 +71,7 @@ def _intents(
             max_attempts=max_attempts,
             delay=delay,
             available_at=available_at,
+            ordering_key=ordering_key,
         )
     ]
 
@@ -235,12 +237,26 @@ class Outbox(_Base):
         max_attempts: int = 0,
         delay: Optional[float] = None,
         available_at: Optional[dt.datetime] = None,
+        ordering_key: Optional[str] = None,
     ) -> EnqueueResult:
         """Enqueues one intent in the open transaction of `conn`: STAGED now, PENDING when
         that transaction commits, DISCARDED if it rolls back. Raises TransactionRequired
-        outside a transaction, OutboxError when outboxd refuses."""
+        outside a transaction, OutboxError when outboxd refuses.
+
+        `ordering_key`: intents of the same key are delivered one at a time, in the order
+        their transactions committed (WAITING behind an unfinished earlier one). None or
+        empty: unordered."""
         intents = _intents(
-            kind, payload, idempotency_key, headers, content_type, region, max_attempts, delay, available_at
+            kind,
+            payload,
+            idempotency_key,
+            headers,
+            content_type,
+            region,
+            max_attempts,
+            delay,
+            available_at,
+            ordering_key,
         )
         return self.enqueue_many(conn, intents)[0]
 
@@ -261,10 +277,21 @@ class Outbox(_Base):
         max_attempts: int = 0,
         delay: Optional[float] = None,
         available_at: Optional[dt.datetime] = None,
+        ordering_key: Optional[str] = None,
     ) -> EnqueueResult:
-        """Enqueues one intent outside any transaction: PENDING as soon as this returns."""
+        """Enqueues one intent outside any transaction: PENDING as soon as this returns
+        (WAITING when an earlier intent of its `ordering_key` is unfinished)."""
         intents = _intents(
-            kind, payload, idempotency_key, headers, content_type, region, max_attempts, delay, available_at
+            kind,
+            payload,
+            idempotency_key,
+            headers,
+            content_type,
+            region,
+            max_attempts,
+            delay,
+            available_at,
+            ordering_key,
         )
         return self.enqueue_direct_many(intents)[0]
 
@@ -373,10 +400,20 @@ class AsyncOutbox(_Base):
         max_attempts: int = 0,
         delay: Optional[float] = None,
         available_at: Optional[dt.datetime] = None,
+        ordering_key: Optional[str] = None,
     ) -> EnqueueResult:
         """See `Outbox.enqueue`."""
         intents = _intents(
-            kind, payload, idempotency_key, headers, content_type, region, max_attempts, delay, available_at
+            kind,
+            payload,
+            idempotency_key,
+            headers,
+            content_type,
+            region,
+            max_attempts,
+            delay,
+            available_at,
+            ordering_key,
         )
         return (await self.enqueue_many(conn, intents))[0]
 
@@ -397,10 +434,20 @@ class AsyncOutbox(_Base):
         max_attempts: int = 0,
         delay: Optional[float] = None,
         available_at: Optional[dt.datetime] = None,
+        ordering_key: Optional[str] = None,
     ) -> EnqueueResult:
         """See `Outbox.enqueue_direct`."""
         intents = _intents(
-            kind, payload, idempotency_key, headers, content_type, region, max_attempts, delay, available_at
+            kind,
+            payload,
+            idempotency_key,
+            headers,
+            content_type,
+            region,
+            max_attempts,
+            delay,
+            available_at,
+            ordering_key,
         )
         return (await self.enqueue_direct_many(intents))[0]
 

@@ -77,6 +77,11 @@ impl Job {
         &self.intent.idempotency_key
     }
 
+    /// The ordering key it was enqueued with (empty when none).
+    pub fn ordering_key(&self) -> &str {
+        &self.intent.ordering_key
+    }
+
     /// This claim's attempt number, from 1.
     pub fn attempt(&self) -> u32 {
         self.attempt

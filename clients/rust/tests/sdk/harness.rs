@@ -269,8 +269,9 @@ impl Stack {
             .arg(root.join("postgres.log"))
             .arg("-o")
             .arg(format!(
+                // track_commit_timestamp: commit times order an ordering key's intents.
                 "-p {pg_port} -c listen_addresses=127.0.0.1 -k {} -c fsync=off \
-                 -c full_page_writes=off -c max_connections=300",
+                 -c full_page_writes=off -c max_connections=300 -c track_commit_timestamp=on",
                 root.display()
             ));
         run(start, "pg_ctl start");

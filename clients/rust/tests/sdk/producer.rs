@@ -4,7 +4,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use outboxd_client::{Error, Failure, IntentState, Job, NewIntent, Outbox, TokenSource, Worker};
+use outboxd_client::{
+    CallOptions, Error, Failure, IntentState, Job, NewIntent, Outbox, TokenSource, Worker, proto,
+};
 use sqlx::{Connection as _, PgPool};
 use tonic::Code;
 
@@ -239,4 +241,72 @@ async fn refusals_carry_the_servers_code_and_reason() {
 
     let empty = outbox.enqueue_direct_many([]).await.unwrap_err();
     assert!(matches!(empty, Error::Invalid(_)), "{empty}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn intents_of_one_ordering_key_are_claimable_one_at_a_time_in_request_order() {
+    let connection = connection();
+    let outbox = Outbox::new(connection.clone());
+    let k = kind("ordered");
+    let results = outbox
+        .enqueue_direct_many(["1", "2"].map(|n| NewIntent::new(&k, n).ordering_key("account/7")))
+        .await
+        .unwrap();
+    let states: Vec<_> = results.iter().map(|r| r.state).collect();
+    assert_eq!(states, [IntentState::Pending, IntentState::Waiting]);
+    let (first, second) = (&results[0].id, &results[1].id);
+    let waiting = crate::harness::intent(&connection, second).await;
+    assert_eq!(waiting.ordering_key, "account/7");
+
+    let claim = |wait: Option<Duration>| {
+        let connection = connection.clone();
+        let request = proto::ClaimRequest {
+            worker_id: "ordering-test".into(),
+            kinds: vec![k.clone()],
+            max_intents: 10,
+            wait: wait.map(|w| prost_types::Duration {
+                seconds: i64::try_from(w.as_secs()).unwrap(),
+                nanos: 0,
+            }),
+            ..Default::default()
+        };
+        async move {
+            connection
+                .call(CallOptions::new(Duration::from_secs(10)), |mut client| {
+                    let request = request.clone();
+                    async move { client.claim(request).await }
+                })
+                .await
+                .unwrap()
+                .leases
+        }
+    };
+    // Ten asked, one leased: the second waits behind the first.
+    let leases = claim(None).await;
+    assert_eq!(intent_ids(&leases), [first]);
+    assert!(claim(None).await.is_empty());
+    let ack = proto::AckRequest {
+        leases: vec![proto::LeaseRef {
+            intent_id: first.clone(),
+            lease_id: leases[0].lease_id.clone(),
+        }],
+    };
+    let acked = connection
+        .call(CallOptions::new(Duration::from_secs(10)), |mut client| {
+            let ack = ack.clone();
+            async move { client.ack(ack).await }
+        })
+        .await
+        .unwrap();
+    assert_eq!(acked.results[0].error, None, "{acked:?}");
+    // The Ack made the second the key's head, in its own transaction: claimable now.
+    let leases = claim(Some(Duration::from_secs(5))).await;
+    assert_eq!(intent_ids(&leases), [second]);
+}
+
+fn intent_ids(leases: &[proto::Lease]) -> Vec<&String> {
+    leases
+        .iter()
+        .map(|l| &l.intent.as_ref().expect("a lease's intent").id)
+        .collect()
 }

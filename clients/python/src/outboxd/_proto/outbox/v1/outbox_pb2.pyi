@@ -19,6 +19,7 @@ class IntentState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INTENT_STATE_NEEDS_RECONCILE: _ClassVar[IntentState]
     INTENT_STATE_DEAD_LETTERED: _ClassVar[IntentState]
     INTENT_STATE_DISCARDED: _ClassVar[IntentState]
+    INTENT_STATE_WAITING: _ClassVar[IntentState]
 
 class FailOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -42,6 +43,7 @@ INTENT_STATE_DELIVERED: IntentState
 INTENT_STATE_NEEDS_RECONCILE: IntentState
 INTENT_STATE_DEAD_LETTERED: IntentState
 INTENT_STATE_DISCARDED: IntentState
+INTENT_STATE_WAITING: IntentState
 FAIL_OUTCOME_UNSPECIFIED: FailOutcome
 FAIL_OUTCOME_RETRY: FailOutcome
 FAIL_OUTCOME_PERMANENT: FailOutcome
@@ -52,7 +54,7 @@ DECISION_REQUEUE: Decision
 DECISION_DEAD: Decision
 
 class NewIntent(_message.Message):
-    __slots__ = ("kind", "payload", "content_type", "region", "idempotency_key", "headers", "max_attempts", "delay", "available_at")
+    __slots__ = ("kind", "payload", "content_type", "region", "idempotency_key", "headers", "max_attempts", "delay", "available_at", "ordering_key")
     class HeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +71,7 @@ class NewIntent(_message.Message):
     MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     DELAY_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_AT_FIELD_NUMBER: _ClassVar[int]
+    ORDERING_KEY_FIELD_NUMBER: _ClassVar[int]
     kind: str
     payload: bytes
     content_type: str
@@ -78,10 +81,11 @@ class NewIntent(_message.Message):
     max_attempts: int
     delay: _duration_pb2.Duration
     available_at: _timestamp_pb2.Timestamp
-    def __init__(self, kind: _Optional[str] = ..., payload: _Optional[bytes] = ..., content_type: _Optional[str] = ..., region: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ..., max_attempts: _Optional[int] = ..., delay: _Optional[_Union[_duration_pb2.Duration, _Mapping]] = ..., available_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    ordering_key: str
+    def __init__(self, kind: _Optional[str] = ..., payload: _Optional[bytes] = ..., content_type: _Optional[str] = ..., region: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ..., max_attempts: _Optional[int] = ..., delay: _Optional[_Union[_duration_pb2.Duration, _Mapping]] = ..., available_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., ordering_key: _Optional[str] = ...) -> None: ...
 
 class Intent(_message.Message):
-    __slots__ = ("id", "state", "kind", "payload", "content_type", "region", "idempotency_key", "headers", "attempts", "max_attempts", "available_at", "created_at", "updated_at", "lease_expires_at", "worker_id", "last_error")
+    __slots__ = ("id", "state", "kind", "payload", "content_type", "region", "idempotency_key", "headers", "attempts", "max_attempts", "available_at", "created_at", "updated_at", "lease_expires_at", "worker_id", "last_error", "ordering_key")
     class HeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +109,7 @@ class Intent(_message.Message):
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    ORDERING_KEY_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: IntentState
     kind: str
@@ -121,7 +126,8 @@ class Intent(_message.Message):
     lease_expires_at: _timestamp_pb2.Timestamp
     worker_id: str
     last_error: str
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[IntentState, str]] = ..., kind: _Optional[str] = ..., payload: _Optional[bytes] = ..., content_type: _Optional[str] = ..., region: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ..., attempts: _Optional[int] = ..., max_attempts: _Optional[int] = ..., available_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., created_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., lease_expires_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., worker_id: _Optional[str] = ..., last_error: _Optional[str] = ...) -> None: ...
+    ordering_key: str
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[IntentState, str]] = ..., kind: _Optional[str] = ..., payload: _Optional[bytes] = ..., content_type: _Optional[str] = ..., region: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ..., attempts: _Optional[int] = ..., max_attempts: _Optional[int] = ..., available_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., created_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., lease_expires_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., worker_id: _Optional[str] = ..., last_error: _Optional[str] = ..., ordering_key: _Optional[str] = ...) -> None: ...
 
 class EnqueueRequest(_message.Message):
     __slots__ = ("intents", "txn_token")
@@ -354,20 +360,22 @@ class GetIntentResponse(_message.Message):
     def __init__(self, intent: _Optional[_Union[Intent, _Mapping]] = ..., resolutions: _Optional[_Iterable[_Union[Resolution, _Mapping]]] = ...) -> None: ...
 
 class ListIntentsRequest(_message.Message):
-    __slots__ = ("states", "kind", "region", "page_size", "page_token", "include_payload")
+    __slots__ = ("states", "kind", "region", "page_size", "page_token", "include_payload", "ordering_key")
     STATES_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    ORDERING_KEY_FIELD_NUMBER: _ClassVar[int]
     states: _containers.RepeatedScalarFieldContainer[IntentState]
     kind: str
     region: str
     page_size: int
     page_token: str
     include_payload: bool
-    def __init__(self, states: _Optional[_Iterable[_Union[IntentState, str]]] = ..., kind: _Optional[str] = ..., region: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., include_payload: bool = ...) -> None: ...
+    ordering_key: str
+    def __init__(self, states: _Optional[_Iterable[_Union[IntentState, str]]] = ..., kind: _Optional[str] = ..., region: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., include_payload: bool = ..., ordering_key: _Optional[str] = ...) -> None: ...
 
 class ListIntentsResponse(_message.Message):
     __slots__ = ("intents", "next_page_token")
@@ -392,13 +400,17 @@ class StateCount(_message.Message):
     def __init__(self, state: _Optional[_Union[IntentState, str]] = ..., region: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class GetQueueStatsResponse(_message.Message):
-    __slots__ = ("counts", "oldest_pending_at", "oldest_staged_at", "reconcile_backlog")
+    __slots__ = ("counts", "oldest_pending_at", "oldest_staged_at", "reconcile_backlog", "blocked_keys", "oldest_blocked_at")
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     OLDEST_PENDING_AT_FIELD_NUMBER: _ClassVar[int]
     OLDEST_STAGED_AT_FIELD_NUMBER: _ClassVar[int]
     RECONCILE_BACKLOG_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_BLOCKED_AT_FIELD_NUMBER: _ClassVar[int]
     counts: _containers.RepeatedCompositeFieldContainer[StateCount]
     oldest_pending_at: _timestamp_pb2.Timestamp
     oldest_staged_at: _timestamp_pb2.Timestamp
     reconcile_backlog: int
-    def __init__(self, counts: _Optional[_Iterable[_Union[StateCount, _Mapping]]] = ..., oldest_pending_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., oldest_staged_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., reconcile_backlog: _Optional[int] = ...) -> None: ...
+    blocked_keys: int
+    oldest_blocked_at: _timestamp_pb2.Timestamp
+    def __init__(self, counts: _Optional[_Iterable[_Union[StateCount, _Mapping]]] = ..., oldest_pending_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., oldest_staged_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., reconcile_backlog: _Optional[int] = ..., blocked_keys: _Optional[int] = ..., oldest_blocked_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...

@@ -67,6 +67,36 @@ pub struct IntentRow {
     pub txn_xid: Option<String>,
     pub lease_id: Option<Uuid>,
     pub last_error: Option<String>,
+    /// Its ordering key (None: unordered).
+    pub ordering_key: Option<String>,
+    /// Its place among the ordered intents of its transaction (`order_seq`).
+    pub order_seq: Option<i64>,
+    /// When its enqueueing transaction began (`created_at`, µs): its commit came later.
+    pub created_us: i64,
+    /// `finished_at` in µs: delivered, or an operator's decision (for an ordered
+    /// DEAD_LETTERED intent, the DEAD that released its key).
+    pub finished_us: Option<i64>,
+    /// Commit time of its transaction per PostgreSQL (`pg_xact_commit_timestamp`, µs), for
+    /// ordered intents: evidence in reports.
+    pub commit_us: Option<i64>,
+}
+
+/// An operator's decision, from `outbox.resolution`.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Resolution {
+    pub intent_id: Uuid,
+    /// `delivered`, `requeue` or `dead`.
+    pub decision: String,
+}
+
+/// An ordered intent that holds its key for an operator: DEAD_LETTERED without a decision,
+/// or NEEDS_RECONCILE, with intents of its key WAITING behind it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct BlockedHead {
+    pub id: Uuid,
+    pub state: String,
+    /// How long it has been in that state, in ms.
+    pub age_ms: i64,
 }
 
 /// The database's side of the story after the drain.
@@ -76,6 +106,8 @@ pub struct Snapshot {
     pub intents: HashMap<Uuid, IntentRow>,
     /// Committed producer orders and the intents each linked in its transaction.
     pub committed_orders: HashMap<i64, Vec<Uuid>>,
+    /// Every operator decision (the run's operator releases blocked ordering keys).
+    pub resolutions: Vec<Resolution>,
 }
 
 impl Cluster {
@@ -250,11 +282,12 @@ impl Cluster {
         Ok(locked)
     }
 
-    /// How many intents are still in a live state (STAGED, PENDING, LEASED, SUBMITTED).
+    /// How many intents are still in a live state (STAGED, PENDING, LEASED, SUBMITTED, or
+    /// WAITING behind an earlier intent of their ordering key).
     pub async fn live_intents(&self) -> anyhow::Result<i64> {
         let live = sqlx::query_scalar(
             "SELECT count(*) FROM outbox.intent \
-             WHERE state IN ('staged', 'pending', 'leased', 'submitted')",
+             WHERE state IN ('staged', 'pending', 'leased', 'submitted', 'waiting')",
         )
         .fetch_one(&self.admin)
         .await?;
@@ -265,7 +298,31 @@ impl Cluster {
     pub async fn live_breakdown(&self) -> anyhow::Result<Vec<(String, i64)>> {
         Ok(sqlx::query_as(
             "SELECT state::text, count(*) FROM outbox.intent \
-             WHERE state IN ('staged', 'pending', 'leased', 'submitted') GROUP BY 1 ORDER BY 1",
+             WHERE state IN ('staged', 'pending', 'leased', 'submitted', 'waiting') \
+             GROUP BY 1 ORDER BY 1",
+        )
+        .fetch_all(&self.admin)
+        .await?)
+    }
+
+    /// Ordered intents that hold their key until an operator decides, with intents of the
+    /// key WAITING behind them (`run::operator` releases them).
+    pub async fn blocked_heads(&self) -> anyhow::Result<Vec<BlockedHead>> {
+        Ok(sqlx::query_as(
+            r#"
+            SELECT h.id, h.state::text AS state,
+                   (extract(epoch FROM now() - h.updated_at) * 1000)::bigint AS age_ms
+            FROM outbox.intent h
+            WHERE h.ordering_key IS NOT NULL
+              AND (h.state = 'needs_reconcile'
+                   OR (h.state = 'dead_lettered' AND h.finished_at IS NULL))
+              AND EXISTS (
+                  SELECT 1 FROM outbox.intent w
+                  WHERE w.tenant_id = h.tenant_id
+                    AND w.ordering_key = h.ordering_key
+                    AND w.state = 'waiting'
+              )
+            "#,
         )
         .fetch_all(&self.admin)
         .await?)
@@ -278,8 +335,19 @@ impl Cluster {
             r#"
             SELECT id, state::text AS state, attempts, max_attempts,
                    CASE WHEN txn_xid IS NOT NULL THEN pg_xact_status(txn_xid) END AS xact,
-                   txn_xid IS NOT NULL AS two_phase, txn_xid::text AS txn_xid, lease_id,
-                   last_error
+                   -- A direct ordered intent carries outboxd's own transaction as its
+                   -- txn_xid: the producers' idempotency keys tell the two apart
+                   -- (`{producer}/t{seq}/{i}` for a two-phase one, `…/d…` or none direct).
+                   txn_xid IS NOT NULL
+                       AND (ordering_key IS NULL
+                            OR coalesce(split_part(idempotency_key, '/', 2) LIKE 't%', false))
+                       AS two_phase,
+                   txn_xid::text AS txn_xid, lease_id, last_error, ordering_key, order_seq,
+                   (extract(epoch FROM created_at) * 1000000)::bigint AS created_us,
+                   (extract(epoch FROM finished_at) * 1000000)::bigint AS finished_us,
+                   CASE WHEN ordering_key IS NOT NULL AND state <> 'discarded' THEN
+                       (extract(epoch FROM outbox.commit_time(txn_xid)) * 1000000)::bigint
+                   END AS commit_us
             FROM outbox.all_intents
             "#,
         )
@@ -308,6 +376,13 @@ impl Cluster {
         for order in orders {
             snapshot.committed_orders.entry(order).or_default();
         }
+        snapshot.resolutions = sqlx::query_as(
+            r#"
+            SELECT intent_id, decision FROM outbox.resolution
+            "#,
+        )
+        .fetch_all(&self.admin)
+        .await?;
         Ok(snapshot)
     }
 }

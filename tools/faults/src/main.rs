@@ -16,8 +16,9 @@
 //! Modules: `cluster` (PostgreSQL), `processes` (children and their supervision), `proxy`
 //! (lost responses), `rpc` (clients that retry the same request), `producer`, `worker` and
 //! `idle` (the load and the pinned xmin), `journal` (what they observed), `faults` (kinds
-//! and timeline), `run` (orchestration; `run::inject` the fault scheduler), `checker` (the
-//! guarantees), `report` (the table), `repro` (deterministic reproductions of found bugs), `failover` (a PostgreSQL failover
+//! and timeline), `run` (orchestration; `run::inject` the fault scheduler, `run::operator`
+//! the operator who releases blocked ordering keys), `checker` (the guarantees; ordering
+//! keys in `checker::ordering`), `report` (the table), `repro` (deterministic reproductions of found bugs), `failover` (a PostgreSQL failover
 //! under load, issue 33).
 
 mod checker;

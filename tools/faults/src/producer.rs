@@ -5,6 +5,12 @@
 //! two-phase transaction also writes the producer's own rows (`faults.producer_order` and
 //! `faults.order_intent`), so after the run those tables say which transactions committed
 //! whatever the producer managed to log before it was killed.
+//!
+//! Half the intents carry an ordering key drawn from a small set shared by every producer
+//! of the run (`--ordering-keys`), so that each key has several intents in flight and the
+//! two-phase producers' commits interleave on the same keys; now and then two intents of
+//! one Enqueue share a key (request order). The checker holds the deliveries of each key
+//! to the order their transactions committed (`checker::ordering`).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -53,6 +59,21 @@ pub struct ProducerArgs {
     /// Pause between transactions, in milliseconds (the load knob).
     #[arg(long, default_value_t = 60)]
     pub pause_ms: u64,
+    /// Ordering keys shared by the run's producers; half the intents take one (0: none).
+    #[arg(long, default_value_t = 32)]
+    pub ordering_keys: u64,
+}
+
+/// Share of intents that carry an ordering key.
+const ORDERED_SHARE: f64 = 0.5;
+
+/// Chance that an ordered intent takes the key of the ordered intent before it in the same
+/// Enqueue: two intents of one key in one request, delivered in request order.
+const SAME_KEY_AGAIN: f64 = 0.3;
+
+/// The ordering key number `n` of the run (the same names in every producer).
+pub fn ordering_key(n: u64) -> String {
+    format!("key-{n:02}")
 }
 
 struct Producer {
@@ -63,6 +84,7 @@ struct Producer {
     options: PgConnectOptions,
     connection: Option<PgConnection>,
     seq: u64,
+    ordering_keys: u64,
 }
 
 /// Runs until SIGTERM, then finishes the transaction in hand and exits.
@@ -77,6 +99,7 @@ pub async fn run(args: ProducerArgs) -> anyhow::Result<()> {
         options: options.application_name(APPLICATION_NAME),
         connection: None,
         seq: 0,
+        ordering_keys: args.ordering_keys,
         name: args.name,
     };
     while !stop.is_cancelled() {
@@ -95,6 +118,7 @@ pub async fn run(args: ProducerArgs) -> anyhow::Result<()> {
 
 impl Producer {
     fn intents(&mut self, prefix: &str, count: u64) -> Vec<v1::NewIntent> {
+        let mut previous_key: Option<String> = None;
         (0..count)
             .map(|i| {
                 let kind = if self.rng.chance(0.3) {
@@ -102,6 +126,16 @@ impl Producer {
                 } else {
                     IDEMPOTENT_KIND
                 };
+                let ordering_key = match &previous_key {
+                    _ if self.ordering_keys == 0 || !self.rng.chance(ORDERED_SHARE) => {
+                        String::new()
+                    }
+                    Some(key) if self.rng.chance(SAME_KEY_AGAIN) => key.clone(),
+                    _ => ordering_key(self.rng.below(self.ordering_keys)),
+                };
+                if !ordering_key.is_empty() {
+                    previous_key = Some(ordering_key.clone());
+                }
                 let payload = serde_json::json!({"producer": self.name, "seq": self.seq, "i": i});
                 v1::NewIntent {
                     kind: kind.to_owned(),
@@ -109,6 +143,7 @@ impl Producer {
                     content_type: "application/json".to_owned(),
                     idempotency_key: format!("{}/{prefix}{}/{i}", self.name, self.seq),
                     max_attempts: MAX_ATTEMPTS,
+                    ordering_key,
                     ..Default::default()
                 }
             })

@@ -33,6 +33,8 @@ pub struct Summary<'a> {
     pub verdict: &'a Verdict,
     /// NEEDS_RECONCILE resolved after the checks: (delivered, dead, refused).
     pub reconciled: (u64, u64, u64),
+    /// Ordered intents the run's operator decided to release their keys.
+    pub released: crate::run::Released,
 }
 
 impl Summary<'_> {
@@ -145,7 +147,22 @@ impl Summary<'_> {
                 self.reconciled.0, self.reconciled.1, self.reconciled.2
             ),
         );
-        let live: u64 = ["staged", "pending", "leased", "submitted"]
+        table.row(
+            "  with an ordering key",
+            c.ordered.to_string(),
+            format!("{} keys", c.ordering_keys),
+        );
+        let r = &self.released;
+        table.row(
+            "ordered heads an operator released during the run",
+            (r.dead_letters + r.delivered + r.dead).to_string(),
+            format!(
+                "dead letters released {}, NEEDS_RECONCILE delivered {} / dead {}; {} refused \
+                 (moved meanwhile)",
+                r.dead_letters, r.delivered, r.dead, r.refused
+            ),
+        );
+        let live: u64 = ["staged", "pending", "leased", "submitted", "waiting"]
             .iter()
             .map(|s| state(s))
             .sum();
@@ -165,11 +182,13 @@ impl Summary<'_> {
         let invalid = count(Guarantee::AbortedNeverClaimed)
             + count(Guarantee::NoOverlappingLeases)
             + count(Guarantee::StaleSettleRejected)
-            + count(Guarantee::SubmittedNotReHanded);
+            + count(Guarantee::SubmittedNotReHanded)
+            + count(Guarantee::KeyOrder)
+            + count(Guarantee::KeyOneAtATime);
         table.row(
             "invalid deliveries",
             invalid.to_string(),
-            "sum of the four rows below".into(),
+            "sum of the six rows below".into(),
         );
         for g in Guarantee::ALL.into_iter().skip(1) {
             if g == Guarantee::HolderAckRefused {
@@ -181,6 +200,12 @@ impl Summary<'_> {
                 }
                 Guarantee::StaleSettleRejected => {
                     format!("{} late Acks refused LEASE_LOST", c.acks_lease_lost)
+                }
+                Guarantee::KeyOrder => {
+                    format!("{} pairs of certain commit order checked", c.order_pairs)
+                }
+                Guarantee::KeyOneAtATime => {
+                    format!("{} lease pairs of one key checked", c.key_lease_pairs)
                 }
                 _ => String::new(),
             };

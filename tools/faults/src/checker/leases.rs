@@ -469,6 +469,14 @@ pub(super) fn check_final_states(
     for l in leases.values() {
         of_intent.entry(l.intent).or_default().push(l);
     }
+    // The run's operator releases ordering keys: a NEEDS_RECONCILE head it decided DEAD
+    // ends DEAD_LETTERED without a Fail PERMANENT.
+    let decided_dead: std::collections::HashSet<Uuid> = snapshot
+        .resolutions
+        .iter()
+        .filter(|r| r.decision == "dead")
+        .map(|r| r.intent_id)
+        .collect();
     let none = Vec::new();
     for row in snapshot.intents.values() {
         let ls = of_intent.get(&row.id).unwrap_or(&none);
@@ -484,7 +492,7 @@ pub(super) fn check_final_states(
                     matches!(l.fail_sent, Some((FailKind::Permanent, _)))
                         || matches!(l.fail_sent, Some((FailKind::Retry, _)) if row.attempts >= row.max_attempts)
                 });
-                if !failed && row.attempts < row.max_attempts {
+                if !failed && row.attempts < row.max_attempts && !decided_dead.contains(&row.id) {
                     v.violate(
                         Guarantee::Consistency,
                         Some(row.id),

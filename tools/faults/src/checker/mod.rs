@@ -21,6 +21,7 @@ use crate::processes::UnexpectedExit;
 
 mod duplicates;
 mod leases;
+mod ordering;
 mod producers;
 #[cfg(test)]
 mod tests;
@@ -45,6 +46,11 @@ pub enum Guarantee {
     HolderAckRefused,
     /// A SUBMITTED intent was handed to another worker without an operator decision.
     SubmittedNotReHanded,
+    /// An ordered intent was first leased before an intent of its key that committed
+    /// earlier had finished (delivered, or released by an operator).
+    KeyOrder,
+    /// Leases of two intents of one ordering key were live at once.
+    KeyOneAtATime,
     /// A duplicate side effect that no fault explains.
     DuplicatesExplained,
     /// The three sources disagree in a way no fault explains.
@@ -55,12 +61,14 @@ pub enum Guarantee {
 
 impl Guarantee {
     /// Every guarantee, in report order.
-    pub const ALL: [Guarantee; 9] = [
+    pub const ALL: [Guarantee; 11] = [
         Self::NoneLost,
         Self::AbortedNeverClaimed,
         Self::NoOverlappingLeases,
         Self::StaleSettleRejected,
         Self::SubmittedNotReHanded,
+        Self::KeyOrder,
+        Self::KeyOneAtATime,
         Self::HolderAckRefused,
         Self::DuplicatesExplained,
         Self::Consistency,
@@ -76,6 +84,8 @@ impl Guarantee {
             Self::StaleSettleRejected => "stale Ack/Fail accepted",
             Self::HolderAckRefused => "holder's own Ack refused LEASE_LOST",
             Self::SubmittedNotReHanded => "SUBMITTED intents re-handed w/o operator",
+            Self::KeyOrder => "ordered intents leased before an earlier one finished",
+            Self::KeyOneAtATime => "live leases of one ordering key at once",
             Self::DuplicatesExplained => "duplicates no fault explains",
             Self::Consistency => "inconsistent observations",
             Self::OkCommittedOnArrival => "OKs not committed when answered",
@@ -192,6 +202,14 @@ pub struct Counts {
     pub read_back: u64,
     /// Latency (µs) of answered Ack attempts, by replica index.
     pub ack_latency: BTreeMap<usize, Vec<i64>>,
+    /// Intents with an ordering key (any state).
+    pub ordered: u64,
+    /// Ordering keys with committed intents.
+    pub ordering_keys: u64,
+    /// Pairs of intents of one key whose commit order is certain, checked for order.
+    pub order_pairs: u64,
+    /// Pairs of leases of different intents of one key, checked for overlap.
+    pub key_lease_pairs: u64,
 }
 
 /// The outcome of the checks.
@@ -242,6 +260,7 @@ fn not_lost(state: &str) -> bool {
             | "pending"
             | "leased"
             | "submitted"
+            | "waiting"
     )
 }
 
@@ -260,6 +279,7 @@ pub fn check(
     let leases = leases::collect_leases(observations, &mut verdict);
     leases::check_leases(snapshot, &produced, &leases, faults, exits, &mut verdict);
     leases::check_final_states(snapshot, &leases, &mut verdict);
+    ordering::check_ordering(snapshot, observations, &leases, &mut verdict);
     check_read_backs(observations, &mut verdict);
     verdict
 }

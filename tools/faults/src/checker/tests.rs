@@ -68,6 +68,11 @@ fn row(id: Uuid, state: &str, xact: Option<&str>, lease: Option<Uuid>) -> Intent
         txn_xid: xact.map(|_| "42".to_owned()),
         lease_id: lease,
         last_error: None,
+        ordering_key: None,
+        order_seq: None,
+        created_us: 0,
+        finished_us: None,
+        commit_us: None,
     }
 }
 
@@ -339,4 +344,217 @@ fn a_retried_ack_refused_though_its_lease_delivered_the_intent_is_a_violation() 
 fn delivered_without_a_side_effect_is_inconsistent() {
     let (world, _) = World::committed("delivered", None);
     assert!(guarantees(&world.check()).contains(&Guarantee::Consistency));
+}
+
+/// Two two-phase orders on one ordering key: `a` committed within `a_commit`, `b` within
+/// `b_commit` (ms), both delivered at the end (their finish times set by `deliver`).
+struct KeyWorld {
+    world: World,
+    a: Uuid,
+    b: Uuid,
+}
+
+const MS: i64 = 1_000;
+
+impl KeyWorld {
+    fn new(a_commit: (i64, i64), b_commit: (i64, i64)) -> Self {
+        let (a, b) = (Uuid::now_v7(), Uuid::now_v7());
+        let mut snapshot = Snapshot::default();
+        let mut producer = Vec::new();
+        for (order, id, (sent, done)) in [(1, a, a_commit), (2, b, b_commit)] {
+            let mut r = row(id, "delivered", Some("committed"), None);
+            r.ordering_key = Some("key-01".into());
+            r.txn_xid = Some(format!("{}", 40 + order));
+            r.order_seq = Some(order);
+            snapshot.intents.insert(id, r);
+            snapshot.committed_orders.insert(order, vec![id]);
+            producer.push(Event::Staged {
+                t: (sent - 5) * MS,
+                order,
+                xid: format!("{}", 40 + order),
+                intents: vec![id],
+                tries: 1,
+                deduplicated: 0,
+            });
+            producer.push(Event::CommitSent {
+                t: sent * MS,
+                order,
+            });
+            producer.push(Event::Committed {
+                t: done * MS,
+                order,
+            });
+        }
+        let observations = Observations {
+            producers: vec![("p1.g1".into(), producer)],
+            workers: vec![],
+        };
+        let world = World {
+            snapshot,
+            observations,
+            faults: vec![],
+        };
+        Self { world, a, b }
+    }
+
+    /// `id` leased at `at` ms by `worker`; acked (and delivered) at `ack` ms if given.
+    fn lease(&mut self, worker: &str, id: Uuid, attempt: i32, at: i64, ack: Option<i64>) {
+        let lease = Uuid::new_v4();
+        let mut events = vec![Event::Claimed {
+            t: at * MS,
+            request: Some(Uuid::new_v4()),
+            duration_ms: LEASE_MS,
+            tries: 1,
+            errors: vec![],
+            last_try: at * MS,
+            leases: vec![LeaseSeen {
+                intent: id,
+                lease,
+                kind: crate::IDEMPOTENT_KIND.into(),
+                attempt,
+                expires: at * MS + LEASE_MS * 1000,
+                state: "INTENT_STATE_LEASED".into(),
+                handed_off: false,
+            }],
+        }];
+        if let Some(ack) = ack {
+            events.push(Event::Performed {
+                t: (ack - 1) * MS,
+                intent: id,
+                lease,
+                attempt,
+            });
+            events.push(Event::AckSent {
+                t: ack * MS,
+                intent: id,
+                lease,
+            });
+            events.push(Event::Acked {
+                t: (ack + 2) * MS,
+                intent: id,
+                lease,
+                result: Outcome::Ok,
+                tries: 1,
+                errors: vec![],
+                via: None,
+            });
+            let r = self.world.snapshot.intents.get_mut(&id).unwrap();
+            r.lease_id = Some(lease);
+            r.finished_us = Some((ack + 1) * MS);
+        }
+        self.world.worker(worker, events);
+    }
+}
+
+#[test]
+fn ordered_intents_delivered_one_after_another_in_commit_order_break_nothing() {
+    let mut k = KeyWorld::new((1000, 1010), (2000, 2010));
+    let (a, b) = (k.a, k.b);
+    k.lease("w1.g1", a, 1, 3000, Some(3100));
+    k.lease("w2.g1", b, 1, 3200, Some(3300));
+    let v = k.world.check();
+    assert_eq!(guarantees(&v), vec![], "{:?}", v.violations);
+    assert_eq!(v.counts.order_pairs, 1);
+    assert_eq!(v.counts.ordering_keys, 1);
+}
+
+#[test]
+fn an_ordered_intent_leased_before_an_earlier_commit_was_acked_is_a_violation() {
+    let mut k = KeyWorld::new((1000, 1010), (2000, 2010));
+    let (a, b) = (k.a, k.b);
+    k.lease("w1.g1", a, 1, 3000, Some(3500));
+    k.lease("w2.g1", b, 1, 3200, Some(3300));
+    let found = guarantees(&k.world.check());
+    assert!(found.contains(&Guarantee::KeyOrder), "{found:?}");
+    assert!(found.contains(&Guarantee::KeyOneAtATime), "{found:?}");
+}
+
+#[test]
+fn a_later_intent_delivered_first_is_a_violation_when_the_commits_did_not_overlap() {
+    let mut k = KeyWorld::new((1000, 1010), (2000, 2010));
+    let (a, b) = (k.a, k.b);
+    k.lease("w2.g1", b, 1, 3000, Some(3100));
+    k.lease("w1.g1", a, 1, 3200, Some(3300));
+    let found = guarantees(&k.world.check());
+    assert_eq!(found, vec![Guarantee::KeyOrder]);
+}
+
+#[test]
+fn commits_that_overlapped_may_be_delivered_in_either_order() {
+    let mut k = KeyWorld::new((1000, 2000), (1500, 2500));
+    let (a, b) = (k.a, k.b);
+    k.lease("w2.g1", b, 1, 3000, Some(3100));
+    k.lease("w1.g1", a, 1, 3200, Some(3300));
+    let v = k.world.check();
+    assert_eq!(guarantees(&v), vec![], "{:?}", v.violations);
+    assert_eq!(v.counts.order_pairs, 0);
+}
+
+#[test]
+fn concurrent_leases_of_one_key_are_a_violation_even_when_the_commit_order_is_unknown() {
+    let mut k = KeyWorld::new((1000, 2000), (1500, 2500));
+    let (a, b) = (k.a, k.b);
+    k.lease("w1.g1", a, 1, 3000, Some(3500));
+    k.lease("w2.g1", b, 1, 3200, Some(3300));
+    assert_eq!(guarantees(&k.world.check()), vec![Guarantee::KeyOneAtATime]);
+}
+
+#[test]
+fn a_head_redelivered_after_its_lease_expired_is_at_least_once_not_a_violation() {
+    let mut k = KeyWorld::new((1000, 1010), (2000, 2010));
+    let (a, b) = (k.a, k.b);
+    // The first lease's answer was lost with its worker: it expires at 5000.
+    k.lease("w1.g1", a, 1, 3000, None);
+    k.lease("w2.g1", a, 2, 5300, Some(5400));
+    k.lease("w2.g1", b, 1, 5500, Some(5600));
+    let v = k.world.check();
+    assert_eq!(guarantees(&v), vec![], "{:?}", v.violations);
+}
+
+#[test]
+fn a_later_intent_leased_behind_a_dead_letter_no_operator_released_is_a_violation() {
+    let mut k = KeyWorld::new((1000, 1010), (2000, 2010));
+    let (a, b) = (k.a, k.b);
+    k.lease("w1.g1", a, 1, 3000, None);
+    let r = k.world.snapshot.intents.get_mut(&a).unwrap();
+    r.state = "dead_lettered".into();
+    r.attempts = r.max_attempts;
+    k.lease("w2.g1", b, 1, 5500, Some(5600));
+    let found = guarantees(&k.world.check());
+    assert_eq!(found, vec![Guarantee::KeyOrder]);
+    // Released by an operator's DEAD before b was leased: fine.
+    k.world.snapshot.intents.get_mut(&a).unwrap().finished_us = Some(5200 * MS);
+    let v = k.world.check();
+    assert_eq!(guarantees(&v), vec![], "{:?}", v.violations);
+}
+
+#[test]
+fn intents_of_one_enqueue_go_in_request_order() {
+    let mut k = KeyWorld::new((1000, 1010), (1000, 1010));
+    let (a, b) = (k.a, k.b);
+    // One order, [b, a]: b first.
+    k.world.observations.producers[0].1 = vec![
+        Event::Staged {
+            t: 990 * MS,
+            order: 1,
+            xid: "41".into(),
+            intents: vec![b, a],
+            tries: 1,
+            deduplicated: 0,
+        },
+        Event::CommitSent {
+            t: 1000 * MS,
+            order: 1,
+        },
+        Event::Committed {
+            t: 1010 * MS,
+            order: 1,
+        },
+    ];
+    k.world.snapshot.committed_orders.clear();
+    k.world.snapshot.committed_orders.insert(1, vec![b, a]);
+    k.lease("w1.g1", a, 1, 3000, Some(3100));
+    k.lease("w2.g1", b, 1, 3200, Some(3300));
+    let found = guarantees(&k.world.check());
+    assert_eq!(found, vec![Guarantee::KeyOrder]);
 }

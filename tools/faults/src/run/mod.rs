@@ -58,6 +58,9 @@ pub struct RunArgs {
     /// Mean pause between a producer's transactions, in ms (the load knob).
     #[arg(long, default_value_t = 60)]
     pub producer_pause_ms: u64,
+    /// Ordering keys the producers share; half their intents take one (0: unordered only).
+    #[arg(long, default_value_t = 32)]
+    pub ordering_keys: u64,
     /// A fault kind not to inject (repeatable), to isolate a failure.
     #[arg(long, value_enum, value_name = "KIND")]
     pub without: Vec<FaultKind>,
@@ -76,6 +79,9 @@ pub struct RunArgs {
 }
 
 mod inject;
+mod operator;
+
+pub use operator::Released;
 
 pub(crate) fn parse_duration(value: &str) -> Result<Duration, String> {
     humantime::parse_duration(value).map_err(|e| e.to_string())
@@ -240,6 +246,8 @@ impl Suite {
                 cluster.owner_url.clone(),
                 "--pause-ms".to_owned(),
                 args.producer_pause_ms.to_string(),
+                "--ordering-keys".to_owned(),
+                args.ordering_keys.to_string(),
             ];
             let launcher = client(
                 "producer",
@@ -296,6 +304,11 @@ impl Suite {
         }
         let supervision = CancellationToken::new();
         let supervisor = tokio::spawn(self.clone().supervise(supervision.clone()));
+        let operating = CancellationToken::new();
+        let operator = tokio::spawn(
+            self.clone()
+                .release_keys(dir.to_path_buf(), operating.clone()),
+        );
         self.say(format!(
             "load running: {} replicas (last with a {}-connection pool), {} producers, {} workers; injecting faults for {} s",
             self.replicas.len(),
@@ -330,6 +343,8 @@ impl Suite {
             )),
             None => self.say(format!("drain did not finish: {undrained:?}")),
         }
+        operating.cancel();
+        let released = operator.await.unwrap_or_default();
         for worker in &self.workers {
             worker.terminate(Duration::from_secs(5)).await;
         }
@@ -387,6 +402,7 @@ impl Suite {
             exits: &exits,
             verdict: &verdict,
             reconciled,
+            released,
         };
         let mut table = summary.render();
         if !summary.passed() {

@@ -393,7 +393,7 @@ fn waking_only(settings: &mut outboxd::config::Settings) {
 /// The answer of a claim that waits up to 60 s, which must come well before then: at its
 /// deadline a claim looks once more and would find the intent too, so only an answer
 /// within half the wait shows that something woke it.
-async fn woken<T>(waiter: tokio::task::JoinHandle<T>) -> T {
+pub(crate) async fn woken<T>(waiter: tokio::task::JoinHandle<T>) -> T {
     tokio::time::timeout(Duration::from_secs(30), waiter)
         .await
         .expect("the claim was not woken: it would have answered only at its 60 s deadline")
@@ -405,7 +405,7 @@ async fn woken<T>(waiter: tokio::task::JoinHandle<T>) -> T {
 /// holds a LISTEN connection. Both, or a test passes without the wake-up it means to show:
 /// a claim whose first look comes after the enqueue finds the intent anyway, and a server
 /// whose own LISTEN comes up late wakes its claimers when it does.
-async fn wait_until_claims_are_waiting(app: &TestApp, claims: i64, servers: i64) {
+pub(crate) async fn wait_until_claims_are_waiting(app: &TestApp, claims: i64, servers: i64) {
     app.wait_for_metric(&format!("outbox_claims_waiting {claims}"))
         .await;
     let deadline = Instant::now() + Duration::from_secs(10);

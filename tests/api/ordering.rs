@@ -10,6 +10,7 @@ use sqlx::{Connection, PgConnection};
 use tonic::Code;
 
 use crate::helpers::{TENANT, TestApp, assert_status, claim_request, id_of, intent};
+use crate::long_poll::{wait_until_claims_are_waiting, woken};
 use crate::two_phase::{app_on_own_cluster_with, stop_own_cluster};
 
 fn ordered(key: &str, payload: &str) -> v1::NewIntent {
@@ -468,4 +469,21 @@ async fn the_cli_enqueues_with_an_ordering_key_and_shows_why_a_key_waits() {
     let out = cli(&app, &key, &["stats", "--json"]).await;
     let stats: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(stats["blocked_keys"], 1, "{out}");
+}
+
+#[tokio::test]
+async fn a_long_polling_claim_gets_the_next_intent_of_a_key_as_soon_as_its_head_is_acked() {
+    let app = TestApp::spawn().await;
+    let ids = app
+        .enqueue_ids(vec![ordered("k", "1"), ordered("k", "2")])
+        .await;
+    let head = app.claim_n("w", 10).await;
+    let mut waiting = claim_request("w2", 10);
+    waiting.wait = Some(crate::helpers::duration(Duration::from_secs(60)));
+    let mut client = app.client();
+    let claim = tokio::spawn(async move { client.claim(waiting).await.unwrap().into_inner() });
+    wait_until_claims_are_waiting(&app, 1, 1).await;
+    app.ack(&[&head[0]]).await;
+    let leases = woken(claim).await.leases;
+    assert_eq!(leases.iter().map(id_of).collect::<Vec<_>>(), [&ids[1]]);
 }

@@ -622,6 +622,36 @@ async fn hostile_requests_get_their_status_and_change_nothing() {
     );
     case!(
         cases,
+        "Enqueue: ordering key over the name length limit",
+        invalid("intents[0].ordering_key"),
+        async move {
+            let key = "o".repeat(lim.max_name_length + 1);
+            whole(a.client().enqueue(one(|i| i.ordering_key = key)).await)
+        }
+    );
+    case!(
+        cases,
+        "Enqueue: tab in the ordering key",
+        invalid("intents[0].ordering_key"),
+        async move {
+            let req = one(|i| i.ordering_key = "order\t7".into());
+            whole(a.client().enqueue(req).await)
+        }
+    );
+    case!(
+        cases,
+        "ListIntents: ordering key over the name length limit",
+        invalid("ordering_key"),
+        async move {
+            let req = v1::ListIntentsRequest {
+                ordering_key: "o".repeat(lim.max_name_length + 1),
+                ..Default::default()
+            };
+            whole(a.client().list_intents(req).await)
+        }
+    );
+    case!(
+        cases,
         "Enqueue: NUL in the content type",
         invalid("intents[0].content_type"),
         async move {

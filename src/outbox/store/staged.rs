@@ -129,7 +129,7 @@ pub async fn find_replay(
 /// What one promotion pass did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PromotionReport {
-    /// STAGED intents whose transaction committed, now PENDING.
+    /// STAGED intents whose transaction committed, now PENDING (WAITING if ordered).
     pub promoted: u64,
     /// STAGED intents whose transaction aborted, now DISCARDED.
     pub discarded: u64,

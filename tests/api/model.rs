@@ -9,6 +9,15 @@
 //! on the stored rows: one live lease per intent, and a SUBMITTED intent stays with its
 //! lease until its holder's outcome or an operator's decision.
 //!
+//! Some Enqueues carry an ordering key (docs/ordering.md), alone or with a second intent of
+//! the same key in the same request. The model keeps each key's queue in enqueue order
+//! (commit order: the model's Enqueues are direct and one at a time): only the key's head
+//! is PENDING, LEASED, SUBMITTED, NEEDS_RECONCILE or DEAD_LETTERED, the others WAITING; an
+//! Ack or an operator's DELIVERED or DEAD moves the key on, REQUEUE puts an intent back in
+//! its place. On the stored rows it checks, per key: one head at most, a key with WAITING
+//! intents has one, and no head has an earlier intent of its key that is neither delivered
+//! nor given up by an operator.
+//!
 //! The model keeps a virtual clock. Retry and rescue backoff is jittered (50–100% of the
 //! delay), so the model keeps the interval an intent's `available_at` falls in and only
 //! generates a Claim whose outcome that interval decides: no PENDING intent may be "maybe
@@ -52,6 +61,32 @@ struct Intent {
     /// Ghost: the lease that marked it SUBMITTED, until that lease's holder reports a
     /// definite outcome or an operator decides. Meanwhile no other worker may get it.
     submitted_by: Option<usize>,
+    /// Its ordering key (`ordering_name`), if any.
+    ordering: Option<u8>,
+    /// DEAD_LETTERED and given up by an operator's DEAD: it no longer holds its key
+    /// (`finished_at` is set).
+    released: bool,
+    /// Ghost: an operator gave it up (DEAD) at some point. The ordering promise counts it
+    /// finished for the intents behind it, even once requeued (it then waits behind the
+    /// key's head of the moment).
+    given_up: bool,
+}
+
+impl Intent {
+    /// Its key's head: the one intent of its key that may be anything but WAITING or
+    /// finished (`outbox.advance_keys`' test).
+    fn holds_key(&self) -> bool {
+        self.ordering.is_some()
+            && (matches!(
+                self.state,
+                St::Pending | St::Leased | St::Submitted | St::NeedsReconcile
+            ) || (self.state == St::DeadLettered && !self.released))
+    }
+}
+
+/// The wire name of ordering key `k`.
+fn ordering_name(k: u8) -> String {
+    format!("order-{k}")
 }
 
 #[derive(Clone, Debug)]
@@ -91,11 +126,8 @@ impl Answer {
 #[derive(Clone, Debug)]
 enum Expect {
     Nothing,
-    Enqueued {
-        seq: usize,
-        deduplicated: bool,
-        state: St,
-    },
+    /// One per intent of the request: (intent, deduplicated, state answered).
+    Enqueued(Vec<(usize, bool, St)>),
     IdempotencyConflict,
     /// (intent, lease handle) for each intent leased: new handles, or those the first
     /// attempt of a repeated request took.
@@ -125,10 +157,14 @@ struct Model {
 
 #[derive(Clone, Copy, Debug)]
 enum Transition {
+    /// `key`: the idempotency key; `ordering`: the ordering key; `and_next`: a second
+    /// intent of the same ordering key (no idempotency key) follows in the same request.
     Enqueue {
         key: Option<u8>,
         payload: u8,
         max_attempts: i32,
+        ordering: Option<u8>,
+        and_next: bool,
     },
     /// `repeat`: the worker lost the response and sends its last request id again.
     Claim {
@@ -224,6 +260,94 @@ impl Model {
         (seq, self.intents[seq].lease == Some(handle))
     }
 
+    /// The head of ordering key `k`, if it has one.
+    fn head(&self, k: u8) -> Option<usize> {
+        self.intents
+            .iter()
+            .position(|i| i.ordering == Some(k) && i.holds_key())
+    }
+
+    /// `outbox.advance_keys` for one key: if it has no head, its first WAITING intent in
+    /// commit order (enqueue order here) becomes PENDING, claimable from now on.
+    fn advance(&mut self, k: Option<u8>) {
+        let Some(k) = k else { return };
+        if self.head(k).is_some() {
+            return;
+        }
+        let Some(seq) = self
+            .intents
+            .iter()
+            .position(|i| i.ordering == Some(k) && i.state == St::Waiting)
+        else {
+            return;
+        };
+        let now = self.now;
+        let intent = &mut self.intents[seq];
+        intent.state = St::Pending;
+        intent.available = (intent.available.0.max(now), intent.available.1.max(now));
+    }
+
+    /// A new intent: PENDING, or for an ordered one WAITING until its key is advanced.
+    fn push(&mut self, key: Option<u8>, payload: u8, max_attempts: i32, ordering: Option<u8>) {
+        self.intents.push(Intent {
+            state: if ordering.is_some() {
+                St::Waiting
+            } else {
+                St::Pending
+            },
+            attempts: 0,
+            max_attempts,
+            key,
+            payload,
+            lease: None,
+            available: (self.now, self.now),
+            lease_expires_at: None,
+            worker: None,
+            claim_request: None,
+            submitted_by: None,
+            ordering,
+            released: false,
+            given_up: false,
+        });
+    }
+
+    /// A direct Enqueue: one transaction, deduplicated by idempotency key (kind, payload
+    /// and region decide whether it is the same intent; the ordering key does not), the
+    /// request's ordered intents queued in request order behind their keys' heads.
+    fn enqueue(
+        &mut self,
+        key: Option<u8>,
+        payload: u8,
+        max_attempts: i32,
+        ordering: Option<u8>,
+        and_next: bool,
+    ) -> Expect {
+        let holder = key.and_then(|k| self.intents.iter().position(|i| i.key == Some(k)));
+        let mut items = Vec::new();
+        match holder {
+            Some(seq) if self.intents[seq].payload == payload => {
+                items.push((seq, true, self.intents[seq].state));
+            }
+            // The whole request is refused: nothing written.
+            Some(_) => return Expect::IdempotencyConflict,
+            None => {
+                self.push(key, payload, max_attempts, ordering);
+                items.push((self.intents.len() - 1, false, St::Unspecified));
+            }
+        }
+        if and_next {
+            self.push(None, payload, max_attempts, ordering);
+            items.push((self.intents.len() - 1, false, St::Unspecified));
+        }
+        self.advance(ordering);
+        for (seq, deduplicated, state) in &mut items {
+            if !*deduplicated {
+                *state = self.intents[*seq].state;
+            }
+        }
+        Expect::Enqueued(items)
+    }
+
     fn mark_submitted(&mut self, handle: usize) -> Answer {
         let (seq, current) = self.current(handle);
         let intent = &mut self.intents[seq];
@@ -266,6 +390,9 @@ impl Model {
                 intent.lease_expires_at = None;
                 intent.claim_request = None;
                 intent.submitted_by = None;
+                // The next intent of its key takes its place, in the Ack's transaction.
+                let ordering = intent.ordering;
+                self.advance(ordering);
                 Answer::ok(St::Delivered)
             }
             St::Delivered if current => Answer::ok(St::Delivered),
@@ -359,7 +486,14 @@ impl Model {
             };
         };
         let applies = match decision {
-            Decision::Dead => intent.state == St::NeedsReconcile,
+            // DEAD on a dead letter changes nothing, unless it holds its ordering key: then
+            // it releases the key.
+            Decision::Dead => {
+                intent.state == St::NeedsReconcile
+                    || (intent.state == St::DeadLettered
+                        && intent.ordering.is_some()
+                        && !intent.released)
+            }
             _ => matches!(intent.state, St::NeedsReconcile | St::DeadLettered),
         };
         if !applies {
@@ -371,17 +505,28 @@ impl Model {
         intent.lease = None;
         intent.lease_expires_at = None;
         intent.submitted_by = None;
+        let ordering = intent.ordering;
+        intent.released = decision == Decision::Dead && ordering.is_some();
+        intent.given_up |= decision == Decision::Dead;
         intent.state = match decision {
             Decision::Delivered => St::Delivered,
             Decision::Dead => St::DeadLettered,
             _ => {
-                // A redriven intent gets a full attempt budget, claimable at once.
+                // A redriven intent gets a full attempt budget, claimable at once; an
+                // ordered one takes its place in its key again (first in commit order, so
+                // the head if the key has none).
                 intent.attempts = 0;
                 intent.available = (now, now);
-                St::Pending
+                if ordering.is_some() {
+                    St::Waiting
+                } else {
+                    St::Pending
+                }
             }
         };
-        Answer::ok(intent.state)
+        // DELIVERED and DEAD release the key, REQUEUE may take it: the key moves on.
+        self.advance(ordering);
+        Answer::ok(self.intents[seq].state)
     }
 }
 
@@ -451,11 +596,22 @@ impl ReferenceStateMachine for Lifecycle {
         let mut arms: Vec<(u32, BoxedStrategy<Transition>)> = vec![
             (
                 if state.intents.len() < 4 { 4 } else { 1 },
-                (proptest::option::of(0..2u8), 0..2u8, 1..=3i32)
-                    .prop_map(|(key, payload, max_attempts)| Transition::Enqueue {
-                        key,
-                        payload,
-                        max_attempts,
+                (
+                    proptest::option::of(0..2u8),
+                    0..2u8,
+                    1..=3i32,
+                    // Mostly one key, so that its queue grows.
+                    proptest::option::weighted(0.7, prop_oneof![3 => Just(0u8), 1 => Just(1)]),
+                    proptest::bool::weighted(0.2),
+                )
+                    .prop_map(|(key, payload, max_attempts, ordering, and_next)| {
+                        Transition::Enqueue {
+                            key,
+                            payload,
+                            max_attempts,
+                            ordering,
+                            and_next: and_next && ordering.is_some(),
+                        }
                     })
                     .boxed(),
             ),
@@ -510,14 +666,45 @@ impl ReferenceStateMachine for Lifecycle {
                 })
                 .collect();
             let any = 0..state.intents.len();
-            let target = if awaiting.is_empty() {
-                prop_oneof![8 => any, 1 => Just(usize::MAX)].boxed()
-            } else {
-                let awaiting = proptest::sample::select(awaiting);
-                prop_oneof![6 => awaiting, 2 => any, 1 => Just(usize::MAX)].boxed()
+            // Heads that hold their ordering key with intents waiting behind: deciding them
+            // moves the key on (or not), so they are decided more often.
+            let blocking: Vec<usize> = awaiting
+                .iter()
+                .copied()
+                .filter(|&s| {
+                    let head = &state.intents[s];
+                    head.holds_key()
+                        && state
+                            .intents
+                            .iter()
+                            .any(|i| i.ordering == head.ordering && i.state == St::Waiting)
+                })
+                .collect();
+            let weight = match (awaiting.is_empty(), blocking.is_empty()) {
+                (true, _) => 2,
+                (false, true) => 4,
+                (false, false) => 8,
+            };
+            let target = match (awaiting.is_empty(), blocking.is_empty()) {
+                (true, _) => prop_oneof![8 => any, 1 => Just(usize::MAX)].boxed(),
+                (false, true) => {
+                    let awaiting = proptest::sample::select(awaiting);
+                    prop_oneof![6 => awaiting, 2 => any, 1 => Just(usize::MAX)].boxed()
+                }
+                (false, false) => {
+                    let awaiting = proptest::sample::select(awaiting);
+                    let blocking = proptest::sample::select(blocking);
+                    prop_oneof![
+                        6 => blocking,
+                        4 => awaiting,
+                        2 => any,
+                        1 => Just(usize::MAX)
+                    ]
+                    .boxed()
+                }
             };
             arms.push((
-                2,
+                weight,
                 (target, decision())
                     .prop_map(|(s, d)| Transition::Reconcile(s, d))
                     .boxed(),
@@ -547,37 +734,9 @@ impl ReferenceStateMachine for Lifecycle {
                 key,
                 payload,
                 max_attempts,
-            } => {
-                let holder = key.and_then(|k| state.intents.iter().position(|i| i.key == Some(k)));
-                match holder {
-                    Some(seq) if state.intents[seq].payload == payload => Expect::Enqueued {
-                        seq,
-                        deduplicated: true,
-                        state: state.intents[seq].state,
-                    },
-                    Some(_) => Expect::IdempotencyConflict,
-                    None => {
-                        state.intents.push(Intent {
-                            state: St::Pending,
-                            attempts: 0,
-                            max_attempts,
-                            key,
-                            payload,
-                            lease: None,
-                            available: (state.now, state.now),
-                            lease_expires_at: None,
-                            worker: None,
-                            claim_request: None,
-                            submitted_by: None,
-                        });
-                        Expect::Enqueued {
-                            seq: state.intents.len() - 1,
-                            deduplicated: false,
-                            state: St::Pending,
-                        }
-                    }
-                }
-            }
+                ordering,
+                and_next,
+            } => state.enqueue(key, payload, max_attempts, ordering, and_next),
             Transition::Claim { worker, n, repeat } => {
                 let earlier = if repeat {
                     state.earlier_leases(worker)
@@ -701,6 +860,8 @@ struct Stored {
     lease_expires_at: Option<DateTime<Utc>>,
     available_at: DateTime<Utc>,
     worker_id: Option<String>,
+    ordering_key: Option<String>,
+    finished_at: Option<DateTime<Utc>>,
 }
 
 impl StateMachineTest for Lifecycle {
@@ -742,27 +903,34 @@ impl StateMachineTest for Lifecycle {
                     key,
                     payload,
                     max_attempts,
+                    ordering,
+                    and_next,
                 },
                 expect,
             ) => {
                 let mut new = intent("job", &format!("{{\"p\":{payload}}}"));
-                new.idempotency_key = key.map(|k| format!("key-{k}")).unwrap_or_default();
                 new.max_attempts = max_attempts;
-                let answer = server.runtime.block_on(app.enqueue(vec![new]));
+                new.ordering_key = ordering.map(ordering_name).unwrap_or_default();
+                let mut request = vec![new.clone()];
+                if and_next {
+                    request.push(new.clone());
+                }
+                request[0].idempotency_key = key.map(|k| format!("key-{k}")).unwrap_or_default();
+                let answer = server.runtime.block_on(app.enqueue(request));
                 match expect {
-                    Expect::Enqueued {
-                        seq,
-                        deduplicated,
-                        state,
-                    } => {
-                        let result = answer.unwrap_or_else(|e| panic!("{what}: {e:?}")).remove(0);
-                        assert_eq!(result.deduplicated, *deduplicated, "{what}: {result:?}");
-                        assert_eq!(result.state(), *state, "{what}: {result:?}");
-                        if *deduplicated {
-                            assert_eq!(result.id, server.ids[*seq], "{what}");
-                        } else {
-                            assert_eq!(*seq, server.ids.len());
-                            server.ids.push(result.id);
+                    Expect::Enqueued(items) => {
+                        let results = answer.unwrap_or_else(|e| panic!("{what}: {e:?}"));
+                        assert_eq!(results.len(), items.len(), "{what}: {results:?}");
+                        for (result, &(seq, deduplicated, state)) in results.into_iter().zip(items)
+                        {
+                            assert_eq!(result.deduplicated, deduplicated, "{what}: {result:?}");
+                            assert_eq!(result.state(), state, "{what}: {result:?}");
+                            if deduplicated {
+                                assert_eq!(result.id, server.ids[seq], "{what}");
+                            } else {
+                                assert_eq!(seq, server.ids.len());
+                                server.ids.push(result.id);
+                            }
                         }
                     }
                     Expect::IdempotencyConflict => {
@@ -908,7 +1076,8 @@ impl StateMachineTest for Lifecycle {
             .block_on(
                 sqlx::query_as(
                     "SELECT id::text AS id, state::text AS state, attempts, max_attempts, \
-                        lease_id::text AS lease_id, lease_expires_at, available_at, worker_id \
+                        lease_id::text AS lease_id, lease_expires_at, available_at, worker_id, \
+                        ordering_key, finished_at \
                  FROM outbox.all_intents ORDER BY id",
                 )
                 .fetch_all(&server.app.pool),
@@ -969,7 +1138,20 @@ impl StateMachineTest for Lifecycle {
                     "{at}: available_at {available}µs outside [{earliest}, {latest}]ms"
                 );
             }
+            assert_eq!(
+                row.ordering_key,
+                intent.ordering.map(ordering_name),
+                "{at}: ordering key"
+            );
+            if intent.state == St::DeadLettered {
+                assert_eq!(
+                    row.finished_at.is_some(),
+                    intent.released,
+                    "{at}: a dead letter holds its key until an operator's DEAD"
+                );
+            }
         }
+        check_ordering(server, model, &stored);
     }
 
     fn teardown(server: Server, _: Model) {
@@ -979,6 +1161,54 @@ impl StateMachineTest for Lifecycle {
             app.stop().await;
             pool.close().await;
         });
+    }
+}
+
+/// The ordering guarantees on the stored rows, per ordering key, with the model's enqueue
+/// order (which is commit order) and its ghost of operators' DEAD decisions.
+fn check_ordering(server: &Server, model: &Model, stored: &[Stored]) {
+    let mut keys: std::collections::BTreeMap<&str, Vec<(usize, &Stored)>> = Default::default();
+    for row in stored {
+        if let Some(key) = &row.ordering_key {
+            let seq = server.ids.iter().position(|id| *id == row.id).unwrap();
+            keys.entry(key).or_default().push((seq, row));
+        }
+    }
+    for (key, mut rows) in keys {
+        rows.sort_by_key(|(seq, _)| *seq);
+        let at = format!("ordering key {key} at {}ms: {rows:?}", model.now);
+        let live = rows
+            .iter()
+            .filter(|(_, r)| matches!(r.state.as_str(), "pending" | "leased" | "submitted"))
+            .count();
+        assert!(
+            live <= 1,
+            "{at}: {live} intents PENDING, LEASED or SUBMITTED"
+        );
+        let heads: Vec<usize> = rows
+            .iter()
+            .filter(|(_, r)| match r.state.as_str() {
+                "staged" | "pending" | "leased" | "submitted" | "needs_reconcile" => true,
+                "dead_lettered" => r.finished_at.is_none(),
+                _ => false,
+            })
+            .map(|(seq, _)| *seq)
+            .collect();
+        assert!(heads.len() <= 1, "{at}: heads {heads:?}");
+        let waiting = rows.iter().any(|(_, r)| r.state == "waiting");
+        assert!(
+            !waiting || heads.len() == 1,
+            "{at}: WAITING intents behind no head"
+        );
+        // None leased (or due to be) while an earlier one of its key is unfinished.
+        if let Some(&head) = heads.first() {
+            for (seq, row) in rows.iter().take_while(|(seq, _)| *seq < head) {
+                assert!(
+                    row.state == "delivered" || model.intents[*seq].given_up,
+                    "{at}: #{head} is the head while #{seq} before it is unfinished"
+                );
+            }
+        }
     }
 }
 
@@ -1004,5 +1234,5 @@ prop_state_machine! {
     /// Random lifecycles against the real server agree with the reference model, step by
     /// step, answer by answer and row by row.
     #[test]
-    fn the_server_follows_the_lifecycle_model(sequential 1..30 => Lifecycle);
+    fn the_server_follows_the_lifecycle_model(sequential 1..40 => Lifecycle);
 }

@@ -6,6 +6,8 @@
 //! guarantees of docs/design.md are checked as properties of every reachable state, and
 //! "every intent that must be delivered can still end delivered or with an operator" is
 //! checked on the explored graph (from every reachable state, such a state is reachable).
+//! Intents of one ordering key (docs/ordering.md) add `outbox.advance_keys`: WAITING
+//! behind the key's head, the next made PENDING by the Ack or decision that finished it.
 //!
 //! Abstractions, each sound for the properties checked:
 //! - A lease id is fresh at every claim, so the `lease_id` column is either NULL or the id
@@ -40,6 +42,8 @@ enum St {
     NeedsReconcile,
     DeadLettered,
     Discarded,
+    /// Behind its ordering key's head.
+    Waiting,
 }
 
 /// `pg_xact_status` of the producer's transaction.
@@ -104,6 +108,15 @@ struct Row {
     /// Ghost: MarkSubmitted applied and nobody has settled the outcome since (neither the
     /// holder with a definite report nor an operator).
     ambiguous: bool,
+    /// Carries the ordering key (there is one); its place in the key is its slot.
+    ordered: bool,
+    /// DEAD_LETTERED and given up by an operator's DEAD (`finished_at` set): it no longer
+    /// holds its key.
+    released: bool,
+    /// Ghost: finished for the intents behind it: an Ack applied, or an operator's
+    /// DELIVERED or DEAD (which a later REQUEUE does not undo: the requeued intent then
+    /// waits behind the key's head of the moment).
+    done: bool,
 }
 
 impl Row {
@@ -117,6 +130,9 @@ impl Row {
         key_k: false,
         grant: None,
         ambiguous: false,
+        ordered: false,
+        released: false,
+        done: false,
     };
 
     fn new(state: St, origin: Origin) -> Row {
@@ -131,6 +147,15 @@ impl Row {
     /// Holds the (shared) idempotency key: the unique index is partial, `state <> 'discarded'`.
     fn holds_key(&self) -> bool {
         self.key_k && !matches!(self.state, St::Absent | St::Discarded)
+    }
+
+    /// Is its ordering key's head (`outbox.advance_keys`' test of a key that has one).
+    fn heads_key(&self) -> bool {
+        self.ordered
+            && (matches!(
+                self.state,
+                St::Staged | St::Pending | St::Leased | St::Submitted | St::NeedsReconcile
+            ) || (self.state == St::DeadLettered && !self.released))
     }
 }
 
@@ -164,6 +189,8 @@ const V_ACK_NOT_FROM_HOLDER: u16 = 1 << 2;
 const V_AMBIGUOUS_RELEASED: u16 = 1 << 3;
 const V_ACK_OK_NOT_DELIVERED: u16 = 1 << 4;
 const V_FAIL_OK_ELSEWHERE: u16 = 1 << 5;
+const V_KEY_TWO_LIVE_LEASES: u16 = 1 << 6;
+const V_KEY_OUT_OF_ORDER: u16 = 1 << 7;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 struct State {
@@ -245,6 +272,9 @@ struct Protocol {
     max_attempts: u8,
     /// Rows enqueued directly before the run (PENDING, due).
     direct_rows: u8,
+    /// Rows of one ordering key enqueued directly after those, in slot order: the first
+    /// PENDING, the others WAITING.
+    ordered_rows: u8,
     /// A producer transaction enqueues one intent with its token (key K).
     token_producer: bool,
     /// A direct producer enqueues an intent with the same key K.
@@ -293,6 +323,22 @@ impl Protocol {
         if row.ambiguous {
             s.violations |= V_AMBIGUOUS_RELEASED;
         }
+        if row.ordered {
+            let others = s
+                .rows
+                .iter()
+                .enumerate()
+                .filter(|&(j, r)| j != i && r.ordered);
+            for (j, other) in others {
+                if other.grant.is_some_and(|g| g.live()) {
+                    s.violations |= V_KEY_TWO_LIVE_LEASES;
+                }
+                if j < i && !other.done {
+                    s.violations |= V_KEY_OUT_OF_ORDER;
+                }
+            }
+        }
+        let row = &mut s.rows[i];
         row.state = St::Leased;
         row.attempts += 1;
         row.column = Column::Last;
@@ -350,6 +396,7 @@ impl Protocol {
                     row.state = St::Delivered;
                     row.claim_req = None;
                     row.ambiguous = false;
+                    row.done = true;
                 }
                 ok
             }
@@ -418,6 +465,26 @@ impl Protocol {
                 s.violations |= V_FAIL_OK_ELSEWHERE;
             }
         }
+        if report == Report::Ack && applied {
+            // `outbox.ack`: the next intent of its key takes its place.
+            Protocol::advance(s);
+        }
+    }
+
+    /// `outbox.advance_keys`: if the key has no head, its first WAITING row becomes PENDING,
+    /// due at once.
+    fn advance(s: &mut State) {
+        if s.rows.iter().any(Row::heads_key) {
+            return;
+        }
+        if let Some(next) = s
+            .rows
+            .iter_mut()
+            .find(|r| r.ordered && r.state == St::Waiting)
+        {
+            next.state = St::Pending;
+            next.due = true;
+        }
     }
 
     /// `rescue_expired_leases` for one row.
@@ -440,14 +507,18 @@ impl Protocol {
         }
     }
 
-    /// `resolve_intents` by id for one row.
+    /// `resolve_intents` by id for one row, then `advance_keys` for its key.
     fn reconcile(s: &mut State, i: usize, d: Decision) {
         let row = &mut s.rows[i];
         row.state = match d {
             Decision::Delivered => St::Delivered,
+            // An ordered one takes its place in its key again.
+            Decision::Requeue if row.ordered => St::Waiting,
             Decision::Requeue => St::Pending,
             Decision::Dead => St::DeadLettered,
         };
+        row.released = row.ordered && d == Decision::Dead;
+        row.done |= d != Decision::Requeue;
         if d == Decision::Requeue {
             row.attempts = 0;
             row.due = true;
@@ -456,6 +527,9 @@ impl Protocol {
         row.ambiguous = false;
         if let Some(g) = row.grant.as_mut() {
             g.voided = true;
+        }
+        if row.ordered {
+            Protocol::advance(s);
         }
     }
 }
@@ -470,6 +544,9 @@ impl Protocol {
             if row.state != St::Pending {
                 row.due = false;
             }
+            if row.state != St::DeadLettered {
+                row.released = false;
+            }
             let held = matches!(row.state, St::Leased | St::Submitted);
             if !held {
                 // leases_of_request only returns LEASED or SUBMITTED rows.
@@ -483,7 +560,9 @@ impl Protocol {
             }
         }
         // Producers refer to rows by slot; workers are always interchangeable.
-        let rows_interchangeable = !self.token_producer && !self.direct_producer;
+        // So are ordered ones, by their place in the key.
+        let rows_interchangeable =
+            !self.token_producer && !self.direct_producer && self.ordered_rows == 0;
         let mut best = s.clone();
         if rows_interchangeable {
             best.rows.sort_by_key(|r| (r.state == St::Absent, *r));
@@ -515,6 +594,14 @@ impl Model for Protocol {
         let mut rows = [Row::ABSENT; MAX_ROWS];
         for row in rows.iter_mut().take(self.direct_rows as usize) {
             *row = Row::new(St::Pending, Origin::Direct);
+        }
+        let ordered = rows.iter_mut().skip(self.direct_rows as usize);
+        for (k, row) in ordered.take(self.ordered_rows as usize).enumerate() {
+            let state = if k == 0 { St::Pending } else { St::Waiting };
+            *row = Row {
+                ordered: true,
+                ..Row::new(state, Origin::Direct)
+            };
         }
         vec![State {
             rows,
@@ -629,7 +716,11 @@ impl Model for Protocol {
                     Decision::Delivered | Decision::Requeue => {
                         matches!(row.state, St::NeedsReconcile | St::DeadLettered)
                     }
-                    Decision::Dead => row.state == St::NeedsReconcile,
+                    // Also on a dead letter that holds its ordering key: releases the key.
+                    Decision::Dead => {
+                        row.state == St::NeedsReconcile
+                            || (row.state == St::DeadLettered && row.ordered && !row.released)
+                    }
                 };
                 if allowed {
                     actions.push(Action::Reconcile(i8, d));
@@ -799,6 +890,27 @@ impl Model for Protocol {
                 },
             ),
         ];
+        if self.ordered_rows > 0 {
+            properties.push(Property::always(
+                "no two live leases of one ordering key",
+                |_, s: &State| {
+                    s.violations & V_KEY_TWO_LIVE_LEASES == 0
+                        && s.rows.iter().filter(|r| r.heads_key()).count() <= 1
+                },
+            ));
+            properties.push(Property::always(
+                "an intent of a key is never leased before the earlier ones are finished \
+                 (their final Ack, or an operator's DELIVERED or DEAD)",
+                |_, s: &State| s.violations & V_KEY_OUT_OF_ORDER == 0,
+            ));
+            properties.push(Property::always(
+                "a key with WAITING intents has a head",
+                |_, s: &State| {
+                    !s.rows.iter().any(|r| r.state == St::Waiting)
+                        || s.rows.iter().any(Row::heads_key)
+                },
+            ));
+        }
         // Examples the exploration must reach, so that the properties above are not
         // vacuous for this configuration.
         if self.workers > 1 && self.direct_rows > 0 {
@@ -833,6 +945,46 @@ impl Model for Protocol {
                             && r.attempts >= m.max_attempts
                             && r.grant.is_some_and(|g| g.voided && g.expired)
                     })
+                },
+            ));
+        }
+        if self.ordered_rows > 1 {
+            // The key's first two intents.
+            fn pair(m: &Protocol, s: &State) -> (Row, Row) {
+                let first = m.direct_rows as usize;
+                (s.rows[first], s.rows[first + 1])
+            }
+            properties.push(Property::sometimes(
+                "the second intent of the key is leased once the first was acked",
+                |m: &Protocol, s: &State| {
+                    let (first, second) = pair(m, s);
+                    // An Ack leaves the lease in the column; an operator's decision clears it.
+                    first.state == St::Delivered
+                        && first.column == Column::Last
+                        && second.state == St::Leased
+                },
+            ));
+            properties.push(Property::sometimes(
+                "the head is leased again while the second waits",
+                |m: &Protocol, s: &State| {
+                    let (first, second) = pair(m, s);
+                    first.state == St::Leased && first.attempts > 1 && second.state == St::Waiting
+                },
+            ));
+            properties.push(Property::sometimes(
+                "a dead-lettered head holds its key",
+                |m: &Protocol, s: &State| {
+                    let (first, second) = pair(m, s);
+                    first.state == St::DeadLettered
+                        && !first.released
+                        && second.state == St::Waiting
+                },
+            ));
+            properties.push(Property::sometimes(
+                "a head given up and requeued waits behind the second",
+                |m: &Protocol, s: &State| {
+                    let (first, second) = pair(m, s);
+                    first.state == St::Waiting && first.done && second.state == St::Leased
                 },
             ));
         }
@@ -1037,7 +1189,12 @@ fn describe(s: &State) -> String {
                     if g.known { "" } else { " unknown-to-holder" }
                 ),
             };
-            format!("{i}:{:?}/{}{lease}", r.state, r.attempts)
+            let key = match (r.ordered, r.released) {
+                (false, _) => "",
+                (true, false) => " key",
+                (true, true) => " key released",
+            };
+            format!("{i}:{:?}/{}{key}{lease}", r.state, r.attempts)
         })
         .collect();
     let producers = if s.direct == Direct::Ok(u8::MAX) {
@@ -1130,6 +1287,7 @@ fn the_lease_protocol_keeps_its_guarantees_in_every_interleaving() {
             workers: 2,
             max_attempts: 2,
             direct_rows: 2,
+            ordered_rows: 0,
             token_producer: false,
             direct_producer: false,
             lost_claims: true,
@@ -1149,8 +1307,30 @@ fn the_two_phase_token_keeps_its_guarantees_in_every_interleaving() {
             workers: 2,
             max_attempts: 2,
             direct_rows: 0,
+            ordered_rows: 0,
             token_producer: true,
             direct_producer: true,
+            lost_claims: true,
+        },
+    );
+}
+
+/// Two intents of one ordering key, enqueued directly in this order: two workers that lose
+/// Claim responses and send stale, late and lost reports, lease expiry, rescue, backoff and
+/// every operator decision (DEAD on the dead-lettered head too, and REQUEUE of a head given
+/// up). `outbox.advance_keys` moves the key on in the Ack or decision that finished the
+/// head.
+#[test]
+fn an_ordering_key_keeps_its_guarantees_in_every_interleaving() {
+    check(
+        "ordering",
+        Protocol {
+            workers: 2,
+            max_attempts: 2,
+            direct_rows: 0,
+            ordered_rows: 2,
+            token_producer: false,
+            direct_producer: false,
             lost_claims: true,
         },
     );
@@ -1166,6 +1346,7 @@ fn a_fail_replay_is_answered_ok_only_where_its_outcome_put_the_intent() {
         workers: 1,
         max_attempts: 2,
         direct_rows: 1,
+        ordered_rows: 0,
         token_producer: false,
         direct_producer: false,
         lost_claims: false,

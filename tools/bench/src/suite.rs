@@ -3,9 +3,11 @@
 //! one table: 1 enqueue (batched; one intent per call from many clients), 2 burn-down,
 //! 3/4 producers and workers together at fixed offered rates (enqueue → claim latency,
 //! and the highest sustainable rate), 5 commit → claimable (the `txn-latency`
-//! measurement), 6 the fixed rate over a large finished history and with xmin pinned.
-//! Peers run 1, 2 and 3/4 (pgbench 1 and 2).
+//! measurement), 6 the fixed rate over a large finished history and with xmin pinned,
+//! and the ordering keys' scenarios (`ordered`: burn-down over many keys, one hot key, a
+//! blocked key's backlog). Peers run 1, 2 and 3/4 (pgbench 1 and 2).
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,6 +27,7 @@ use crate::harness::{
     Bench, Cluster, ClusterArgs, connect_client, create_key, load_average, machine_info, with_login,
 };
 use crate::meter::{Cost, Meter};
+use crate::ordered::{self, OrderedSizes};
 use crate::peers;
 use crate::report::{Hist, Outcome, Row, print_rows};
 use crate::server::ServerProcess;
@@ -37,7 +40,7 @@ pub const PAYLOAD_PAD: usize = 48;
 
 /// A single Enqueue, Claim or Ack carries at most this many items (the server's default
 /// `OUTBOX_LIMITS__MAX_BATCH`).
-const MAX_BATCH: usize = 1000;
+pub(crate) const MAX_BATCH: usize = 1000;
 
 /// A rate is sustainable when this share of the offered intents was sent on time...
 const SUSTAINED_SHARE: f64 = 0.95;
@@ -98,6 +101,19 @@ pub struct AllArgs {
     /// Iterations of the commit → claimable scenarios [200; smoke 20].
     #[arg(long, value_name = "N")]
     pub txn_iterations: Option<usize>,
+    /// Ordered burn-down: intents, spread round-robin over `--ordered-keys` ordering keys
+    /// [220000; smoke 4000].
+    #[arg(long, value_name = "N")]
+    pub ordered: Option<u64>,
+    /// Ordering keys of the ordered burn-down [10000; smoke 200].
+    #[arg(long, value_name = "K")]
+    pub ordered_keys: Option<u64>,
+    /// Intents of the one hot ordering key, delivered one at a time [2000; smoke 100].
+    #[arg(long, value_name = "N")]
+    pub hot_key: Option<u64>,
+    /// Intents queued behind the blocked key's dead-lettered head [1000000; smoke 5000].
+    #[arg(long, value_name = "N")]
+    pub blocked: Option<u64>,
     /// Do not ANALYZE before the burn-downs. By default every system's database is
     /// analyzed right before its burn-down, so that each plans its claim on statistics that
     /// know the backlog: without it, whether autovacuum has analyzed the freshly filled
@@ -109,7 +125,8 @@ pub struct AllArgs {
     pub no_peers: bool,
     /// Run only these sections (comma-separated; default all): `throughput` (enqueue and
     /// burn-down), `rates` (enqueue → claim at fixed rates), `history` (1M rows, pinned
-    /// xmin), `token` (commit → claimable), `peers`. For iterating on one scenario.
+    /// xmin), `token` (commit → claimable), `peers`; the ordering keys' `ordered-burn-down`,
+    /// `hot-key`, `blocked-key`, or `ordered` for the three. For iterating on one scenario.
     #[arg(long, value_enum, value_delimiter = ',', value_name = "SECTION")]
     pub only: Vec<SectionName>,
     /// Folder of the peer harnesses (package.json, peer.js, pgbench/*.sql): the
@@ -135,11 +152,22 @@ pub enum SectionName {
     History,
     Token,
     Peers,
+    /// The three below.
+    Ordered,
+    OrderedBurnDown,
+    HotKey,
+    BlockedKey,
 }
 
 impl AllArgs {
-    fn runs(&self, section: SectionName) -> bool {
-        self.only.is_empty() || self.only.contains(&section)
+    pub(crate) fn runs(&self, section: SectionName) -> bool {
+        let ordering = matches!(
+            section,
+            SectionName::OrderedBurnDown | SectionName::HotKey | SectionName::BlockedKey
+        );
+        self.only.is_empty()
+            || self.only.contains(&section)
+            || (ordering && self.only.contains(&SectionName::Ordered))
     }
 }
 
@@ -160,6 +188,7 @@ pub struct Sizes {
     pub rates: Vec<u32>,
     search: bool,
     pub analyze: bool,
+    pub(crate) ordered: OrderedSizes,
 }
 
 impl Sizes {
@@ -185,6 +214,15 @@ impl Sizes {
             },
             search: !s && a.rates.is_empty(),
             analyze: !a.no_analyze,
+            ordered: OrderedSizes {
+                intents: a.ordered.unwrap_or(if s { 4_000 } else { 220_000 }),
+                keys: a
+                    .ordered_keys
+                    .unwrap_or(if s { 200 } else { 10_000 })
+                    .max(1),
+                hot: a.hot_key.unwrap_or(if s { 100 } else { 2_000 }).max(1),
+                blocked: a.blocked.unwrap_or(if s { 5_000 } else { 1_000_000 }),
+            },
         }
     }
 }
@@ -197,13 +235,13 @@ impl Sizes {
 }
 
 /// Where outboxd's scenarios run: a migrated database and keys for it.
-struct Target {
-    owner_url: String,
-    database: String,
-    service_url: String,
-    fleet_url: String,
-    producer_key: String,
-    worker_key: String,
+pub(crate) struct Target {
+    pub owner_url: String,
+    pub database: String,
+    pub service_url: String,
+    pub fleet_url: String,
+    pub producer_key: String,
+    pub worker_key: String,
 }
 
 pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyhow::Result<()> {
@@ -229,11 +267,54 @@ pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyho
         let zero = prepare_outbox(cluster, &mut admin, &format!("{base}_zero")).await?;
         outboxd_burn_down_at_zero_retention(&meter, &zero, &sizes, &mut rows).await?;
     }
+    // Ordered intents need commit times, which only a cluster with track_commit_timestamp
+    // records (the embedded one does; a --database-url cluster may not).
+    let commit_times = ordered::commit_times(&mut admin).await?;
+    if args.runs(SectionName::OrderedBurnDown) {
+        // Next to the unordered burn-down, so that the ratio of the two sees the same load.
+        let db = format!("{base}_ordered");
+        ordered::burn_down(
+            cluster,
+            &mut admin,
+            &db,
+            &meter,
+            &sizes,
+            commit_times,
+            &mut rows,
+        )
+        .await?;
+    }
     if args.runs(SectionName::Rates) {
         outboxd_rates(&meter, &target, &sizes, &mut rows).await?;
     }
     if args.runs(SectionName::History) {
         history_and_pinned_xmin(cluster, &meter, &target, &sizes, &mut rows).await?;
+    }
+    if args.runs(SectionName::HotKey) {
+        let db = format!("{base}_hot");
+        ordered::hot_key(
+            cluster,
+            &mut admin,
+            &db,
+            &meter,
+            &sizes,
+            commit_times,
+            &mut rows,
+        )
+        .await?;
+    }
+    if args.runs(SectionName::BlockedKey) {
+        let db = format!("{base}_blocked");
+        ordered::blocked_key(
+            cluster,
+            &mut admin,
+            &db,
+            &meter,
+            &sizes,
+            commit_times,
+            &mut rows,
+        )
+        .await?;
     }
     if args.runs(SectionName::Token) {
         commit_to_claimable(cluster, &settings, &sizes, &mut rows).await?;
@@ -262,6 +343,9 @@ pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyho
         for db in [
             target.database.clone(),
             format!("{base}_zero"),
+            format!("{base}_ordered"),
+            format!("{base}_hot"),
+            format!("{base}_blocked"),
             format!("{base}_raw"),
             format!("{base}_graphile_worker"),
             format!("{base}_pg_boss"),
@@ -305,6 +389,16 @@ pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyho
         sizes.rate_seconds,
         sizes.txn_iterations
     );
+    if [
+        SectionName::OrderedBurnDown,
+        SectionName::HotKey,
+        SectionName::BlockedKey,
+    ]
+    .into_iter()
+    .any(|s| args.runs(s))
+    {
+        println!("{}\n", ordered::describe(&sizes));
+    }
     print_rows(&rows);
     println!();
     print_notes();
@@ -356,20 +450,21 @@ fn print_notes() {
          that flushes WAL; **WAL**: \
          `pg_current_wal_lsn` difference (cluster-wide). Each section starts after a \
          CHECKPOINT. Per 1k intents of the row.",
+        ordered::NOTE,
     ] {
         println!("- {note}");
     }
 }
 
-/// ANALYZE every table of the database at `url` (see `AllArgs::no_analyze`).
 /// VACUUM ANALYZE every table of the database at `url`.
-async fn vacuum(url: &str) -> anyhow::Result<()> {
+pub(crate) async fn vacuum(url: &str) -> anyhow::Result<()> {
     let mut conn = PgConnection::connect(url).await?;
     sqlx::query("VACUUM ANALYZE").execute(&mut conn).await?;
     conn.close().await?;
     Ok(())
 }
 
+/// ANALYZE every table of the database at `url` (see `AllArgs::no_analyze`).
 pub async fn analyze(url: &str) -> anyhow::Result<()> {
     let mut conn = PgConnection::connect(url).await?;
     sqlx::query("ANALYZE").execute(&mut conn).await?;
@@ -387,7 +482,7 @@ async fn create_database(admin: &mut PgConnection, name: &str) -> anyhow::Result
 }
 
 /// A migrated outbox database with the service role and one producer and one worker key.
-async fn prepare_outbox(
+pub(crate) async fn prepare_outbox(
     cluster: &Cluster,
     admin: &mut PgConnection,
     base: &str,
@@ -413,7 +508,7 @@ async fn prepare_outbox(
 }
 
 /// One measured section against a fresh outboxd child: its figures, cost and row.
-struct Section<'a> {
+pub(crate) struct Section<'a> {
     meter: &'a Meter,
     target: &'a Target,
     server: ServerProcess,
@@ -423,7 +518,7 @@ struct Section<'a> {
 
 impl<'a> Section<'a> {
     /// Starts a server with `env` (see [`ServerProcess::spawn`]) and the meter.
-    async fn start(
+    pub(crate) async fn start(
         meter: &'a Meter,
         target: &'a Target,
         env: &[(&str, &str)],
@@ -440,12 +535,12 @@ impl<'a> Section<'a> {
         })
     }
 
-    fn endpoint(&self) -> &str {
+    pub(crate) fn endpoint(&self) -> &str {
         &self.server.endpoint
     }
 
     /// Stops the server and returns the cost of the section.
-    async fn finish(self) -> anyhow::Result<crate::meter::Cost> {
+    pub(crate) async fn finish(self) -> anyhow::Result<crate::meter::Cost> {
         let cpu = self.cpu_before.zip(self.server.cpu()).map(|(a, b)| b - a);
         self.server.stop().await?;
         let after = self.meter.end(&self.target.database).await?;
@@ -454,9 +549,12 @@ impl<'a> Section<'a> {
 }
 
 /// Kind of every intent outboxd's scenarios enqueue.
-const THROUGHPUT_KIND: &str = "bench.throughput";
+pub(crate) const THROUGHPUT_KIND: &str = "bench.throughput";
 
-fn new_intent(n: u64) -> v1::NewIntent {
+/// Makes the `n`th intent a scenario enqueues.
+pub(crate) type IntentMaker = dyn Fn(u64) -> v1::NewIntent + Send + Sync;
+
+pub(crate) fn new_intent(n: u64) -> v1::NewIntent {
     v1::NewIntent {
         kind: THROUGHPUT_KIND.to_owned(),
         payload: format!("{{\"n\":{n},\"pad\":\"{}\"}}", "x".repeat(PAYLOAD_PAD)).into_bytes(),
@@ -515,7 +613,8 @@ async fn outboxd_throughput(
     }
 
     let name = burn_down_name(sizes.workers, sizes.claim_batch);
-    rows.push(outboxd_burn_down(meter, target, sizes, &[], "burn-down", name).await?);
+    let total = sizes.batched + sizes.single;
+    rows.push(outboxd_burn_down(meter, target, sizes, total, &[], "burn-down", name).await?);
     Ok(())
 }
 
@@ -542,7 +641,8 @@ async fn outboxd_burn_down_at_zero_retention(
     server.stop().await?;
     let name = zero_retention_name(sizes.workers, sizes.claim_batch);
     let env = [("OUTBOX_RETENTION__FINISHED", "0s")];
-    let row = outboxd_burn_down(meter, target, sizes, &env, ZERO_RETENTION_KEY, name).await?;
+    let row =
+        outboxd_burn_down(meter, target, sizes, total, &env, ZERO_RETENTION_KEY, name).await?;
     let mut owner = PgConnection::connect(&target.owner_url).await?;
     let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.all_intents")
         .fetch_one(&mut owner)
@@ -556,16 +656,16 @@ async fn outboxd_burn_down_at_zero_retention(
 /// Row key of the burn-down at zero retention.
 pub const ZERO_RETENTION_KEY: &str = "burn-down-zero-retention";
 
-/// Drains every pending intent of `target` through a server started with `env`.
-async fn outboxd_burn_down(
+/// Drains the `total` pending intents of `target` through a server started with `env`.
+pub(crate) async fn outboxd_burn_down(
     meter: &Meter,
     target: &Target,
     sizes: &Sizes,
+    total: u64,
     env: &[(&str, &str)],
     key: &str,
     scenario: String,
 ) -> anyhow::Result<Row> {
-    let total = sizes.batched + sizes.single;
     if sizes.analyze {
         analyze(&target.owner_url).await?;
     }
@@ -619,12 +719,32 @@ async fn enqueue_closed_loop(
     per_call: u64,
     clients: usize,
 ) -> anyhow::Result<Hist> {
+    enqueue_closed_loop_of(
+        endpoint,
+        key,
+        total,
+        per_call,
+        clients,
+        Arc::new(new_intent),
+    )
+    .await
+}
+
+/// [`enqueue_closed_loop`] of the intents `make` makes.
+pub(crate) async fn enqueue_closed_loop_of(
+    endpoint: &str,
+    key: &str,
+    total: u64,
+    per_call: u64,
+    clients: usize,
+    make: Arc<IntentMaker>,
+) -> anyhow::Result<Hist> {
     let next = Arc::new(AtomicU64::new(0));
     let calls = total.div_ceil(per_call);
     let mut tasks = JoinSet::new();
     for _ in 0..clients {
         let mut client = connect_client(endpoint, key).await?;
-        let next = Arc::clone(&next);
+        let (next, make) = (Arc::clone(&next), Arc::clone(&make));
         tasks.spawn(async move {
             let mut hist = Hist::new();
             loop {
@@ -634,7 +754,7 @@ async fn enqueue_closed_loop(
                 }
                 let first = call * per_call;
                 let intents = (first..(first + per_call).min(total))
-                    .map(new_intent)
+                    .map(|n| make(n))
                     .collect::<Vec<_>>();
                 let n = intents.len();
                 let t = Instant::now();
@@ -686,7 +806,19 @@ async fn burn_down(
         wait: Duration::from_secs(1),
         replay_claims: true,
     };
-    let running = Workers::start(endpoint, key, THROUGHPUT_KIND, &shape)?;
+    let (acked, _, cycles) = drain(endpoint, key, total, &shape).await?;
+    Ok((acked, cycles))
+}
+
+/// Workers of `shape` ack intents until `total` are acked (or none was for 10 s). Returns
+/// the acked count, when each intent was claimed, and the Claim + Ack cycles.
+pub(crate) async fn drain(
+    endpoint: &str,
+    key: &str,
+    total: u64,
+    shape: &Shape,
+) -> anyhow::Result<(u64, HashMap<String, Instant>, Hist)> {
+    let running = Workers::start(endpoint, key, THROUGHPUT_KIND, shape)?;
     let (mut acked, mut progress) = (0, Instant::now());
     while acked < total && progress.elapsed() < Duration::from_secs(10) {
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -697,8 +829,8 @@ async fn burn_down(
     }
     let (claims, asked, got) = running.fill();
     eprintln!("outboxd-bench: {claims} Claims with leases, {asked:.1} asked and {got:.1} got each");
-    let (_, cycles) = running.stop().await?;
-    Ok((acked, cycles))
+    let (claimed, cycles) = running.stop().await?;
+    Ok((acked, claimed, cycles))
 }
 
 /// What one offered rate gave.
@@ -904,6 +1036,20 @@ async fn fixed_rate(
     seconds: f64,
     workers: usize,
 ) -> anyhow::Result<RateRun> {
+    let (run, _) = fixed_rate_of(endpoint, target, rate, seconds, workers, &new_intent).await?;
+    Ok(run)
+}
+
+/// [`fixed_rate`] of the intents `make` makes; also returns the latencies of the intents
+/// without an ordering key and of those with one, apart.
+pub(crate) async fn fixed_rate_of(
+    endpoint: &str,
+    target: &Target,
+    rate: u32,
+    seconds: f64,
+    workers: usize,
+    make: &IntentMaker,
+) -> anyhow::Result<(RateRun, [Hist; 2])> {
     // Plain long polls, as a latency-minded worker would run: an Enqueue hands its
     // intents to a waiting Claim.
     let shape = Shape {
@@ -919,7 +1065,7 @@ async fn fixed_rate(
         producers.push(connect_client(endpoint, &target.producer_key).await?);
     }
     let offered = (f64::from(rate) * seconds).round() as u64;
-    let sent: Arc<Mutex<Vec<(String, Instant)>>> = Arc::default();
+    let sent: Arc<Mutex<Vec<(String, Instant, bool)>>> = Arc::default();
     let in_flight = Arc::new(AtomicU64::new(0));
     let mut behind = 0;
     let mut sends = JoinSet::new();
@@ -935,10 +1081,12 @@ async fn fixed_rate(
         in_flight.fetch_add(1, Ordering::Relaxed);
         let mut client = producers[k as usize % producers.len()].clone();
         let (sent, in_flight) = (Arc::clone(&sent), Arc::clone(&in_flight));
+        let intent = make(k);
+        let ordered = !intent.ordering_key.is_empty();
         sends.spawn(async move {
             let result = client
                 .enqueue(v1::EnqueueRequest {
-                    intents: vec![new_intent(k)],
+                    intents: vec![intent],
                     txn_token: String::new(),
                 })
                 .await;
@@ -951,7 +1099,7 @@ async fn fixed_rate(
                 .first()
                 .map(|r| r.id.clone())
                 .context("Enqueue answered no result")?;
-            sent.lock().await.push((id, t));
+            sent.lock().await.push((id, t, ordered));
             anyhow::Ok(())
         });
     }
@@ -966,20 +1114,24 @@ async fn fixed_rate(
     }
     let (claimed, _) = running.stop().await?;
     let mut hist = Hist::new();
+    let mut apart = [Hist::new(), Hist::new()];
     let mut matched = 0;
-    for (id, t_ok) in sent.lock().await.iter() {
+    for (id, t_ok, ordered) in sent.lock().await.iter() {
         if let Some(t_claim) = claimed.get(id) {
-            hist.record_signed_ms(txn_latency::signed_ms(*t_ok, *t_claim));
+            let ms = txn_latency::signed_ms(*t_ok, *t_claim);
+            hist.record_signed_ms(ms);
+            apart[usize::from(*ordered)].record_signed_ms(ms);
             matched += 1;
         }
     }
-    Ok(RateRun {
+    let run = RateRun {
         sent: sent_count,
         claimed: matched,
         seconds,
         behind,
         hist,
-    })
+    };
+    Ok((run, apart))
 }
 
 /// Scenario 5: the `txn-latency` measurement (in-process server, as that command runs

@@ -103,10 +103,11 @@ DECLARE
     at timestamptz := coalesce(as_of, now());
     key_tenants text[];
     key_names text[];
-    lock_id bigint;
+    lock_ids bigint[];
 BEGIN
-    SELECT array_agg(u.tenant ORDER BY u.lock_id), array_agg(u.ordering_key ORDER BY u.lock_id)
-    INTO key_tenants, key_names
+    SELECT array_agg(u.tenant ORDER BY u.lock_id), array_agg(u.ordering_key ORDER BY u.lock_id),
+           array_agg(u.lock_id ORDER BY u.lock_id)
+    INTO key_tenants, key_names, lock_ids
     FROM (
         SELECT DISTINCT t.tenant, t.ordering_key,
                outbox.ordering_lock(t.tenant, t.ordering_key) AS lock_id
@@ -116,12 +117,8 @@ BEGIN
     IF key_tenants IS NULL THEN
         RETURN;
     END IF;
-    FOR lock_id IN
-        SELECT outbox.ordering_lock(k.tenant, k.ordering_key)
-        FROM unnest(key_tenants, key_names) AS k(tenant, ordering_key)
-    LOOP
-        PERFORM pg_advisory_xact_lock(lock_id);
-    END LOOP;
+    -- One statement, in the array's (lock) order.
+    PERFORM pg_advisory_xact_lock(l) FROM unnest(lock_ids) AS l;
 
     UPDATE outbox.intent i
     SET order_ts = coalesce(outbox.commit_time(i.txn_xid), '-infinity')
@@ -192,9 +189,18 @@ SET enable_mergejoin = off
 SET enable_nestloop = off
 AS $$
 #variable_conflict use_column
+DECLARE
+    done_ids uuid[];
+    done_states outbox.intent_state[];
+    done_expiries timestamptz[];
+    done_traceparents text[];
+    key_tenants text[];
+    key_names text[];
 BEGIN
     PERFORM outbox.enter_scope(tenants, scope_proof);
-    RETURN QUERY
+    -- Kept in arrays, so that the ordered intents' keys come from the UPDATE itself (read
+    -- again by id, a plan on the delivered state walked every DELIVERED row).
+    WITH done AS (
         UPDATE outbox.intent i
         SET state = 'delivered',
             lease_expires_at = NULL,
@@ -206,15 +212,21 @@ BEGIN
           AND i.id = input.id
           AND i.lease_id = input.lease_id
           AND i.state IN ('leased', 'submitted', 'needs_reconcile')
-        RETURNING i.id, i.state, i.lease_expires_at, i.headers->>'traceparent';
-    -- An ordered intent delivered: the next of its key takes its place (a replayed Ack
-    -- finds its key already moved on, and changes nothing).
-    PERFORM outbox.advance_keys(array_agg(i.tenant_id), array_agg(i.ordering_key), as_of)
-    FROM outbox.intent i
-    WHERE i.id = ANY (intent_ids)
-      AND i.ordering_key IS NOT NULL
-      AND i.state = 'delivered'
-    HAVING count(*) > 0;
+        RETURNING i.id, i.state, i.lease_expires_at, i.headers->>'traceparent' AS traceparent,
+                  i.tenant_id, i.ordering_key
+    )
+    SELECT array_agg(d.id), array_agg(d.state), array_agg(d.lease_expires_at),
+           array_agg(d.traceparent),
+           array_agg(d.tenant_id) FILTER (WHERE d.ordering_key IS NOT NULL),
+           array_agg(d.ordering_key) FILTER (WHERE d.ordering_key IS NOT NULL)
+    INTO done_ids, done_states, done_expiries, done_traceparents, key_tenants, key_names
+    FROM done d;
+    -- An ordered intent delivered: the next of its key takes its place.
+    IF key_names IS NOT NULL THEN
+        PERFORM outbox.advance_keys(key_tenants, key_names, as_of);
+    END IF;
+    RETURN QUERY
+        SELECT * FROM unnest(done_ids, done_states, done_expiries, done_traceparents);
 END
 $$;
 

@@ -124,6 +124,7 @@ impl From<IntentState> for v1::IntentState {
             IntentState::DeadLettered => Self::DeadLettered,
             IntentState::Discarded => Self::Discarded,
             IntentState::Waiting => Self::Waiting,
+            IntentState::Cancelled => Self::Cancelled,
         }
     }
 }
@@ -134,6 +135,7 @@ impl From<Decision> for v1::Decision {
             Decision::Delivered => Self::Delivered,
             Decision::Requeue => Self::Requeue,
             Decision::Dead => Self::Dead,
+            Decision::Cancel => Self::Cancel,
         }
     }
 }

@@ -231,6 +231,7 @@ impl Check {
             Ok(v1::IntentState::DeadLettered) => IntentState::DeadLettered,
             Ok(v1::IntentState::Discarded) => IntentState::Discarded,
             Ok(v1::IntentState::Waiting) => IntentState::Waiting,
+            Ok(v1::IntentState::Cancelled) => IntentState::Cancelled,
             Ok(v1::IntentState::Unspecified) | Err(_) => {
                 self.fail(field, format!("{value} is not a known intent state"));
                 return None;
@@ -634,8 +635,9 @@ pub fn reconcile(req: v1::ReconcileRequest, limits: &Limits) -> Result<Reconcile
         Ok(v1::Decision::Delivered) => Decision::Delivered,
         Ok(v1::Decision::Requeue) => Decision::Requeue,
         Ok(v1::Decision::Dead) => Decision::Dead,
+        Ok(v1::Decision::Cancel) => Decision::Cancel,
         Ok(v1::Decision::Unspecified) | Err(_) => {
-            c.fail("decision", "must be DELIVERED, REQUEUE or DEAD");
+            c.fail("decision", "must be DELIVERED, REQUEUE, DEAD or CANCEL");
             Decision::Dead
         }
     };
@@ -669,14 +671,22 @@ pub fn reconcile(req: v1::ReconcileRequest, limits: &Limits) -> Result<Reconcile
             ReconcileTarget::Ids(ids)
         }
         Some(v1::reconcile_request::Target::Filter(filter)) => {
+            let cancel = decision == Decision::Cancel;
             if filter.states.is_empty() {
-                c.fail("filter.states", "name NEEDS_RECONCILE and/or DEAD_LETTERED");
+                let states = if cancel {
+                    "name STAGED, WAITING and/or PENDING"
+                } else {
+                    "name NEEDS_RECONCILE and/or DEAD_LETTERED"
+                };
+                c.fail("filter.states", states);
             }
             c.states_filter("filter.states", filter.states.len());
             let mut states = Vec::new();
             for (i, s) in filter.states.iter().take(MAX_STATES_IN_FILTER).enumerate() {
                 let field = format!("filter.states[{i}]");
                 match c.state(&field, *s) {
+                    Some(s) if cancel && s.cancellable() => states.push(s),
+                    Some(s) if cancel => c.fail(field, format!("{s} cannot be cancelled")),
                     Some(s) if s.awaits_decision() => states.push(s),
                     Some(s) => c.fail(field, format!("{s} does not await a decision")),
                     None => {}

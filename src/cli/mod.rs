@@ -328,6 +328,8 @@ pub enum DecisionArg {
     Requeue,
     /// Give up.
     Dead,
+    /// Never deliver (STAGED, WAITING or PENDING intents).
+    Cancel,
 }
 
 /// Parses a state name as the CLI shows it (`needs_reconcile` or `needs-reconcile`).

@@ -284,6 +284,7 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                 DecisionArg::Delivered => v1::Decision::Delivered,
                 DecisionArg::Requeue => v1::Decision::Requeue,
                 DecisionArg::Dead => v1::Decision::Dead,
+                DecisionArg::Cancel => v1::Decision::Cancel,
             };
             let response = connect(&client)
                 .await?

@@ -74,11 +74,13 @@ pub enum IntentState {
     Discarded,
     /// Behind an earlier intent of its ordering key that has not finished.
     Waiting,
+    /// An operator cancelled it before it was delivered.
+    Cancelled,
 }
 
 impl IntentState {
     /// Every state, in lifecycle order.
-    pub const ALL: [IntentState; 9] = [
+    pub const ALL: [IntentState; 10] = [
         Self::Staged,
         Self::Waiting,
         Self::Pending,
@@ -88,11 +90,17 @@ impl IntentState {
         Self::NeedsReconcile,
         Self::DeadLettered,
         Self::Discarded,
+        Self::Cancelled,
     ];
 
     /// States an operator can resolve with `Reconcile`.
     pub fn awaits_decision(self) -> bool {
         matches!(self, Self::NeedsReconcile | Self::DeadLettered)
+    }
+
+    /// States an operator can `Reconcile` with CANCEL: not leased, not finished.
+    pub fn cancellable(self) -> bool {
+        matches!(self, Self::Staged | Self::Waiting | Self::Pending)
     }
 
     /// The lowercase name used in SQL, logs and the CLI.
@@ -107,6 +115,7 @@ impl IntentState {
             Self::DeadLettered => "dead_lettered",
             Self::Discarded => "discarded",
             Self::Waiting => "waiting",
+            Self::Cancelled => "cancelled",
         }
     }
 }
@@ -288,6 +297,8 @@ pub enum Decision {
     Requeue,
     /// Give up.
     Dead,
+    /// Never deliver an intent not delivered yet.
+    Cancel,
 }
 
 impl Decision {
@@ -297,6 +308,7 @@ impl Decision {
             Self::Delivered => "delivered",
             Self::Requeue => "requeue",
             Self::Dead => "dead",
+            Self::Cancel => "cancel",
         }
     }
 
@@ -306,6 +318,7 @@ impl Decision {
             "delivered" => Some(Self::Delivered),
             "requeue" => Some(Self::Requeue),
             "dead" => Some(Self::Dead),
+            "cancel" => Some(Self::Cancel),
             _ => None,
         }
     }

@@ -518,6 +518,13 @@ impl TestApp {
             .unwrap()
     }
 
+    /// Runs a pass of the promotion of STAGED intents as the background task would.
+    pub async fn promote(&self) -> outboxd::outbox::store::PromotionReport {
+        outboxd::outbox::promotion::promote_all(&self.service_pools, &self.clock)
+            .await
+            .unwrap()
+    }
+
     /// Runs the retention purge as the background sweep would.
     pub async fn purge(&self) -> u64 {
         maintenance::purge_all(&self.service_pools, &self.maintenance(), &self.clock)

@@ -2,6 +2,7 @@
 //! migrated template) and a real outboxd server on 127.0.0.1:0, driven through the
 //! generated gRPC client.
 
+mod cancel;
 mod cancellation;
 mod claim;
 mod commands;

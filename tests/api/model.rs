@@ -846,6 +846,7 @@ fn state_name(state: St) -> &'static str {
         St::DeadLettered => "dead_lettered",
         St::Discarded => "discarded",
         St::Waiting => "waiting",
+        St::Cancelled => "cancelled",
         St::Unspecified => "unspecified",
     }
 }

@@ -121,7 +121,7 @@ pub async fn purge_finished_intents(
             WHERE id IN (
                 SELECT id
                 FROM outbox.intent
-                WHERE state IN ('delivered', 'discarded')
+                WHERE state IN ('delivered', 'discarded', 'cancelled')
                   -- A subquery: see rescue_expired_leases.
                   AND finished_at < (SELECT coalesce($3::timestamptz, now()) - $1 * interval '1 ms')
                 ORDER BY finished_at

@@ -49,13 +49,19 @@ pub struct ReconcileParams<'a> {
 }
 
 /// The states a decision may be applied to: anything awaiting one, except that DEAD on a
-/// dead letter would change nothing.
+/// dead letter would change nothing (but for one holding its ordering key, see the
+/// statements); CANCEL, what was never leased or waits to be leased again.
 fn from_states(decision: Decision) -> &'static [IntentState] {
     match decision {
         Decision::Delivered | Decision::Requeue => {
             &[IntentState::NeedsReconcile, IntentState::DeadLettered]
         }
         Decision::Dead => &[IntentState::NeedsReconcile],
+        Decision::Cancel => &[
+            IntentState::Staged,
+            IntentState::Waiting,
+            IntentState::Pending,
+        ],
     }
 }
 

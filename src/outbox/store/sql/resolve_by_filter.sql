@@ -24,13 +24,15 @@ resolved AS (
             WHEN 'delivered' THEN 'delivered'
             -- An ordered one waits for its key (outbox.advance_keys, run next).
             WHEN 'requeue' THEN CASE WHEN i.ordering_key IS NULL THEN 'pending' ELSE 'waiting' END
+            WHEN 'cancel' THEN 'cancelled'
             ELSE 'dead_lettered'
         END::outbox.intent_state,
         attempts = CASE WHEN $2 = 'requeue' THEN 0 ELSE i.attempts END,
         available_at = CASE WHEN $2 = 'requeue' THEN coalesce($5::timestamptz, now())
                             ELSE i.available_at END,
         -- A DEAD_LETTERED ordered intent with a finish time no longer holds its key.
-        finished_at = CASE WHEN $2 = 'delivered' OR ($2 = 'dead' AND i.ordering_key IS NOT NULL)
+        finished_at = CASE WHEN $2 IN ('delivered', 'cancel')
+                                OR ($2 = 'dead' AND i.ordering_key IS NOT NULL)
                            THEN coalesce($5::timestamptz, now()) END,
         lease_id = NULL,
         lease_expires_at = NULL,

@@ -1,7 +1,7 @@
 -- An operator's decision on these intents (store::resolve_intents), each recorded in
 -- outbox.resolution in the same statement. $1 the states the decision applies to,
--- $2 the decision ('delivered', 'requeue' or 'dead'), $3 actor, $4 reason, $5 now (or
--- NULL), $6 the pending channel (a requeue wakes claimers), $7 the API key's regions
+-- $2 the decision ('delivered', 'requeue', 'dead' or 'cancel'), $3 actor, $4 reason, $5
+-- now (or NULL), $6 the pending channel (a requeue wakes claimers), $7 the API key's regions
 -- (empty: any), $8 the intent ids. One row per id, in request order: whether it applied,
 -- the state it left the intent in, and its tenant and ordering key (to advance).
 WITH input AS (
@@ -24,13 +24,15 @@ resolved AS (
             WHEN 'delivered' THEN 'delivered'
             -- An ordered one waits for its key (outbox.advance_keys, run next).
             WHEN 'requeue' THEN CASE WHEN i.ordering_key IS NULL THEN 'pending' ELSE 'waiting' END
+            WHEN 'cancel' THEN 'cancelled'
             ELSE 'dead_lettered'
         END::outbox.intent_state,
         attempts = CASE WHEN $2 = 'requeue' THEN 0 ELSE i.attempts END,
         available_at = CASE WHEN $2 = 'requeue' THEN coalesce($5::timestamptz, now())
                             ELSE i.available_at END,
         -- A DEAD_LETTERED ordered intent with a finish time no longer holds its key.
-        finished_at = CASE WHEN $2 = 'delivered' OR ($2 = 'dead' AND i.ordering_key IS NOT NULL)
+        finished_at = CASE WHEN $2 IN ('delivered', 'cancel')
+                                OR ($2 = 'dead' AND i.ordering_key IS NOT NULL)
                            THEN coalesce($5::timestamptz, now()) END,
         lease_id = NULL,
         lease_expires_at = NULL,

@@ -51,7 +51,8 @@ export type IntentStateName =
   | "NEEDS_RECONCILE"
   | "DEAD_LETTERED"
   | "DISCARDED"
-  | "WAITING";
+  | "WAITING"
+  | "CANCELLED";
 
 /** One enqueued intent, in request order. */
 export interface Enqueued {

@@ -20,6 +20,7 @@ class IntentState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INTENT_STATE_DEAD_LETTERED: _ClassVar[IntentState]
     INTENT_STATE_DISCARDED: _ClassVar[IntentState]
     INTENT_STATE_WAITING: _ClassVar[IntentState]
+    INTENT_STATE_CANCELLED: _ClassVar[IntentState]
 
 class FailOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -34,6 +35,7 @@ class Decision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DECISION_DELIVERED: _ClassVar[Decision]
     DECISION_REQUEUE: _ClassVar[Decision]
     DECISION_DEAD: _ClassVar[Decision]
+    DECISION_CANCEL: _ClassVar[Decision]
 INTENT_STATE_UNSPECIFIED: IntentState
 INTENT_STATE_STAGED: IntentState
 INTENT_STATE_PENDING: IntentState
@@ -44,6 +46,7 @@ INTENT_STATE_NEEDS_RECONCILE: IntentState
 INTENT_STATE_DEAD_LETTERED: IntentState
 INTENT_STATE_DISCARDED: IntentState
 INTENT_STATE_WAITING: IntentState
+INTENT_STATE_CANCELLED: IntentState
 FAIL_OUTCOME_UNSPECIFIED: FailOutcome
 FAIL_OUTCOME_RETRY: FailOutcome
 FAIL_OUTCOME_PERMANENT: FailOutcome
@@ -52,6 +55,7 @@ DECISION_UNSPECIFIED: Decision
 DECISION_DELIVERED: Decision
 DECISION_REQUEUE: Decision
 DECISION_DEAD: Decision
+DECISION_CANCEL: Decision
 
 class NewIntent(_message.Message):
     __slots__ = ("kind", "payload", "content_type", "region", "idempotency_key", "headers", "max_attempts", "delay", "available_at", "ordering_key")

@@ -151,7 +151,8 @@ class OutboxServiceServicer(object):
 
     def Reconcile(self, request, context):
         """Reconcile records an operator's decision on intents in NEEDS_RECONCILE or
-        DEAD_LETTERED, by id or by filter. Every decision is recorded with who and why.
+        DEAD_LETTERED, or cancels intents not delivered yet (STAGED, WAITING, PENDING), by id
+        or by filter. Every decision is recorded with who and why.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -13,7 +13,7 @@ use crate::helpers::{TestApp, fresh_database, other_database};
 
 /// `outboxd <args>` with only `env` of the OUTBOX_* variables (it refuses unknown ones,
 /// and the tests' own are not its).
-async fn outboxd(args: &[&str], env: &[(&str, &str)]) -> Output {
+pub(crate) async fn outboxd(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_outboxd"));
     for (name, _) in std::env::vars_os() {
         if name.to_string_lossy().starts_with("OUTBOX_") {

@@ -421,17 +421,9 @@ async fn a_producer_connection_sees_the_head_move_in_the_ack_that_delivered_it()
 
 /// `outboxd <args>` against `app` as an operator would run it.
 async fn cli(app: &TestApp, key: &str, args: &[&str]) -> String {
-    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_outboxd"));
-    for (name, _) in std::env::vars_os() {
-        if name.to_string_lossy().starts_with("OUTBOX_") {
-            command.env_remove(name);
-        }
-    }
     let server = format!("http://{}", app.addr);
-    command
-        .args(args)
-        .args(["--server", &server, "--api-key", key]);
-    let output = command.output().await.unwrap();
+    let args = [args, &["--server", &server, "--api-key", key]].concat();
+    let output = crate::commands::outboxd(&args, &[]).await;
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(
         output.status.success(),

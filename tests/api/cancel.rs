@@ -8,6 +8,7 @@ use outboxd::proto::v1::{self, Decision, IntentState};
 use sqlx::Connection;
 
 use crate::helpers::{TestApp, claim_request, id_of, intent};
+use crate::two_phase::{enqueue_in, token_of};
 
 fn cancel_ids(ids: &[&str]) -> v1::ReconcileRequest {
     v1::ReconcileRequest {
@@ -64,20 +65,10 @@ async fn a_cancelled_staged_intent_stays_cancelled_when_its_producer_commits() {
     let app = TestApp::spawn().await;
     let mut producer = app.producer().await;
     let mut tx = producer.begin().await.unwrap();
-    let token: String = sqlx::query_scalar("SELECT outbox.txn_token()")
-        .fetch_one(&mut *tx)
+    let token = token_of(&mut tx).await;
+    let results = enqueue_in(&app, &token, vec![intent("email.send", "{}")])
         .await
         .unwrap();
-    let results = app
-        .client()
-        .enqueue(v1::EnqueueRequest {
-            intents: vec![intent("email.send", "{}")],
-            txn_token: token,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .results;
     let id = results[0].id.clone();
     app.reconcile(cancel_ids(&[&id])).await.unwrap();
     tx.commit().await.unwrap();

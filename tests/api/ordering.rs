@@ -11,7 +11,7 @@ use tonic::Code;
 
 use crate::helpers::{TENANT, TestApp, assert_status, claim_request, id_of, intent};
 use crate::long_poll::{wait_until_claims_are_waiting, woken};
-use crate::two_phase::{app_on_own_cluster_with, stop_own_cluster};
+use crate::two_phase::{app_on_own_cluster_with, enqueue_in, stop_own_cluster, token_of};
 
 fn ordered(key: &str, payload: &str) -> v1::NewIntent {
     v1::NewIntent {
@@ -107,20 +107,10 @@ async fn producers_committing_out_of_enqueue_order_are_delivered_in_commit_order
     for name in ["a", "b", "c"] {
         let mut conn = app.producer().await;
         sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
-        let token: String = sqlx::query_scalar("SELECT outbox.txn_token()")
-            .fetch_one(&mut conn)
+        let token = token_of(&mut conn).await;
+        let results = enqueue_in(&app, &token, vec![ordered("account-7", name)])
             .await
             .unwrap();
-        let results = app
-            .client()
-            .enqueue(v1::EnqueueRequest {
-                intents: vec![ordered("account-7", name)],
-                txn_token: token,
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .results;
         assert_eq!(results[0].state(), IntentState::Staged);
         ids.push(results[0].id.clone());
         producers.push(conn);
@@ -160,15 +150,8 @@ async fn a_rolled_back_producer_releases_the_key_it_held() {
     let app = TestApp::spawn().await;
     let mut producer = app.producer().await;
     let mut tx = producer.begin().await.unwrap();
-    let token: String = sqlx::query_scalar("SELECT outbox.txn_token()")
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
-    app.client()
-        .enqueue(v1::EnqueueRequest {
-            intents: vec![ordered("k", "rolled back")],
-            txn_token: token,
-        })
+    let token = token_of(&mut tx).await;
+    enqueue_in(&app, &token, vec![ordered("k", "rolled back")])
         .await
         .unwrap();
     let direct = app.enqueue(vec![ordered("k", "direct")]).await.unwrap();

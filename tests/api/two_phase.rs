@@ -15,7 +15,7 @@ use crate::helpers::{
 
 use outboxd::outbox::token::PLAIN_TOKEN_SQL;
 
-async fn enqueue_in(
+pub(crate) async fn enqueue_in(
     app: &TestApp,
     token: &str,
     intents: Vec<v1::NewIntent>,
@@ -29,7 +29,7 @@ async fn enqueue_in(
         .map(|r| r.into_inner().results)
 }
 
-async fn token_of(conn: &mut PgConnection) -> String {
+pub(crate) async fn token_of(conn: &mut PgConnection) -> String {
     sqlx::query_scalar("SELECT outbox.txn_token()")
         .fetch_one(conn)
         .await

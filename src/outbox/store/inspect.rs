@@ -127,7 +127,8 @@ pub struct QueueStats {
     pub oldest_pending_at: Option<DateTime<Utc>>,
     /// Enqueue time of the oldest STAGED intent.
     pub oldest_staged_at: Option<DateTime<Utc>>,
-    /// Ordering keys whose head holds the later intents back ([`BLOCKED_HEADS`]).
+    /// Ordering keys whose head (retrying, dead-lettered, NEEDS_RECONCILE) holds the later
+    /// intents back.
     pub blocked_keys: i64,
     /// The last state change of the longest-blocked head.
     pub oldest_blocked_at: Option<DateTime<Utc>>,
@@ -137,7 +138,7 @@ pub struct QueueStats {
 /// NEEDS_RECONCILE, or DEAD_LETTERED without an operator's decision. Each is the one head
 /// of its key, so they count keys. Read through intent_ordering_head_idx. $1 the API key's
 /// regions (empty: any), $2 now (or NULL).
-pub(crate) const BLOCKED_HEADS: &str = r#"
+const BLOCKED_HEADS: &str = r#"
     FROM outbox.intent i
     WHERE i.ordering_key IS NOT NULL
       AND i.state IN ('pending', 'needs_reconcile', 'dead_lettered')
@@ -221,7 +222,7 @@ pub struct QueueDepth {
     pub oldest_pending_age: Option<f64>,
     /// Seconds the oldest STAGED intent has waited.
     pub oldest_staged_age: Option<f64>,
-    /// Ordering keys held back by their head ([`BLOCKED_HEADS`]).
+    /// Ordering keys held back by their head (retrying, dead-lettered, NEEDS_RECONCILE).
     pub blocked_keys: i64,
 }
 

@@ -282,7 +282,8 @@ pub enum ReconcileCommand {
         /// Intents to resolve.
         #[arg(long = "id", conflicts_with = "state")]
         ids: Vec<String>,
-        /// Resolve every intent in these states (needs_reconcile, dead_lettered).
+        /// Resolve every intent in these states (needs_reconcile, dead_lettered; for cancel:
+        /// staged, waiting, pending).
         #[arg(long, value_parser = parse_state)]
         state: Vec<IntentState>,
         /// Filter: only this kind.

@@ -15,12 +15,20 @@ use crate::{Running, list};
 
 async fn orders(db: &str) -> PgPool {
     let pool = PgPool::connect(&stack().url(db)).await.expect("connect");
+    // Tests run at once on one database, and two CREATE TABLE IF NOT EXISTS racing each
+    // other fail (a unique violation in pg_type): one at a time.
+    let mut tx = pool.begin().await.expect("begin");
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('sdk tests: orders table'))")
+        .execute(&mut *tx)
+        .await
+        .expect("lock");
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS orders (id bigserial PRIMARY KEY, customer text NOT NULL)",
     )
-    .execute(&pool)
+    .execute(&mut *tx)
     .await
     .expect("orders table");
+    tx.commit().await.expect("commit");
     pool
 }
 

@@ -53,8 +53,10 @@ pub enum Method {
     Claim,
     /// Reconcile: up to `max_batch` ids or a filter, an actor and a reason.
     Reconcile,
-    /// GetIntent, ListIntents, GetQueueStats: an id or a filter.
+    /// GetIntent, ListIntents, GetQueueStats, ListQueuePolicies: an id or a filter.
     Inspect(&'static str),
+    /// SetQueuePolicy: a kind, numbers, an actor and a reason.
+    Policy,
 }
 
 impl Method {
@@ -72,6 +74,8 @@ impl Method {
             "GetIntent" => Self::Inspect("GetIntent"),
             "ListIntents" => Self::Inspect("ListIntents"),
             "GetQueueStats" => Self::Inspect("GetQueueStats"),
+            "ListQueuePolicies" => Self::Inspect("ListQueuePolicies"),
+            "SetQueuePolicy" => Self::Policy,
             _ => return None,
         })
     }
@@ -82,6 +86,7 @@ impl Method {
             Self::Large(n) | Self::Leases(n) | Self::Inspect(n) => n,
             Self::Claim => "Claim",
             Self::Reconcile => "Reconcile",
+            Self::Policy => "SetQueuePolicy",
         }
     }
 
@@ -106,6 +111,7 @@ impl Method {
                     + SMALL_FIELDS
             }
             Self::Inspect(_) => name + region + ID_FIELD + SMALL_FIELDS,
+            Self::Policy => 2 * name + 2 + 4 * limits.max_text_length + SMALL_FIELDS,
         };
         bytes.min(limits.max_message_bytes)
     }

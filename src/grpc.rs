@@ -56,16 +56,7 @@ impl OutboxHandler {
         caller_trace: Option<TraceContext>,
     ) -> RpcResult<v1::EnqueueResponse> {
         let (caller, scope) = self.access(&request, Permission::Produce).await?;
-        let tenant = scope
-            .single()
-            .ok_or_else(|| {
-                Error::InvalidArgument(vec![FieldViolation::new(
-                    TENANT_HEADER,
-                    "this API key acts for several tenants: name the one to enqueue for in the \
-                     x-outbox-tenant metadata",
-                )])
-            })?
-            .to_owned();
+        let tenant = one_tenant(&scope, "enqueue for")?;
         let (mut intents, token) = validate::enqueue(request.into_inner(), &self.limits)?;
         for (i, intent) in intents.iter().enumerate() {
             caller.require_region(&format!("intents[{i}].region"), &intent.region)?;
@@ -383,7 +374,7 @@ impl OutboxHandler {
             request_id: claim.request_id.as_deref(),
             key_id: caller.key_id,
             now: self.clock.now(),
-            look_back_to: None,
+            floors: &[],
             max_bytes: self.limits.max_reply_bytes,
         };
         // Before the caller's own deadline, if it set one: an answer it no longer waits for
@@ -627,6 +618,78 @@ impl OutboxHandler {
         tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(stats.into()))
     }
+
+    async fn set_queue_policy_work(
+        self,
+        request: Request<v1::SetQueuePolicyRequest>,
+    ) -> RpcResult<v1::SetQueuePolicyResponse> {
+        let (caller, scope) = self.access(&request, Permission::Operate).await?;
+        let tenant = one_tenant(&scope, "set a policy of")?;
+        let change = validate::queue_policy(request.into_inner(), &self.limits)?;
+        let mut tx = store::begin(&self.pools, &scope).await?;
+        let policy = store::set_queue_policy(
+            &mut tx,
+            store::PolicyParams {
+                tenant: &tenant,
+                kind: &change.kind,
+                paused: change.paused,
+                max_in_flight: change.max_in_flight,
+                rate: change.rate,
+                actor: &change.actor,
+                reason: &change.reason,
+                now: self.clock.now(),
+            },
+        )
+        .await?;
+        tx.commit().await.map_err(Error::from)?;
+        tracing::info!(
+            queue.tenant = %tenant,
+            queue.kind = %change.kind,
+            queue.paused = change.paused,
+            queue.max_in_flight = ?change.max_in_flight,
+            queue.rate = ?change.rate,
+            policy.actor = %change.actor,
+            policy.reason = %change.reason,
+            auth.key = %caller.key_name,
+            "operator set a queue policy"
+        );
+        Ok(Response::new(v1::SetQueuePolicyResponse {
+            policy: Some(policy.into()),
+        }))
+    }
+
+    async fn list_queue_policies_work(
+        self,
+        request: Request<v1::ListQueuePoliciesRequest>,
+    ) -> RpcResult<v1::ListQueuePoliciesResponse> {
+        let (_, scope) = self.access(&request, Permission::Operate).await?;
+        let kind = request.into_inner().kind;
+        let mut tx = store::begin(&self.pools, &scope).await?;
+        let policies = store::list_queue_policies(
+            &mut tx,
+            (!kind.is_empty()).then_some(kind.as_str()),
+            self.clock.now(),
+        )
+        .await?;
+        tx.commit().await.map_err(Error::from)?;
+        Ok(Response::new(v1::ListQueuePoliciesResponse {
+            policies: policies.into_iter().map(Into::into).collect(),
+        }))
+    }
+}
+
+/// The one tenant a call that writes acts for: the key's only tenant, or the one named in
+/// the tenant header.
+fn one_tenant(scope: &TenantScope, to: &str) -> Result<String, Error> {
+    scope.single().map(str::to_owned).ok_or_else(|| {
+        Error::InvalidArgument(vec![FieldViolation::new(
+            TENANT_HEADER,
+            format!(
+                "this API key acts for several tenants: name the one to {to} in the \
+                 x-outbox-tenant metadata"
+            ),
+        )])
+    })
 }
 
 #[tonic::async_trait]
@@ -713,6 +776,22 @@ impl OutboxService for OutboxHandler {
         request: Request<v1::GetQueueStatsRequest>,
     ) -> RpcResult<v1::GetQueueStatsResponse> {
         to_completion(self.clone().get_queue_stats_work(request)).await
+    }
+
+    #[tracing::instrument(skip_all, fields(rpc.method = "SetQueuePolicy", auth.key))]
+    async fn set_queue_policy(
+        &self,
+        request: Request<v1::SetQueuePolicyRequest>,
+    ) -> RpcResult<v1::SetQueuePolicyResponse> {
+        to_completion(self.clone().set_queue_policy_work(request)).await
+    }
+
+    #[tracing::instrument(skip_all, fields(rpc.method = "ListQueuePolicies", auth.key))]
+    async fn list_queue_policies(
+        &self,
+        request: Request<v1::ListQueuePoliciesRequest>,
+    ) -> RpcResult<v1::ListQueuePoliciesResponse> {
+        to_completion(self.clone().list_queue_policies_work(request)).await
     }
 }
 

@@ -164,6 +164,7 @@ impl From<Intent> for v1::Intent {
             worker_id: i.worker_id.unwrap_or_default(),
             last_error: i.last_error.unwrap_or_default(),
             ordering_key: i.ordering_key.unwrap_or_default(),
+            priority: i32::from(i.priority),
         }
     }
 }
@@ -295,6 +296,24 @@ mod tests {
                 bound - encoded <= 512.max(encoded / 100),
                 "{encoded} bytes encoded, bound {bound}"
             );
+        }
+    }
+}
+
+impl From<outbox::store::QueuePolicy> for v1::QueuePolicy {
+    fn from(p: outbox::store::QueuePolicy) -> Self {
+        Self {
+            tenant: p.tenant_id,
+            kind: p.kind,
+            paused: p.paused,
+            max_in_flight: p.max_in_flight.unwrap_or(0),
+            rate_per_second: p.rate_per_second.unwrap_or(0.0),
+            burst: p.burst.unwrap_or(0),
+            actor: p.updated_by,
+            reason: p.reason,
+            updated_at: Some(timestamp(p.updated_at)),
+            in_flight: p.in_flight,
+            tokens: p.tokens.unwrap_or(0.0),
         }
     }
 }

@@ -19,6 +19,8 @@ use crate::outbox::{
 use crate::proto::{from_timestamp, v1};
 
 const MAX_ATTEMPTS: i32 = 1000;
+/// Priorities an intent may have (the database's `intent_priority_in_range`).
+pub const PRIORITIES: std::ops::RangeInclusive<i16> = -10..=10;
 const DEFAULT_RECONCILE_LIMIT: usize = 100;
 const DEFAULT_PAGE_SIZE: usize = 50;
 /// Most violations listed in one error, and most bytes of field paths and descriptions as
@@ -360,6 +362,20 @@ pub fn enqueue(
             c.name(&field, key, true, limits.max_header_key_length);
             c.text(&field, value, false, limits.max_header_value_length);
         }
+        let priority = i16::try_from(intent.priority)
+            .ok()
+            .filter(|p| PRIORITIES.contains(p))
+            .unwrap_or_else(|| {
+                c.fail(
+                    f("priority"),
+                    format!(
+                        "must be from {} to {}",
+                        PRIORITIES.start(),
+                        PRIORITIES.end()
+                    ),
+                );
+                0
+            });
         let max_attempts = match intent.max_attempts {
             0 => limits.default_max_attempts,
             n if (1..=MAX_ATTEMPTS).contains(&n) => n,
@@ -395,6 +411,7 @@ pub fn enqueue(
             region: intent.region,
             idempotency_key: (!intent.idempotency_key.is_empty()).then_some(intent.idempotency_key),
             ordering_key: (!intent.ordering_key.is_empty()).then_some(intent.ordering_key),
+            priority,
             headers: intent.headers.into_iter().collect::<BTreeMap<_, _>>(),
             max_attempts,
             schedule,
@@ -823,5 +840,63 @@ pub fn list(req: v1::ListIntentsRequest, limits: &Limits) -> Result<List> {
         limit,
         after,
         include_payload: req.include_payload,
+    })
+}
+
+/// A validated SetQueuePolicy request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueuePolicyChange {
+    /// The queue's kind.
+    pub kind: String,
+    /// No leases while set.
+    pub paused: bool,
+    /// Most intents in flight.
+    pub max_in_flight: Option<i32>,
+    /// Leases per second, and the bucket's size.
+    pub rate: Option<(f64, i32)>,
+    /// Who.
+    pub actor: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// Most leases per second a rate limit may allow (the database's CHECK).
+const MAX_RATE_PER_SECOND: f64 = 1_000_000.0;
+
+/// Validates a SetQueuePolicy request.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming every bad field.
+pub fn queue_policy(req: v1::SetQueuePolicyRequest, limits: &Limits) -> Result<QueuePolicyChange> {
+    let mut c = Check::default();
+    c.name("kind", &req.kind, true, limits.max_name_length);
+    c.text("actor", &req.actor, true, limits.max_name_length);
+    c.text("reason", &req.reason, true, limits.max_text_length);
+    if req.max_in_flight < 0 {
+        c.fail("max_in_flight", "must be at least 1 (0: no limit)");
+    }
+    let rate = req.rate_per_second;
+    if !rate.is_finite() || !(0.0..=MAX_RATE_PER_SECOND).contains(&rate) {
+        c.fail(
+            "rate_per_second",
+            format!("must be a number from 0 (no limit) to {MAX_RATE_PER_SECOND}"),
+        );
+    }
+    if req.burst < 0 || (rate == 0.0 && req.burst != 0) {
+        c.fail("burst", "must be at least 1 with a rate, 0 without (0: the rate rounded up)");
+    }
+    let rate = (rate > 0.0 && rate.is_finite()).then(|| {
+        // Rounded up to a whole number of leases, at least 1 (rate <= MAX_RATE_PER_SECOND).
+        #[allow(clippy::cast_possible_truncation)]
+        let burst = if req.burst > 0 { req.burst } else { rate.ceil() as i32 };
+        (rate, burst.max(1))
+    });
+    c.done(QueuePolicyChange {
+        kind: req.kind,
+        paused: req.paused,
+        max_in_flight: (req.max_in_flight > 0).then_some(req.max_in_flight),
+        rate,
+        actor: req.actor,
+        reason: req.reason,
     })
 }

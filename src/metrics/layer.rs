@@ -109,7 +109,7 @@ fn code_name(code: tonic::Code) -> &'static str {
 
 /// The methods served, labelled by their full gRPC name (`/package.Service/Method`): one
 /// form for every service, the name gRPC itself puts on the wire (`:path`).
-const METHODS: [&str; 14] = [
+const METHODS: [&str; 16] = [
     "/outbox.v1.OutboxService/Enqueue",
     CLAIM_METHOD,
     "/outbox.v1.OutboxService/ExtendLease",
@@ -120,6 +120,8 @@ const METHODS: [&str; 14] = [
     "/outbox.v1.OutboxService/GetIntent",
     "/outbox.v1.OutboxService/ListIntents",
     "/outbox.v1.OutboxService/GetQueueStats",
+    "/outbox.v1.OutboxService/SetQueuePolicy",
+    "/outbox.v1.OutboxService/ListQueuePolicies",
     "/grpc.health.v1.Health/Check",
     "/grpc.health.v1.Health/Watch",
     "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
@@ -163,7 +165,7 @@ mod tests {
     #[test]
     fn every_served_method_is_labelled_by_its_full_name_and_any_other_path_is_unknown() {
         let outbox = methods_of(crate::proto::FILE_DESCRIPTOR_SET);
-        assert_eq!(outbox.len(), 10);
+        assert_eq!(outbox.len(), 12);
         for descriptors in [
             crate::proto::FILE_DESCRIPTOR_SET,
             tonic_health::pb::FILE_DESCRIPTOR_SET,

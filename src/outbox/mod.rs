@@ -153,6 +153,8 @@ pub struct NewIntent {
     /// Intents of one tenant with the same key are delivered one at a time, in commit
     /// order (docs/ordering.md).
     pub ordering_key: Option<String>,
+    /// Higher first among the claimable intents of its (tenant, kind); 0 by default.
+    pub priority: i16,
     /// Headers carried to the worker.
     pub headers: BTreeMap<String, String>,
     /// Claims allowed before dead-lettering.
@@ -200,6 +202,8 @@ pub struct Intent {
     pub last_error: Option<String>,
     /// Ordering key.
     pub ordering_key: Option<String>,
+    /// Priority (higher first within its tenant and kind).
+    pub priority: i16,
 }
 
 /// A LEASED intent as a claim returns it, now, for unit tests.
@@ -225,6 +229,7 @@ pub(crate) fn leased_intent(id: IntentId) -> Intent {
         worker_id: Some("a".to_owned()),
         last_error: None,
         ordering_key: None,
+        priority: 0,
     }
 }
 

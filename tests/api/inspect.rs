@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use outboxd::proto::v1::{self, FailOutcome, IntentState};
 use tonic::Code;
 
-use crate::helpers::{LARGEST_PAYLOAD, TestApp, assert_status, intent};
+use crate::helpers::{LARGEST_PAYLOAD, TestApp, assert_status, id_of, intent};
 
 #[tokio::test]
 async fn get_intent_of_an_unknown_or_malformed_id_is_an_error() {
@@ -68,7 +68,7 @@ async fn list_intents_filters_and_pages_in_enqueue_order() {
         .unwrap()
         .into_inner();
     assert_eq!(waiting.intents.len(), 1);
-    assert_eq!(waiting.intents[0].id, ids[0]);
+    assert_eq!(waiting.intents[0].id, id_of(&lease));
     assert!(!waiting.intents[0].payload.is_empty());
 
     let status = client

@@ -7,6 +7,7 @@ mod cancellation;
 mod claim;
 mod commands;
 mod enqueue;
+mod flow_control;
 mod group_commit;
 mod handoff;
 mod helpers;

@@ -147,7 +147,10 @@ fn new_intent() -> impl Strategy<Value = v1::NewIntent> {
             3 => hash_map("[a-z]{1,3}", "[a-z ]{0,3}", 0..2),
             1 => hash_map(text(), text(), 0..4),
         ],
-        prop_oneof![3 => 0..4i32, 1 => small_i32()],
+        (
+            prop_oneof![3 => 0..4i32, 1 => small_i32()],
+            prop_oneof![3 => -12..12i32, 1 => small_i32()],
+        ),
         prop_oneof![
             2 => Just(None),
             1 => (0..5i64).prop_map(|s| Some(v1::new_intent::Schedule::Delay(pd(s, 0)))),
@@ -158,7 +161,7 @@ fn new_intent() -> impl Strategy<Value = v1::NewIntent> {
             |(
                 (kind, payload, content_type, region, idempotency_key, ordering_key),
                 headers,
-                max_attempts,
+                (max_attempts, priority),
                 schedule,
             )| {
                 v1::NewIntent {
@@ -168,6 +171,7 @@ fn new_intent() -> impl Strategy<Value = v1::NewIntent> {
                     region,
                     idempotency_key,
                     ordering_key,
+                    priority,
                     headers,
                     max_attempts,
                     schedule,
@@ -393,6 +397,7 @@ fn check_enqueue(req: &v1::EnqueueRequest, limits: &Limits) {
                     assert!(printable(v, limits.max_header_value_length), "{v:?}");
                 }
                 assert!((1..=1000).contains(&i.max_attempts));
+                assert!((-10..=10).contains(&i.priority));
                 match i.schedule {
                     Schedule::Now => {}
                     Schedule::Delay(d) => assert!(d <= limits.max_delay),

@@ -124,7 +124,7 @@ async fn the_service_role_cannot_see_another_tenant_whatever_it_sets() {
         let claimed: Vec<String> = sqlx::query_scalar(
             "SELECT tenant_id FROM outbox.claim(coalesce(current_setting('outbox.tenants', true), ''), \
              coalesce(current_setting('outbox.scope_proof', true), ''), 'thief', '', '{}'::text[], \
-             100, 60000, NULL, NULL, NULL, NULL)",
+             100, 60000, NULL, NULL, '{}', '{}', '{}', '{}', NULL)",
         )
         .fetch_all(&mut *tx)
         .await
@@ -232,7 +232,17 @@ async fn every_table_under_row_level_security_opens_to_the_fleet_grant_and_no_se
     .await
     .unwrap();
     let names: Vec<&str> = tables.iter().map(|(n, _, _)| n.as_str()).collect();
-    assert_eq!(names, ["delivered_batch", "intent", "resolution"]);
+    assert_eq!(
+        names,
+        [
+            "delivered_batch",
+            "intent",
+            "queue_level",
+            "queue_policy",
+            "queue_policy_change",
+            "resolution"
+        ]
+    );
     for (table, forced, fleet) in &tables {
         assert!(
             forced,
@@ -249,7 +259,7 @@ async fn every_table_under_row_level_security_opens_to_the_fleet_grant_and_no_se
     .fetch_all(&app.pool)
     .await
     .unwrap();
-    assert_eq!(others.len(), 3, "{others:?}");
+    assert_eq!(others.len(), tables.len(), "{others:?}");
     for (policy, expr) in &others {
         assert!(
             expr.contains("outbox.verified_tenants") && !expr.contains("cross_tenant"),

@@ -33,6 +33,7 @@ use chrono::{DateTime, Utc};
 use tokio::time::Instant;
 
 use crate::outbox::Intent;
+use crate::outbox::store::QueueLevel;
 
 /// How far behind its own time a look's floor lies (at most): wider than the time between a
 /// transition's `now()` and its commit.
@@ -46,6 +47,9 @@ pub const WHOLE_LOOK_EVERY: Duration = Duration::from_secs(2);
 /// once more). Groups are few in practice: one per tenant scope and filter set.
 const MAX_GROUPS: usize = 4096;
 
+/// Levels remembered per group at most; past it the group's are forgotten.
+const MAX_LEVELS: usize = 4096;
+
 /// What one look leased, as its floor needs it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Leased {
@@ -57,13 +61,28 @@ pub struct Leased {
 }
 
 impl Leased {
-    /// What a look that leased `intents` (the claim statement's rows) leased; `None` for
-    /// none.
-    pub fn of(intents: &[Intent]) -> Option<Self> {
-        Some(Self {
-            newest: intents.iter().map(|i| i.available_at).max()?,
-            at: intents.iter().map(|i| i.updated_at).min()?,
-        })
+    /// What one look leased in each level, from the intents it leased and their tenants.
+    pub fn by_level(intents: &[Intent], tenants: &[String]) -> Vec<(QueueLevel, Self)> {
+        let mut levels: HashMap<QueueLevel, Self> = HashMap::new();
+        for (intent, tenant) in intents.iter().zip(tenants) {
+            let level = QueueLevel {
+                tenant: tenant.clone(),
+                kind: intent.kind.clone(),
+                priority: intent.priority,
+            };
+            let this = Self {
+                newest: intent.available_at,
+                at: intent.updated_at,
+            };
+            levels
+                .entry(level)
+                .and_modify(|l| {
+                    l.newest = l.newest.max(this.newest);
+                    l.at = l.at.min(this.at);
+                })
+                .or_insert(this);
+        }
+        levels.into_iter().collect()
     }
 
     /// Where a later look may begin without passing an intent this one left: whatever it
@@ -75,59 +94,61 @@ impl Leased {
 }
 
 /// The floors of every group of claimers of this server (by tenants and filters, the
-/// same groups as [`crate::outbox::notify::Turn`]).
+/// same groups as [`crate::outbox::notify::Turn`]), one per level a group took from: a
+/// claim takes each level (a queue's intents of one priority) oldest first, but shares its
+/// batch among levels, so what it left in one level says nothing of another.
 #[derive(Debug, Default)]
 pub struct ClaimFloors {
-    groups: Mutex<HashMap<String, Floor>>,
+    groups: Mutex<HashMap<String, Floors>>,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Floor {
-    /// Where the group's next look begins: the highest floor its looks left.
-    from: DateTime<Utc>,
+#[derive(Debug)]
+struct Floors {
+    /// Where the group's next look begins in each level: the highest floor its looks left.
+    levels: HashMap<QueueLevel, DateTime<Utc>>,
     /// When the group looks at the whole queue again.
     whole_look_at: Instant,
 }
 
 impl ClaimFloors {
-    /// Where the next look of `group` begins, at `now`: lease only intents available at or
-    /// after this; `None`: look at the whole queue.
-    pub fn look_from(&self, group: &str, now: Instant) -> Option<DateTime<Utc>> {
+    /// Where the next look of `group` begins, at `now`, in each level it has a floor for
+    /// (in the others: at the start); `None`: look at the whole queue.
+    pub fn look_from(&self, group: &str, now: Instant) -> Option<Vec<(QueueLevel, DateTime<Utc>)>> {
         let groups = self.groups.lock().unwrap_or_else(PoisonError::into_inner);
         groups
             .get(group)
-            .filter(|floor| now < floor.whole_look_at)
-            .map(|floor| floor.from)
+            .filter(|floors| now < floors.whole_look_at)
+            .map(|floors| floors.levels.iter().map(|(l, at)| (l.clone(), *at)).collect())
     }
 
-    /// Notes what a look of `group` from `looked_from` leased (`None`: nothing).
-    pub fn record(
-        &self,
-        group: &str,
-        looked_from: Option<DateTime<Utc>>,
-        leased: Option<Leased>,
-        now: Instant,
-    ) {
+    /// Notes what a look of `group` (of the whole queue, or from the group's floors) leased,
+    /// level by level.
+    pub fn record(&self, group: &str, whole: bool, leased: Vec<(QueueLevel, Leased)>, now: Instant) {
         let mut groups = self.groups.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(floor) = groups.get_mut(group) {
-            if let Some(leased) = leased {
-                floor.from = floor.from.max(leased.floor());
+        if let Some(floors) = groups.get_mut(group) {
+            // A level without a floor was looked at from its start, as in a whole look.
+            for (level, leased) in leased {
+                let floor = floors.levels.entry(level).or_insert(leased.floor());
+                *floor = (*floor).max(leased.floor());
             }
-            if looked_from.is_none() {
-                floor.whole_look_at = now + WHOLE_LOOK_EVERY;
+            if floors.levels.len() > MAX_LEVELS {
+                floors.levels.clear();
+            }
+            if whole {
+                floors.whole_look_at = now + WHOLE_LOOK_EVERY;
             }
             return;
         }
-        // A group's floor starts with a whole look that leased something: before that
+        // A group's floors start with a whole look that leased something: before that
         // nothing is known of where its intents begin.
-        if let (None, Some(leased)) = (looked_from, leased) {
+        if whole && !leased.is_empty() {
             if groups.len() >= MAX_GROUPS {
                 groups.clear();
             }
             groups.insert(
                 group.to_owned(),
-                Floor {
-                    from: leased.floor(),
+                Floors {
+                    levels: leased.into_iter().map(|(l, leased)| (l, leased.floor())).collect(),
                     whole_look_at: now + WHOLE_LOOK_EVERY,
                 },
             );
@@ -143,12 +164,29 @@ mod tests {
         DateTime::from_timestamp(1_800_000_000 + seconds, 0).expect("valid")
     }
 
-    /// A look at `seconds` that took intents available up to then (a live queue).
-    fn live(seconds: i64) -> Option<Leased> {
-        Some(Leased {
-            newest: at(seconds),
-            at: at(seconds),
-        })
+    fn level(kind: &str) -> QueueLevel {
+        QueueLevel {
+            tenant: "t".to_owned(),
+            kind: kind.to_owned(),
+            priority: 0,
+        }
+    }
+
+    /// A look at `seconds` that took intents of level `kind` available up to then (a live
+    /// queue).
+    fn live(kind: &str, seconds: i64) -> Vec<(QueueLevel, Leased)> {
+        vec![(
+            level(kind),
+            Leased {
+                newest: at(seconds),
+                at: at(seconds),
+            },
+        )]
+    }
+
+    fn floor_of(floors: &ClaimFloors, group: &str, kind: &str, now: Instant) -> Option<DateTime<Utc>> {
+        let levels = floors.look_from(group, now)?;
+        levels.into_iter().find(|(l, _)| *l == level(kind)).map(|(_, at)| at)
     }
 
     #[test]
@@ -156,7 +194,7 @@ mod tests {
         let floors = ClaimFloors::default();
         let now = Instant::now();
         assert_eq!(floors.look_from("g", now), None);
-        floors.record("g", None, None, now);
+        floors.record("g", true, Vec::new(), now);
         assert_eq!(floors.look_from("g", now), None);
     }
 
@@ -164,9 +202,20 @@ mod tests {
     fn in_a_live_queue_the_next_look_begins_look_back_behind_the_last() {
         let floors = ClaimFloors::default();
         let now = Instant::now();
-        floors.record("g", None, live(10), now);
-        assert_eq!(floors.look_from("g", now), Some(at(10) - LOOK_BACK));
+        floors.record("g", true, live("a", 10), now);
+        assert_eq!(floor_of(&floors, "g", "a", now), Some(at(10) - LOOK_BACK));
         assert_eq!(floors.look_from("other", now), None, "floors are per group");
+    }
+
+    #[test]
+    fn each_level_has_its_own_floor_and_a_new_level_starts_at_its_start() {
+        let floors = ClaimFloors::default();
+        let now = Instant::now();
+        floors.record("g", true, live("a", 10), now);
+        assert_eq!(floor_of(&floors, "g", "b", now), None);
+        floors.record("g", false, live("b", 3), now);
+        assert_eq!(floor_of(&floors, "g", "a", now), Some(at(10) - LOOK_BACK));
+        assert_eq!(floor_of(&floors, "g", "b", now), Some(at(3) - LOOK_BACK));
     }
 
     #[test]
@@ -177,34 +226,41 @@ mod tests {
             newest: at(10),
             at: at(60),
         };
-        floors.record("g", None, Some(backlog), now);
-        assert_eq!(floors.look_from("g", now), Some(at(10)));
+        floors.record("g", true, vec![(level("a"), backlog)], now);
+        assert_eq!(floor_of(&floors, "g", "a", now), Some(at(10)));
         // Anything that becomes PENDING from now on is available after at(60) - LOOK_BACK.
         let nearly = Leased {
             newest: at(59),
             at: at(59) + Duration::from_millis(500),
         };
-        floors.record("g", Some(at(10)), Some(nearly), now);
+        floors.record("g", false, vec![(level("a"), nearly)], now);
         assert_eq!(
-            floors.look_from("g", now),
+            floor_of(&floors, "g", "a", now),
             Some(at(59) + Duration::from_millis(500) - LOOK_BACK)
         );
     }
 
     #[test]
     fn a_look_leased_intents_at_the_time_the_claim_wrote_and_up_to_the_newest_available() {
-        let intent = |available: i64, updated: i64| Intent {
+        let intent = |kind: &str, available: i64, updated: i64| Intent {
+            kind: kind.to_owned(),
             available_at: at(available),
             updated_at: at(updated),
             ..crate::outbox::leased_intent(crate::outbox::IntentId(uuid::Uuid::nil()))
         };
-        assert_eq!(Leased::of(&[]), None);
+        assert_eq!(Leased::by_level(&[], &[]), Vec::new());
+        let tenants = vec!["t".to_owned(); 4];
+        let mut levels = Leased::by_level(
+            &[intent("a", 5, 20), intent("a", 7, 21), intent("a", 3, 20), intent("b", 9, 22)],
+            &tenants,
+        );
+        levels.sort_by(|x, y| x.0.kind.cmp(&y.0.kind));
         assert_eq!(
-            Leased::of(&[intent(5, 20), intent(7, 20), intent(3, 20)]),
-            Some(Leased {
-                newest: at(7),
-                at: at(20)
-            })
+            levels,
+            vec![
+                (level("a"), Leased { newest: at(7), at: at(20) }),
+                (level("b"), Leased { newest: at(9), at: at(22) }),
+            ]
         );
     }
 
@@ -212,16 +268,15 @@ mod tests {
     fn the_floor_never_moves_back_and_the_whole_queue_is_looked_at_again_in_time() {
         let floors = ClaimFloors::default();
         let start = Instant::now();
-        floors.record("g", None, live(10), start);
-        let from = floors.look_from("g", start);
-        floors.record("g", from, live(5), start);
-        assert_eq!(floors.look_from("g", start), Some(at(10) - LOOK_BACK));
+        floors.record("g", true, live("a", 10), start);
+        floors.record("g", false, live("a", 5), start);
+        assert_eq!(floor_of(&floors, "g", "a", start), Some(at(10) - LOOK_BACK));
 
         let later = start + WHOLE_LOOK_EVERY;
         assert_eq!(floors.look_from("g", later), None);
         // A whole look that found only older intents keeps the floor, and restarts the period.
-        floors.record("g", None, live(3), later);
-        assert_eq!(floors.look_from("g", later), Some(at(10) - LOOK_BACK));
+        floors.record("g", true, live("a", 3), later);
+        assert_eq!(floor_of(&floors, "g", "a", later), Some(at(10) - LOOK_BACK));
         assert_eq!(floors.look_from("g", later + WHOLE_LOOK_EVERY), None);
     }
 
@@ -230,10 +285,10 @@ mod tests {
         let floors = ClaimFloors::default();
         let now = Instant::now();
         for g in 0..MAX_GROUPS {
-            floors.record(&g.to_string(), None, live(1), now);
+            floors.record(&g.to_string(), true, live("a", 1), now);
         }
         assert!(floors.look_from("0", now).is_some());
-        floors.record("one more", None, live(1), now);
+        floors.record("one more", true, live("a", 1), now);
         assert_eq!(floors.look_from("0", now), None);
         assert!(floors.look_from("one more", now).is_some());
     }

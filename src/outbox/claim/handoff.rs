@@ -410,6 +410,7 @@ mod tests {
             region: String::new(),
             idempotency_key: None,
             ordering_key: None,
+            priority: 0,
             headers: BTreeMap::new(),
             max_attempts: 5,
             schedule: Schedule::Now,

@@ -198,9 +198,12 @@ impl Claims {
             };
             whole_look = tokio::select! {
                 handed = handed => match handed {
-                    Some(intents) => break self.received_handed_off(intents),
-                    // The enqueue that took this claim failed: look again.
-                    None => false,
+                    Some(intents) if !intents.is_empty() => {
+                        break self.received_handed_off(intents);
+                    }
+                    // The enqueue that took this claim failed, or leased it nothing (its
+                    // queue has a policy, which only a claim applies): look again.
+                    _ => false,
                 },
                 _ = woken.changed() => false,
                 _ = turn.given_since(seen.turns) => false,
@@ -261,11 +264,12 @@ impl Claims {
         };
         let params = ClaimParams {
             now: self.clock.now(),
-            look_back_to: look_from,
+            floors: look_from.as_deref().unwrap_or_default(),
             ..params
         };
         let store::Claimed {
             intents,
+            tenants,
             next_due_in,
             replayed,
             ran_out,
@@ -275,8 +279,12 @@ impl Claims {
         let filled = !ran_out;
         if !replayed {
             let now = Instant::now();
-            self.floors
-                .record(group, look_from, Leased::of(&intents), now);
+            self.floors.record(
+                group,
+                look_from.is_none(),
+                Leased::by_level(&intents, &tenants),
+                now,
+            );
             self.drained.record(group, seen, !filled, again_in, now);
         }
         Ok(Look {

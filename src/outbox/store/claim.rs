@@ -32,13 +32,24 @@ pub struct ClaimParams<'a> {
     pub key_id: Uuid,
     /// Current time override (tests).
     pub now: Option<DateTime<Utc>>,
-    /// Lease only intents available at or after this (`None`: the whole queue); see
-    /// [`crate::outbox::claim::floor`].
-    pub look_back_to: Option<DateTime<Utc>>,
+    /// In each of these levels, lease only intents available at or after its instant
+    /// (a level not listed: all of it); see [`crate::outbox::claim::floor`].
+    pub floors: &'a [(QueueLevel, DateTime<Utc>)],
     /// Stop leasing once the intents leased weigh this many bytes (`outbox.reply_weight`,
     /// always at least one intent): the reply's budget, so that intents that would not
     /// be sent are not read.
     pub max_bytes: usize,
+}
+
+/// A queue's intents of one priority: a claim takes each level oldest first.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct QueueLevel {
+    /// The queue's tenant.
+    pub tenant: String,
+    /// The queue's kind.
+    pub kind: String,
+    /// The level's priority.
+    pub priority: i16,
 }
 
 /// One look of a claim: `outbox.claim`, then `outbox.next_due_in` when it ran out.
@@ -46,16 +57,19 @@ const CLAIM: &str = include_str!("sql/claim.sql");
 
 /// The claim function's call in `CLAIM` (`$1` tenants, `$2` their proof, `$3` worker,
 /// `$4` region, `$5` kinds, `$6` most intents, `$7` lease milliseconds, `$8` request id,
-/// `$9` now (or NULL), `$10` the floor (or NULL), `$11` the byte budget), for the
-/// benchmark's raw-SQL ceiling: the same call, no service. A test checks that `CLAIM`
-/// makes it.
-pub const CLAIM_CALL: &str = "outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
+/// `$9` now (or NULL), `$10`-`$13` the levels' floors (tenants, kinds, priorities,
+/// instants), `$14` the byte budget), for the benchmark's raw-SQL ceiling: the same call,
+/// no service. A test checks that `CLAIM` makes it.
+pub const CLAIM_CALL: &str =
+    "outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)";
 
 /// What one look of a claim found.
 #[derive(Debug)]
 pub struct Claimed {
     /// The leased intents, oldest `available_at` first.
     pub intents: Vec<Intent>,
+    /// The tenant of each of `intents`.
+    pub tenants: Vec<String>,
     /// When it leased fewer than asked: how long until the next PENDING intent matching
     /// the filters becomes due, if one is scheduled in the future, so that a long-polling
     /// claimer (or the next of its group, [`crate::outbox::claim::drained`]) sleeps exactly that
@@ -88,6 +102,10 @@ pub async fn claim_intents(
 ) -> Result<Claimed> {
     let pool = pools.for_scope(scope);
     let scope = pools.scope_settings(scope);
+    let floor_tenants: Vec<&str> = params.floors.iter().map(|(l, _)| l.tenant.as_str()).collect();
+    let floor_kinds: Vec<&str> = params.floors.iter().map(|(l, _)| l.kind.as_str()).collect();
+    let floor_priorities: Vec<i16> = params.floors.iter().map(|(l, _)| l.priority).collect();
+    let floor_ats: Vec<DateTime<Utc>> = params.floors.iter().map(|(_, at)| *at).collect();
     // Run again when the connection turns out dead. Had the lost call run after all, its
     // leases, never handed to anyone, expire back to PENDING like a crashed worker's (as
     // when the reply to a COMMIT is lost), and a retry with the same request id gets them.
@@ -102,25 +120,35 @@ pub async fn claim_intents(
             .bind(millis(params.lease_duration))
             .bind(params.request_id.map(|r| format!("{}/{r}", params.key_id)))
             .bind(params.now)
-            .bind(params.look_back_to)
+            .bind(&floor_tenants)
+            .bind(&floor_kinds)
+            .bind(&floor_priorities)
+            .bind(&floor_ats)
             .bind(i64::try_from(params.max_bytes).unwrap_or(i64::MAX))
             .fetch_all(pool)
     })
     .await?;
     let mut claimed = Claimed {
         intents: Vec::with_capacity(rows.len()),
+        tenants: Vec::with_capacity(rows.len()),
         next_due_in: None,
         replayed: false,
         ran_out: false,
     };
-    // After the intent's columns: next_due_in, replayed, ran_out.
-    let (next_due_in, replayed, ran_out) = (INTENT_COLUMNS, INTENT_COLUMNS + 1, INTENT_COLUMNS + 2);
+    // After the intent's columns: next_due_in, replayed, ran_out, tenant_id.
+    let (next_due_in, replayed, ran_out, tenant) = (
+        INTENT_COLUMNS,
+        INTENT_COLUMNS + 1,
+        INTENT_COLUMNS + 2,
+        INTENT_COLUMNS + 3,
+    );
     if let Some(row) = rows.first() {
         if let Some(seconds) = row.try_get::<Option<f64>, _>(next_due_in)? {
             claimed.next_due_in = Some(Duration::from_secs_f64(seconds.max(0.0)));
         }
         claimed.ran_out = row.try_get(ran_out)?;
     }
+    let mut leased = Vec::with_capacity(rows.len());
     for (n, row) in rows.iter().enumerate() {
         // A single row of NULLs when nothing was leased.
         if row.try_get_raw(0)?.is_null() {
@@ -129,9 +157,10 @@ pub async fn claim_intents(
         if n == 0 {
             claimed.replayed = row.try_get(replayed)?;
         }
-        claimed.intents.push(intent_at(row, n == 0)?);
+        leased.push((intent_at(row, n == 0)?, row.try_get::<String, _>(tenant)?));
     }
-    claimed.intents.sort_by_key(|i| (i.available_at, i.id));
+    leased.sort_by_key(|(i, _)| (i.available_at, i.id));
+    (claimed.intents, claimed.tenants) = leased.into_iter().unzip();
     Ok(claimed)
 }
 

@@ -93,6 +93,7 @@ pub async fn insert_intents(
     let mut delays_ms: Vec<Option<i64>> = Vec::with_capacity(n);
     let mut at: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(n);
     let mut ordering_keys = Vec::with_capacity(n);
+    let mut priorities = Vec::with_capacity(n);
     for intent in params.intents {
         ids.push(Uuid::now_v7());
         kinds.push(intent.kind.as_str());
@@ -110,7 +111,9 @@ pub async fn insert_intents(
         delays_ms.push(delay);
         at.push(instant);
         ordering_keys.push(intent.ordering_key.as_deref());
+        priorities.push(intent.priority);
     }
+    let prioritised = priorities.iter().any(|p| *p != 0);
     let ordered = ordering_keys.iter().any(Option::is_some);
     debug_assert!(
         !ordered || params.leases.is_empty(),
@@ -132,7 +135,7 @@ pub async fn insert_intents(
         (None, None)
     };
 
-    // `$1`–`$16` of every statement (only one of them runs).
+    // `$1`–`$17` of every statement (only one of them runs).
     let mut args = PgArguments::default();
     (|| {
         args.add(params.tenant_id)?;
@@ -150,7 +153,8 @@ pub async fn insert_intents(
         args.add(params.txn_xid.map(|x| x.to_string()))?;
         args.add(&lease_workers)?;
         args.add(&lease_ms)?;
-        args.add(ordered.then_some(&ordering_keys))
+        args.add(ordered.then_some(&ordering_keys))?;
+        args.add(prioritised.then_some(&priorities))
     })()
     .map_err(sqlx::Error::Encode)?;
     let state = if params.txn_xid.is_some() {
@@ -178,21 +182,17 @@ pub async fn insert_intents(
             None => advance_own_keys(conn, params.tenant_id, &ordering_keys, params.now).await?,
             Some(_) => HashSet::new(),
         };
+        // Only those the statement leased were handed off (not those of a queue with a
+        // policy, which it left PENDING).
+        let leased_ids: HashSet<Uuid> = leased.iter().map(|i| i.id.0).collect();
         let enqueued = ids
             .into_iter()
-            .zip(
-                params
-                    .leases
-                    .iter()
-                    .map(Option::is_some)
-                    .chain(std::iter::repeat(false)),
-            )
             .zip(&ordering_keys)
-            .map(|((id, handed_off), key)| Enqueued {
+            .map(|(id, key)| Enqueued {
                 id: IntentId(id),
                 state: state_of_new(state, key.is_some(), heads.contains(&id)),
                 deduplicated: false,
-                handed_off,
+                handed_off: leased_ids.contains(&id),
             })
             .collect();
         return Ok(Inserted { enqueued, leased });

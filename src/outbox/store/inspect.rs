@@ -22,7 +22,7 @@ pub async fn get_intent(
         SELECT i.id, i.state, i.kind, i.payload, i.content_type, i.region, i.idempotency_key,
                i.headers, i.attempts, i.max_attempts, i.available_at, i.created_at,
                i.updated_at, i.lease_id, i.lease_expires_at, i.worker_id, i.last_error,
-               i.ordering_key
+               i.ordering_key, i.priority
         FROM outbox.intents_by_id(ARRAY[$1]::uuid[]) i
         WHERE (cardinality($2::text[]) = 0 OR i.region = '' OR i.region = ANY($2::text[]))
         "#,
@@ -181,11 +181,7 @@ pub async fn queue_stats(
         sqlx::query_as(
             r#"
             SELECT
-                (SELECT min(i.available_at) FROM outbox.intent i
-                 WHERE i.state = 'pending'
-                   AND i.available_at <= coalesce($1::timestamptz, now())
-                   AND (cardinality($2::text[]) = 0 OR i.region = ''
-                        OR i.region = ANY($2::text[]))),
+                outbox.oldest_pending($1::timestamptz, $2::text[]),
                 (SELECT min(i.created_at) FROM outbox.intent i
                  WHERE i.state = 'staged'
                    AND (cardinality($2::text[]) = 0 OR i.region = ''
@@ -266,8 +262,7 @@ pub async fn queue_depth(conn: &mut PgConnection) -> Result<QueueDepth> {
     let (oldest_pending_age, oldest_staged_age): (Option<f64>, Option<f64>) = sqlx::query_as(
         r#"
         SELECT
-            (SELECT extract(epoch FROM now() - min(available_at))::float8 FROM outbox.intent
-             WHERE state = 'pending' AND available_at <= now()),
+            extract(epoch FROM now() - outbox.oldest_pending(NULL, '{}'))::float8,
             (SELECT extract(epoch FROM now() - min(created_at))::float8 FROM outbox.intent
              WHERE state = 'staged')
         "#,

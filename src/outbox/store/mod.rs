@@ -22,6 +22,7 @@ mod inspect;
 mod listeners;
 mod maintenance;
 mod ordering;
+mod policy;
 mod reconcile;
 mod settle;
 mod staged;
@@ -31,7 +32,7 @@ pub use api_keys::{
     ApiKeyRecord, find_api_key, insert_api_key, insert_api_key_unless_stored, list_api_keys,
     lookup_api_key, revoke_api_key,
 };
-pub use claim::{CLAIM_CALL, ClaimParams, Claimed, claim_intents, release_leases};
+pub use claim::{CLAIM_CALL, ClaimParams, Claimed, QueueLevel, claim_intents, release_leases};
 pub use enqueue::{EnqueueParams, Inserted, insert_intents};
 pub use inspect::{
     ListParams, QueueDepth, QueueStats, StateCount, get_intent, list_intents, probe, queue_depth,
@@ -40,6 +41,7 @@ pub use inspect::{
 pub use listeners::{hold_listener_lock, others_listen};
 pub use maintenance::{BackoffParams, purge_finished_intents, rescue_expired_leases};
 pub use ordering::{advance_keys, lock_ordering_keys};
+pub use policy::{PolicyParams, QueuePolicy, list_queue_policies, set_queue_policy};
 pub use reconcile::{ReconcileParams, ReconcileTarget, resolve_intents};
 pub use settle::{
     ACK_AND_DELETE_CALL, ACK_CALL, DeliveredRows, SettleScope, ack_intents, extend_leases,
@@ -124,11 +126,12 @@ pub(crate) const INTENT_COLUMN_NAMES: [&str; INTENT_COLUMNS] = [
     "worker_id",
     "last_error",
     "ordering_key",
+    "priority",
 ];
 
 /// How many columns of an intent a claim selects ([`INTENT_COLUMN_NAMES`]); the
 /// statement's own columns follow them.
-pub(crate) const INTENT_COLUMNS: usize = 18;
+pub(crate) const INTENT_COLUMNS: usize = 19;
 
 /// Decodes the [`Intent`](crate::outbox::Intent) in the first [`INTENT_COLUMNS`] columns of
 /// `row`, in the order of [`INTENT_COLUMN_NAMES`], by position. A claim decodes up to a thousand
@@ -175,6 +178,7 @@ pub(crate) fn intent_at(
         worker_id: get(row, 15, checked)?,
         last_error: get(row, 16, checked)?,
         ordering_key: get(row, 17, checked)?,
+        priority: get(row, 18, checked)?,
     })
 }
 

@@ -1,6 +1,7 @@
 -- One look of a claim (store::claim_intents). $1 tenants, $2 their proof, $3 worker,
 -- $4 region, $5 kinds, $6 most intents, $7 lease milliseconds, $8 request id, $9 now (or
--- NULL), $10 the floor (or NULL), $11 the byte budget.
+-- NULL), $10-$13 the levels' floors (tenants, kinds, priorities, instants), $14 the byte
+-- budget.
 --
 -- One row per leased intent (its columns in the order of store::INTENT_COLUMN_NAMES), or a
 -- single row of NULLs; each with next_due_in when fewer than asked were leased within the
@@ -8,23 +9,24 @@
 -- its transaction has an id, and a replay only reads. The select list is computed once
 -- the function has returned (PL/pgSQL returns its rows all at once).
 WITH leased AS MATERIALIZED (
-    SELECT * FROM outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+    SELECT * FROM outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
 ),
 ran_out AS MATERIALIZED (
     -- The weights are summed only when fewer than asked were leased (a full batch, the
     -- busy queue's case, did not run out).
     SELECT CASE WHEN (SELECT count(*) FROM leased) >= $6 THEN false
         ELSE (SELECT coalesce(sum(outbox.reply_weight(l.payload, l.headers,
-                                                      l.last_error)), 0) < $11
+                                                      l.last_error)), 0) < $14
               FROM leased l)
     END AS ran_out
 )
 SELECT i.id, i.state, i.kind, i.payload, i.content_type, i.region, i.idempotency_key,
        i.headers, i.attempts, i.max_attempts, i.available_at, i.created_at, i.updated_at,
-       i.lease_id, i.lease_expires_at, i.worker_id, i.last_error, i.ordering_key,
+       i.lease_id, i.lease_expires_at, i.worker_id, i.last_error, i.ordering_key, i.priority,
        due.seconds AS next_due_in,
        pg_current_xact_id_if_assigned() IS NULL AS replayed,
-       (SELECT ran_out FROM ran_out) AS ran_out
+       (SELECT ran_out FROM ran_out) AS ran_out,
+       i.tenant_id
 FROM (VALUES (1)) AS one (x)
 LEFT JOIN leased i ON true
 LEFT JOIN LATERAL (

@@ -4,17 +4,19 @@
 -- key (all NULL here), $8 headers, $9 max attempts, $10 delay ms, $11 due instant; $12 now
 -- (or NULL), $13 the producer transaction (STAGED) or NULL (PENDING); per intent, $14 and
 -- $15 the worker and lease ms of a handed-off intent (NULL arrays here), $16 the ordering
--- key (a NULL array: none). A direct ordered intent is WAITING, its transaction (this one)
--- its txn_xid, until outbox.advance_keys makes it its key's head; order_seq is taken in
--- request order (the select list is computed after the ORDER BY).
+-- key (a NULL array: none), $17 the priority (a NULL array: all 0). A direct ordered
+-- intent is WAITING, its transaction (this one) its txn_xid, until outbox.advance_keys
+-- makes it its key's head; order_seq is taken in request order (the select list is
+-- computed after the ORDER BY).
 WITH input AS (
     SELECT *
     FROM unnest($2::uuid[], $3::text[], $4::text[], $5::bytea[], $6::text[], $7::text[],
                 $8::jsonb[], $9::int[], $10::bigint[], $11::timestamptz[],
-                $14::text[], $15::bigint[], $16::text[])
+                $14::text[], $15::bigint[], $16::text[], $17::smallint[])
         WITH ORDINALITY
         AS t(id, kind, region, payload, content_type, idempotency_key,
-             headers, max_attempts, delay_ms, at, lease_worker, lease_ms, ordering_key, ord)
+             headers, max_attempts, delay_ms, at, lease_worker, lease_ms, ordering_key,
+             priority, ord)
 ),
 clock AS (
     SELECT coalesce($12::timestamptz, now()) AS now
@@ -23,7 +25,7 @@ INSERT INTO outbox.intent (id, tenant_id, kind, region, payload, content_type,
                            idempotency_key, headers, state, max_attempts,
                            available_at, created_at, updated_at, txn_xid,
                            attempts, lease_id, lease_expires_at, worker_id,
-                           ordering_key, order_seq)
+                           ordering_key, order_seq, priority)
 SELECT input.id, $1, input.kind, input.region, input.payload, input.content_type,
        input.idempotency_key, input.headers,
        CASE WHEN input.lease_worker IS NOT NULL THEN 'leased'
@@ -43,7 +45,8 @@ SELECT input.id, $1, input.kind, input.region, input.payload, input.content_type
        input.lease_worker,
        input.ordering_key,
        CASE WHEN input.ordering_key IS NOT NULL
-            THEN nextval('outbox.intent_order_seq') END
+            THEN nextval('outbox.intent_order_seq') END,
+       coalesce(input.priority, 0)
 FROM input, clock
 WHERE input.idempotency_key IS NULL
 ORDER BY input.ord

@@ -12,11 +12,11 @@ WITH input AS (
                    THEN nextval('outbox.intent_order_seq') END AS order_seq
     FROM unnest($2::uuid[], $3::text[], $4::text[], $5::bytea[], $6::text[], $7::text[],
                 $8::jsonb[], $9::int[], $10::bigint[], $11::timestamptz[],
-                $14::text[], $15::bigint[], $16::text[])
+                $14::text[], $15::bigint[], $16::text[], $17::smallint[])
         WITH ORDINALITY
         AS t(id, kind, region, payload, content_type, idempotency_key,
              headers, max_attempts, delay_ms, at, lease_worker, lease_ms, ordering_key,
-             ord)
+             priority, ord)
 ),
 clock AS (
     SELECT coalesce($12::timestamptz, now()) AS now
@@ -26,7 +26,7 @@ unkeyed AS (
                                idempotency_key, headers, state, max_attempts,
                                available_at, created_at, updated_at, txn_xid,
                                attempts, lease_id, lease_expires_at, worker_id,
-                               ordering_key, order_seq)
+                               ordering_key, order_seq, priority)
     SELECT input.id, $1, input.kind, input.region, input.payload, input.content_type,
            input.idempotency_key, input.headers,
            CASE WHEN input.lease_worker IS NOT NULL THEN 'leased'
@@ -43,7 +43,8 @@ unkeyed AS (
            clock.now + input.lease_ms * interval '1 ms',
            input.lease_worker,
            input.ordering_key,
-           input.order_seq
+           input.order_seq,
+           coalesce(input.priority, 0)
     FROM input, clock
     WHERE input.idempotency_key IS NULL
     ORDER BY input.ord
@@ -54,7 +55,7 @@ keyed AS (
                                idempotency_key, headers, state, max_attempts,
                                available_at, created_at, updated_at, txn_xid,
                                attempts, lease_id, lease_expires_at, worker_id,
-                               ordering_key, order_seq)
+                               ordering_key, order_seq, priority)
     SELECT input.id, $1, input.kind, input.region, input.payload, input.content_type,
            input.idempotency_key, input.headers,
            CASE WHEN input.lease_worker IS NOT NULL THEN 'leased'
@@ -71,7 +72,8 @@ keyed AS (
            clock.now + input.lease_ms * interval '1 ms',
            input.lease_worker,
            input.ordering_key,
-           input.order_seq
+           input.order_seq,
+           coalesce(input.priority, 0)
     FROM input, clock
     WHERE input.idempotency_key IS NOT NULL
     ORDER BY input.ord

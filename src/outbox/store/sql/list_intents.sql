@@ -14,7 +14,7 @@ SELECT i.id, i.state, i.kind,
        CASE WHEN $8 THEN i.payload ELSE ''::bytea END AS payload,
        i.content_type, i.region, i.idempotency_key, i.headers, i.attempts,
        i.max_attempts, i.available_at, i.created_at, i.updated_at, i.lease_id,
-       i.lease_expires_at, i.worker_id, i.last_error, i.ordering_key
+       i.lease_expires_at, i.worker_id, i.last_error, i.ordering_key, i.priority
 FROM (
     SELECT u.*, w.weight,
            sum(w.weight) OVER (ORDER BY u.id ROWS UNBOUNDED PRECEDING) AS through
@@ -33,7 +33,7 @@ FROM (
         )
         UNION ALL
         (
-            SELECT i.*, NULL::text, NULL::timestamptz, NULL::bigint
+            SELECT i.*, NULL::text, NULL::timestamptz, NULL::bigint, 0::smallint
             FROM outbox.delivered_batch b
             CROSS JOIN LATERAL unnest(b.items) i
             WHERE (cardinality($1::outbox.intent_state[]) = 0 OR 'delivered' = ANY($1))

@@ -1,0 +1,147 @@
+//! Queue policies (docs/flow-control.md): set by operators, with every change recorded;
+//! applied by `outbox.claim` in the claim's own transaction, so a change holds from the
+//! next claim of every replica.
+
+use chrono::{DateTime, Utc};
+use sqlx::PgConnection;
+
+use crate::outbox::Result;
+
+/// What an operator sets: the whole policy of one queue (a tenant's kind).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyParams<'a> {
+    /// The queue's tenant.
+    pub tenant: &'a str,
+    /// The queue's kind.
+    pub kind: &'a str,
+    /// No leases while set.
+    pub paused: bool,
+    /// Most intents LEASED or SUBMITTED at once.
+    pub max_in_flight: Option<i32>,
+    /// Leases per second and the bucket's size.
+    pub rate: Option<(f64, i32)>,
+    /// Who.
+    pub actor: &'a str,
+    /// Why.
+    pub reason: &'a str,
+    /// Current time override (tests).
+    pub now: Option<DateTime<Utc>>,
+}
+
+/// A queue's policy and its live figures.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct QueuePolicy {
+    /// The queue's tenant.
+    pub tenant_id: String,
+    /// The queue's kind.
+    pub kind: String,
+    /// No leases while set.
+    pub paused: bool,
+    /// Most intents in flight.
+    pub max_in_flight: Option<i32>,
+    /// Leases per second.
+    pub rate_per_second: Option<f64>,
+    /// The bucket's size.
+    pub burst: Option<i32>,
+    /// Who set it last.
+    pub updated_by: String,
+    /// Why.
+    pub reason: String,
+    /// When.
+    pub updated_at: DateTime<Utc>,
+    /// Intents of the queue LEASED or SUBMITTED now.
+    pub in_flight: i64,
+    /// Leases the bucket allows now (with a rate).
+    pub tokens: Option<f64>,
+}
+
+/// The policies of the transaction's tenants with their live figures; `$1` a kind or NULL.
+const POLICIES: &str = r#"
+    SELECT p.tenant_id, p.kind, p.paused, p.max_in_flight, p.rate_per_second, p.burst,
+           p.updated_by, p.reason, p.updated_at,
+           (SELECT count(*) FROM outbox.intent i
+            WHERE i.state IN ('leased', 'submitted') AND i.lease_expires_at IS NOT NULL
+              AND i.tenant_id = p.tenant_id AND i.kind = p.kind) AS in_flight,
+           CASE WHEN p.rate_per_second IS NOT NULL THEN
+               least(p.burst::float8,
+                     coalesce(p.tokens, p.burst) + p.rate_per_second * greatest(
+                         extract(epoch FROM coalesce($2, now()) - coalesce(p.tokens_at, $2, now())),
+                         0))
+           END AS tokens
+    FROM outbox.queue_policy p
+    WHERE ($1::text IS NULL OR p.kind = $1)
+"#;
+
+/// Replaces the policy of a queue and records the change; returns the policy now in force.
+/// The bucket keeps its tokens (at most the new burst), so that setting a policy again
+/// grants no burst.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn set_queue_policy(conn: &mut PgConnection, p: PolicyParams<'_>) -> Result<QueuePolicy> {
+    let (rate, burst) = p.rate.unzip();
+    sqlx::query(
+        r#"
+        WITH clock AS (SELECT coalesce($8::timestamptz, now()) AS now),
+        changed AS (
+            INSERT INTO outbox.queue_policy AS q
+                (tenant_id, kind, paused, max_in_flight, rate_per_second, burst,
+                 updated_by, reason, updated_at)
+            SELECT $1, $2, $3, $4, $5, $6, $7, $9, clock.now FROM clock
+            ON CONFLICT (tenant_id, kind) DO UPDATE
+            SET paused = excluded.paused,
+                max_in_flight = excluded.max_in_flight,
+                rate_per_second = excluded.rate_per_second,
+                burst = excluded.burst,
+                tokens = CASE WHEN excluded.rate_per_second IS NULL THEN NULL ELSE q.tokens END,
+                tokens_at = CASE WHEN excluded.rate_per_second IS NULL THEN NULL
+                                 ELSE q.tokens_at END,
+                updated_by = excluded.updated_by,
+                reason = excluded.reason,
+                updated_at = excluded.updated_at
+            RETURNING q.*
+        )
+        INSERT INTO outbox.queue_policy_change
+            (tenant_id, kind, paused, max_in_flight, rate_per_second, burst, actor, reason,
+             changed_at)
+        SELECT tenant_id, kind, paused, max_in_flight, rate_per_second, burst, updated_by,
+               reason, updated_at
+        FROM changed
+        "#,
+    )
+    .bind(p.tenant)
+    .bind(p.kind)
+    .bind(p.paused)
+    .bind(p.max_in_flight)
+    .bind(rate)
+    .bind(burst)
+    .bind(p.actor)
+    .bind(p.now)
+    .bind(p.reason)
+    .execute(&mut *conn)
+    .await?;
+    let policy = sqlx::query_as(&format!("{POLICIES} AND p.tenant_id = $3"))
+        .bind(p.kind)
+        .bind(p.now)
+        .bind(p.tenant)
+        .fetch_one(&mut *conn)
+        .await?;
+    Ok(policy)
+}
+
+/// The policies of the transaction's tenants (of `kind`, if given), by tenant and kind.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn list_queue_policies(
+    conn: &mut PgConnection,
+    kind: Option<&str>,
+    now: Option<DateTime<Utc>>,
+) -> Result<Vec<QueuePolicy>> {
+    let policies = sqlx::query_as(&format!("{POLICIES} ORDER BY p.tenant_id, p.kind"))
+        .bind(kind)
+        .bind(now)
+        .fetch_all(&mut *conn)
+        .await?;
+    Ok(policies)
+}

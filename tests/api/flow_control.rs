@@ -1,0 +1,374 @@
+//! Flow control: priorities, tenant fairness, and queue policies (pause, concurrency and
+//! rate limits) set over gRPC, held across replicas.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use outboxd::proto::v1;
+use tokio::time::Instant;
+use tonic::Code;
+
+use crate::helpers::{Client, TestApp, assert_status, claim_request, id_of, intent, lease_ref};
+use crate::long_poll::{wait_until_claims_are_waiting, woken};
+
+fn prioritised(kind: &str, priority: i32) -> v1::NewIntent {
+    v1::NewIntent {
+        priority,
+        ..intent(kind, "{}")
+    }
+}
+
+fn policy(kind: &str) -> v1::SetQueuePolicyRequest {
+    v1::SetQueuePolicyRequest {
+        kind: kind.to_owned(),
+        actor: "ops@example.com".to_owned(),
+        reason: "provider limit".to_owned(),
+        ..Default::default()
+    }
+}
+
+async fn set(client: &mut Client, request: v1::SetQueuePolicyRequest) -> v1::QueuePolicy {
+    client
+        .set_queue_policy(request)
+        .await
+        .unwrap()
+        .into_inner()
+        .policy
+        .unwrap()
+}
+
+/// Claims one intent at a time until none is left, acking each: the order they came in.
+async fn drain_one_by_one(app: &TestApp) -> Vec<String> {
+    let mut order = Vec::new();
+    loop {
+        let leases = app.claim_n("w", 1).await;
+        let Some(lease) = leases.first() else {
+            return order;
+        };
+        order.push(id_of(lease).to_owned());
+        app.ack(&[lease]).await;
+    }
+}
+
+#[tokio::test]
+async fn higher_priorities_are_claimed_first_and_equal_ones_oldest_first() {
+    let app = TestApp::spawn().await;
+    let ids = app
+        .enqueue_ids(vec![
+            prioritised("job", 0),
+            prioritised("job", 5),
+            prioritised("job", -3),
+            prioritised("job", 5),
+            prioritised("job", 0),
+        ])
+        .await;
+    assert_eq!(app.intent(&ids[1]).await.priority, 5);
+    assert_eq!(
+        drain_one_by_one(&app).await,
+        [&ids[1], &ids[3], &ids[0], &ids[4], &ids[2]].map(String::clone)
+    );
+}
+
+#[tokio::test]
+async fn a_priority_out_of_range_is_refused_and_nothing_is_enqueued() {
+    let app = TestApp::spawn().await;
+    for priority in [11, -11, i32::MAX, i32::MIN] {
+        let status = app
+            .client()
+            .enqueue(v1::EnqueueRequest {
+                intents: vec![intent("job", "{}"), prioritised("job", priority)],
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_status(
+            &status,
+            Code::InvalidArgument,
+            "INVALID_ARGUMENT",
+            &["intents[1].priority"],
+        );
+    }
+    assert!(app.claim_n("w", 10).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_claim_shares_its_batch_among_tenants_with_claimable_work() {
+    let app = TestApp::spawn().await;
+    let both = app.key(&["big", "small"], &["produce", "consume"], &[]).await;
+    let mut big = app.client_with(Some(&both), Some("big")).await;
+    let mut small = app.client_with(Some(&both), Some("small")).await;
+    for _ in 0..4 {
+        big.enqueue(v1::EnqueueRequest {
+            intents: (0..50).map(|_| intent("job", "{}")).collect(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    let small_ids: HashSet<String> = small
+        .enqueue(v1::EnqueueRequest {
+            intents: (0..3).map(|_| intent("job", "{}")).collect(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    // Behind 200 older intents of another tenant, a claim of 10 for both tenants takes
+    // the small tenant's 3 and 7 of the backlog.
+    let mut worker = app.client_with(Some(&both), None).await;
+    let leases = worker
+        .claim(claim_request("w", 10))
+        .await
+        .unwrap()
+        .into_inner()
+        .leases;
+    assert_eq!(leases.len(), 10);
+    let taken: HashSet<String> = leases.iter().map(|l| id_of(l).to_owned()).collect();
+    assert!(small_ids.is_subset(&taken), "{taken:?} lacks {small_ids:?}");
+}
+
+#[tokio::test]
+async fn a_paused_queue_leases_nothing_until_resumed_and_the_changes_are_recorded() {
+    let app = TestApp::spawn().await;
+    let mut client = app.client();
+    let paused = set(
+        &mut client,
+        v1::SetQueuePolicyRequest {
+            paused: true,
+            ..policy("mail")
+        },
+    )
+    .await;
+    assert!(paused.paused);
+    assert_eq!(paused.actor, "ops@example.com");
+    let mail = app.enqueue_ids(vec![intent("mail", "{}")]).await;
+    let other = app.enqueue_ids(vec![intent("other", "{}")]).await;
+    let leases = app.claim_n("w", 10).await;
+    assert_eq!(
+        leases.iter().map(|l| id_of(l)).collect::<Vec<_>>(),
+        [other[0].as_str()],
+        "only the other kind"
+    );
+
+    // A claim waiting for mail is not handed one enqueued while the queue is paused.
+    let mut waiting = app.client();
+    let waiter = tokio::spawn(async move {
+        waiting
+            .claim(v1::ClaimRequest {
+                kinds: vec!["mail".to_owned()],
+                wait: Some(prost_types::Duration {
+                    seconds: 60,
+                    nanos: 0,
+                }),
+                ..claim_request("waiter", 10)
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .leases
+    });
+    wait_until_claims_are_waiting(&app, 1, 1).await;
+    let more = app.enqueue_ids(vec![intent("mail", "{}")]).await;
+    assert_eq!(app.intent(&more[0]).await.state, v1::IntentState::Pending as i32);
+
+    set(&mut client, policy("mail")).await;
+    // Resumed: the waiting claim is woken by the next enqueue, and takes all three.
+    let last = app.enqueue_ids(vec![intent("mail", "{}")]).await;
+    let mut got: Vec<String> = woken(waiter).await.iter().map(|l| id_of(l).to_owned()).collect();
+    got.extend(app.claim_n("w", 10).await.iter().map(|l| id_of(l).to_owned()));
+    got.sort();
+    let mut all = vec![mail[0].clone(), more[0].clone(), last[0].clone()];
+    all.sort();
+    assert_eq!(got, all);
+
+    let listed = client
+        .list_queue_policies(v1::ListQueuePoliciesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .policies;
+    assert_eq!(listed.len(), 1);
+    assert!(!listed[0].paused);
+    let changes: Vec<(bool, String, String)> = sqlx::query_as(
+        "SELECT paused, actor, reason FROM outbox.queue_policy_change ORDER BY id",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        changes,
+        [
+            (true, "ops@example.com".to_owned(), "provider limit".to_owned()),
+            (false, "ops@example.com".to_owned(), "provider limit".to_owned()),
+        ]
+    );
+}
+
+/// Logs every change of an intent of `kind` into or out of LEASED/SUBMITTED, in the
+/// database, at the time the statement made it.
+async fn log_in_flight_changes(app: &TestApp, kind: &str) {
+    for statement in [
+        "CREATE TABLE public.in_flight_log (
+             seq bigint GENERATED ALWAYS AS IDENTITY, at timestamptz NOT NULL, delta int NOT NULL)",
+        &format!(
+            "CREATE FUNCTION public.log_in_flight() RETURNS trigger LANGUAGE plpgsql
+             SECURITY DEFINER SET search_path = pg_catalog AS $$
+             DECLARE
+                 before int := CASE WHEN TG_OP <> 'INSERT' AND OLD.kind = '{kind}'
+                                     AND OLD.state IN ('leased', 'submitted') THEN 1 ELSE 0 END;
+                 after int := CASE WHEN TG_OP <> 'DELETE' AND NEW.kind = '{kind}'
+                                    AND NEW.state IN ('leased', 'submitted') THEN 1 ELSE 0 END;
+             BEGIN
+                 IF after <> before THEN
+                     INSERT INTO public.in_flight_log (at, delta)
+                     VALUES (clock_timestamp(), after - before);
+                 END IF;
+                 RETURN NULL;
+             END $$"
+        ),
+        "CREATE TRIGGER log_in_flight AFTER INSERT OR UPDATE OR DELETE ON outbox.intent
+             FOR EACH ROW EXECUTE FUNCTION public.log_in_flight()",
+    ] {
+        sqlx::query(statement).execute(&app.pool).await.unwrap();
+    }
+}
+
+/// The most intents in flight at once by the log, and how many leases it saw.
+async fn most_in_flight(app: &TestApp) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT max(running)::int8, count(*) FILTER (WHERE delta > 0)
+         FROM (SELECT delta, sum(delta) OVER (ORDER BY at, seq) AS running
+               FROM public.in_flight_log) l",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_concurrency_limit_holds_across_two_replicas_and_eight_claimers() {
+    const LIMIT: i32 = 3;
+    const INTENTS: usize = 60;
+    let app = TestApp::spawn().await;
+    let other = TestApp::spawn_on(app.url.clone(), |_| {}).await;
+    log_in_flight_changes(&app, "pay").await;
+    set(
+        &mut app.client(),
+        v1::SetQueuePolicyRequest {
+            max_in_flight: LIMIT,
+            ..policy("pay")
+        },
+    )
+    .await;
+    for _ in 0..INTENTS / 20 {
+        app.enqueue((0..20).map(|_| intent("pay", "{}")).collect())
+            .await
+            .unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut claimers = Vec::new();
+    for c in 0..8 {
+        let mut client = if c % 2 == 0 { app.client() } else { other.client() };
+        claimers.push(tokio::spawn(async move {
+            let mut done = 0;
+            let mut idle = 0;
+            while idle < 50 && Instant::now() < deadline {
+                let leases = client
+                    .claim(claim_request(&format!("w{c}"), 5))
+                    .await
+                    .unwrap()
+                    .into_inner()
+                    .leases;
+                if leases.is_empty() {
+                    idle += 1;
+                    tokio::task::yield_now().await;
+                    continue;
+                }
+                idle = 0;
+                assert!(leases.len() <= LIMIT as usize);
+                done += leases.len();
+                let refs = leases.iter().map(lease_ref).collect();
+                client.ack(v1::AckRequest { leases: refs }).await.unwrap();
+            }
+            done
+        }));
+    }
+    let mut delivered = 0;
+    for claimer in claimers {
+        delivered += claimer.await.unwrap();
+    }
+    assert_eq!(delivered, INTENTS);
+    let (most, leases) = most_in_flight(&app).await;
+    assert_eq!(leases, INTENTS as i64);
+    assert_eq!(most, i64::from(LIMIT), "the limit was reached, never passed");
+}
+
+#[tokio::test]
+async fn a_rate_limit_leases_its_burst_then_its_rate() {
+    let app = TestApp::spawn().await;
+    let mut client = app.client();
+    set(
+        &mut client,
+        v1::SetQueuePolicyRequest {
+            rate_per_second: 2.0,
+            burst: 5,
+            ..policy("sms")
+        },
+    )
+    .await;
+    app.enqueue((0..20).map(|_| intent("sms", "{}")).collect())
+        .await
+        .unwrap();
+    assert_eq!(app.claim_n("w", 20).await.len(), 5, "the burst");
+    assert!(app.claim_n("w", 20).await.is_empty(), "no token left");
+    app.clock.advance(Duration::from_millis(1500));
+    assert_eq!(app.claim_n("w", 20).await.len(), 3, "2 per second, 3 tokens");
+    app.clock.advance(Duration::from_secs(60));
+    assert_eq!(app.claim_n("w", 20).await.len(), 5, "never more than the burst");
+    let listed = client
+        .list_queue_policies(v1::ListQueuePoliciesRequest {
+            kind: "sms".to_owned(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .policies;
+    assert_eq!(listed[0].in_flight, 13);
+    assert!(listed[0].tokens < 1.0);
+}
+
+#[tokio::test]
+async fn bad_policies_are_refused_and_change_nothing() {
+    let app = TestApp::spawn().await;
+    let mut client = app.client();
+    for (request, field) in [
+        (v1::SetQueuePolicyRequest { kind: String::new(), ..policy("x") }, "kind"),
+        (v1::SetQueuePolicyRequest { reason: String::new(), ..policy("x") }, "reason"),
+        (v1::SetQueuePolicyRequest { actor: String::new(), ..policy("x") }, "actor"),
+        (v1::SetQueuePolicyRequest { max_in_flight: -1, ..policy("x") }, "max_in_flight"),
+        (v1::SetQueuePolicyRequest { rate_per_second: f64::NAN, ..policy("x") }, "rate_per_second"),
+        (v1::SetQueuePolicyRequest { rate_per_second: -1.0, ..policy("x") }, "rate_per_second"),
+        (v1::SetQueuePolicyRequest { rate_per_second: 1e9, ..policy("x") }, "rate_per_second"),
+        (v1::SetQueuePolicyRequest { burst: 3, ..policy("x") }, "burst"),
+    ] {
+        let status = client.set_queue_policy(request).await.unwrap_err();
+        assert_status(&status, Code::InvalidArgument, "INVALID_ARGUMENT", &[field]);
+    }
+    let producer = app.key(&["acme"], &["produce", "consume"], &[]).await;
+    let status = app
+        .client_with(Some(&producer), None)
+        .await
+        .set_queue_policy(policy("x"))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied);
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.queue_policy_change")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(count, 0);
+}

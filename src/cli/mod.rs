@@ -4,6 +4,7 @@
 mod keys;
 mod operator;
 mod output;
+mod queues;
 mod server;
 
 use std::process::ExitCode;
@@ -86,6 +87,9 @@ pub enum Command {
         /// Ordering key: intents with the same one are delivered one at a time, in order.
         #[arg(long, default_value = "")]
         ordering_key: String,
+        /// Priority from -10 to 10: higher first among its kind's claimable intents.
+        #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+        priority: i32,
         /// Claims allowed before dead-lettering (0 = server default).
         #[arg(long, default_value_t = 0)]
         max_attempts: i32,
@@ -155,6 +159,11 @@ pub enum Command {
         #[command(subcommand)]
         command: ReconcileCommand,
     },
+    /// Pause, resume and limit queues (a tenant's kind), and list their policies.
+    Queues {
+        #[command(subcommand)]
+        command: QueuesCommand,
+    },
     /// Queue statistics.
     Stats {
         #[command(flatten)]
@@ -164,6 +173,45 @@ pub enum Command {
     Keys {
         #[command(subcommand)]
         command: KeysCommand,
+    },
+}
+
+/// Queue policy commands.
+#[derive(Debug, Subcommand)]
+pub enum QueuesCommand {
+    /// Set a queue's whole policy (what is not given is lifted), recorded with who and why.
+    Set {
+        /// The queue's kind.
+        #[arg(long)]
+        kind: String,
+        /// No leases until set again without --paused.
+        #[arg(long)]
+        paused: bool,
+        /// At most this many intents LEASED or SUBMITTED at once.
+        #[arg(long)]
+        max_in_flight: Option<i32>,
+        /// At most this many leases per second on average.
+        #[arg(long)]
+        rate: Option<f64>,
+        /// With --rate: leases allowed at once (default: the rate rounded up).
+        #[arg(long, requires = "rate")]
+        burst: Option<i32>,
+        /// Who decides.
+        #[arg(long)]
+        actor: String,
+        /// Why.
+        #[arg(long)]
+        reason: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// List the queues that have a policy, with their live figures.
+    List {
+        /// Only this kind.
+        #[arg(long, default_value = "")]
+        kind: String,
+        #[command(flatten)]
+        client: ClientArgs,
     },
 }
 

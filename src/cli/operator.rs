@@ -26,6 +26,7 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
             region,
             key,
             ordering_key,
+            priority,
             max_attempts,
             client,
         } => {
@@ -39,6 +40,7 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                         region,
                         idempotency_key: key,
                         ordering_key,
+                        priority,
                         max_attempts,
                         ..Default::default()
                     }],
@@ -361,13 +363,14 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                 },
             )
         }
+        Command::Queues { command } => super::queues::run(command).await,
         Command::Serve | Command::Migrate | Command::Keys { .. } => {
             unreachable!("server and key commands are dispatched by cli::dispatch")
         }
     }
 }
 
-async fn connect(args: &ClientArgs) -> anyhow::Result<Client> {
+pub(super) async fn connect(args: &ClientArgs) -> anyhow::Result<Client> {
     let mut endpoint = Channel::from_shared(args.server.clone())
         .with_context(|| format!("{:?} is not a server URL", args.server))?;
     if let Some(ca) = &args.ca_file {

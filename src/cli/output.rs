@@ -52,6 +52,7 @@ pub(super) fn print_intent_detail(i: &v1::Intent) {
     println!("attempts:        {}/{}", i.attempts, i.max_attempts);
     println!("idempotency key: {}", i.idempotency_key);
     println!("ordering key:    {}", i.ordering_key);
+    println!("priority:        {}", i.priority);
     println!("created at:      {}", time(i.created_at.as_ref()));
     println!("available at:    {}", time(i.available_at.as_ref()));
     println!("worker:          {}", i.worker_id);
@@ -70,6 +71,7 @@ pub(super) fn intent_json(i: &v1::Intent) -> Value {
         "content_type": i.content_type,
         "idempotency_key": i.idempotency_key,
         "ordering_key": i.ordering_key,
+        "priority": i.priority,
         "headers": i.headers,
         "attempts": i.attempts,
         "max_attempts": i.max_attempts,

@@ -4,7 +4,7 @@ DROP TRIGGER intent_registers_queue_levels ON outbox.intent;
 DROP FUNCTION outbox.register_queue_levels();
 DROP FUNCTION outbox.claim(text, text, text, text, text[], int, bigint, text, timestamptz,
                            text[], text[], smallint[], timestamptz[], bigint);
-DROP FUNCTION outbox.claimable_queues(text[], text);
+DROP FUNCTION outbox.claimable_queues(text[], text, text[], text[], smallint[], timestamptz[]);
 DROP FUNCTION outbox.queue_allowance(text, text, timestamptz, int);
 DROP FUNCTION outbox.oldest_pending(timestamptz, text[]);
 DROP VIEW outbox.all_intents;
@@ -15,7 +15,8 @@ DROP INDEX outbox.intent_level_claimable_idx;
 DROP TABLE outbox.queue_policy_change;
 DROP TABLE outbox.queue_policy;
 DROP TABLE outbox.queue_level;
-ALTER TABLE outbox.intent DROP COLUMN priority;
+ALTER TABLE outbox.intent DROP COLUMN level_key, DROP COLUMN priority;
+DROP FUNCTION outbox.level_of(text, text, smallint);
 
 -- As …02_baseline_functions defined them.
 CREATE FUNCTION outbox.claim(

@@ -9,6 +9,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 use super::output::{
     decision_name, intent_json, print, print_intent_detail, print_results, state_name, time,
 };
+use super::queues::{policy_json, print_policy_table};
 use super::{
     ClientArgs, Command, DecisionArg, IntentsCommand, LeaseArgs, Outcome, ReconcileCommand,
 };
@@ -335,6 +336,7 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                     "reconcile_backlog": stats.reconcile_backlog,
                     "blocked_keys": stats.blocked_keys,
                     "oldest_blocked_at": time(stats.oldest_blocked_at.as_ref()),
+                    "policies": stats.policies.iter().map(policy_json).collect::<Vec<_>>(),
                 }),
                 || {
                     println!("{:<16} {:<12} {:>10}", "STATE", "REGION", "COUNT");
@@ -360,6 +362,10 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                         "oldest staged since: {}",
                         time(stats.oldest_staged_at.as_ref())
                     );
+                    if !stats.policies.is_empty() {
+                        println!();
+                        print_policy_table(&stats.policies);
+                    }
                 },
             )
         }

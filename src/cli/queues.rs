@@ -50,49 +50,52 @@ pub(super) async fn run(command: QueuesCommand) -> anyhow::Result<()> {
 }
 
 fn print_policies(client: &ClientArgs, policies: &[v1::QueuePolicy]) -> anyhow::Result<()> {
-    let json: Vec<Value> = policies
-        .iter()
-        .map(|p| {
-            json!({
-                "tenant": p.tenant, "kind": p.kind, "paused": p.paused,
-                "max_in_flight": p.max_in_flight, "rate_per_second": p.rate_per_second,
-                "burst": p.burst, "in_flight": p.in_flight, "tokens": p.tokens,
-                "actor": p.actor, "reason": p.reason,
-                "updated_at": time(p.updated_at.as_ref()),
-            })
-        })
-        .collect();
-    print(client, Value::Array(json), || {
-        println!(
-            "{:<16} {:<20} {:<6} {:>13} {:>8} {:>12}  SET BY",
-            "TENANT", "KIND", "PAUSED", "IN FLIGHT/MAX", "RATE/S", "TOKENS/BURST"
-        );
-        for p in policies {
-            let max = if p.max_in_flight == 0 {
-                "-".to_owned()
-            } else {
-                p.max_in_flight.to_string()
-            };
-            let (rate, bucket) = if p.rate_per_second > 0.0 {
-                (
-                    p.rate_per_second.to_string(),
-                    format!("{:.1}/{}", p.tokens, p.burst),
-                )
-            } else {
-                ("-".to_owned(), "-".to_owned())
-            };
-            println!(
-                "{:<16} {:<20} {:<6} {:>13} {:>8} {:>12}  {} at {}: {}",
-                p.tenant,
-                p.kind,
-                if p.paused { "yes" } else { "no" },
-                format!("{}/{max}", p.in_flight),
-                rate,
-                bucket,
-                p.actor,
-                time(p.updated_at.as_ref()),
-                p.reason,
-            );
-        }
+    let json = Value::Array(policies.iter().map(policy_json).collect());
+    print(client, json, || print_policy_table(policies))
+}
+
+/// A policy as `--json` prints it.
+pub(super) fn policy_json(p: &v1::QueuePolicy) -> Value {
+    json!({
+        "tenant": p.tenant, "kind": p.kind, "paused": p.paused,
+        "max_in_flight": p.max_in_flight, "rate_per_second": p.rate_per_second,
+        "burst": p.burst, "in_flight": p.in_flight, "tokens": p.tokens,
+        "actor": p.actor, "reason": p.reason,
+        "updated_at": time(p.updated_at.as_ref()),
     })
+}
+
+/// Policies as a table.
+pub(super) fn print_policy_table(policies: &[v1::QueuePolicy]) {
+    println!(
+        "{:<16} {:<20} {:<6} {:>13} {:>8} {:>12}  SET BY",
+        "TENANT", "KIND", "PAUSED", "IN FLIGHT/MAX", "RATE/S", "TOKENS/BURST"
+    );
+    for p in policies {
+        let max = if p.max_in_flight == 0 {
+            "-".to_owned()
+        } else {
+            p.max_in_flight.to_string()
+        };
+        let (rate, bucket) = if p.rate_per_second > 0.0 {
+            (
+                p.rate_per_second.to_string(),
+                format!("{:.1}/{}", p.tokens, p.burst),
+            )
+        } else {
+            ("-".to_owned(), "-".to_owned())
+        };
+        println!(
+            "{:<16} {:<20} {:<6} {:>13} {:>8} {:>12}  {} at {}: {}",
+            p.tenant,
+            p.kind,
+            if p.paused { "yes" } else { "no" },
+            format!("{}/{max}", p.in_flight),
+            rate,
+            bucket,
+            p.actor,
+            time(p.updated_at.as_ref()),
+            p.reason,
+        );
+    }
 }

@@ -121,6 +121,13 @@ pub struct Metrics {
     pub claimed: Family<KindLabels, Counter>,
     /// Of those, intents a waiting Claim received from the Enqueue that inserted them.
     pub handed_off: Counter,
+    /// Leases a queue's concurrency or rate limit refused to claims while it had due
+    /// intents.
+    pub refused_by_limit: Counter,
+    /// Queues paused by their policy.
+    pub queues_paused: Gauge,
+    /// Queues with a limit at that limit now (in flight at the maximum, or no token).
+    pub queues_throttled: Gauge,
     /// Intents an Enqueue leased to a waiting Claim that never received them (its call
     /// ended first, or the enqueue lost its COMMIT's answer), given back to PENDING.
     pub given_back: Counter,
@@ -200,6 +207,9 @@ impl Metrics {
             claims_waiting: Gauge::default(),
             claimed: Family::default(),
             handed_off: Counter::default(),
+            refused_by_limit: Counter::default(),
+            queues_paused: Gauge::default(),
+            queues_throttled: Gauge::default(),
             given_back: Counter::default(),
             enqueue_to_claim: Family::new_with_constructor(wait_histogram),
             acked: Counter::default(),
@@ -265,6 +275,21 @@ impl Metrics {
             "enqueue_calls_waiting",
             "Direct-mode Enqueue calls waiting to share the next transaction",
             m.enqueue_calls_waiting.clone(),
+        );
+        r.register(
+            "leases_refused_by_limit",
+            "Leases a queue's concurrency or rate limit refused to a Claim while the queue had due intents",
+            m.refused_by_limit.clone(),
+        );
+        r.register(
+            "queues_paused",
+            "Queues (a tenant's kind) paused by their policy",
+            m.queues_paused.clone(),
+        );
+        r.register(
+            "queues_throttled",
+            "Queues at their concurrency or rate limit now",
+            m.queues_throttled.clone(),
         );
         r.register(
             "intents_handed_off",
@@ -433,6 +458,8 @@ impl Metrics {
         self.oldest_staged_age
             .set(depth.oldest_staged_age.unwrap_or(0.0));
         self.blocked_keys.set(depth.blocked_keys);
+        self.queues_paused.set(depth.paused_queues);
+        self.queues_throttled.set(depth.throttled_queues);
         Ok(())
     }
 
@@ -474,6 +501,7 @@ impl Metrics {
         ClaimCounters {
             waiting: self.claims_waiting.clone(),
             handed_off: self.handed_off.clone(),
+            refused_by_limit: self.refused_by_limit.clone(),
         }
     }
 

@@ -48,11 +48,13 @@ pub struct ClaimSettings {
     pub hand_off: bool,
 }
 
-/// What Claim calls count: those waiting now, and intents handed to them by enqueues.
+/// What Claim calls count: those waiting now, intents handed to them by enqueues, and
+/// leases queue limits refused them.
 #[derive(Debug, Clone, Default)]
 pub struct ClaimCounters {
     pub waiting: Gauge,
     pub handed_off: Counter,
+    pub refused_by_limit: Counter,
 }
 
 /// A Claim call: what to lease, and until when it may wait.
@@ -273,7 +275,9 @@ impl Claims {
             next_due_in,
             replayed,
             ran_out,
+            refused_by_limit,
         } = store::claim_intents(&self.pools, scope, params).await?;
+        self.counters.refused_by_limit.inc_by(refused_by_limit);
         let recheck = self.settings.recheck;
         let again_in = next_due_in.map_or(recheck, |due| due.min(recheck));
         let filled = !ran_out;

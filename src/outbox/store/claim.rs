@@ -81,6 +81,8 @@ pub struct Claimed {
     /// It leased fewer intents than asked, within the byte budget: the queue has no more
     /// for it now (a claim cut short by the budget may leave more behind).
     pub ran_out: bool,
+    /// Leases queue limits refused it while their queues had due intents.
+    pub refused_by_limit: u64,
 }
 
 /// Leases up to `max_intents` claimable intents of `scope`, oldest `available_at` first,
@@ -134,19 +136,23 @@ pub async fn claim_intents(
         next_due_in: None,
         replayed: false,
         ran_out: false,
+        refused_by_limit: 0,
     };
-    // After the intent's columns: next_due_in, replayed, ran_out, tenant_id.
-    let (next_due_in, replayed, ran_out, tenant) = (
+    // After the intent's columns: next_due_in, replayed, ran_out, tenant_id,
+    // refused_by_limit.
+    let (next_due_in, replayed, ran_out, tenant, refused) = (
         INTENT_COLUMNS,
         INTENT_COLUMNS + 1,
         INTENT_COLUMNS + 2,
         INTENT_COLUMNS + 3,
+        INTENT_COLUMNS + 4,
     );
     if let Some(row) = rows.first() {
         if let Some(seconds) = row.try_get::<Option<f64>, _>(next_due_in)? {
             claimed.next_due_in = Some(Duration::from_secs_f64(seconds.max(0.0)));
         }
         claimed.ran_out = row.try_get(ran_out)?;
+        claimed.refused_by_limit = u64::try_from(row.try_get::<i32, _>(refused)?).unwrap_or(0);
     }
     let mut leased = Vec::with_capacity(rows.len());
     for (n, row) in rows.iter().enumerate() {

@@ -119,7 +119,7 @@ pub struct StateCount {
 }
 
 /// Queue statistics of the transaction's tenants.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct QueueStats {
     /// Non-zero counts by state and region.
     pub counts: Vec<StateCount>,
@@ -132,6 +132,8 @@ pub struct QueueStats {
     pub blocked_keys: i64,
     /// The last state change of the longest-blocked head.
     pub oldest_blocked_at: Option<DateTime<Utc>>,
+    /// The queues with a policy, with their live figures.
+    pub policies: Vec<super::QueuePolicy>,
 }
 
 /// The heads of ordering keys that hold their keys back: waiting out a retry's backoff,
@@ -199,12 +201,14 @@ pub async fn queue_stats(
     .bind(now)
     .fetch_one(&mut *conn)
     .await?;
+    let policies = super::list_queue_policies(conn, None, now).await?;
     Ok(QueueStats {
         counts,
         oldest_pending_at,
         oldest_staged_at,
         blocked_keys,
         oldest_blocked_at,
+        policies,
     })
 }
 
@@ -220,6 +224,10 @@ pub struct QueueDepth {
     pub oldest_staged_age: Option<f64>,
     /// Ordering keys held back by their head (retrying, dead-lettered, NEEDS_RECONCILE).
     pub blocked_keys: i64,
+    /// Queues paused by their policy.
+    pub paused_queues: i64,
+    /// Queues at their concurrency or rate limit now.
+    pub throttled_queues: i64,
 }
 
 /// Reads [`QueueDepth`].
@@ -274,11 +282,14 @@ pub async fn queue_depth(conn: &mut PgConnection) -> Result<QueueDepth> {
         .bind(None::<DateTime<Utc>>)
         .fetch_one(&mut *conn)
         .await?;
+    let (paused_queues, throttled_queues) = super::policy::paused_and_throttled(conn).await?;
     Ok(QueueDepth {
         counts,
         oldest_pending_age,
         oldest_staged_age,
         blocked_keys,
+        paused_queues,
+        throttled_queues,
     })
 }
 

@@ -145,3 +145,22 @@ pub async fn list_queue_policies(
         .await?;
     Ok(policies)
 }
+
+/// How many queues are paused, and how many are at their limit now (in flight at the
+/// maximum, or less than one token), across the transaction's tenants: for the gauges.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn paused_and_throttled(conn: &mut PgConnection) -> Result<(i64, i64)> {
+    let counts = sqlx::query_as(&format!(
+        "SELECT count(*) FILTER (WHERE p.paused),
+                count(*) FILTER (WHERE NOT p.paused
+                                   AND (p.in_flight >= p.max_in_flight OR p.tokens < 1))
+         FROM ({POLICIES}) p"
+    ))
+    .bind(None::<&str>)
+    .bind(None::<DateTime<Utc>>)
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok(counts)
+}

@@ -18,6 +18,7 @@
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+mod fairness;
 mod harness;
 mod meter;
 mod ordered;

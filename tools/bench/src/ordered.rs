@@ -97,7 +97,7 @@ fn without_commit_times(key: &str, scenario: &str) -> Row {
 
 /// Enqueues `total` intents of `make` in batches of [`MAX_BATCH`] through a server of its
 /// own (not measured).
-async fn fill(
+pub(crate) async fn fill(
     target: &Target,
     total: u64,
     clients: usize,

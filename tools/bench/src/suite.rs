@@ -114,6 +114,9 @@ pub struct AllArgs {
     /// Intents queued behind the blocked key's dead-lettered head [1000000; smoke 5000].
     #[arg(long, value_name = "N")]
     pub blocked: Option<u64>,
+    /// Intents of the backlog burnt down in the fairness scenario [1000000; smoke 5000].
+    #[arg(long, value_name = "N")]
+    pub fairness_backlog: Option<u64>,
     /// Do not ANALYZE before the burn-downs. By default every system's database is
     /// analyzed right before its burn-down, so that each plans its claim on statistics that
     /// know the backlog: without it, whether autovacuum has analyzed the freshly filled
@@ -126,7 +129,8 @@ pub struct AllArgs {
     /// Run only these sections (comma-separated; default all): `throughput` (enqueue and
     /// burn-down), `rates` (enqueue → claim at fixed rates), `history` (1M rows, pinned
     /// xmin), `token` (commit → claimable), `peers`; the ordering keys' `ordered-burn-down`,
-    /// `hot-key`, `blocked-key`, or `ordered` for the three. For iterating on one scenario.
+    /// `hot-key`, `blocked-key`, or `ordered` for the three; `fairness` (a small tenant
+    /// beside another's backlog). For iterating on one scenario.
     #[arg(long, value_enum, value_delimiter = ',', value_name = "SECTION")]
     pub only: Vec<SectionName>,
     /// Folder of the peer harnesses (package.json, peer.js, pgbench/*.sql): the
@@ -157,6 +161,8 @@ pub enum SectionName {
     OrderedBurnDown,
     HotKey,
     BlockedKey,
+    /// A small tenant's latency while another tenant's backlog is burnt down.
+    Fairness,
 }
 
 impl AllArgs {
@@ -189,6 +195,7 @@ pub struct Sizes {
     search: bool,
     pub analyze: bool,
     pub(crate) ordered: OrderedSizes,
+    pub fairness_backlog: u64,
 }
 
 impl Sizes {
@@ -223,6 +230,9 @@ impl Sizes {
                 hot: a.hot_key.unwrap_or(if s { 100 } else { 2_000 }).max(1),
                 blocked: a.blocked.unwrap_or(if s { 5_000 } else { 1_000_000 }),
             },
+            fairness_backlog: a
+                .fairness_backlog
+                .unwrap_or(if s { 5_000 } else { 1_000_000 }),
         }
     }
 }
@@ -315,6 +325,10 @@ pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyho
             &mut rows,
         )
         .await?;
+    }
+    if args.runs(SectionName::Fairness) {
+        let db = format!("{base}_fairness");
+        crate::fairness::fairness(cluster, &mut admin, &db, &meter, &sizes, &mut rows).await?;
     }
     if args.runs(SectionName::Token) {
         commit_to_claimable(cluster, &settings, &sizes, &mut rows).await?;

@@ -122,6 +122,12 @@ impl Workers {
         lock(&self.timing.claimed).len()
     }
 
+    /// How many of `ids` have been claimed so far.
+    pub fn claimed_of(&self, ids: &[String]) -> usize {
+        let claimed = lock(&self.timing.claimed);
+        ids.iter().filter(|id| claimed.contains_key(*id)).count()
+    }
+
     /// Claims that got leases, and the average leases each asked for and got.
     pub fn fill(&self) -> (u64, f64, f64) {
         let (claims, asked, got) = *lock(&self.timing.fill);

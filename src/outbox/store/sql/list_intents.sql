@@ -33,7 +33,7 @@ FROM (
         )
         UNION ALL
         (
-            SELECT i.*, NULL::text, NULL::timestamptz, NULL::bigint, 0::smallint
+            SELECT i.*, NULL::text, NULL::timestamptz, NULL::bigint, 0::smallint, NULL::bigint
             FROM outbox.delivered_batch b
             CROSS JOIN LATERAL unnest(b.items) i
             WHERE (cardinality($1::outbox.intent_state[]) = 0 OR 'delivered' = ANY($1))

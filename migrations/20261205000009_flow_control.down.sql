@@ -4,7 +4,6 @@ DROP TRIGGER intent_registers_queue_levels ON outbox.intent;
 DROP FUNCTION outbox.register_queue_levels();
 DROP FUNCTION outbox.claim(text, text, text, text, text[], int, bigint, text, timestamptz,
                            text[], text[], smallint[], timestamptz[], bigint);
-DROP FUNCTION outbox.claimable_queues(text[], text, text[], text[], smallint[], timestamptz[]);
 DROP FUNCTION outbox.queue_allowance(text, text, timestamptz, int);
 DROP FUNCTION outbox.oldest_pending(timestamptz, text[]);
 DROP VIEW outbox.all_intents;

@@ -625,6 +625,19 @@ impl OutboxHandler {
     ) -> RpcResult<v1::SetQueuePolicyResponse> {
         let (caller, scope) = self.access(&request, Permission::Operate).await?;
         let tenant = one_tenant(&scope, "set a policy of")?;
+        // A policy holds for the queue's intents of every region.
+        if !caller.regions.is_empty() {
+            return Err(Error::PermissionDenied(
+                outbox::Reason::RegionNotAllowed,
+                format!(
+                    "API key {:?} is limited to regions ({}), and a queue policy applies to \
+                     every region",
+                    caller.key_name,
+                    caller.regions.join(", ")
+                ),
+            )
+            .into());
+        }
         let change = validate::queue_policy(request.into_inner(), &self.limits)?;
         let mut tx = store::begin(&self.pools, &scope).await?;
         let policy = store::set_queue_policy(

@@ -366,6 +366,19 @@ async fn bad_policies_are_refused_and_change_nothing() {
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::PermissionDenied);
+    let regional = app.key(&["acme"], &["operate"], &["eu"]).await;
+    let status = app
+        .client_with(Some(&regional), None)
+        .await
+        .set_queue_policy(policy("x"))
+        .await
+        .unwrap_err();
+    assert_status(
+        &status,
+        Code::PermissionDenied,
+        "REGION_NOT_ALLOWED",
+        &[],
+    );
     let count: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.queue_policy_change")
         .fetch_one(&app.pool)
         .await

@@ -187,3 +187,29 @@ def test_intents_of_one_ordering_key_are_claimable_one_at_a_time_in_request_orde
     assert not acked.results[0].HasField("error")
     # The Ack made the second the key's head, in its own transaction: claimable now.
     assert [lease.intent.id for lease in claim(5)] == [second.id]
+
+
+def test_higher_priorities_are_claimed_first_and_handlers_see_the_priority(
+    stack: Stack, outbox: Outbox, kind: Callable[[str], str]
+) -> None:
+    k = kind("prioritized")
+    batch = outbox.enqueue_direct_many(
+        [NewIntent(kind=k, payload=name, priority=p) for name, p in [("a", 0), ("b", 5), ("c", -3), ("d", 10)]]
+    )
+    # Enqueued later: behind the batch's intent of the same priority (oldest first).
+    later = outbox.enqueue_direct(k, "e", priority=5)
+    assert outbox.get_intent(later.id).intent.priority == 5
+    assert [r.state for r in batch] == ["PENDING"] * 4
+
+    # One slot: one intent claimed at a time, the handler called in claim order.
+    seen: list[tuple[str, int]] = []
+    worker = Worker(stack.endpoints, stack.api_key, concurrency=1, claim_wait=1)
+    worker.add_handler(k, lambda intent: seen.append((intent.payload.decode(), intent.priority)))
+    with Running(worker):
+        wait_for("five handled", lambda: len(seen) == 5, timeout=20)
+    assert seen == [("d", 10), ("b", 5), ("e", 5), ("a", 0), ("c", -3)]
+
+    with pytest.raises(outboxd.OutboxError) as invalid:
+        outbox.enqueue_direct(k, "f", priority=11)
+    assert invalid.value.reason == "INVALID_ARGUMENT"
+    assert "intents[0].priority" in invalid.value.message

@@ -54,6 +54,7 @@ pub enum TokenSource {
 ///     .content_type("application/json")
 ///     .idempotency_key("orders/7/welcome-email")
 ///     .ordering_key("customers/42")
+///     .priority(5)
 ///     .header("x-order", "7")
 ///     .delay(Duration::from_secs(60));
 /// ```
@@ -101,6 +102,14 @@ impl NewIntent {
     /// `ORDERING_UNAVAILABLE`).
     pub fn ordering_key(mut self, key: impl Into<String>) -> Self {
         self.message.ordering_key = key.into();
+        self
+    }
+
+    /// From -10 to 10 (default 0): among the claimable intents of its tenant and kind,
+    /// higher priorities are claimed first, equal ones oldest first. Outside the range the
+    /// call fails with `INVALID_ARGUMENT`.
+    pub fn priority(mut self, priority: i32) -> Self {
+        self.message.priority = priority;
         self
     }
 

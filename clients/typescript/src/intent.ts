@@ -18,6 +18,8 @@ export interface Intent {
   readonly idempotencyKey: string;
   /** Ordering key given at enqueue; empty if none. */
   readonly orderingKey: string;
+  /** Priority given at enqueue, from -10 to 10 (0 by default). */
+  readonly priority: number;
   /** Headers given at enqueue (`traceparent` among them when traced). */
   readonly headers: Readonly<Record<string, string>>;
   /** Attempt number of this delivery, starting at 1. */
@@ -45,6 +47,7 @@ export function intentOf(lease: Lease): Intent {
     region: wire?.region ?? "",
     idempotencyKey: wire?.idempotencyKey ?? "",
     orderingKey: wire?.orderingKey ?? "",
+    priority: wire?.priority ?? 0,
     headers: wire?.headers ?? {},
     attempt: lease.attempt,
     maxAttempts: wire?.maxAttempts ?? 0,

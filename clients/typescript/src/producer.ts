@@ -32,6 +32,11 @@ export interface IntentInput {
    * WAITING until the earlier ones finish. Empty or absent: unordered.
    */
   orderingKey?: string;
+  /**
+   * From -10 to 10, default 0: among the claimable intents of its tenant and kind, higher
+   * priorities are claimed first (equal ones oldest first).
+   */
+  priority?: number;
   /** Claims allowed before it is dead-lettered; default the server's (5). */
   maxAttempts?: number;
   /** Claimable this long after the call. */
@@ -275,6 +280,7 @@ function toWire(input: IntentInput, traceparent: string | undefined): NewIntent 
     headers,
     maxAttempts: input.maxAttempts ?? 0,
     orderingKey: input.orderingKey ?? "",
+    priority: input.priority ?? 0,
   });
   if (input.delayMs !== undefined) intent.schedule = { case: "delay", value: durationFromMs(input.delayMs) };
   else if (input.availableAt !== undefined) {

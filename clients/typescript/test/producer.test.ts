@@ -4,7 +4,7 @@ import { after, before, describe, test } from "node:test";
 import knexFactory from "knex";
 import { durationFromMs } from "@bufbuild/protobuf/wkt";
 import pg from "pg";
-import { NotInTransactionError, Outbox, Worker, type PrismaTransactionLike } from "../src/index.js";
+import { NotInTransactionError, Outbox, OutboxError, Worker, type PrismaTransactionLike } from "../src/index.js";
 import { Fixture, waitFor } from "./harness.js";
 
 let fx: Fixture;
@@ -144,6 +144,44 @@ describe("node-postgres", () => {
     assert.equal(acked.results[0]?.error, undefined);
     // The Ack made the second the key's head, in its own transaction: claimable now.
     assert.deepEqual((await claim(5_000)).map((l) => l.intent?.id), [second.id]);
+  });
+
+  test("higher priorities are claimed first, and handlers see the priority", async () => {
+    const kind = "prioritized.kind";
+    const batch = await outbox.enqueueDirect([
+      { kind, payload: "a", priority: 0 },
+      { kind, payload: "b", priority: 5 },
+      { kind, payload: "c", priority: -3 },
+      { kind, payload: "d", priority: 10 },
+    ]);
+    assert.deepEqual(batch.map((r) => r.state), ["PENDING", "PENDING", "PENDING", "PENDING"]);
+    // Enqueued later: behind the batch's intent of the same priority (oldest first).
+    const [later] = await outbox.enqueueDirect({ kind, payload: "e", priority: 5 });
+    assert.ok(later);
+    const stored = await fx.ops.call((c, o) => c.getIntent({ id: later.id }, o), { budgetMs: 5_000, tryTimeoutMs: 5_000 });
+    assert.equal(stored.intent?.priority, 5);
+
+    // One slot: one intent claimed at a time, the handler called in claim order.
+    const seen: [string, number][] = [];
+    const w = new Worker({ endpoints: fx.endpoints, apiKey: fx.apiKey, handleSignals: false, claimWaitMs: 1_000, concurrency: 1 });
+    w.handle(kind, (intent) => {
+      seen.push([intent.payload.toString(), intent.priority]);
+    });
+    const run = w.run();
+    try {
+      await waitFor("five handled", () => seen.length === 5);
+    } finally {
+      await w.stop();
+      await run;
+    }
+    assert.deepEqual(seen, [["d", 10], ["b", 5], ["e", 5], ["a", 0], ["c", -3]]);
+
+    await assert.rejects(outbox.enqueueDirect({ kind, payload: "f", priority: 11 }), (error: unknown) => {
+      assert.ok(error instanceof OutboxError);
+      assert.equal(error.reason, "INVALID_ARGUMENT");
+      assert.match(error.message, /intents\[0\]\.priority/);
+      return true;
+    });
   });
 });
 

@@ -40,7 +40,8 @@ class NewIntent:
     `payload`: bytes are sent as they are; a str is UTF-8 encoded; anything else is JSON
     encoded and `content_type` defaults to `application/json`. `ordering_key`: intents of
     one key are delivered one at a time, in commit order (within one call, list order);
-    None or empty: unordered.
+    None or empty: unordered. `priority`: from -10 to 10 (default 0); among the claimable
+    intents of its tenant and kind, higher priorities are claimed first.
     """
 
     kind: str
@@ -53,6 +54,7 @@ class NewIntent:
     delay: Optional[float] = None
     available_at: Optional[dt.datetime] = None
     ordering_key: Optional[str] = None
+    priority: int = 0
 
     def to_pb(self) -> pb.NewIntent:
         from . import _otel
@@ -76,6 +78,7 @@ class NewIntent:
             headers=headers,
             max_attempts=self.max_attempts,
             ordering_key=self.ordering_key or "",
+            priority=self.priority,
         )
         if self.delay is not None and self.available_at is not None:
             raise ValueError("give delay or available_at, not both")

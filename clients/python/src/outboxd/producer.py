@@ -59,6 +59,7 @@ def _intents(
     delay: Optional[float],
     available_at: Optional[dt.datetime],
     ordering_key: Optional[str],
+    priority: int,
 ) -> list[NewIntent]:
     return [
         NewIntent(
@@ -72,6 +73,7 @@ def _intents(
             delay=delay,
             available_at=available_at,
             ordering_key=ordering_key,
+            priority=priority,
         )
     ]
 
@@ -238,6 +240,7 @@ class Outbox(_Base):
         delay: Optional[float] = None,
         available_at: Optional[dt.datetime] = None,
         ordering_key: Optional[str] = None,
+        priority: int = 0,
     ) -> EnqueueResult:
         """Enqueues one intent in the open transaction of `conn`: STAGED now, PENDING when
         that transaction commits, DISCARDED if it rolls back. Raises TransactionRequired
@@ -245,7 +248,8 @@ class Outbox(_Base):
 
         `ordering_key`: intents of the same key are delivered one at a time, in the order
         their transactions committed (WAITING behind an unfinished earlier one). None or
-        empty: unordered."""
+        empty: unordered. `priority`: from -10 to 10 (default 0), higher claimed first
+        among the claimable intents of its kind."""
         intents = _intents(
             kind,
             payload,
@@ -257,6 +261,7 @@ class Outbox(_Base):
             delay,
             available_at,
             ordering_key,
+            priority,
         )
         return self.enqueue_many(conn, intents)[0]
 
@@ -278,6 +283,7 @@ class Outbox(_Base):
         delay: Optional[float] = None,
         available_at: Optional[dt.datetime] = None,
         ordering_key: Optional[str] = None,
+        priority: int = 0,
     ) -> EnqueueResult:
         """Enqueues one intent outside any transaction: PENDING as soon as this returns
         (WAITING when an earlier intent of its `ordering_key` is unfinished)."""
@@ -292,6 +298,7 @@ class Outbox(_Base):
             delay,
             available_at,
             ordering_key,
+            priority,
         )
         return self.enqueue_direct_many(intents)[0]
 
@@ -401,6 +408,7 @@ class AsyncOutbox(_Base):
         delay: Optional[float] = None,
         available_at: Optional[dt.datetime] = None,
         ordering_key: Optional[str] = None,
+        priority: int = 0,
     ) -> EnqueueResult:
         """See `Outbox.enqueue`."""
         intents = _intents(
@@ -414,6 +422,7 @@ class AsyncOutbox(_Base):
             delay,
             available_at,
             ordering_key,
+            priority,
         )
         return (await self.enqueue_many(conn, intents))[0]
 
@@ -435,6 +444,7 @@ class AsyncOutbox(_Base):
         delay: Optional[float] = None,
         available_at: Optional[dt.datetime] = None,
         ordering_key: Optional[str] = None,
+        priority: int = 0,
     ) -> EnqueueResult:
         """See `Outbox.enqueue_direct`."""
         intents = _intents(
@@ -448,6 +458,7 @@ class AsyncOutbox(_Base):
             delay,
             available_at,
             ordering_key,
+            priority,
         )
         return (await self.enqueue_direct_many(intents))[0]
 

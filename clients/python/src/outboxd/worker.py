@@ -108,6 +108,7 @@ class Intent:
         self.region: str = i.region
         self.idempotency_key: str = i.idempotency_key
         self.ordering_key: str = i.ordering_key
+        self.priority: int = i.priority
         self.attempt: int = lease.attempt
         self.max_attempts: int = i.max_attempts
         self.created_at: dt.datetime = i.created_at.ToDatetime(dt.timezone.utc)

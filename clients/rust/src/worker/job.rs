@@ -82,6 +82,11 @@ impl Job {
         &self.intent.ordering_key
     }
 
+    /// The priority it was enqueued with, from -10 to 10 (0 when none was given).
+    pub fn priority(&self) -> i32 {
+        self.intent.priority
+    }
+
     /// This claim's attempt number, from 1.
     pub fn attempt(&self) -> u32 {
         self.attempt

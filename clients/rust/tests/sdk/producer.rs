@@ -312,6 +312,70 @@ async fn intents_of_one_ordering_key_are_claimable_one_at_a_time_in_request_orde
     assert_eq!(intent_ids(&leases), [second]);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn higher_priorities_are_claimed_first_and_handlers_see_the_priority() {
+    let connection = connection();
+    let outbox = Outbox::new(connection.clone());
+    let k = kind("prioritized");
+    let batch = outbox
+        .enqueue_direct_many(
+            [("a", 0), ("b", 5), ("c", -3), ("d", 10)]
+                .map(|(name, priority)| NewIntent::new(&k, name).priority(priority)),
+        )
+        .await
+        .unwrap();
+    assert!(
+        batch.iter().all(|r| r.state == IntentState::Pending),
+        "{batch:?}"
+    );
+    // Enqueued later: behind the batch's intent of the same priority (oldest first).
+    let later = outbox
+        .enqueue_direct(NewIntent::new(&k, "e").priority(5))
+        .await
+        .unwrap();
+    assert_eq!(
+        crate::harness::intent(&connection, &later.id)
+            .await
+            .priority,
+        5
+    );
+
+    // One slot: one intent claimed at a time, the handler called in claim order.
+    let seen = Arc::new(Mutex::new(Vec::<(String, i32)>::new()));
+    let worker = Worker::builder(connection.clone())
+        .concurrency(1)
+        .claim_wait(Duration::from_secs(1))
+        .handler(&k, {
+            let seen = seen.clone();
+            move |job: Job| {
+                let seen = seen.clone();
+                async move {
+                    let name = std::str::from_utf8(job.payload())?.to_owned();
+                    seen.lock().unwrap().push((name, job.priority()));
+                    Ok::<_, Failure>(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let running = Running::start(worker);
+    running.acked(5, Duration::from_secs(20)).await;
+    running.stop().await.unwrap();
+    let seen = seen.lock().unwrap().clone();
+    let expected = [("d", 10), ("b", 5), ("e", 5), ("a", 0), ("c", -3)];
+    assert_eq!(seen, expected.map(|(name, p)| (name.to_owned(), p)));
+
+    let invalid = outbox
+        .enqueue_direct(NewIntent::new(&k, "f").priority(11))
+        .await
+        .unwrap_err();
+    assert_eq!(invalid.code(), Some(Code::InvalidArgument), "{invalid}");
+    assert!(
+        invalid.to_string().contains("intents[0].priority"),
+        "{invalid}"
+    );
+}
+
 fn intent_ids(leases: &[proto::Lease]) -> Vec<&String> {
     leases
         .iter()

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file outbox/v1/outbox.proto.
  */
 export const file_outbox_v1_outbox: GenFile = /*@__PURE__*/
-  fileDesc("ChZvdXRib3gvdjEvb3V0Ym94LnByb3RvEglvdXRib3gudjEi5QIKCU5ld0ludGVudBIMCgRraW5kGAEgASgJEg8KB3BheWxvYWQYAiABKAwSFAoMY29udGVudF90eXBlGAMgASgJEg4KBnJlZ2lvbhgEIAEoCRIXCg9pZGVtcG90ZW5jeV9rZXkYBSABKAkSMgoHaGVhZGVycxgGIAMoCzIhLm91dGJveC52MS5OZXdJbnRlbnQuSGVhZGVyc0VudHJ5EhQKDG1heF9hdHRlbXB0cxgHIAEoBRIqCgVkZWxheRgIIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbkgAEjIKDGF2YWlsYWJsZV9hdBgJIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXBIABIUCgxvcmRlcmluZ19rZXkYCiABKAkaLgoMSGVhZGVyc0VudHJ5EgsKA2tleRgBIAEoCRINCgV2YWx1ZRgCIAEoCToCOAFCCgoIc2NoZWR1bGUipwQKBkludGVudBIKCgJpZBgBIAEoCRIlCgVzdGF0ZRgCIAEoDjIWLm91dGJveC52MS5JbnRlbnRTdGF0ZRIMCgRraW5kGAMgASgJEg8KB3BheWxvYWQYBCABKAwSFAoMY29udGVudF90eXBlGAUgASgJEg4KBnJlZ2lvbhgGIAEoCRIXCg9pZGVtcG90ZW5jeV9rZXkYByABKAkSLwoHaGVhZGVycxgIIAMoCzIeLm91dGJveC52MS5JbnRlbnQuSGVhZGVyc0VudHJ5EhAKCGF0dGVtcHRzGAkgASgFEhQKDG1heF9hdHRlbXB0cxgKIAEoBRIwCgxhdmFpbGFibGVfYXQYCyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCmNyZWF0ZWRfYXQYDCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCnVwZGF0ZWRfYXQYDSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEjQKEGxlYXNlX2V4cGlyZXNfYXQYDiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhEKCXdvcmtlcl9pZBgPIAEoCRISCgpsYXN0X2Vycm9yGBAgASgJEhQKDG9yZGVyaW5nX2tleRgRIAEoCRouCgxIZWFkZXJzRW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJOgI4ASJKCg5FbnF1ZXVlUmVxdWVzdBIlCgdpbnRlbnRzGAEgAygLMhQub3V0Ym94LnYxLk5ld0ludGVudBIRCgl0eG5fdG9rZW4YAiABKAkiWAoNRW5xdWV1ZVJlc3VsdBIKCgJpZBgBIAEoCRIlCgVzdGF0ZRgCIAEoDjIWLm91dGJveC52MS5JbnRlbnRTdGF0ZRIUCgxkZWR1cGxpY2F0ZWQYAyABKAgiPAoPRW5xdWV1ZVJlc3BvbnNlEikKB3Jlc3VsdHMYASADKAsyGC5vdXRib3gudjEuRW5xdWV1ZVJlc3VsdCLFAQoMQ2xhaW1SZXF1ZXN0EhEKCXdvcmtlcl9pZBgBIAEoCRIOCgZyZWdpb24YAiABKAkSDQoFa2luZHMYAyADKAkSEwoLbWF4X2ludGVudHMYBCABKAUSMQoObGVhc2VfZHVyYXRpb24YBSABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SJwoEd2FpdBgGIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhISCgpyZXF1ZXN0X2lkGAcgASgJIoMBCgVMZWFzZRIhCgZpbnRlbnQYASABKAsyES5vdXRib3gudjEuSW50ZW50EhAKCGxlYXNlX2lkGAIgASgJEg8KB2F0dGVtcHQYAyABKAUSNAoQbGVhc2VfZXhwaXJlc19hdBgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiMQoNQ2xhaW1SZXNwb25zZRIgCgZsZWFzZXMYASADKAsyEC5vdXRib3gudjEuTGVhc2UiLwoITGVhc2VSZWYSEQoJaW50ZW50X2lkGAEgASgJEhAKCGxlYXNlX2lkGAIgASgJIjoKCUl0ZW1FcnJvchIMCgRjb2RlGAEgASgFEg4KBnJlYXNvbhgCIAEoCRIPCgdtZXNzYWdlGAMgASgJIqIBCgtMZWFzZVJlc3VsdBIRCglpbnRlbnRfaWQYASABKAkSIwoFZXJyb3IYAiABKAsyFC5vdXRib3gudjEuSXRlbUVycm9yEiUKBXN0YXRlGAMgASgOMhYub3V0Ym94LnYxLkludGVudFN0YXRlEjQKEGxlYXNlX2V4cGlyZXNfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wImwKEkV4dGVuZExlYXNlUmVxdWVzdBIjCgZsZWFzZXMYASADKAsyEy5vdXRib3gudjEuTGVhc2VSZWYSMQoObGVhc2VfZHVyYXRpb24YAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iPgoTRXh0ZW5kTGVhc2VSZXNwb25zZRInCgdyZXN1bHRzGAEgAygLMhYub3V0Ym94LnYxLkxlYXNlUmVzdWx0IjsKFE1hcmtTdWJtaXR0ZWRSZXF1ZXN0EiMKBmxlYXNlcxgBIAMoCzITLm91dGJveC52MS5MZWFzZVJlZiJAChVNYXJrU3VibWl0dGVkUmVzcG9uc2USJwoHcmVzdWx0cxgBIAMoCzIWLm91dGJveC52MS5MZWFzZVJlc3VsdCIxCgpBY2tSZXF1ZXN0EiMKBmxlYXNlcxgBIAMoCzITLm91dGJveC52MS5MZWFzZVJlZiI2CgtBY2tSZXNwb25zZRInCgdyZXN1bHRzGAEgAygLMhYub3V0Ym94LnYxLkxlYXNlUmVzdWx0IpUBCgdGYWlsdXJlEiIKBWxlYXNlGAEgASgLMhMub3V0Ym94LnYxLkxlYXNlUmVmEg0KBWVycm9yGAIgASgJEicKB291dGNvbWUYAyABKA4yFi5vdXRib3gudjEuRmFpbE91dGNvbWUSLgoLcmV0cnlfYWZ0ZXIYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iMwoLRmFpbFJlcXVlc3QSJAoIZmFpbHVyZXMYASADKAsyEi5vdXRib3gudjEuRmFpbHVyZSI3CgxGYWlsUmVzcG9uc2USJwoHcmVzdWx0cxgBIAMoCzIWLm91dGJveC52MS5MZWFzZVJlc3VsdCKLAQoPUmVjb25jaWxlRmlsdGVyEiYKBnN0YXRlcxgBIAMoDjIWLm91dGJveC52MS5JbnRlbnRTdGF0ZRIMCgRraW5kGAIgASgJEg4KBnJlZ2lvbhgDIAEoCRIyCg5jcmVhdGVkX2JlZm9yZRgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAixwEKEFJlY29uY2lsZVJlcXVlc3QSJgoDaWRzGAEgASgLMhcub3V0Ym94LnYxLlJlY29uY2lsZUlkc0gAEiwKBmZpbHRlchgCIAEoCzIaLm91dGJveC52MS5SZWNvbmNpbGVGaWx0ZXJIABIlCghkZWNpc2lvbhgDIAEoDjITLm91dGJveC52MS5EZWNpc2lvbhINCgVhY3RvchgEIAEoCRIOCgZyZWFzb24YBSABKAkSDQoFbGltaXQYBiABKAVCCAoGdGFyZ2V0IhsKDFJlY29uY2lsZUlkcxILCgNpZHMYASADKAkicAoPUmVjb25jaWxlUmVzdWx0EhEKCWludGVudF9pZBgBIAEoCRIjCgVlcnJvchgCIAEoCzIULm91dGJveC52MS5JdGVtRXJyb3ISJQoFc3RhdGUYAyABKA4yFi5vdXRib3gudjEuSW50ZW50U3RhdGUiQAoRUmVjb25jaWxlUmVzcG9uc2USKwoHcmVzdWx0cxgBIAMoCzIaLm91dGJveC52MS5SZWNvbmNpbGVSZXN1bHQirwEKClJlc29sdXRpb24SJQoIZGVjaXNpb24YASABKA4yEy5vdXRib3gudjEuRGVjaXNpb24SKgoKZnJvbV9zdGF0ZRgCIAEoDjIWLm91dGJveC52MS5JbnRlbnRTdGF0ZRINCgVhY3RvchgDIAEoCRIOCgZyZWFzb24YBCABKAkSLwoLcmVzb2x2ZWRfYXQYBSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIh4KEEdldEludGVudFJlcXVlc3QSCgoCaWQYASABKAkiYgoRR2V0SW50ZW50UmVzcG9uc2USIQoGaW50ZW50GAEgASgLMhEub3V0Ym94LnYxLkludGVudBIqCgtyZXNvbHV0aW9ucxgCIAMoCzIVLm91dGJveC52MS5SZXNvbHV0aW9uIrABChJMaXN0SW50ZW50c1JlcXVlc3QSJgoGc3RhdGVzGAEgAygOMhYub3V0Ym94LnYxLkludGVudFN0YXRlEgwKBGtpbmQYAiABKAkSDgoGcmVnaW9uGAMgASgJEhEKCXBhZ2Vfc2l6ZRgEIAEoBRISCgpwYWdlX3Rva2VuGAUgASgJEhcKD2luY2x1ZGVfcGF5bG9hZBgGIAEoCBIUCgxvcmRlcmluZ19rZXkYByABKAkiUgoTTGlzdEludGVudHNSZXNwb25zZRIiCgdpbnRlbnRzGAEgAygLMhEub3V0Ym94LnYxLkludGVudBIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkiFgoUR2V0UXVldWVTdGF0c1JlcXVlc3QiUgoKU3RhdGVDb3VudBIlCgVzdGF0ZRgBIAEoDjIWLm91dGJveC52MS5JbnRlbnRTdGF0ZRIOCgZyZWdpb24YAiABKAkSDQoFY291bnQYAyABKAMikwIKFUdldFF1ZXVlU3RhdHNSZXNwb25zZRIlCgZjb3VudHMYASADKAsyFS5vdXRib3gudjEuU3RhdGVDb3VudBI1ChFvbGRlc3RfcGVuZGluZ19hdBgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASNAoQb2xkZXN0X3N0YWdlZF9hdBgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASGQoRcmVjb25jaWxlX2JhY2tsb2cYBCABKAMSFAoMYmxvY2tlZF9rZXlzGAUgASgDEjUKEW9sZGVzdF9ibG9ja2VkX2F0GAYgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCrDAgoLSW50ZW50U3RhdGUSHAoYSU5URU5UX1NUQVRFX1VOU1BFQ0lGSUVEEAASFwoTSU5URU5UX1NUQVRFX1NUQUdFRBABEhgKFElOVEVOVF9TVEFURV9QRU5ESU5HEAISFwoTSU5URU5UX1NUQVRFX0xFQVNFRBADEhoKFklOVEVOVF9TVEFURV9TVUJNSVRURUQQBBIaChZJTlRFTlRfU1RBVEVfREVMSVZFUkVEEAUSIAocSU5URU5UX1NUQVRFX05FRURTX1JFQ09OQ0lMRRAGEh4KGklOVEVOVF9TVEFURV9ERUFEX0xFVFRFUkVEEAcSGgoWSU5URU5UX1NUQVRFX0RJU0NBUkRFRBAIEhgKFElOVEVOVF9TVEFURV9XQUlUSU5HEAkSGgoWSU5URU5UX1NUQVRFX0NBTkNFTExFRBAKKnkKC0ZhaWxPdXRjb21lEhwKGEZBSUxfT1VUQ09NRV9VTlNQRUNJRklFRBAAEhYKEkZBSUxfT1VUQ09NRV9SRVRSWRABEhoKFkZBSUxfT1VUQ09NRV9QRVJNQU5FTlQQAhIYChRGQUlMX09VVENPTUVfVU5LTk9XThADKnoKCERlY2lzaW9uEhgKFERFQ0lTSU9OX1VOU1BFQ0lGSUVEEAASFgoSREVDSVNJT05fREVMSVZFUkVEEAESFAoQREVDSVNJT05fUkVRVUVVRRACEhEKDURFQ0lTSU9OX0RFQUQQAxITCg9ERUNJU0lPTl9DQU5DRUwQBDLQBQoNT3V0Ym94U2VydmljZRJACgdFbnF1ZXVlEhkub3V0Ym94LnYxLkVucXVldWVSZXF1ZXN0Ghoub3V0Ym94LnYxLkVucXVldWVSZXNwb25zZRI6CgVDbGFpbRIXLm91dGJveC52MS5DbGFpbVJlcXVlc3QaGC5vdXRib3gudjEuQ2xhaW1SZXNwb25zZRJMCgtFeHRlbmRMZWFzZRIdLm91dGJveC52MS5FeHRlbmRMZWFzZVJlcXVlc3QaHi5vdXRib3gudjEuRXh0ZW5kTGVhc2VSZXNwb25zZRJSCg1NYXJrU3VibWl0dGVkEh8ub3V0Ym94LnYxLk1hcmtTdWJtaXR0ZWRSZXF1ZXN0GiAub3V0Ym94LnYxLk1hcmtTdWJtaXR0ZWRSZXNwb25zZRI0CgNBY2sSFS5vdXRib3gudjEuQWNrUmVxdWVzdBoWLm91dGJveC52MS5BY2tSZXNwb25zZRI3CgRGYWlsEhYub3V0Ym94LnYxLkZhaWxSZXF1ZXN0Ghcub3V0Ym94LnYxLkZhaWxSZXNwb25zZRJGCglSZWNvbmNpbGUSGy5vdXRib3gudjEuUmVjb25jaWxlUmVxdWVzdBocLm91dGJveC52MS5SZWNvbmNpbGVSZXNwb25zZRJGCglHZXRJbnRlbnQSGy5vdXRib3gudjEuR2V0SW50ZW50UmVxdWVzdBocLm91dGJveC52MS5HZXRJbnRlbnRSZXNwb25zZRJMCgtMaXN0SW50ZW50cxIdLm91dGJveC52MS5MaXN0SW50ZW50c1JlcXVlc3QaHi5vdXRib3gudjEuTGlzdEludGVudHNSZXNwb25zZRJSCg1HZXRRdWV1ZVN0YXRzEh8ub3V0Ym94LnYxLkdldFF1ZXVlU3RhdHNSZXF1ZXN0GiAub3V0Ym94LnYxLkdldFF1ZXVlU3RhdHNSZXNwb25zZUJwChVkZXYub3V0Ym94ZC5vdXRib3gudjFCC091dGJveFByb3RvUAFaNGdpdGh1Yi5jb20vb3V0Ym94ZC9vdXRib3hkL2dlbi9nby9vdXRib3gvdjE7b3V0Ym94djGqAhFPdXRib3hkLk91dGJveC5WMWIGcHJvdG8z", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
+  fileDesc("ChZvdXRib3gvdjEvb3V0Ym94LnByb3RvEglvdXRib3gudjEi9wIKCU5ld0ludGVudBIMCgRraW5kGAEgASgJEg8KB3BheWxvYWQYAiABKAwSFAoMY29udGVudF90eXBlGAMgASgJEg4KBnJlZ2lvbhgEIAEoCRIXCg9pZGVtcG90ZW5jeV9rZXkYBSABKAkSMgoHaGVhZGVycxgGIAMoCzIhLm91dGJveC52MS5OZXdJbnRlbnQuSGVhZGVyc0VudHJ5EhQKDG1heF9hdHRlbXB0cxgHIAEoBRIqCgVkZWxheRgIIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbkgAEjIKDGF2YWlsYWJsZV9hdBgJIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXBIABIUCgxvcmRlcmluZ19rZXkYCiABKAkSEAoIcHJpb3JpdHkYCyABKAUaLgoMSGVhZGVyc0VudHJ5EgsKA2tleRgBIAEoCRINCgV2YWx1ZRgCIAEoCToCOAFCCgoIc2NoZWR1bGUiuQQKBkludGVudBIKCgJpZBgBIAEoCRIlCgVzdGF0ZRgCIAEoDjIWLm91dGJveC52MS5JbnRlbnRTdGF0ZRIMCgRraW5kGAMgASgJEg8KB3BheWxvYWQYBCABKAwSFAoMY29udGVudF90eXBlGAUgASgJEg4KBnJlZ2lvbhgGIAEoCRIXCg9pZGVtcG90ZW5jeV9rZXkYByABKAkSLwoHaGVhZGVycxgIIAMoCzIeLm91dGJveC52MS5JbnRlbnQuSGVhZGVyc0VudHJ5EhAKCGF0dGVtcHRzGAkgASgFEhQKDG1heF9hdHRlbXB0cxgKIAEoBRIwCgxhdmFpbGFibGVfYXQYCyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCmNyZWF0ZWRfYXQYDCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCnVwZGF0ZWRfYXQYDSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEjQKEGxlYXNlX2V4cGlyZXNfYXQYDiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhEKCXdvcmtlcl9pZBgPIAEoCRISCgpsYXN0X2Vycm9yGBAgASgJEhQKDG9yZGVyaW5nX2tleRgRIAEoCRIQCghwcmlvcml0eRgSIAEoBRouCgxIZWFkZXJzRW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJOgI4ASJKCg5FbnF1ZXVlUmVxdWVzdBIlCgdpbnRlbnRzGAEgAygLMhQub3V0Ym94LnYxLk5ld0ludGVudBIRCgl0eG5fdG9rZW4YAiABKAkiWAoNRW5xdWV1ZVJlc3VsdBIKCgJpZBgBIAEoCRIlCgVzdGF0ZRgCIAEoDjIWLm91dGJveC52MS5JbnRlbnRTdGF0ZRIUCgxkZWR1cGxpY2F0ZWQYAyABKAgiPAoPRW5xdWV1ZVJlc3BvbnNlEikKB3Jlc3VsdHMYASADKAsyGC5vdXRib3gudjEuRW5xdWV1ZVJlc3VsdCLFAQoMQ2xhaW1SZXF1ZXN0EhEKCXdvcmtlcl9pZBgBIAEoCRIOCgZyZWdpb24YAiABKAkSDQoFa2luZHMYAyADKAkSEwoLbWF4X2ludGVudHMYBCABKAUSMQoObGVhc2VfZHVyYXRpb24YBSABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SJwoEd2FpdBgGIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhISCgpyZXF1ZXN0X2lkGAcgASgJIoMBCgVMZWFzZRIhCgZpbnRlbnQYASABKAsyES5vdXRib3gudjEuSW50ZW50EhAKCGxlYXNlX2lkGAIgASgJEg8KB2F0dGVtcHQYAyABKAUSNAoQbGVhc2VfZXhwaXJlc19hdBgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiMQoNQ2xhaW1SZXNwb25zZRIgCgZsZWFzZXMYASADKAsyEC5vdXRib3gudjEuTGVhc2UiLwoITGVhc2VSZWYSEQoJaW50ZW50X2lkGAEgASgJEhAKCGxlYXNlX2lkGAIgASgJIjoKCUl0ZW1FcnJvchIMCgRjb2RlGAEgASgFEg4KBnJlYXNvbhgCIAEoCRIPCgdtZXNzYWdlGAMgASgJIqIBCgtMZWFzZVJlc3VsdBIRCglpbnRlbnRfaWQYASABKAkSIwoFZXJyb3IYAiABKAsyFC5vdXRib3gudjEuSXRlbUVycm9yEiUKBXN0YXRlGAMgASgOMhYub3V0Ym94LnYxLkludGVudFN0YXRlEjQKEGxlYXNlX2V4cGlyZXNfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wImwKEkV4dGVuZExlYXNlUmVxdWVzdBIjCgZsZWFzZXMYASADKAsyEy5vdXRib3gudjEuTGVhc2VSZWYSMQoObGVhc2VfZHVyYXRpb24YAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iPgoTRXh0ZW5kTGVhc2VSZXNwb25zZRInCgdyZXN1bHRzGAEgAygLMhYub3V0Ym94LnYxLkxlYXNlUmVzdWx0IjsKFE1hcmtTdWJtaXR0ZWRSZXF1ZXN0EiMKBmxlYXNlcxgBIAMoCzITLm91dGJveC52MS5MZWFzZVJlZiJAChVNYXJrU3VibWl0dGVkUmVzcG9uc2USJwoHcmVzdWx0cxgBIAMoCzIWLm91dGJveC52MS5MZWFzZVJlc3VsdCIxCgpBY2tSZXF1ZXN0EiMKBmxlYXNlcxgBIAMoCzITLm91dGJveC52MS5MZWFzZVJlZiI2CgtBY2tSZXNwb25zZRInCgdyZXN1bHRzGAEgAygLMhYub3V0Ym94LnYxLkxlYXNlUmVzdWx0IpUBCgdGYWlsdXJlEiIKBWxlYXNlGAEgASgLMhMub3V0Ym94LnYxLkxlYXNlUmVmEg0KBWVycm9yGAIgASgJEicKB291dGNvbWUYAyABKA4yFi5vdXRib3gudjEuRmFpbE91dGNvbWUSLgoLcmV0cnlfYWZ0ZXIYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iMwoLRmFpbFJlcXVlc3QSJAoIZmFpbHVyZXMYASADKAsyEi5vdXRib3gudjEuRmFpbHVyZSI3CgxGYWlsUmVzcG9uc2USJwoHcmVzdWx0cxgBIAMoCzIWLm91dGJveC52MS5MZWFzZVJlc3VsdCKLAQoPUmVjb25jaWxlRmlsdGVyEiYKBnN0YXRlcxgBIAMoDjIWLm91dGJveC52MS5JbnRlbnRTdGF0ZRIMCgRraW5kGAIgASgJEg4KBnJlZ2lvbhgDIAEoCRIyCg5jcmVhdGVkX2JlZm9yZRgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAixwEKEFJlY29uY2lsZVJlcXVlc3QSJgoDaWRzGAEgASgLMhcub3V0Ym94LnYxLlJlY29uY2lsZUlkc0gAEiwKBmZpbHRlchgCIAEoCzIaLm91dGJveC52MS5SZWNvbmNpbGVGaWx0ZXJIABIlCghkZWNpc2lvbhgDIAEoDjITLm91dGJveC52MS5EZWNpc2lvbhINCgVhY3RvchgEIAEoCRIOCgZyZWFzb24YBSABKAkSDQoFbGltaXQYBiABKAVCCAoGdGFyZ2V0IhsKDFJlY29uY2lsZUlkcxILCgNpZHMYASADKAkicAoPUmVjb25jaWxlUmVzdWx0EhEKCWludGVudF9pZBgBIAEoCRIjCgVlcnJvchgCIAEoCzIULm91dGJveC52MS5JdGVtRXJyb3ISJQoFc3RhdGUYAyABKA4yFi5vdXRib3gudjEuSW50ZW50U3RhdGUiQAoRUmVjb25jaWxlUmVzcG9uc2USKwoHcmVzdWx0cxgBIAMoCzIaLm91dGJveC52MS5SZWNvbmNpbGVSZXN1bHQirwEKClJlc29sdXRpb24SJQoIZGVjaXNpb24YASABKA4yEy5vdXRib3gudjEuRGVjaXNpb24SKgoKZnJvbV9zdGF0ZRgCIAEoDjIWLm91dGJveC52MS5JbnRlbnRTdGF0ZRINCgVhY3RvchgDIAEoCRIOCgZyZWFzb24YBCABKAkSLwoLcmVzb2x2ZWRfYXQYBSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIh4KEEdldEludGVudFJlcXVlc3QSCgoCaWQYASABKAkiYgoRR2V0SW50ZW50UmVzcG9uc2USIQoGaW50ZW50GAEgASgLMhEub3V0Ym94LnYxLkludGVudBIqCgtyZXNvbHV0aW9ucxgCIAMoCzIVLm91dGJveC52MS5SZXNvbHV0aW9uIrABChJMaXN0SW50ZW50c1JlcXVlc3QSJgoGc3RhdGVzGAEgAygOMhYub3V0Ym94LnYxLkludGVudFN0YXRlEgwKBGtpbmQYAiABKAkSDgoGcmVnaW9uGAMgASgJEhEKCXBhZ2Vfc2l6ZRgEIAEoBRISCgpwYWdlX3Rva2VuGAUgASgJEhcKD2luY2x1ZGVfcGF5bG9hZBgGIAEoCBIUCgxvcmRlcmluZ19rZXkYByABKAkiUgoTTGlzdEludGVudHNSZXNwb25zZRIiCgdpbnRlbnRzGAEgAygLMhEub3V0Ym94LnYxLkludGVudBIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkiFgoUR2V0UXVldWVTdGF0c1JlcXVlc3QiUgoKU3RhdGVDb3VudBIlCgVzdGF0ZRgBIAEoDjIWLm91dGJveC52MS5JbnRlbnRTdGF0ZRIOCgZyZWdpb24YAiABKAkSDQoFY291bnQYAyABKAMivQIKFUdldFF1ZXVlU3RhdHNSZXNwb25zZRIlCgZjb3VudHMYASADKAsyFS5vdXRib3gudjEuU3RhdGVDb3VudBI1ChFvbGRlc3RfcGVuZGluZ19hdBgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASNAoQb2xkZXN0X3N0YWdlZF9hdBgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASGQoRcmVjb25jaWxlX2JhY2tsb2cYBCABKAMSFAoMYmxvY2tlZF9rZXlzGAUgASgDEjUKEW9sZGVzdF9ibG9ja2VkX2F0GAYgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIoCghwb2xpY2llcxgHIAMoCzIWLm91dGJveC52MS5RdWV1ZVBvbGljeSLsAQoLUXVldWVQb2xpY3kSDgoGdGVuYW50GAEgASgJEgwKBGtpbmQYAiABKAkSDgoGcGF1c2VkGAMgASgIEhUKDW1heF9pbl9mbGlnaHQYBCABKAUSFwoPcmF0ZV9wZXJfc2Vjb25kGAUgASgBEg0KBWJ1cnN0GAYgASgFEg0KBWFjdG9yGAcgASgJEg4KBnJlYXNvbhgIIAEoCRIuCgp1cGRhdGVkX2F0GAkgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIRCglpbl9mbGlnaHQYCiABKAMSDgoGdG9rZW5zGAsgASgBIpMBChVTZXRRdWV1ZVBvbGljeVJlcXVlc3QSDAoEa2luZBgBIAEoCRIOCgZwYXVzZWQYAiABKAgSFQoNbWF4X2luX2ZsaWdodBgDIAEoBRIXCg9yYXRlX3Blcl9zZWNvbmQYBCABKAESDQoFYnVyc3QYBSABKAUSDQoFYWN0b3IYBiABKAkSDgoGcmVhc29uGAcgASgJIkAKFlNldFF1ZXVlUG9saWN5UmVzcG9uc2USJgoGcG9saWN5GAEgASgLMhYub3V0Ym94LnYxLlF1ZXVlUG9saWN5IigKGExpc3RRdWV1ZVBvbGljaWVzUmVxdWVzdBIMCgRraW5kGAEgASgJIkUKGUxpc3RRdWV1ZVBvbGljaWVzUmVzcG9uc2USKAoIcG9saWNpZXMYASADKAsyFi5vdXRib3gudjEuUXVldWVQb2xpY3kqwwIKC0ludGVudFN0YXRlEhwKGElOVEVOVF9TVEFURV9VTlNQRUNJRklFRBAAEhcKE0lOVEVOVF9TVEFURV9TVEFHRUQQARIYChRJTlRFTlRfU1RBVEVfUEVORElORxACEhcKE0lOVEVOVF9TVEFURV9MRUFTRUQQAxIaChZJTlRFTlRfU1RBVEVfU1VCTUlUVEVEEAQSGgoWSU5URU5UX1NUQVRFX0RFTElWRVJFRBAFEiAKHElOVEVOVF9TVEFURV9ORUVEU19SRUNPTkNJTEUQBhIeChpJTlRFTlRfU1RBVEVfREVBRF9MRVRURVJFRBAHEhoKFklOVEVOVF9TVEFURV9ESVNDQVJERUQQCBIYChRJTlRFTlRfU1RBVEVfV0FJVElORxAJEhoKFklOVEVOVF9TVEFURV9DQU5DRUxMRUQQCip5CgtGYWlsT3V0Y29tZRIcChhGQUlMX09VVENPTUVfVU5TUEVDSUZJRUQQABIWChJGQUlMX09VVENPTUVfUkVUUlkQARIaChZGQUlMX09VVENPTUVfUEVSTUFORU5UEAISGAoURkFJTF9PVVRDT01FX1VOS05PV04QAyp6CghEZWNpc2lvbhIYChRERUNJU0lPTl9VTlNQRUNJRklFRBAAEhYKEkRFQ0lTSU9OX0RFTElWRVJFRBABEhQKEERFQ0lTSU9OX1JFUVVFVUUQAhIRCg1ERUNJU0lPTl9ERUFEEAMSEwoPREVDSVNJT05fQ0FOQ0VMEAQyhwcKDU91dGJveFNlcnZpY2USQAoHRW5xdWV1ZRIZLm91dGJveC52MS5FbnF1ZXVlUmVxdWVzdBoaLm91dGJveC52MS5FbnF1ZXVlUmVzcG9uc2USOgoFQ2xhaW0SFy5vdXRib3gudjEuQ2xhaW1SZXF1ZXN0Ghgub3V0Ym94LnYxLkNsYWltUmVzcG9uc2USTAoLRXh0ZW5kTGVhc2USHS5vdXRib3gudjEuRXh0ZW5kTGVhc2VSZXF1ZXN0Gh4ub3V0Ym94LnYxLkV4dGVuZExlYXNlUmVzcG9uc2USUgoNTWFya1N1Ym1pdHRlZBIfLm91dGJveC52MS5NYXJrU3VibWl0dGVkUmVxdWVzdBogLm91dGJveC52MS5NYXJrU3VibWl0dGVkUmVzcG9uc2USNAoDQWNrEhUub3V0Ym94LnYxLkFja1JlcXVlc3QaFi5vdXRib3gudjEuQWNrUmVzcG9uc2USNwoERmFpbBIWLm91dGJveC52MS5GYWlsUmVxdWVzdBoXLm91dGJveC52MS5GYWlsUmVzcG9uc2USRgoJUmVjb25jaWxlEhsub3V0Ym94LnYxLlJlY29uY2lsZVJlcXVlc3QaHC5vdXRib3gudjEuUmVjb25jaWxlUmVzcG9uc2USRgoJR2V0SW50ZW50Ehsub3V0Ym94LnYxLkdldEludGVudFJlcXVlc3QaHC5vdXRib3gudjEuR2V0SW50ZW50UmVzcG9uc2USTAoLTGlzdEludGVudHMSHS5vdXRib3gudjEuTGlzdEludGVudHNSZXF1ZXN0Gh4ub3V0Ym94LnYxLkxpc3RJbnRlbnRzUmVzcG9uc2USUgoNR2V0UXVldWVTdGF0cxIfLm91dGJveC52MS5HZXRRdWV1ZVN0YXRzUmVxdWVzdBogLm91dGJveC52MS5HZXRRdWV1ZVN0YXRzUmVzcG9uc2USVQoOU2V0UXVldWVQb2xpY3kSIC5vdXRib3gudjEuU2V0UXVldWVQb2xpY3lSZXF1ZXN0GiEub3V0Ym94LnYxLlNldFF1ZXVlUG9saWN5UmVzcG9uc2USXgoRTGlzdFF1ZXVlUG9saWNpZXMSIy5vdXRib3gudjEuTGlzdFF1ZXVlUG9saWNpZXNSZXF1ZXN0GiQub3V0Ym94LnYxLkxpc3RRdWV1ZVBvbGljaWVzUmVzcG9uc2VCcAoVZGV2Lm91dGJveGQub3V0Ym94LnYxQgtPdXRib3hQcm90b1ABWjRnaXRodWIuY29tL291dGJveGQvb3V0Ym94ZC9nZW4vZ28vb3V0Ym94L3YxO291dGJveHYxqgIRT3V0Ym94ZC5PdXRib3guVjFiBnByb3RvMw", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
 
 /**
  * NewIntent is one delivery intent as a producer submits it.
@@ -105,6 +105,14 @@ export type NewIntent = Message<"outbox.v1.NewIntent"> & {
    * @generated from field: string ordering_key = 10;
    */
   orderingKey: string;
+
+  /**
+   * Higher first among the claimable intents of its tenant and kind, from -10 to 10;
+   * equal priorities oldest first. Default 0.
+   *
+   * @generated from field: int32 priority = 11;
+   */
+  priority: number;
 };
 
 /**
@@ -238,6 +246,13 @@ export type Intent = Message<"outbox.v1.Intent"> & {
    * @generated from field: string ordering_key = 17;
    */
   orderingKey: string;
+
+  /**
+   * Priority given at enqueue.
+   *
+   * @generated from field: int32 priority = 18;
+   */
+  priority: number;
 };
 
 /**
@@ -1263,6 +1278,13 @@ export type GetQueueStatsResponse = Message<"outbox.v1.GetQueueStatsResponse"> &
    * @generated from field: google.protobuf.Timestamp oldest_blocked_at = 6;
    */
   oldestBlockedAt?: Timestamp | undefined;
+
+  /**
+   * The queues with a policy (paused, limited), with their live figures.
+   *
+   * @generated from field: repeated outbox.v1.QueuePolicy policies = 7;
+   */
+  policies: QueuePolicy[];
 };
 
 /**
@@ -1271,6 +1293,214 @@ export type GetQueueStatsResponse = Message<"outbox.v1.GetQueueStatsResponse"> &
  */
 export const GetQueueStatsResponseSchema: GenMessage<GetQueueStatsResponse> = /*@__PURE__*/
   messageDesc(file_outbox_v1_outbox, 32);
+
+/**
+ * QueuePolicy is the flow control of one queue: the intents of one tenant and kind.
+ *
+ * @generated from message outbox.v1.QueuePolicy
+ */
+export type QueuePolicy = Message<"outbox.v1.QueuePolicy"> & {
+  /**
+   * The queue's tenant.
+   *
+   * @generated from field: string tenant = 1;
+   */
+  tenant: string;
+
+  /**
+   * The queue's kind.
+   *
+   * @generated from field: string kind = 2;
+   */
+  kind: string;
+
+  /**
+   * No leases while paused; intents keep arriving.
+   *
+   * @generated from field: bool paused = 3;
+   */
+  paused: boolean;
+
+  /**
+   * At most this many intents LEASED or SUBMITTED at once. 0: no limit.
+   *
+   * @generated from field: int32 max_in_flight = 4;
+   */
+  maxInFlight: number;
+
+  /**
+   * At most this many leases per second on average (a token bucket). 0: no limit.
+   *
+   * @generated from field: double rate_per_second = 5;
+   */
+  ratePerSecond: number;
+
+  /**
+   * Leases the bucket holds at most (with a rate; at least 1).
+   *
+   * @generated from field: int32 burst = 6;
+   */
+  burst: number;
+
+  /**
+   * Who set the policy last, and why, and when.
+   *
+   * @generated from field: string actor = 7;
+   */
+  actor: string;
+
+  /**
+   * @generated from field: string reason = 8;
+   */
+  reason: string;
+
+  /**
+   * @generated from field: google.protobuf.Timestamp updated_at = 9;
+   */
+  updatedAt?: Timestamp | undefined;
+
+  /**
+   * Intents of the queue LEASED or SUBMITTED now.
+   *
+   * @generated from field: int64 in_flight = 10;
+   */
+  inFlight: bigint;
+
+  /**
+   * Leases the bucket would allow now (with a rate).
+   *
+   * @generated from field: double tokens = 11;
+   */
+  tokens: number;
+};
+
+/**
+ * Describes the message outbox.v1.QueuePolicy.
+ * Use `create(QueuePolicySchema)` to create a new message.
+ */
+export const QueuePolicySchema: GenMessage<QueuePolicy> = /*@__PURE__*/
+  messageDesc(file_outbox_v1_outbox, 33);
+
+/**
+ * SetQueuePolicyRequest replaces the policy of a queue of the tenant the call acts for
+ * (the key's only tenant, or the one named in x-outbox-tenant).
+ *
+ * @generated from message outbox.v1.SetQueuePolicyRequest
+ */
+export type SetQueuePolicyRequest = Message<"outbox.v1.SetQueuePolicyRequest"> & {
+  /**
+   * The queue's kind. Required.
+   *
+   * @generated from field: string kind = 1;
+   */
+  kind: string;
+
+  /**
+   * @generated from field: bool paused = 2;
+   */
+  paused: boolean;
+
+  /**
+   * 0: no limit.
+   *
+   * @generated from field: int32 max_in_flight = 3;
+   */
+  maxInFlight: number;
+
+  /**
+   * 0: no limit.
+   *
+   * @generated from field: double rate_per_second = 4;
+   */
+  ratePerSecond: number;
+
+  /**
+   * With a rate: the bucket's size; 0: the rate rounded up. Without a rate: must be 0.
+   *
+   * @generated from field: int32 burst = 5;
+   */
+  burst: number;
+
+  /**
+   * Who decides. Required.
+   *
+   * @generated from field: string actor = 6;
+   */
+  actor: string;
+
+  /**
+   * Why. Required.
+   *
+   * @generated from field: string reason = 7;
+   */
+  reason: string;
+};
+
+/**
+ * Describes the message outbox.v1.SetQueuePolicyRequest.
+ * Use `create(SetQueuePolicyRequestSchema)` to create a new message.
+ */
+export const SetQueuePolicyRequestSchema: GenMessage<SetQueuePolicyRequest> = /*@__PURE__*/
+  messageDesc(file_outbox_v1_outbox, 34);
+
+/**
+ * SetQueuePolicyResponse carries the policy now in force.
+ *
+ * @generated from message outbox.v1.SetQueuePolicyResponse
+ */
+export type SetQueuePolicyResponse = Message<"outbox.v1.SetQueuePolicyResponse"> & {
+  /**
+   * @generated from field: outbox.v1.QueuePolicy policy = 1;
+   */
+  policy?: QueuePolicy | undefined;
+};
+
+/**
+ * Describes the message outbox.v1.SetQueuePolicyResponse.
+ * Use `create(SetQueuePolicyResponseSchema)` to create a new message.
+ */
+export const SetQueuePolicyResponseSchema: GenMessage<SetQueuePolicyResponse> = /*@__PURE__*/
+  messageDesc(file_outbox_v1_outbox, 35);
+
+/**
+ * ListQueuePoliciesRequest lists policies of the caller's tenants.
+ *
+ * @generated from message outbox.v1.ListQueuePoliciesRequest
+ */
+export type ListQueuePoliciesRequest = Message<"outbox.v1.ListQueuePoliciesRequest"> & {
+  /**
+   * Only this kind. Empty: any.
+   *
+   * @generated from field: string kind = 1;
+   */
+  kind: string;
+};
+
+/**
+ * Describes the message outbox.v1.ListQueuePoliciesRequest.
+ * Use `create(ListQueuePoliciesRequestSchema)` to create a new message.
+ */
+export const ListQueuePoliciesRequestSchema: GenMessage<ListQueuePoliciesRequest> = /*@__PURE__*/
+  messageDesc(file_outbox_v1_outbox, 36);
+
+/**
+ * ListQueuePoliciesResponse carries the policies, by tenant and kind.
+ *
+ * @generated from message outbox.v1.ListQueuePoliciesResponse
+ */
+export type ListQueuePoliciesResponse = Message<"outbox.v1.ListQueuePoliciesResponse"> & {
+  /**
+   * @generated from field: repeated outbox.v1.QueuePolicy policies = 1;
+   */
+  policies: QueuePolicy[];
+};
+
+/**
+ * Describes the message outbox.v1.ListQueuePoliciesResponse.
+ * Use `create(ListQueuePoliciesResponseSchema)` to create a new message.
+ */
+export const ListQueuePoliciesResponseSchema: GenMessage<ListQueuePoliciesResponse> = /*@__PURE__*/
+  messageDesc(file_outbox_v1_outbox, 37);
 
 /**
  * IntentState is where an intent is in its lifecycle.
@@ -1573,6 +1803,29 @@ export const OutboxService: GenService<{
     methodKind: "unary";
     input: typeof GetQueueStatsRequestSchema;
     output: typeof GetQueueStatsResponseSchema;
+  },
+  /**
+   * SetQueuePolicy sets the flow control of a queue (a tenant's kind): paused, a
+   * concurrency limit, a rate limit. It replaces the queue's whole policy, takes effect at
+   * the next Claim of every replica, and is recorded with who and why. Scope operate.
+   *
+   * @generated from rpc outbox.v1.OutboxService.SetQueuePolicy
+   */
+  setQueuePolicy: {
+    methodKind: "unary";
+    input: typeof SetQueuePolicyRequestSchema;
+    output: typeof SetQueuePolicyResponseSchema;
+  },
+  /**
+   * ListQueuePolicies lists the queues of the caller's tenants that have a policy, with
+   * their live figures. Scope operate.
+   *
+   * @generated from rpc outbox.v1.OutboxService.ListQueuePolicies
+   */
+  listQueuePolicies: {
+    methodKind: "unary";
+    input: typeof ListQueuePoliciesRequestSchema;
+    output: typeof ListQueuePoliciesResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_outbox_v1_outbox, 0);

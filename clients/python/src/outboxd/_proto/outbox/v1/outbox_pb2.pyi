@@ -58,7 +58,7 @@ DECISION_DEAD: Decision
 DECISION_CANCEL: Decision
 
 class NewIntent(_message.Message):
-    __slots__ = ("kind", "payload", "content_type", "region", "idempotency_key", "headers", "max_attempts", "delay", "available_at", "ordering_key")
+    __slots__ = ("kind", "payload", "content_type", "region", "idempotency_key", "headers", "max_attempts", "delay", "available_at", "ordering_key", "priority")
     class HeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class NewIntent(_message.Message):
     DELAY_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_AT_FIELD_NUMBER: _ClassVar[int]
     ORDERING_KEY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     kind: str
     payload: bytes
     content_type: str
@@ -86,10 +87,11 @@ class NewIntent(_message.Message):
     delay: _duration_pb2.Duration
     available_at: _timestamp_pb2.Timestamp
     ordering_key: str
-    def __init__(self, kind: _Optional[str] = ..., payload: _Optional[bytes] = ..., content_type: _Optional[str] = ..., region: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ..., max_attempts: _Optional[int] = ..., delay: _Optional[_Union[_duration_pb2.Duration, _Mapping]] = ..., available_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., ordering_key: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, kind: _Optional[str] = ..., payload: _Optional[bytes] = ..., content_type: _Optional[str] = ..., region: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ..., max_attempts: _Optional[int] = ..., delay: _Optional[_Union[_duration_pb2.Duration, _Mapping]] = ..., available_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., ordering_key: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class Intent(_message.Message):
-    __slots__ = ("id", "state", "kind", "payload", "content_type", "region", "idempotency_key", "headers", "attempts", "max_attempts", "available_at", "created_at", "updated_at", "lease_expires_at", "worker_id", "last_error", "ordering_key")
+    __slots__ = ("id", "state", "kind", "payload", "content_type", "region", "idempotency_key", "headers", "attempts", "max_attempts", "available_at", "created_at", "updated_at", "lease_expires_at", "worker_id", "last_error", "ordering_key", "priority")
     class HeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +116,7 @@ class Intent(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     ORDERING_KEY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: IntentState
     kind: str
@@ -131,7 +134,8 @@ class Intent(_message.Message):
     worker_id: str
     last_error: str
     ordering_key: str
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[IntentState, str]] = ..., kind: _Optional[str] = ..., payload: _Optional[bytes] = ..., content_type: _Optional[str] = ..., region: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ..., attempts: _Optional[int] = ..., max_attempts: _Optional[int] = ..., available_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., created_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., lease_expires_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., worker_id: _Optional[str] = ..., last_error: _Optional[str] = ..., ordering_key: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[IntentState, str]] = ..., kind: _Optional[str] = ..., payload: _Optional[bytes] = ..., content_type: _Optional[str] = ..., region: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ..., attempts: _Optional[int] = ..., max_attempts: _Optional[int] = ..., available_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., created_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., lease_expires_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., worker_id: _Optional[str] = ..., last_error: _Optional[str] = ..., ordering_key: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class EnqueueRequest(_message.Message):
     __slots__ = ("intents", "txn_token")
@@ -404,17 +408,81 @@ class StateCount(_message.Message):
     def __init__(self, state: _Optional[_Union[IntentState, str]] = ..., region: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class GetQueueStatsResponse(_message.Message):
-    __slots__ = ("counts", "oldest_pending_at", "oldest_staged_at", "reconcile_backlog", "blocked_keys", "oldest_blocked_at")
+    __slots__ = ("counts", "oldest_pending_at", "oldest_staged_at", "reconcile_backlog", "blocked_keys", "oldest_blocked_at", "policies")
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     OLDEST_PENDING_AT_FIELD_NUMBER: _ClassVar[int]
     OLDEST_STAGED_AT_FIELD_NUMBER: _ClassVar[int]
     RECONCILE_BACKLOG_FIELD_NUMBER: _ClassVar[int]
     BLOCKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     OLDEST_BLOCKED_AT_FIELD_NUMBER: _ClassVar[int]
+    POLICIES_FIELD_NUMBER: _ClassVar[int]
     counts: _containers.RepeatedCompositeFieldContainer[StateCount]
     oldest_pending_at: _timestamp_pb2.Timestamp
     oldest_staged_at: _timestamp_pb2.Timestamp
     reconcile_backlog: int
     blocked_keys: int
     oldest_blocked_at: _timestamp_pb2.Timestamp
-    def __init__(self, counts: _Optional[_Iterable[_Union[StateCount, _Mapping]]] = ..., oldest_pending_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., oldest_staged_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., reconcile_backlog: _Optional[int] = ..., blocked_keys: _Optional[int] = ..., oldest_blocked_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    policies: _containers.RepeatedCompositeFieldContainer[QueuePolicy]
+    def __init__(self, counts: _Optional[_Iterable[_Union[StateCount, _Mapping]]] = ..., oldest_pending_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., oldest_staged_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., reconcile_backlog: _Optional[int] = ..., blocked_keys: _Optional[int] = ..., oldest_blocked_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., policies: _Optional[_Iterable[_Union[QueuePolicy, _Mapping]]] = ...) -> None: ...
+
+class QueuePolicy(_message.Message):
+    __slots__ = ("tenant", "kind", "paused", "max_in_flight", "rate_per_second", "burst", "actor", "reason", "updated_at", "in_flight", "tokens")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    RATE_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    BURST_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    kind: str
+    paused: bool
+    max_in_flight: int
+    rate_per_second: float
+    burst: int
+    actor: str
+    reason: str
+    updated_at: _timestamp_pb2.Timestamp
+    in_flight: int
+    tokens: float
+    def __init__(self, tenant: _Optional[str] = ..., kind: _Optional[str] = ..., paused: bool = ..., max_in_flight: _Optional[int] = ..., rate_per_second: _Optional[float] = ..., burst: _Optional[int] = ..., actor: _Optional[str] = ..., reason: _Optional[str] = ..., updated_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., in_flight: _Optional[int] = ..., tokens: _Optional[float] = ...) -> None: ...
+
+class SetQueuePolicyRequest(_message.Message):
+    __slots__ = ("kind", "paused", "max_in_flight", "rate_per_second", "burst", "actor", "reason")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    RATE_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    BURST_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    paused: bool
+    max_in_flight: int
+    rate_per_second: float
+    burst: int
+    actor: str
+    reason: str
+    def __init__(self, kind: _Optional[str] = ..., paused: bool = ..., max_in_flight: _Optional[int] = ..., rate_per_second: _Optional[float] = ..., burst: _Optional[int] = ..., actor: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SetQueuePolicyResponse(_message.Message):
+    __slots__ = ("policy",)
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    policy: QueuePolicy
+    def __init__(self, policy: _Optional[_Union[QueuePolicy, _Mapping]] = ...) -> None: ...
+
+class ListQueuePoliciesRequest(_message.Message):
+    __slots__ = ("kind",)
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    def __init__(self, kind: _Optional[str] = ...) -> None: ...
+
+class ListQueuePoliciesResponse(_message.Message):
+    __slots__ = ("policies",)
+    POLICIES_FIELD_NUMBER: _ClassVar[int]
+    policies: _containers.RepeatedCompositeFieldContainer[QueuePolicy]
+    def __init__(self, policies: _Optional[_Iterable[_Union[QueuePolicy, _Mapping]]] = ...) -> None: ...

@@ -90,6 +90,16 @@ class OutboxServiceStub(object):
                 request_serializer=outbox_dot_v1_dot_outbox__pb2.GetQueueStatsRequest.SerializeToString,
                 response_deserializer=outbox_dot_v1_dot_outbox__pb2.GetQueueStatsResponse.FromString,
                 _registered_method=True)
+        self.SetQueuePolicy = channel.unary_unary(
+                '/outbox.v1.OutboxService/SetQueuePolicy',
+                request_serializer=outbox_dot_v1_dot_outbox__pb2.SetQueuePolicyRequest.SerializeToString,
+                response_deserializer=outbox_dot_v1_dot_outbox__pb2.SetQueuePolicyResponse.FromString,
+                _registered_method=True)
+        self.ListQueuePolicies = channel.unary_unary(
+                '/outbox.v1.OutboxService/ListQueuePolicies',
+                request_serializer=outbox_dot_v1_dot_outbox__pb2.ListQueuePoliciesRequest.SerializeToString,
+                response_deserializer=outbox_dot_v1_dot_outbox__pb2.ListQueuePoliciesResponse.FromString,
+                _registered_method=True)
 
 
 class OutboxServiceServicer(object):
@@ -179,6 +189,23 @@ class OutboxServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetQueuePolicy(self, request, context):
+        """SetQueuePolicy sets the flow control of a queue (a tenant's kind): paused, a
+        concurrency limit, a rate limit. It replaces the queue's whole policy, takes effect at
+        the next Claim of every replica, and is recorded with who and why. Scope operate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListQueuePolicies(self, request, context):
+        """ListQueuePolicies lists the queues of the caller's tenants that have a policy, with
+        their live figures. Scope operate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OutboxServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -231,6 +258,16 @@ def add_OutboxServiceServicer_to_server(servicer, server):
                     servicer.GetQueueStats,
                     request_deserializer=outbox_dot_v1_dot_outbox__pb2.GetQueueStatsRequest.FromString,
                     response_serializer=outbox_dot_v1_dot_outbox__pb2.GetQueueStatsResponse.SerializeToString,
+            ),
+            'SetQueuePolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetQueuePolicy,
+                    request_deserializer=outbox_dot_v1_dot_outbox__pb2.SetQueuePolicyRequest.FromString,
+                    response_serializer=outbox_dot_v1_dot_outbox__pb2.SetQueuePolicyResponse.SerializeToString,
+            ),
+            'ListQueuePolicies': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListQueuePolicies,
+                    request_deserializer=outbox_dot_v1_dot_outbox__pb2.ListQueuePoliciesRequest.FromString,
+                    response_serializer=outbox_dot_v1_dot_outbox__pb2.ListQueuePoliciesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -509,6 +546,60 @@ class OutboxService(object):
             '/outbox.v1.OutboxService/GetQueueStats',
             outbox_dot_v1_dot_outbox__pb2.GetQueueStatsRequest.SerializeToString,
             outbox_dot_v1_dot_outbox__pb2.GetQueueStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetQueuePolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/outbox.v1.OutboxService/SetQueuePolicy',
+            outbox_dot_v1_dot_outbox__pb2.SetQueuePolicyRequest.SerializeToString,
+            outbox_dot_v1_dot_outbox__pb2.SetQueuePolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListQueuePolicies(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/outbox.v1.OutboxService/ListQueuePolicies',
+            outbox_dot_v1_dot_outbox__pb2.ListQueuePoliciesRequest.SerializeToString,
+            outbox_dot_v1_dot_outbox__pb2.ListQueuePoliciesResponse.FromString,
             options,
             channel_credentials,
             insecure,

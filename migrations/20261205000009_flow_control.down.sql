@@ -15,7 +15,6 @@ DROP TABLE outbox.queue_policy_change;
 DROP TABLE outbox.queue_policy;
 DROP TABLE outbox.queue_level;
 ALTER TABLE outbox.intent DROP COLUMN level_key, DROP COLUMN priority;
-DROP FUNCTION outbox.level_of(text, text, smallint);
 
 -- As …02_baseline_functions defined them.
 CREATE FUNCTION outbox.claim(

@@ -9,12 +9,13 @@
 BEGIN;
 SELECT set_config('outbox.tenants', 'bench', true), set_config('outbox.cross_tenant', 'off', true);
 INSERT INTO outbox.intent (id, tenant_id, kind, region, payload, content_type, headers,
-                           state, max_attempts, available_at, created_at, updated_at)
+                           state, max_attempts, available_at, created_at, updated_at, level_key)
 SELECT encode(overlay(uuid_send(gen_random_uuid())
                PLACING substring(int8send((extract(epoch FROM now()) * 1000)::bigint) FROM 3)
                FROM 1 FOR 6), 'hex')::uuid,
        'bench', 'bench.throughput', '',
        convert_to('{"n":' || g || ',"pad":"' || repeat('x', 48) || '"}', 'UTF8'),
-       'application/json', '{}', 'pending', 5, now(), now(), now()
+       'application/json', '{}', 'pending', 5, now(), now(), now(),
+       hashtextextended('bench/bench.throughput', 0)
 FROM generate_series(1, :batch) AS g;
 COMMIT;

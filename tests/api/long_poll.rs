@@ -275,8 +275,9 @@ async fn a_long_poll_woken_by_shutdown_answers_without_leasing_more() {
     // Claimable, but behind the server's back: nothing announces it.
     let id: String = sqlx::query_scalar(
         "INSERT INTO outbox.intent (id, tenant_id, kind, payload, state, max_attempts, \
-                                    available_at, created_at, updated_at) \
-         VALUES (gen_random_uuid(), $1, 'job', '', 'pending', 5, $2, $2, $2) \
+                                    available_at, created_at, updated_at, level_key) \
+         VALUES (gen_random_uuid(), $1, 'job', '', 'pending', 5, $2, $2, $2, \
+                 hashtextextended($1 || '/job', 0)) \
          RETURNING id::text",
     )
     .bind(TENANT)

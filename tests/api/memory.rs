@@ -220,9 +220,9 @@ async fn insert_large_intents(pool: &sqlx::PgPool) {
     sqlx::query(
         r#"
         INSERT INTO outbox.intent (id, tenant_id, kind, payload, state, max_attempts,
-                                   available_at, created_at, updated_at)
+                                   available_at, created_at, updated_at, level_key)
         SELECT id, $2, 'big', convert_to(repeat('x', 1048576), 'UTF8'), 'pending', 5,
-               now() - interval '1 minute', now(), now()
+               now() - interval '1 minute', now(), now(), hashtextextended($2 || '/big', 0)
         FROM unnest($1::uuid[]) AS id
         "#,
     )

@@ -148,8 +148,8 @@ async fn the_service_role_sees_and_writes_only_the_tenant_set_in_its_transaction
         .unwrap();
     assert_eq!(deleted.rows_affected(), 0);
     let forged = sqlx::query(
-        "INSERT INTO outbox.intent (id, tenant_id, kind, payload, state, max_attempts, available_at, created_at, updated_at)
-         VALUES (gen_random_uuid(), 'globex', 'forged', '', 'pending', 5, now(), now(), now())",
+        "INSERT INTO outbox.intent (id, tenant_id, kind, payload, state, max_attempts, available_at, created_at, updated_at, level_key)
+         VALUES (gen_random_uuid(), 'globex', 'forged', '', 'pending', 5, now(), now(), now(), 0)",
     )
     .execute(&mut *tx)
     .await

@@ -728,9 +728,10 @@ async fn an_intent_staged_under_a_transaction_id_this_cluster_never_handed_out_g
     // As if restored from another cluster, whose transaction ids had run ahead of this one's.
     let restored: String = sqlx::query_scalar(
         "INSERT INTO outbox.intent (id, tenant_id, kind, payload, state, max_attempts, \
-                                    available_at, created_at, updated_at, txn_xid) \
+                                    available_at, created_at, updated_at, txn_xid, level_key) \
          VALUES (gen_random_uuid(), $1, 'restored', '', 'staged', 5, now(), now(), now(), \
-                 (pg_current_xact_id()::text::bigint + 1000000000)::text::xid8) \
+                 (pg_current_xact_id()::text::bigint + 1000000000)::text::xid8, \
+                 hashtextextended($1 || '/restored', 0)) \
          RETURNING id::text",
     )
     .bind(TENANT)

@@ -1,6 +1,7 @@
-//! Tenant fairness: a small tenant enqueues at a slow fixed rate while workers serving
-//! both tenants burn down another tenant's large backlog; the small tenant's enqueue OK →
-//! claim latency, and the backlog's rate meanwhile.
+//! Flow control. Tenant fairness: a small tenant enqueues at a slow fixed rate while
+//! workers serving both tenants burn down another tenant's large backlog; the small
+//! tenant's enqueue OK → claim latency, and the backlog's rate meanwhile. And the
+//! burn-down with a concurrency limit on its kind.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,7 +15,10 @@ use crate::harness::{Cluster, TENANT, connect_client};
 use crate::meter::Meter;
 use crate::ordered::fill;
 use crate::report::{Hist, Outcome, Row};
-use crate::suite::{Section, Sizes, THROUGHPUT_KIND, analyze, new_intent, prepare_outbox};
+use crate::suite::{
+    Section, Sizes, THROUGHPUT_KIND, analyze, burn_down_name, new_intent, outboxd_burn_down,
+    prepare_outbox,
+};
 use crate::txn_latency::signed_ms;
 use crate::workers::{Shape, Workers};
 
@@ -145,5 +149,57 @@ pub async fn fairness(
         cost: Some(cost),
         outcome: Outcome::Ran,
     });
+    Ok(())
+}
+
+/// Scenario key of the limited burn-down.
+const LIMITED_KEY: &str = "burn-down-limited";
+
+/// The burn-down again with a concurrency limit on its kind (one no worker reaches: what a
+/// limit costs, not what it holds back); its row says its ratio to the unlimited one.
+pub async fn limited_burn_down(
+    cluster: &Cluster,
+    admin: &mut PgConnection,
+    database: &str,
+    meter: &Meter,
+    sizes: &Sizes,
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<()> {
+    let total = sizes.batched + sizes.single;
+    let target = prepare_outbox(cluster, admin, database).await?;
+    eprintln!("outboxd-bench: outboxd filling {total} for the limited burn-down");
+    fill(&target, total, sizes.batch_clients, Arc::new(new_intent)).await?;
+    let limit = 10 * sizes.workers * sizes.claim_batch as usize;
+    // As the fleet: every tenant, through the policies (the owner proves none).
+    let mut fleet = <PgConnection as sqlx::Connection>::connect(&target.fleet_url).await?;
+    sqlx::query(
+        "INSERT INTO outbox.queue_policy (tenant_id, kind, max_in_flight, updated_by, reason,
+                                          updated_at)
+         VALUES ($1, $2, $3, 'outboxd-bench', 'limited burn-down', now())",
+    )
+    .bind(TENANT)
+    .bind(THROUGHPUT_KIND)
+    .bind(i32::try_from(limit)?)
+    .execute(&mut fleet)
+    .await?;
+    sqlx::Connection::close(fleet).await?;
+    let name = format!(
+        "{}, max_in_flight {limit} on its kind",
+        burn_down_name(sizes.workers, sizes.claim_batch)
+    );
+    let mut row = outboxd_burn_down(meter, &target, sizes, total, &[], LIMITED_KEY, name).await?;
+    let rate = |r: &Row| (r.seconds > 0.0).then(|| r.intents as f64 / r.seconds);
+    let unlimited = rows
+        .iter()
+        .find(|r| r.system == "outboxd" && r.key == "burn-down")
+        .and_then(rate);
+    if let Some((limited, unlimited)) = rate(&row).zip(unlimited) {
+        row.scenario = format!(
+            "{} ({:.2}× the unlimited burn-down)",
+            row.scenario,
+            limited / unlimited
+        );
+    }
+    rows.push(row);
     Ok(())
 }

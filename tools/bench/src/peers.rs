@@ -355,7 +355,10 @@ fn claim_ack_script(ack_call: &str) -> String {
             "30000",
             "NULL",
             "NULL",
-            "NULL",
+            "'{}'",
+            "'{}'",
+            "'{}'",
+            "'{}'",
             "4194304",
         ],
     );
@@ -821,7 +824,7 @@ mod tests {
     fn the_burn_down_script_makes_the_store_calls_with_every_placeholder_bound() {
         let script = claim_ack_script(store::ACK_CALL);
         assert!(!script.contains('$'), "{script}");
-        assert!(script.contains("FROM outbox.claim('bench', 'off', 'pgbench', '', '{}', :batch, 30000, NULL, NULL, NULL, 4194304) \\gset"), "{script}");
+        assert!(script.contains("FROM outbox.claim('bench', 'off', 'pgbench', '', '{}', :batch, 30000, NULL, NULL, '{}', '{}', '{}', '{}', 4194304) \\gset"), "{script}");
         assert!(
             script
                 .contains("FROM outbox.ack_into_batches('bench', 'off', (:ids), (:leases), NULL);"),

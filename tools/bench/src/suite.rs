@@ -276,6 +276,10 @@ pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyho
         outboxd_throughput(&meter, &target, &sizes, &mut rows).await?;
         let zero = prepare_outbox(cluster, &mut admin, &format!("{base}_zero")).await?;
         outboxd_burn_down_at_zero_retention(&meter, &zero, &sizes, &mut rows).await?;
+        // Next to the unlimited burn-down, so that the ratio of the two sees the same load.
+        let db = format!("{base}_limited");
+        crate::fairness::limited_burn_down(cluster, &mut admin, &db, &meter, &sizes, &mut rows)
+            .await?;
     }
     // Ordered intents need commit times, which only a cluster with track_commit_timestamp
     // records (the embedded one does; a --database-url cluster may not).
@@ -996,10 +1000,11 @@ async fn history_and_pinned_xmin(
         r#"
         INSERT INTO outbox.intent (id, tenant_id, kind, payload, content_type, state, attempts,
                                    max_attempts, available_at, created_at, updated_at,
-                                   finished_at, lease_id, worker_id)
+                                   finished_at, lease_id, worker_id, level_key)
         SELECT gen_random_uuid(), 'bench', 'bench.history',
                convert_to('{"n":' || g || ',"pad":"' || repeat('x', 48) || '"}', 'UTF8'),
-               'application/json', 'delivered', 1, 5, t, t, t, t, gen_random_uuid(), 'history'
+               'application/json', 'delivered', 1, 5, t, t, t, t, gen_random_uuid(), 'history',
+               hashtextextended('bench/bench.history', 0)
         FROM generate_series(1, $1::bigint) AS g,
              LATERAL (SELECT now() - interval '1 hour' AS t) AS at
         "#,

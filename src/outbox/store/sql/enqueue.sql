@@ -25,7 +25,7 @@ INSERT INTO outbox.intent (id, tenant_id, kind, region, payload, content_type,
                            idempotency_key, headers, state, max_attempts,
                            available_at, created_at, updated_at, txn_xid,
                            attempts, lease_id, lease_expires_at, worker_id,
-                           ordering_key, order_seq, priority)
+                           ordering_key, order_seq, priority, level_key)
 SELECT input.id, $1, input.kind, input.region, input.payload, input.content_type,
        input.idempotency_key, input.headers,
        CASE WHEN input.lease_worker IS NOT NULL THEN 'leased'
@@ -46,7 +46,8 @@ SELECT input.id, $1, input.kind, input.region, input.payload, input.content_type
        input.ordering_key,
        CASE WHEN input.ordering_key IS NOT NULL
             THEN nextval('outbox.intent_order_seq') END,
-       coalesce(input.priority, 0)
+       coalesce(input.priority, 0),
+       hashtextextended($1 || '/' || input.kind, coalesce(input.priority, 0))
 FROM input, clock
 WHERE input.idempotency_key IS NULL
 ORDER BY input.ord

@@ -26,7 +26,7 @@ unkeyed AS (
                                idempotency_key, headers, state, max_attempts,
                                available_at, created_at, updated_at, txn_xid,
                                attempts, lease_id, lease_expires_at, worker_id,
-                               ordering_key, order_seq, priority)
+                               ordering_key, order_seq, priority, level_key)
     SELECT input.id, $1, input.kind, input.region, input.payload, input.content_type,
            input.idempotency_key, input.headers,
            CASE WHEN input.lease_worker IS NOT NULL THEN 'leased'
@@ -44,7 +44,8 @@ unkeyed AS (
            input.lease_worker,
            input.ordering_key,
            input.order_seq,
-           coalesce(input.priority, 0)
+           coalesce(input.priority, 0),
+           hashtextextended($1 || '/' || input.kind, coalesce(input.priority, 0))
     FROM input, clock
     WHERE input.idempotency_key IS NULL
     ORDER BY input.ord
@@ -55,7 +56,7 @@ keyed AS (
                                idempotency_key, headers, state, max_attempts,
                                available_at, created_at, updated_at, txn_xid,
                                attempts, lease_id, lease_expires_at, worker_id,
-                               ordering_key, order_seq, priority)
+                               ordering_key, order_seq, priority, level_key)
     SELECT input.id, $1, input.kind, input.region, input.payload, input.content_type,
            input.idempotency_key, input.headers,
            CASE WHEN input.lease_worker IS NOT NULL THEN 'leased'
@@ -73,7 +74,8 @@ keyed AS (
            input.lease_worker,
            input.ordering_key,
            input.order_seq,
-           coalesce(input.priority, 0)
+           coalesce(input.priority, 0),
+           hashtextextended($1 || '/' || input.kind, coalesce(input.priority, 0))
     FROM input, clock
     WHERE input.idempotency_key IS NOT NULL
     ORDER BY input.ord

@@ -262,6 +262,24 @@ impl From<outbox::store::QueueStats> for v1::GetQueueStatsResponse {
     }
 }
 
+impl From<outbox::store::QueuePolicy> for v1::QueuePolicy {
+    fn from(p: outbox::store::QueuePolicy) -> Self {
+        Self {
+            tenant: p.tenant_id,
+            kind: p.kind,
+            paused: p.paused,
+            max_in_flight: p.max_in_flight.unwrap_or(0),
+            rate_per_second: p.rate_per_second.unwrap_or(0.0),
+            burst: p.burst.unwrap_or(0),
+            actor: p.updated_by,
+            reason: p.reason,
+            updated_at: Some(timestamp(p.updated_at)),
+            in_flight: p.in_flight,
+            tokens: p.tokens.unwrap_or(0.0),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use prost::Message as _;
@@ -297,24 +315,6 @@ mod tests {
                 bound - encoded <= 512.max(encoded / 100),
                 "{encoded} bytes encoded, bound {bound}"
             );
-        }
-    }
-}
-
-impl From<outbox::store::QueuePolicy> for v1::QueuePolicy {
-    fn from(p: outbox::store::QueuePolicy) -> Self {
-        Self {
-            tenant: p.tenant_id,
-            kind: p.kind,
-            paused: p.paused,
-            max_in_flight: p.max_in_flight.unwrap_or(0),
-            rate_per_second: p.rate_per_second.unwrap_or(0.0),
-            burst: p.burst.unwrap_or(0),
-            actor: p.updated_by,
-            reason: p.reason,
-            updated_at: Some(timestamp(p.updated_at)),
-            in_flight: p.in_flight,
-            tokens: p.tokens.unwrap_or(0.0),
         }
     }
 }

@@ -883,12 +883,21 @@ pub fn queue_policy(req: v1::SetQueuePolicyRequest, limits: &Limits) -> Result<Q
         );
     }
     if req.burst < 0 || (rate == 0.0 && req.burst != 0) {
-        c.fail("burst", "must be at least 1 with a rate, 0 without (0: the rate rounded up)");
+        c.fail(
+            "burst",
+            "must be at least 1 with a rate, 0 without (0: the rate rounded up)",
+        );
     }
     let rate = (rate > 0.0 && rate.is_finite()).then(|| {
-        // Rounded up to a whole number of leases, at least 1 (rate <= MAX_RATE_PER_SECOND).
-        #[allow(clippy::cast_possible_truncation)]
-        let burst = if req.burst > 0 { req.burst } else { rate.ceil() as i32 };
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "rate <= MAX_RATE_PER_SECOND fits an i32"
+        )]
+        let burst = if req.burst > 0 {
+            req.burst
+        } else {
+            rate.ceil() as i32
+        };
         (rate, burst.max(1))
     });
     c.done(QueuePolicyChange {

@@ -94,7 +94,9 @@ async fn a_priority_out_of_range_is_refused_and_nothing_is_enqueued() {
 #[tokio::test]
 async fn a_claim_shares_its_batch_among_tenants_with_claimable_work() {
     let app = TestApp::spawn().await;
-    let both = app.key(&["big", "small"], &["produce", "consume"], &[]).await;
+    let both = app
+        .key(&["big", "small"], &["produce", "consume"], &[])
+        .await;
     let mut big = app.client_with(Some(&both), Some("big")).await;
     let mut small = app.client_with(Some(&both), Some("small")).await;
     for _ in 0..4 {
@@ -149,7 +151,7 @@ async fn a_paused_queue_leases_nothing_until_resumed_and_the_changes_are_recorde
     let other = app.enqueue_ids(vec![intent("other", "{}")]).await;
     let leases = app.claim_n("w", 10).await;
     assert_eq!(
-        leases.iter().map(|l| id_of(l)).collect::<Vec<_>>(),
+        leases.iter().map(id_of).collect::<Vec<_>>(),
         [other[0].as_str()],
         "only the other kind"
     );
@@ -173,13 +175,25 @@ async fn a_paused_queue_leases_nothing_until_resumed_and_the_changes_are_recorde
     });
     wait_until_claims_are_waiting(&app, 1, 1).await;
     let more = app.enqueue_ids(vec![intent("mail", "{}")]).await;
-    assert_eq!(app.intent(&more[0]).await.state, v1::IntentState::Pending as i32);
+    assert_eq!(
+        app.intent(&more[0]).await.state,
+        v1::IntentState::Pending as i32
+    );
 
     set(&mut client, policy("mail")).await;
     // Resumed: the waiting claim is woken by the next enqueue, and takes all three.
     let last = app.enqueue_ids(vec![intent("mail", "{}")]).await;
-    let mut got: Vec<String> = woken(waiter).await.iter().map(|l| id_of(l).to_owned()).collect();
-    got.extend(app.claim_n("w", 10).await.iter().map(|l| id_of(l).to_owned()));
+    let mut got: Vec<String> = woken(waiter)
+        .await
+        .iter()
+        .map(|l| id_of(l).to_owned())
+        .collect();
+    got.extend(
+        app.claim_n("w", 10)
+            .await
+            .iter()
+            .map(|l| id_of(l).to_owned()),
+    );
     got.sort();
     let mut all = vec![mail[0].clone(), more[0].clone(), last[0].clone()];
     all.sort();
@@ -193,17 +207,24 @@ async fn a_paused_queue_leases_nothing_until_resumed_and_the_changes_are_recorde
         .policies;
     assert_eq!(listed.len(), 1);
     assert!(!listed[0].paused);
-    let changes: Vec<(bool, String, String)> = sqlx::query_as(
-        "SELECT paused, actor, reason FROM outbox.queue_policy_change ORDER BY id",
-    )
-    .fetch_all(&app.pool)
-    .await
-    .unwrap();
+    let changes: Vec<(bool, String, String)> =
+        sqlx::query_as("SELECT paused, actor, reason FROM outbox.queue_policy_change ORDER BY id")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
     assert_eq!(
         changes,
         [
-            (true, "ops@example.com".to_owned(), "provider limit".to_owned()),
-            (false, "ops@example.com".to_owned(), "provider limit".to_owned()),
+            (
+                true,
+                "ops@example.com".to_owned(),
+                "provider limit".to_owned()
+            ),
+            (
+                false,
+                "ops@example.com".to_owned(),
+                "provider limit".to_owned()
+            ),
         ]
     );
 }
@@ -272,7 +293,11 @@ async fn a_concurrency_limit_holds_across_two_replicas_and_eight_claimers() {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut claimers = Vec::new();
     for c in 0..8 {
-        let mut client = if c % 2 == 0 { app.client() } else { other.client() };
+        let mut client = if c % 2 == 0 {
+            app.client()
+        } else {
+            other.client()
+        };
         claimers.push(tokio::spawn(async move {
             let mut done = 0;
             let mut idle = 0;
@@ -304,7 +329,11 @@ async fn a_concurrency_limit_holds_across_two_replicas_and_eight_claimers() {
     assert_eq!(delivered, INTENTS);
     let (most, leases) = most_in_flight(&app).await;
     assert_eq!(leases, INTENTS as i64);
-    assert_eq!(most, i64::from(LIMIT), "the limit was reached, never passed");
+    assert_eq!(
+        most,
+        i64::from(LIMIT),
+        "the limit was reached, never passed"
+    );
 }
 
 #[tokio::test]
@@ -326,9 +355,17 @@ async fn a_rate_limit_leases_its_burst_then_its_rate() {
     assert_eq!(app.claim_n("w", 20).await.len(), 5, "the burst");
     assert!(app.claim_n("w", 20).await.is_empty(), "no token left");
     app.clock.advance(Duration::from_millis(1500));
-    assert_eq!(app.claim_n("w", 20).await.len(), 3, "2 per second, 3 tokens");
+    assert_eq!(
+        app.claim_n("w", 20).await.len(),
+        3,
+        "2 per second, 3 tokens"
+    );
     app.clock.advance(Duration::from_secs(60));
-    assert_eq!(app.claim_n("w", 20).await.len(), 5, "never more than the burst");
+    assert_eq!(
+        app.claim_n("w", 20).await.len(),
+        5,
+        "never more than the burst"
+    );
     let listed = client
         .list_queue_policies(v1::ListQueuePoliciesRequest {
             kind: "sms".to_owned(),
@@ -346,14 +383,62 @@ async fn bad_policies_are_refused_and_change_nothing() {
     let app = TestApp::spawn().await;
     let mut client = app.client();
     for (request, field) in [
-        (v1::SetQueuePolicyRequest { kind: String::new(), ..policy("x") }, "kind"),
-        (v1::SetQueuePolicyRequest { reason: String::new(), ..policy("x") }, "reason"),
-        (v1::SetQueuePolicyRequest { actor: String::new(), ..policy("x") }, "actor"),
-        (v1::SetQueuePolicyRequest { max_in_flight: -1, ..policy("x") }, "max_in_flight"),
-        (v1::SetQueuePolicyRequest { rate_per_second: f64::NAN, ..policy("x") }, "rate_per_second"),
-        (v1::SetQueuePolicyRequest { rate_per_second: -1.0, ..policy("x") }, "rate_per_second"),
-        (v1::SetQueuePolicyRequest { rate_per_second: 1e9, ..policy("x") }, "rate_per_second"),
-        (v1::SetQueuePolicyRequest { burst: 3, ..policy("x") }, "burst"),
+        (
+            v1::SetQueuePolicyRequest {
+                kind: String::new(),
+                ..policy("x")
+            },
+            "kind",
+        ),
+        (
+            v1::SetQueuePolicyRequest {
+                reason: String::new(),
+                ..policy("x")
+            },
+            "reason",
+        ),
+        (
+            v1::SetQueuePolicyRequest {
+                actor: String::new(),
+                ..policy("x")
+            },
+            "actor",
+        ),
+        (
+            v1::SetQueuePolicyRequest {
+                max_in_flight: -1,
+                ..policy("x")
+            },
+            "max_in_flight",
+        ),
+        (
+            v1::SetQueuePolicyRequest {
+                rate_per_second: f64::NAN,
+                ..policy("x")
+            },
+            "rate_per_second",
+        ),
+        (
+            v1::SetQueuePolicyRequest {
+                rate_per_second: -1.0,
+                ..policy("x")
+            },
+            "rate_per_second",
+        ),
+        (
+            v1::SetQueuePolicyRequest {
+                rate_per_second: 1e9,
+                ..policy("x")
+            },
+            "rate_per_second",
+        ),
+        (
+            v1::SetQueuePolicyRequest {
+                burst: 3,
+                ..policy("x")
+            },
+            "burst",
+        ),
     ] {
         let status = client.set_queue_policy(request).await.unwrap_err();
         assert_status(&status, Code::InvalidArgument, "INVALID_ARGUMENT", &[field]);
@@ -373,12 +458,7 @@ async fn bad_policies_are_refused_and_change_nothing() {
         .set_queue_policy(policy("x"))
         .await
         .unwrap_err();
-    assert_status(
-        &status,
-        Code::PermissionDenied,
-        "REGION_NOT_ALLOWED",
-        &[],
-    );
+    assert_status(&status, Code::PermissionDenied, "REGION_NOT_ALLOWED", &[]);
     let count: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.queue_policy_change")
         .fetch_one(&app.pool)
         .await

@@ -118,12 +118,24 @@ impl ClaimFloors {
         groups
             .get(group)
             .filter(|floors| now < floors.whole_look_at)
-            .map(|floors| floors.levels.iter().map(|(l, at)| (l.clone(), *at)).collect())
+            .map(|floors| {
+                floors
+                    .levels
+                    .iter()
+                    .map(|(l, at)| (l.clone(), *at))
+                    .collect()
+            })
     }
 
     /// Notes what a look of `group` (of the whole queue, or from the group's floors) leased,
     /// level by level.
-    pub fn record(&self, group: &str, whole: bool, leased: Vec<(QueueLevel, Leased)>, now: Instant) {
+    pub fn record(
+        &self,
+        group: &str,
+        whole: bool,
+        leased: Vec<(QueueLevel, Leased)>,
+        now: Instant,
+    ) {
         let mut groups = self.groups.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(floors) = groups.get_mut(group) {
             // A level without a floor was looked at from its start, as in a whole look.
@@ -148,7 +160,10 @@ impl ClaimFloors {
             groups.insert(
                 group.to_owned(),
                 Floors {
-                    levels: leased.into_iter().map(|(l, leased)| (l, leased.floor())).collect(),
+                    levels: leased
+                        .into_iter()
+                        .map(|(l, leased)| (l, leased.floor()))
+                        .collect(),
                     whole_look_at: now + WHOLE_LOOK_EVERY,
                 },
             );
@@ -184,9 +199,17 @@ mod tests {
         )]
     }
 
-    fn floor_of(floors: &ClaimFloors, group: &str, kind: &str, now: Instant) -> Option<DateTime<Utc>> {
+    fn floor_of(
+        floors: &ClaimFloors,
+        group: &str,
+        kind: &str,
+        now: Instant,
+    ) -> Option<DateTime<Utc>> {
         let levels = floors.look_from(group, now)?;
-        levels.into_iter().find(|(l, _)| *l == level(kind)).map(|(_, at)| at)
+        levels
+            .into_iter()
+            .find(|(l, _)| *l == level(kind))
+            .map(|(_, at)| at)
     }
 
     #[test]
@@ -251,15 +274,32 @@ mod tests {
         assert_eq!(Leased::by_level(&[], &[]), Vec::new());
         let tenants = vec!["t".to_owned(); 4];
         let mut levels = Leased::by_level(
-            &[intent("a", 5, 20), intent("a", 7, 21), intent("a", 3, 20), intent("b", 9, 22)],
+            &[
+                intent("a", 5, 20),
+                intent("a", 7, 21),
+                intent("a", 3, 20),
+                intent("b", 9, 22),
+            ],
             &tenants,
         );
         levels.sort_by(|x, y| x.0.kind.cmp(&y.0.kind));
         assert_eq!(
             levels,
             vec![
-                (level("a"), Leased { newest: at(7), at: at(20) }),
-                (level("b"), Leased { newest: at(9), at: at(22) }),
+                (
+                    level("a"),
+                    Leased {
+                        newest: at(7),
+                        at: at(20)
+                    }
+                ),
+                (
+                    level("b"),
+                    Leased {
+                        newest: at(9),
+                        at: at(22)
+                    }
+                ),
             ]
         );
     }

@@ -104,7 +104,11 @@ pub async fn claim_intents(
 ) -> Result<Claimed> {
     let pool = pools.for_scope(scope);
     let scope = pools.scope_settings(scope);
-    let floor_tenants: Vec<&str> = params.floors.iter().map(|(l, _)| l.tenant.as_str()).collect();
+    let floor_tenants: Vec<&str> = params
+        .floors
+        .iter()
+        .map(|(l, _)| l.tenant.as_str())
+        .collect();
     let floor_kinds: Vec<&str> = params.floors.iter().map(|(l, _)| l.kind.as_str()).collect();
     let floor_priorities: Vec<i16> = params.floors.iter().map(|(l, _)| l.priority).collect();
     let floor_ats: Vec<DateTime<Utc>> = params.floors.iter().map(|(_, at)| *at).collect();

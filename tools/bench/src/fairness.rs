@@ -123,7 +123,7 @@ pub async fn fairness(
             small.record_signed_ms(signed_ms(*ok, *at));
         }
     }
-    let small_claimed = small.len() as u64;
+    let small_claimed = small.len();
     rows.push(Row {
         system: "outboxd".to_owned(),
         key: KEY.to_owned(),

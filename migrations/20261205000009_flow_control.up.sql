@@ -12,16 +12,6 @@ ALTER TABLE outbox.intent
     ADD COLUMN priority smallint NOT NULL DEFAULT 0,
     ADD CONSTRAINT intent_priority_in_range CHECK (priority BETWEEN -10 AND 10);
 
--- A level's key in the claimable index: a hash of its tenant, kind and priority
--- (`level_key`, the same expression in outbox.intent and outbox.queue_level), not the three
--- columns, whose width made every insert 20% dearer (+58 B of WAL an intent). Two levels
--- with one hash share a range; queries test the columns too. A stored column, not an
--- expression index: under row-level security a condition on a function of a row's columns
--- is not an index condition unless the function is LEAKPROOF (which only a superuser may
--- declare), and claims scanned the whole index. Written by the inserts (enqueue*.sql), not
--- generated: a stored generated column re-forms every row written, claims and Acks too
--- (7% of an insert).
-
 -- Every level that ever held an intent. Never emptied by outboxd: kinds are few (a kind per
 -- entity belongs in ordering_key or a header, see docs/flow-control.md).
 CREATE TABLE outbox.queue_level (
@@ -85,17 +75,6 @@ BEGIN
 END
 $$;
 
-ALTER TABLE outbox.intent ADD COLUMN level_key bigint;
-ALTER TABLE outbox.intent NO FORCE ROW LEVEL SECURITY;
-UPDATE outbox.intent SET level_key = hashtextextended(tenant_id || '/' || kind, priority);
-ALTER TABLE outbox.intent FORCE ROW LEVEL SECURITY;
-ALTER TABLE outbox.intent ALTER COLUMN level_key SET NOT NULL;
-
--- A claim takes a level oldest first from here; replaces …01's index over every tenant.
-CREATE INDEX intent_level_claimable_idx ON outbox.intent (level_key, available_at, id)
-    WHERE state = 'pending';
-DROP INDEX outbox.intent_claimable_idx;
-
 -- Registers the levels of inserted intents, once per statement. ON CONFLICT DO NOTHING
 -- only probes the key when the level exists (no lock, no WAL).
 CREATE FUNCTION outbox.register_queue_levels() RETURNS trigger
@@ -114,15 +93,34 @@ CREATE TRIGGER intent_registers_queue_levels
     REFERENCING NEW TABLE AS new_intents
     FOR EACH STATEMENT EXECUTE FUNCTION outbox.register_queue_levels();
 
--- The levels of the intents already here. Row-level security is lifted for this statement
--- only (the migrating role owns the table but proves no tenant).
+-- A level's key in the claimable index: a hash of its tenant, kind and priority
+-- (`level_key`, the same expression in outbox.intent and outbox.queue_level), not the three
+-- columns, whose width made every insert 20% dearer (+58 B of WAL an intent). Two levels
+-- with one hash share a range; queries test the columns too. A stored column, not an
+-- expression index: under row-level security a condition on a function of a row's columns
+-- is not an index condition unless the function is LEAKPROOF (which only a superuser may
+-- declare), and claims scanned the whole index. Written by the inserts (enqueue*.sql), not
+-- generated: a stored generated column re-forms every row written, claims and Acks too
+-- (7% of an insert).
+ALTER TABLE outbox.intent ADD COLUMN level_key bigint;
+
+-- The intents already here: their level keys, and their levels registered. Row-level
+-- security is lifted for these statements only (the migrating role owns the tables but
+-- proves no tenant).
 ALTER TABLE outbox.intent NO FORCE ROW LEVEL SECURITY;
 ALTER TABLE outbox.queue_level NO FORCE ROW LEVEL SECURITY;
+UPDATE outbox.intent SET level_key = hashtextextended(tenant_id || '/' || kind, priority);
 INSERT INTO outbox.queue_level (tenant_id, kind, priority)
 SELECT DISTINCT tenant_id, kind, priority FROM outbox.intent
 ON CONFLICT DO NOTHING;
 ALTER TABLE outbox.intent FORCE ROW LEVEL SECURITY;
 ALTER TABLE outbox.queue_level FORCE ROW LEVEL SECURITY;
+ALTER TABLE outbox.intent ALTER COLUMN level_key SET NOT NULL;
+
+-- A claim takes a level oldest first from here; replaces …01's index over every tenant.
+CREATE INDEX intent_level_claimable_idx ON outbox.intent (level_key, available_at, id)
+    WHERE state = 'pending';
+DROP INDEX outbox.intent_claimable_idx;
 
 -- How many more intents a limited queue may lease at `claim_at` (at most `wanted`), with
 -- its policy row locked to the end of the transaction; 0 when another claim holds it
@@ -179,8 +177,8 @@ $$;
 -- `max_bytes` is a budget over the whole batch, as before: a level's take stops once the
 -- intents before the next weigh it (always at least one intent).
 --
--- Each take keeps …02's shape (the rows picked in an ARRAY(…) subquery, found again by
--- ctid; see there why).
+-- Each take picks and locks a level's oldest rows into an array of ctids, then leases
+-- them by ctid (a direct tuple fetch; …02 says why the plan is shaped so).
 CREATE FUNCTION outbox.claim(
     tenants text,
     scope_proof text,
@@ -219,8 +217,7 @@ DECLARE
     tokens_now float8;
     level smallint;
     level_floor timestamptz;
-    n int;
-    k int;
+    allowed int;
     took int;
     picked tid[];
     taken_count int;
@@ -293,12 +290,12 @@ BEGIN
             CONTINUE WHEN wanted <= 0;
             tokens_now := NULL;
             IF q.limited THEN
-                SELECT a.allowance, a.tokens INTO n, tokens_now
+                SELECT a.allowance, a.tokens INTO allowed, tokens_now
                 FROM outbox.queue_allowance(q.tenant_id, q.kind, claim_at, wanted) a;
                 -- Leases the limit refused to a claim that wanted them while the queue had
                 -- due intents (for outbox_leases_refused_by_limit_total).
                 FOR k IN 1..cardinality(q.priorities) LOOP
-                    EXIT WHEN n >= wanted;
+                    EXIT WHEN allowed >= wanted;
                     IF EXISTS (
                         SELECT 1 FROM outbox.intent p
                         WHERE p.state = 'pending'
@@ -307,11 +304,11 @@ BEGIN
                           AND p.priority = q.priorities[k]
                           AND p.available_at <= claim_at
                     ) THEN
-                        refused := refused + (wanted - n);
+                        refused := refused + (wanted - allowed);
                         EXIT;
                     END IF;
                 END LOOP;
-                wanted := n;
+                wanted := allowed;
                 CONTINUE WHEN wanted <= 0;
             END IF;
             took := 0;
@@ -362,8 +359,11 @@ BEGIN
                 spent := spent + taken_weight;
             END LOOP;
             IF took > 0 AND tokens_now IS NOT NULL THEN
+                -- Never back in time: a claim whose transaction began before the last
+                -- one's refilled nothing, and must not have the next refill that span again.
                 UPDATE outbox.queue_policy p
-                SET tokens = tokens_now - took, tokens_at = claim_at
+                SET tokens = tokens_now - took,
+                    tokens_at = greatest(coalesce(p.tokens_at, claim_at), claim_at)
                 WHERE p.tenant_id = q.tenant_id AND p.kind = q.kind;
             END IF;
             remaining := remaining - took;

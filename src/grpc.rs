@@ -655,6 +655,9 @@ impl OutboxHandler {
         )
         .await?;
         tx.commit().await.map_err(Error::from)?;
+        // A pause or a limit lifted makes intents claimable: claims waiting here and on
+        // the other replicas look again.
+        self.pending.announce();
         tracing::info!(
             queue.tenant = %tenant,
             queue.kind = %change.kind,

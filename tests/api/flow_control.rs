@@ -465,3 +465,69 @@ async fn bad_policies_are_refused_and_change_nothing() {
         .unwrap();
     assert_eq!(count, 0);
 }
+
+#[tokio::test]
+async fn a_rate_limit_holds_across_two_replicas_and_eight_claimers() {
+    const BURST: i32 = 5;
+    const RATE: f64 = 2.0;
+    let app = TestApp::spawn().await;
+    let other = TestApp::spawn_on(app.url.clone(), |_| {}).await;
+    set(
+        &mut app.client(),
+        v1::SetQueuePolicyRequest {
+            rate_per_second: RATE,
+            burst: BURST,
+            ..policy("sms")
+        },
+    )
+    .await;
+    app.enqueue((0..100).map(|_| intent("sms", "{}")).collect())
+        .await
+        .unwrap();
+    // Each server has its own manual clock, started when it was: they differ by the time
+    // between the two starts, which the bucket may refill once.
+    let spread = (other.clock.now().unwrap() - app.clock.now().unwrap())
+        .abs()
+        .to_std()
+        .unwrap();
+    let leased = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM outbox.intent WHERE kind = 'sms' AND attempts > 0",
+        )
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+    };
+    let hammer = |rounds: usize| {
+        let clients: Vec<Client> = (0..8)
+            .map(|c| if c % 2 == 0 { app.client() } else { other.client() })
+            .collect();
+        async move {
+            let mut claimers = Vec::new();
+            for (c, mut client) in clients.into_iter().enumerate() {
+                claimers.push(tokio::spawn(async move {
+                    for _ in 0..rounds {
+                        client
+                            .claim(claim_request(&format!("w{c}"), 10))
+                            .await
+                            .unwrap();
+                    }
+                }));
+            }
+            for claimer in claimers {
+                claimer.await.unwrap();
+            }
+        }
+    };
+    let bound = |seconds: f64| f64::from(BURST) + RATE * (seconds + spread.as_secs_f64());
+    hammer(20).await;
+    let first = leased().await;
+    assert!(first >= i64::from(BURST), "the burst: {first}");
+    assert!(first as f64 <= bound(0.0), "{first} leases with the clocks still");
+    app.clock.advance(Duration::from_secs(1));
+    other.clock.advance(Duration::from_secs(1));
+    hammer(20).await;
+    let second = leased().await;
+    assert!(second as f64 <= bound(1.0), "{second} leases after 1 s");
+    assert!(second > first, "the bucket refilled");
+}

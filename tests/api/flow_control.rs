@@ -500,7 +500,13 @@ async fn a_rate_limit_holds_across_two_replicas_and_eight_claimers() {
     };
     let hammer = |rounds: usize| {
         let clients: Vec<Client> = (0..8)
-            .map(|c| if c % 2 == 0 { app.client() } else { other.client() })
+            .map(|c| {
+                if c % 2 == 0 {
+                    app.client()
+                } else {
+                    other.client()
+                }
+            })
             .collect();
         async move {
             let mut claimers = Vec::new();
@@ -523,7 +529,10 @@ async fn a_rate_limit_holds_across_two_replicas_and_eight_claimers() {
     hammer(20).await;
     let first = leased().await;
     assert!(first >= i64::from(BURST), "the burst: {first}");
-    assert!(first as f64 <= bound(0.0), "{first} leases with the clocks still");
+    assert!(
+        first as f64 <= bound(0.0),
+        "{first} leases with the clocks still"
+    );
     app.clock.advance(Duration::from_secs(1));
     other.clock.advance(Duration::from_secs(1));
     hammer(20).await;

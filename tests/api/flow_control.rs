@@ -10,6 +10,7 @@ use tonic::Code;
 
 use crate::helpers::{Client, TestApp, assert_status, claim_request, id_of, intent, lease_ref};
 use crate::long_poll::{wait_until_claims_are_waiting, woken};
+use crate::ordering::cli;
 
 fn prioritised(kind: &str, priority: i32) -> v1::NewIntent {
     v1::NewIntent {
@@ -539,4 +540,46 @@ async fn a_rate_limit_holds_across_two_replicas_and_eight_claimers() {
     let second = leased().await;
     assert!(second as f64 <= bound(1.0), "{second} leases after 1 s");
     assert!(second > first, "the bucket refilled");
+}
+
+#[tokio::test]
+async fn the_cli_sets_lists_and_shows_queue_policies_and_enqueues_with_a_priority() {
+    let app = TestApp::spawn().await;
+    let key = app.key(&[crate::helpers::TENANT], &["admin"], &[]).await;
+    let set = [
+        "queues",
+        "set",
+        "--kind",
+        "pay",
+        "--max-in-flight",
+        "2",
+        "--rate",
+        "1.5",
+        "--actor",
+        "alice",
+        "--reason",
+        "PSP limit",
+        "--json",
+    ];
+    let out = cli(&app, &key, &set).await;
+    let set: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(set[0]["max_in_flight"], 2, "{out}");
+    assert_eq!(set[0]["burst"], 2, "the rate rounded up: {out}");
+    let args = ["enqueue", "--kind", "pay", "--priority", "-3", "--json"];
+    let out = cli(&app, &key, &args).await;
+    let enqueued: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        app.intent(enqueued[0]["id"].as_str().unwrap())
+            .await
+            .priority,
+        -3
+    );
+    let out = cli(&app, &key, &["queues", "list"]).await;
+    assert!(
+        out.contains("pay") && out.contains("0/2") && out.contains("PSP limit"),
+        "{out}"
+    );
+    let out = cli(&app, &key, &["stats", "--json"]).await;
+    let stats: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(stats["policies"][0]["kind"], "pay", "{out}");
 }

@@ -403,7 +403,7 @@ async fn a_producer_connection_sees_the_head_move_in_the_ack_that_delivered_it()
 }
 
 /// `outboxd <args>` against `app` as an operator would run it.
-async fn cli(app: &TestApp, key: &str, args: &[&str]) -> String {
+pub(crate) async fn cli(app: &TestApp, key: &str, args: &[&str]) -> String {
     let server = format!("http://{}", app.addr);
     let args = [args, &["--server", &server, "--api-key", key]].concat();
     let output = crate::commands::outboxd(&args, &[]).await;

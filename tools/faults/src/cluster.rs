@@ -51,6 +51,8 @@ pub struct Cluster {
     pub fleet_url: String,
     /// The keys.
     pub keys: Keys,
+    /// The queue policies set by [`Cluster::limit_queues`].
+    limits: Option<QueueLimits>,
 }
 
 /// One intent as the database has it at the end.
@@ -99,9 +101,71 @@ pub struct BlockedHead {
     pub age_ms: i64,
 }
 
+/// The queue policies a run sets before any replica starts (docs/flow-control.md), and
+/// checks after the drain from the log the database wrote (`checker::limits`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QueueLimits {
+    /// The kind with a concurrency limit.
+    pub concurrency_kind: &'static str,
+    /// Its `max_in_flight`.
+    pub max_in_flight: i64,
+    /// The kind with a rate limit.
+    pub rate_kind: &'static str,
+    /// Its `rate_per_second`.
+    pub rate_per_second: f64,
+    /// Its `burst`.
+    pub burst: i64,
+}
+
+/// What every run sets: payments at most 3 in flight (reached: a payment takes ~100 ms
+/// and a stopped worker holds its leases to their expiry); e-mails at most 30 leases a
+/// second, 10 at once (the producers enqueue ~23 a second, so the limit binds on the
+/// backlogs a crash or a stall leaves, and the drain still takes seconds).
+pub const QUEUE_LIMITS: QueueLimits = QueueLimits {
+    concurrency_kind: crate::PAYMENT_KIND,
+    max_in_flight: 3,
+    rate_kind: crate::IDEMPOTENT_KIND,
+    rate_per_second: 30.0,
+    burst: 10,
+};
+
+/// One row of `faults.flow_log`: a change of an intent of a limited kind into or out of
+/// LEASED/SUBMITTED, or a lease minted, as the database wrote it in the changing
+/// transaction (a rolled-back claim leaves none).
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct FlowChange {
+    /// Order of the writes (an identity: claims of one limited queue take it under the
+    /// queue's policy row lock, so in lock order).
+    pub seq: i64,
+    pub kind: String,
+    /// `clock_timestamp()` of the change, µs.
+    pub at_us: i64,
+    /// `now()` of its transaction (a claim's `claim_at`, when its tokens are counted), µs.
+    pub txn_us: i64,
+    /// The transaction's id.
+    pub txid: i64,
+    /// +1 into LEASED/SUBMITTED, -1 out of them, 0 neither.
+    pub delta: i32,
+    /// A lease minted: into LEASED, or LEASED again under a new lease id.
+    pub minted: bool,
+    /// The lease minted.
+    pub lease_id: Option<Uuid>,
+}
+
+/// The policies set and the database's log of them.
+#[derive(Debug, Clone)]
+pub struct FlowLog {
+    pub limits: QueueLimits,
+    /// Every row, by `seq`.
+    pub changes: Vec<FlowChange>,
+}
+
 /// The database's side of the story after the drain.
 #[derive(Debug, Default)]
 pub struct Snapshot {
+    /// The queue policies set and the database's log of the limited queues (None: the
+    /// run set none).
+    pub flow: Option<FlowLog>,
     /// Every intent.
     pub intents: HashMap<Uuid, IntentRow>,
     /// Committed producer orders and the intents each linked in its transaction.
@@ -178,7 +242,69 @@ impl Cluster {
             service_url,
             fleet_url,
             keys,
+            limits: None,
         })
+    }
+
+    /// Sets the queue policies of `limits` for the run's tenant (as an operator inserting
+    /// the rows would) and installs the log the limit checks read: an AFTER ROW trigger on
+    /// `outbox.intent` (SECURITY DEFINER: it writes as the owner whoever changes the row)
+    /// that records, in the changing transaction, each move of an intent of a limited kind
+    /// into or out of LEASED/SUBMITTED with `clock_timestamp()`, and each lease minted with
+    /// its transaction's `now()`, the instant a claim counts its tokens at.
+    pub async fn limit_queues(&mut self, limits: QueueLimits) -> anyhow::Result<()> {
+        sqlx::raw_sql(&format!(
+            r#"
+            CREATE TABLE faults.flow_log (
+                seq bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                kind text NOT NULL,
+                at timestamptz NOT NULL,
+                txn_at timestamptz NOT NULL,
+                txid bigint NOT NULL,
+                delta int NOT NULL,
+                minted boolean NOT NULL,
+                lease_id uuid
+            );
+            CREATE FUNCTION faults.log_flow() RETURNS trigger
+            LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $$
+            DECLARE
+                k text := CASE WHEN TG_OP = 'DELETE' THEN OLD.kind ELSE NEW.kind END;
+                before int := CASE WHEN TG_OP <> 'INSERT'
+                                    AND OLD.state IN ('leased', 'submitted') THEN 1 ELSE 0 END;
+                after int := CASE WHEN TG_OP <> 'DELETE'
+                                   AND NEW.state IN ('leased', 'submitted') THEN 1 ELSE 0 END;
+                minted boolean := TG_OP <> 'DELETE' AND NEW.state = 'leased'
+                    AND (TG_OP = 'INSERT' OR OLD.state <> 'leased'
+                         OR OLD.lease_id IS DISTINCT FROM NEW.lease_id);
+            BEGIN
+                IF k IN ('{c}', '{r}') AND (after <> before OR minted) THEN
+                    INSERT INTO faults.flow_log (kind, at, txn_at, txid, delta, minted, lease_id)
+                    VALUES (k, clock_timestamp(), now(), pg_current_xact_id()::text::bigint,
+                            after - before, minted, CASE WHEN minted THEN NEW.lease_id END);
+                END IF;
+                RETURN NULL;
+            END
+            $$;
+            CREATE TRIGGER faults_log_flow AFTER INSERT OR UPDATE OR DELETE ON outbox.intent
+                FOR EACH ROW EXECUTE FUNCTION faults.log_flow();
+            INSERT INTO outbox.queue_policy
+                (tenant_id, kind, max_in_flight, updated_by, reason, updated_at)
+            VALUES ('{TENANT}', '{c}', {max}, 'outboxd-faults', 'fault suite: concurrency limit', now());
+            INSERT INTO outbox.queue_policy
+                (tenant_id, kind, rate_per_second, burst, updated_by, reason, updated_at)
+            VALUES ('{TENANT}', '{r}', {rate}, {burst}, 'outboxd-faults', 'fault suite: rate limit', now());
+            "#,
+            c = limits.concurrency_kind,
+            r = limits.rate_kind,
+            max = limits.max_in_flight,
+            rate = limits.rate_per_second,
+            burst = limits.burst,
+        ))
+        .execute(&self.admin)
+        .await
+        .context("setting the queue policies")?;
+        self.limits = Some(limits);
+        Ok(())
     }
 
     /// Crashes the postmaster (SIGQUIT: immediate shutdown, no checkpoint).
@@ -375,6 +501,20 @@ impl Cluster {
             .await?;
         for order in orders {
             snapshot.committed_orders.entry(order).or_default();
+        }
+        if let Some(limits) = self.limits {
+            let changes = sqlx::query_as(
+                r#"
+                SELECT seq, kind,
+                       (extract(epoch FROM at) * 1000000)::bigint AS at_us,
+                       (extract(epoch FROM txn_at) * 1000000)::bigint AS txn_us,
+                       txid, delta, minted, lease_id
+                FROM faults.flow_log ORDER BY seq
+                "#,
+            )
+            .fetch_all(&self.admin)
+            .await?;
+            snapshot.flow = Some(FlowLog { limits, changes });
         }
         snapshot.resolutions = sqlx::query_as(
             r#"

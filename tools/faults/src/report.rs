@@ -207,6 +207,30 @@ impl Summary<'_> {
                 Guarantee::KeyOneAtATime => {
                     format!("{} lease pairs of one key checked", c.key_lease_pairs)
                 }
+                Guarantee::ConcurrencyLimit => match &c.in_flight {
+                    Some(f) => format!(
+                        "{}: most in flight {} (max_in_flight {}; {} moves logged by the database)",
+                        f.kind, f.most, f.limit, f.moves
+                    ),
+                    None => "no limit set".to_owned(),
+                },
+                Guarantee::RateLimit => match &c.rate {
+                    Some(f) => format!(
+                        "{}: most in 1 s {} (bound {:.0}); run {} in {:.1} s (bound {:.0}); \
+                         worst window {:+.1} vs bound (tolerance {:.1}; claims began up to \
+                         {:.1} ms before the bucket's time)",
+                        f.kind,
+                        f.most_in_second,
+                        f.bound(1_000_000),
+                        f.leases,
+                        f.span_us as f64 / 1e6,
+                        f.bound(f.span_us),
+                        f.worst_excess,
+                        f.tolerance,
+                        f.lag_us as f64 / 1e3
+                    ),
+                    None => "no limit set".to_owned(),
+                },
                 _ => String::new(),
             };
             table.row(&format!("  {}", g.label()), count(g).to_string(), note);

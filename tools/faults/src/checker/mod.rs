@@ -19,8 +19,11 @@ use crate::faults::FaultRecord;
 use crate::journal::{self, Event};
 use crate::processes::UnexpectedExit;
 
+pub use limits::{InFlightFigures, RateFigures};
+
 mod duplicates;
 mod leases;
+mod limits;
 mod ordering;
 mod producers;
 #[cfg(test)]
@@ -57,11 +60,15 @@ pub enum Guarantee {
     Consistency,
     /// An OK arrived before its change was committed (read back from another session).
     OkCommittedOnArrival,
+    /// More intents of a queue LEASED or SUBMITTED at once than its `max_in_flight`.
+    ConcurrencyLimit,
+    /// More leases of a queue in a window than its `burst + rate × W`.
+    RateLimit,
 }
 
 impl Guarantee {
     /// Every guarantee, in report order.
-    pub const ALL: [Guarantee; 11] = [
+    pub const ALL: [Guarantee; 13] = [
         Self::NoneLost,
         Self::AbortedNeverClaimed,
         Self::NoOverlappingLeases,
@@ -73,6 +80,8 @@ impl Guarantee {
         Self::DuplicatesExplained,
         Self::Consistency,
         Self::OkCommittedOnArrival,
+        Self::ConcurrencyLimit,
+        Self::RateLimit,
     ];
 
     /// Row label in the report.
@@ -89,6 +98,8 @@ impl Guarantee {
             Self::DuplicatesExplained => "duplicates no fault explains",
             Self::Consistency => "inconsistent observations",
             Self::OkCommittedOnArrival => "OKs not committed when answered",
+            Self::ConcurrencyLimit => "times a queue's concurrency limit was exceeded",
+            Self::RateLimit => "windows over a queue's rate limit",
         }
     }
 }
@@ -210,6 +221,10 @@ pub struct Counts {
     pub order_pairs: u64,
     /// Pairs of leases of different intents of one key, checked for overlap.
     pub key_lease_pairs: u64,
+    /// The concurrency-limited queue, per the database's log (None: no limits set).
+    pub in_flight: Option<InFlightFigures>,
+    /// The rate-limited queue, per the database's log.
+    pub rate: Option<RateFigures>,
 }
 
 /// The outcome of the checks.
@@ -281,6 +296,7 @@ pub fn check(
     leases::check_final_states(snapshot, &leases, &mut verdict);
     ordering::check_ordering(snapshot, observations, &leases, &mut verdict);
     check_read_backs(observations, &mut verdict);
+    limits::check_limits(snapshot, observations, &mut verdict);
     verdict
 }
 

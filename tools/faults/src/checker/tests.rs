@@ -558,3 +558,193 @@ fn intents_of_one_enqueue_go_in_request_order() {
     let found = guarantees(&k.world.check());
     assert_eq!(found, vec![Guarantee::KeyOrder]);
 }
+
+// Queue limits, from the database's flow log (`limits.rs`).
+
+const PAY: &str = crate::PAYMENT_KIND;
+const MAIL: &str = crate::IDEMPOTENT_KIND;
+
+/// A run's limits (max 3 payments in flight; mail at 40/s, burst 20) and a log written
+/// by `log`.
+struct FlowWorld {
+    snapshot: Snapshot,
+    observations: Observations,
+    seq: i64,
+}
+
+impl FlowWorld {
+    fn new() -> Self {
+        let snapshot = Snapshot {
+            flow: Some(crate::cluster::FlowLog {
+                limits: crate::cluster::QueueLimits {
+                    concurrency_kind: PAY,
+                    max_in_flight: 3,
+                    rate_kind: MAIL,
+                    rate_per_second: 40.0,
+                    burst: 20,
+                },
+                changes: vec![],
+            }),
+            ..Snapshot::default()
+        };
+        Self {
+            snapshot,
+            observations: Observations::default(),
+            seq: 0,
+        }
+    }
+
+    /// A move of `kind` by `delta` at `at_ms`, in transaction `txid` begun at `txn_ms`;
+    /// with a new lease for +1. Returns the lease.
+    fn log(&mut self, kind: &str, at_ms: i64, txn_ms: i64, txid: i64, delta: i32) -> Uuid {
+        self.seq += 1;
+        let lease = Uuid::new_v4();
+        let flow = self.snapshot.flow.as_mut().unwrap();
+        flow.changes.push(crate::cluster::FlowChange {
+            seq: self.seq,
+            kind: kind.into(),
+            at_us: at_ms * MS,
+            txn_us: txn_ms * MS,
+            txid,
+            delta,
+            minted: delta > 0,
+            lease_id: (delta > 0).then_some(lease),
+        });
+        lease
+    }
+
+    /// `n` mail leases by one claim begun at `at_ms`.
+    fn mail(&mut self, at_ms: i64, n: usize) {
+        for _ in 0..n {
+            self.log(MAIL, at_ms, at_ms, at_ms, 1);
+        }
+    }
+
+    fn check(&self) -> Verdict {
+        check(&self.snapshot, &self.observations, &[], &[])
+    }
+}
+
+/// Payments: 3 leased, one acked, another leased (never more than 3); mail: the burst at
+/// 0, then one every 25 ms (40/s) for 2 s.
+fn within_limits() -> FlowWorld {
+    let mut w = FlowWorld::new();
+    for i in 0..3 {
+        w.log(PAY, 10 + i, 10, 1, 1);
+    }
+    w.log(PAY, 20, 20, 2, -1);
+    w.log(PAY, 30, 30, 3, 1);
+    for i in 0..3 {
+        w.log(PAY, 40 + i, 40 + i, 4 + i, -1);
+    }
+    w.mail(0, 20);
+    for k in 1..=80 {
+        w.mail(k * 25, 1);
+    }
+    w
+}
+
+#[test]
+fn a_run_within_its_queue_limits_breaks_nothing() {
+    let w = within_limits();
+    let v = w.check();
+    assert!(v.violations.is_empty(), "{:?}", v.violations);
+    let in_flight = v.counts.in_flight.unwrap();
+    assert_eq!(
+        (in_flight.most, in_flight.limit, in_flight.moves),
+        (3, 3, 8)
+    );
+    let rate = v.counts.rate.unwrap();
+    assert_eq!(rate.leases, 100);
+    // 20 at 0 and 40 in (0, 1 s]: exactly the bound.
+    assert_eq!(rate.most_in_second, 60);
+    assert_eq!(rate.bound(1_000_000), 60.0);
+    assert!(rate.worst_excess <= 1e-9, "{}", rate.worst_excess);
+}
+
+#[test]
+fn a_fourth_intent_in_flight_is_a_violation_once_per_excursion() {
+    let mut w = within_limits();
+    // A replica killed after its claim committed has spent its allowance: a claim that
+    // leased a 4th anyway breaks the limit, twice here.
+    w.log(PAY, 50, 50, 9, 1);
+    w.log(PAY, 51, 51, 9, 1);
+    w.log(PAY, 52, 52, 9, 1);
+    w.log(PAY, 53, 53, 10, 1);
+    w.log(PAY, 54, 54, 11, 1);
+    w.log(PAY, 60, 60, 12, -1);
+    w.log(PAY, 61, 61, 13, -1);
+    w.log(PAY, 62, 62, 14, 1);
+    let v = w.check();
+    assert_eq!(
+        guarantees(&v),
+        vec![Guarantee::ConcurrencyLimit, Guarantee::ConcurrencyLimit]
+    );
+    assert_eq!(v.counts.in_flight.unwrap().most, 5);
+}
+
+#[test]
+fn leases_past_the_bucket_are_a_violation() {
+    let mut w = within_limits();
+    // Tokens given back by a crashed claim: a second burst of 20 right after the log ends.
+    w.mail(2_010, 20);
+    let v = w.check();
+    assert!(!v.violations.is_empty());
+    assert!(
+        guarantees(&v).iter().all(|g| *g == Guarantee::RateLimit),
+        "{:?}",
+        v.violations
+    );
+    assert!(v.counts.rate.unwrap().worst_excess >= 19.0);
+}
+
+#[test]
+fn a_claim_that_started_before_the_last_one_is_within_the_tolerance() {
+    let mut w = within_limits();
+    // Begun 5 ms before the claim at 2000 ms, it locked the bucket after it: its token was
+    // counted as of 2000 ms, so timed by its own start its lease looks 5 ms early.
+    w.mail(1_995, 1);
+    w.mail(2_025, 1);
+    let v = w.check();
+    assert!(v.violations.is_empty(), "{:?}", v.violations);
+    let rate = v.counts.rate.unwrap();
+    assert_eq!(rate.lag_us, 5_000);
+    assert!(rate.worst_excess > 0.0 && rate.worst_excess <= rate.tolerance);
+}
+
+#[test]
+fn a_journaled_lease_missing_from_the_flow_log_is_inconsistent() {
+    let mut w = within_limits();
+    let (event, _) = claim(Uuid::now_v7(), 1, 1, MAIL);
+    w.observations.workers.push(("w1.g1".into(), vec![event]));
+    let v = w.check();
+    let missing: Vec<_> = v
+        .violations
+        .iter()
+        .filter(|x| x.detail.contains("not in the database's flow log"))
+        .collect();
+    assert_eq!(missing.len(), 1, "{:?}", v.violations);
+    assert_eq!(missing[0].guarantee, Guarantee::Consistency);
+}
+
+#[test]
+fn a_flow_log_without_leases_of_a_limited_kind_proves_nothing() {
+    let mut w = FlowWorld::new();
+    w.mail(0, 1);
+    let v = w.check();
+    assert_eq!(guarantees(&v), vec![Guarantee::Consistency]);
+    assert!(v.violations[0].detail.contains(PAY));
+}
+
+#[test]
+fn windows_are_measured_from_each_distinct_lease_time() {
+    // Rate 1/s, burst 2: from 0, five in 1.5 s are 1.5 over 2 + 1.5; from 1 s on, two in
+    // 0.5 s are within.
+    let times = [0, 0, 0, SECOND, SECOND + SECOND / 2];
+    let windows = limits::over_bound(&times, 1.0, 2);
+    assert_eq!(windows.len(), 3);
+    assert_eq!((windows[0].start, windows[0].count), (0, 5));
+    assert!((windows[0].excess - 1.5).abs() < 1e-9, "{:?}", windows[0]);
+    assert!(windows[1].excess <= 0.0 && windows[2].excess <= 0.0);
+    assert_eq!(limits::most_within(&times, SECOND), 4);
+}

@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::API_KEY_ENV;
 use crate::checker::{self, Observations};
-use crate::cluster::Cluster;
+use crate::cluster::{Cluster, QUEUE_LIMITS};
 use crate::faults::{FaultKind, Timeline};
 use crate::idle::IdleTransaction;
 use crate::processes::{Launch, Supervised};
@@ -163,7 +163,9 @@ impl Suite {
     async fn start(args: RunArgs, seed: u64, dir: &Path, outboxd: &Path) -> anyhow::Result<Self> {
         let mut rng = Rng::new(seed);
         let started = Instant::now();
-        let cluster = Cluster::start(&dir.join("pgdata")).await?;
+        let mut cluster = Cluster::start(&dir.join("pgdata")).await?;
+        // Before any replica: every lease of the run is under the policies and logged.
+        cluster.limit_queues(QUEUE_LIMITS).await?;
         let mut replicas = Vec::new();
         for i in 1..=args.replicas {
             let port = free_port()?;

@@ -10,7 +10,7 @@ use tonic::Code;
 
 use crate::helpers::{Client, TestApp, assert_status, claim_request, id_of, intent, lease_ref};
 use crate::long_poll::{wait_until_claims_are_waiting, woken};
-use crate::ordering::cli;
+use crate::ordering::{cli, drain_one_by_one};
 
 fn prioritised(kind: &str, priority: i32) -> v1::NewIntent {
     v1::NewIntent {
@@ -36,19 +36,6 @@ async fn set(client: &mut Client, request: v1::SetQueuePolicyRequest) -> v1::Que
         .into_inner()
         .policy
         .unwrap()
-}
-
-/// Claims one intent at a time until none is left, acking each: the order they came in.
-async fn drain_one_by_one(app: &TestApp) -> Vec<String> {
-    let mut order = Vec::new();
-    loop {
-        let leases = app.claim_n("w", 1).await;
-        let Some(lease) = leases.first() else {
-            return order;
-        };
-        order.push(id_of(lease).to_owned());
-        app.ack(&[lease]).await;
-    }
 }
 
 #[tokio::test]

@@ -41,7 +41,7 @@ async fn stats(app: &TestApp) -> v1::GetQueueStatsResponse {
 }
 
 /// Claims and acks one intent at a time until none is left; the ids in delivery order.
-async fn drain_one_by_one(app: &TestApp) -> Vec<String> {
+pub(crate) async fn drain_one_by_one(app: &TestApp) -> Vec<String> {
     let mut delivered = Vec::new();
     loop {
         let leases = app.claim_n("w", 1).await;

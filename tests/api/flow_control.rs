@@ -58,6 +58,23 @@ async fn higher_priorities_are_claimed_first_and_equal_ones_oldest_first() {
 }
 
 #[tokio::test]
+async fn a_claims_reply_lists_higher_priorities_first() {
+    let app = TestApp::spawn().await;
+    let ids = app
+        .enqueue_ids(vec![
+            prioritised("job", -1),
+            prioritised("job", 3),
+            prioritised("job", 0),
+            prioritised("job", 3),
+        ])
+        .await;
+    assert_eq!(
+        app.claim_ids("w", 10).await,
+        [&ids[1], &ids[3], &ids[2], &ids[0]].map(String::clone)
+    );
+}
+
+#[tokio::test]
 async fn a_priority_out_of_range_is_refused_and_nothing_is_enqueued() {
     let app = TestApp::spawn().await;
     for priority in [11, -11, i32::MAX, i32::MIN] {

@@ -66,7 +66,7 @@ pub const CLAIM_CALL: &str =
 /// What one look of a claim found.
 #[derive(Debug)]
 pub struct Claimed {
-    /// The leased intents, oldest `available_at` first.
+    /// The leased intents, highest priority first, then oldest `available_at`.
     pub intents: Vec<Intent>,
     /// The tenant of each of `intents`.
     pub tenants: Vec<String>,
@@ -85,7 +85,8 @@ pub struct Claimed {
     pub refused_by_limit: u64,
 }
 
-/// Leases up to `max_intents` claimable intents of `scope`, oldest `available_at` first,
+/// Leases up to `max_intents` claimable intents of `scope` (`outbox.claim` walks its
+/// queues: a batch shared among tenants and kinds, each highest priority, then oldest first),
 /// minting a fresh lease id for each and counting the attempt. With a `request_id` that
 /// already leased intents for this worker, returns those live leases instead of leasing
 /// more. When it leases fewer than asked, the same statement looks up when the next one is
@@ -169,7 +170,7 @@ pub async fn claim_intents(
         }
         leased.push((intent_at(row, n == 0)?, row.try_get::<String, _>(tenant)?));
     }
-    leased.sort_by_key(|(i, _)| (i.available_at, i.id));
+    leased.sort_by_key(|(i, _)| (std::cmp::Reverse(i.priority), i.available_at, i.id));
     (claimed.intents, claimed.tenants) = leased.into_iter().unzip();
     Ok(claimed)
 }

@@ -465,7 +465,7 @@ export const LeaseSchema: GenMessage<Lease> = /*@__PURE__*/
  */
 export type ClaimResponse = Message<"outbox.v1.ClaimResponse"> & {
   /**
-   * Leases taken, oldest intents first.
+   * Leases taken, highest priority first, then oldest.
    *
    * @generated from field: repeated outbox.v1.Lease leases = 1;
    */

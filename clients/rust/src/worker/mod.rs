@@ -661,6 +661,13 @@ impl Shared {
             lease.lease_id.clone(),
             leased_at + self.config.lease,
         ));
+        // An answer that came after the lease's local expiry (a Claim replayed after its
+        // retries took longer than the lease): the lease may be rescued and leased again
+        // by now, so the side effect is not begun. The intent comes back after expiry.
+        if Instant::now() >= state.expires() {
+            self.lose(&state, "it expired before the Claim's answer arrived");
+            return;
+        }
         self.leases
             .lock()
             .unwrap_or_else(|e| e.into_inner())

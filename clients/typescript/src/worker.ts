@@ -407,6 +407,14 @@ export class Worker {
   }
 
   private start(lease: Lease, leasedAt: number, tracing: Awaited<ReturnType<typeof loadTracing>>): void {
+    if (leasedAt + this.leaseMs <= Date.now()) {
+      // The answer came after the lease's local expiry (a Claim replayed after long
+      // retries): it may be leased again by now, so the side effect is not begun.
+      this.counters.leaseLost++;
+      const reason = "the lease expired before the Claim's answer arrived";
+      this.emit({ type: "leaseLost", intent: intentOf(lease), reason });
+      return;
+    }
     const live: Live = {
       intent: intentOf(lease),
       leaseId: lease.leaseId,

@@ -232,9 +232,11 @@ impl Claims {
         // The caller went away (while we looked, or as an enqueue handed it intents): nobody
         // receives these leases, so they go back at once, attempts uncounted, instead of
         // waiting out their expiry. A replay's belong to an earlier call that may have had
-        // its answer.
+        // its answer. Nor those of a call with a request id: its retry may be collecting
+        // them (a replay waits for this call's statement, then returns them), and leases
+        // given back under that answer would be leased twice; they expire instead.
         if gone.is_cancelled() {
-            if !replayed {
+            if !replayed && params.request_id.is_none() {
                 self.give_back(scope, intents);
             }
             return Ok(ClaimAnswer::CallerGone);

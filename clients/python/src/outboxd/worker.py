@@ -499,9 +499,9 @@ class Worker:
             request_id=str(uuid.uuid4()),
         )
         backoff = Backoff()
+        # Counted from the first send: a replay returns leases that first attempt took.
+        sent = time.monotonic()
         while True:
-            # Counted from the first send: a replay returns leases that first attempt took.
-            sent = time.monotonic()
             try:
                 answer = await self._client.call(
                     "Claim",
@@ -522,6 +522,16 @@ class Worker:
 
     def _start(self, lease: pb.Lease, sent: float) -> None:
         self._count("claimed")
+        if time.monotonic() >= sent + self.lease:
+            # The answer came after the lease's local expiry (a Claim replayed after long
+            # retries): it may be leased again by now, so the side effect is not begun.
+            self._count("lease_lost")
+            log.warning(
+                "outboxd worker %s: lease of %s expired before the Claim's answer arrived",
+                self.worker_id,
+                lease.intent.id,
+            )
+            return
         intent = Intent(self, lease)
         state = _Lease(intent, lease.lease_id, sent + self.lease)
         intent._state = state

@@ -73,7 +73,8 @@ pub struct Caller {
 }
 
 impl Caller {
-    fn from_record(r: ApiKeyRecord) -> Self {
+    /// The caller a stored key makes (its unknown scopes ignored).
+    pub fn from_record(r: ApiKeyRecord) -> Self {
         Self {
             key_id: r.id,
             key_name: r.name,
@@ -338,6 +339,14 @@ impl Authenticator {
             .map(str::trim)
             .filter(|s| s.starts_with(KEY_PREFIX))
             .ok_or_else(|| unauthenticated("authorization must be `Bearer obx_…`"))?;
+        self.resolve(secret).await
+    }
+
+    /// The caller whose key is `secret` (the console's sign-in).
+    ///
+    /// # Errors
+    /// As [`Self::authenticate`].
+    pub async fn resolve(&self, secret: &str) -> Result<Caller> {
         let hash = hash_key(secret);
         let cached = self
             .lock()
@@ -363,7 +372,7 @@ impl Authenticator {
                 caller
             }
         };
-        caller.ok_or_else(|| unauthenticated("unknown or revoked API key"))
+        caller.ok_or_else(|| Error::Unauthenticated("unknown or revoked API key".to_owned()))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, KeyCache> {

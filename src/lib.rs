@@ -8,6 +8,7 @@ pub mod cli;
 pub mod client;
 pub mod codec;
 pub mod config;
+pub mod console;
 pub mod deadline;
 pub mod embedded;
 pub mod gate;

@@ -475,6 +475,7 @@ impl Default for Runtime {
 pub struct Application {
     local_addr: SocketAddr,
     metrics_addr: Option<SocketAddr>,
+    console_addr: Option<SocketAddr>,
     shutdown: CancellationToken,
     health: HealthReporter,
     readiness: Arc<Readiness>,
@@ -550,12 +551,41 @@ impl Application {
             auth,
             cluster_id,
             settings,
-            runtime.clock,
+            runtime.clock.clone(),
             pending,
             shutdown.clone(),
         )
         .with_long_poll_recheck(runtime.long_poll_recheck)
         .with_metrics(metrics.clone());
+        let console_addr = match settings.console.listen_addr {
+            Some(addr) => {
+                let console = crate::console::Console {
+                    handler: handler.clone(),
+                    auth: Arc::new(Authenticator::new(pool.clone(), settings.auth.cache_ttl)),
+                    pools: pools.clone(),
+                    clock: runtime.clock.clone(),
+                    session_ttl: settings.console.session_ttl,
+                    secure: settings.tls.is_some(),
+                };
+                let tls = match &settings.tls {
+                    Some(tls) => Some(crate::console::tls_acceptor(tls)?),
+                    None => None,
+                };
+                let listener = admin::bind(addr)
+                    .await
+                    .with_context(|| format!("cannot listen for the console on {addr}"))?;
+                let bound = listener.local_addr()?;
+                let serve = crate::console::serve(console, listener, tls, shutdown.clone());
+                background.push(tokio::spawn(async move {
+                    if let Err(e) = serve.await {
+                        tracing::error!(error.message = %e, "the console failed");
+                    }
+                }));
+                tracing::info!(console.addr = %bound, "outboxd serving the console");
+                Some(bound)
+            }
+            None => None,
+        };
         let mut builder = tonic::transport::Server::builder();
         if let Some(tls) = &settings.tls {
             builder = builder
@@ -606,6 +636,7 @@ impl Application {
         Ok(Self {
             local_addr,
             metrics_addr,
+            console_addr,
             shutdown,
             health,
             readiness,
@@ -626,6 +657,11 @@ impl Application {
     /// resolved).
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.metrics_addr
+    }
+
+    /// Where the console listens, if it does.
+    pub fn console_addr(&self) -> Option<SocketAddr> {
+        self.console_addr
     }
 
     /// Drains and stops: health turns NOT_SERVING (overall and per service) and stays so

@@ -316,6 +316,7 @@ def expect_default(docs, notes):
         "OUTBOX_SHUTDOWN__DRAIN_DELAY": "5s", "OUTBOX_SHUTDOWN__GRACE": "20s",
     }, f"server env {env}")
     check({p["name"] for p in one(docs, "Service")["spec"]["ports"]} == {"grpc", "metrics"}, "Service ports")
+    check([p["name"] for p in server["ports"]] == ["grpc", "metrics"], f"container ports {server['ports']}")
     paths = {"startupProbe": "/livez", "readinessProbe": "/readyz", "livenessProbe": "/livez"}
     for kind, path in paths.items():
         check(server[kind].get("httpGet") == {"path": path, "port": "metrics"}, f"{kind} not GET {path} on the metrics port")
@@ -371,6 +372,32 @@ def expect_metrics_off(docs, notes):
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         check(server[kind].get("grpc", {}).get("port") == 50051, f"{kind} should fall back to gRPC health without the admin port")
     check(server["readinessProbe"]["grpc"]["service"] == "outbox.v1.OutboxService", "readiness checks another service")
+
+
+def expect_console(docs, notes):
+    """console.enabled: the address on every outboxd container (one configuration), a
+    `console` port on the pod, the Service and the NetworkPolicy; NOTES say how to open it."""
+    deployment = one(docs, "Deployment")
+    server = server_container(deployment)
+    env = env_map(server)
+    check(env["OUTBOX_CONSOLE__LISTEN_ADDR"]["value"] == "0.0.0.0:8081", f"console address {env.get('OUTBOX_CONSOLE__LISTEN_ADDR')}")
+    check(env["OUTBOX_CONSOLE__SESSION_TTL"]["value"] == "1h", "session TTL from env")
+    check(env["OUTBOX_METRICS__LISTEN_ADDR"]["value"] == "0.0.0.0:9464", "metrics address changed by the console")
+    migrate = one(docs, "Job")["spec"]["template"]["spec"]["containers"][0]
+    check(env_map(migrate)["OUTBOX_CONSOLE__LISTEN_ADDR"]["value"] == "0.0.0.0:8081", "migrate sees another configuration")
+    ports = {p["name"]: p["containerPort"] for p in server["ports"]}
+    check(ports == {"grpc": 50051, "metrics": 9464, "console": 8081}, f"container ports {ports}")
+    svc_ports = {p["name"]: (p["port"], p["targetPort"]) for p in one(docs, "Service")["spec"]["ports"]}
+    check(svc_ports == {"grpc": (50051, "grpc"), "metrics": (9464, "metrics"), "console": (8081, "console")},
+          f"Service ports {svc_ports}")
+    rules = one(docs, "NetworkPolicy")["spec"]["ingress"]
+    console = [r for r in rules if [p["port"] for p in r["ports"]] == ["console"]]
+    check(len(rules) == 3 and len(console) == 1, f"NetworkPolicy should open grpc, metrics and console: {rules}")
+    check(console[0]["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "operators"}}}],
+          "networkPolicy.consoleFrom ignored")
+    check("port-forward svc/ci-outboxd 8081:8081" in notes and "http://127.0.0.1:8081/" in notes,
+          "NOTES do not say how to open the console")
+    check("and so is the\nconsole, whose sign-in sends an API key. Reach them" in notes, "NOTES do not warn the console is plaintext")
 
 
 def expect_hook(docs, notes):
@@ -474,6 +501,7 @@ EXPECTATIONS = {
     "default": expect_default,
     "tls.yaml": expect_tls,
     "metrics-off.yaml": expect_metrics_off,
+    "console.yaml": expect_console,
     "migrations-hook.yaml": expect_hook,
     "migrations-initcontainer.yaml": expect_init_container,
     "migrations-none.yaml": expect_none,
@@ -1095,6 +1123,25 @@ def main() -> int:
         check(not by_kind(unforced, "ServiceMonitor"), "serviceMonitor.force rendered one while disabled")
     r.run("serviceMonitor only with monitoring.coreos.com/v1 (--api-versions) or serviceMonitor.force",
           service_monitor_gating)
+
+    # The console: off by default (its variable unset, not empty); with TLS it serves HTTPS
+    # with the gRPC certificate, and NOTES say so.
+    def console_tls():
+        values = {**load_values(HERE / "values" / "tls.yaml"), "console": {"enabled": True}}
+        docs, notes = render(chart, values, MONITORING_API)
+        validate_k8s(docs)
+        check_wiring(docs, image_of(docs), binary)
+        env = env_map(server_container(one(docs, "Deployment")))
+        check(env["OUTBOX_CONSOLE__LISTEN_ADDR"]["value"] == "0.0.0.0:8080", "console.port default")
+        check("https://ci-outboxd.outboxd-ci.svc:8080/" in notes, "NOTES do not open the console over https")
+        check("plaintext" not in notes, "NOTES call the TLS console plaintext")
+        off, off_notes = render(chart, {"console": {"enabled": False, "port": 8081}}, MONITORING_API)
+        for owner, spec, _ in pod_specs(off):
+            for c in spec.get("initContainers", []) + spec["containers"]:
+                check("OUTBOX_CONSOLE__LISTEN_ADDR" not in env_map(c), f"{owner} {c['name']}: console address while disabled")
+        check("console" not in {p["name"] for p in one(off, "Service")["spec"]["ports"]}, "console Service port while disabled")
+        check("console" not in off_notes, "NOTES mention a disabled console")
+    r.run("console: unset while disabled, HTTPS with tls.enabled", console_tls)
 
     # Bad values: each must be rejected, by the schema or by a template guard.
     for path in sorted((HERE / "bad-values").glob("*.yaml")):

@@ -46,6 +46,8 @@ pub struct Settings {
     pub tls: Option<TlsSettings>,
     /// Prometheus metrics.
     pub metrics: Metrics,
+    /// The operator console.
+    pub console: Console,
     /// gRPC services.
     pub grpc: Grpc,
     /// Graceful shutdown.
@@ -219,6 +221,19 @@ pub struct Metrics {
     pub refresh_interval: Duration,
     /// Intent kinds that get a `kind` label of their own; the others count as `other`.
     pub kinds: KindList,
+}
+
+/// `OUTBOX_CONSOLE__*`: the operator console, a web page (docs/console.md).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize, SmartDefault)]
+#[serde(default, deny_unknown_fields)]
+pub struct Console {
+    /// The console's listen address; `None` (unset or empty) serves no console.
+    #[serde(deserialize_with = "load::empty_is_none")]
+    pub listen_addr: Option<SocketAddr>,
+    /// How long a sign-in lasts.
+    #[serde(with = "humantime_serde")]
+    #[default(Duration::from_secs(8 * 3600))]
+    pub session_ttl: Duration,
 }
 
 /// The default port of the admin listener (`/metrics`, `/livez`, `/readyz`): the

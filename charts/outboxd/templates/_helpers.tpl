@@ -149,6 +149,12 @@ only as an ImagePullBackOff.
 {{- if and .Values.metrics.enabled (eq (int .Values.metrics.port) (int .Values.containerPort)) }}
 {{- fail "metrics.port must differ from containerPort" }}
 {{- end }}
+{{- if and .Values.console.enabled (eq (int .Values.console.port) (int .Values.containerPort)) }}
+{{- fail "console.port must differ from containerPort" }}
+{{- end }}
+{{- if and .Values.console.enabled .Values.metrics.enabled (eq (int .Values.console.port) (int .Values.metrics.port)) }}
+{{- fail "console.port must differ from metrics.port" }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -205,6 +211,11 @@ Call with (dict "root" $ "migrate" true|false).
 {{- end }}
 - name: OUTBOX_METRICS__LISTEN_ADDR
   value: {{ ternary (printf "%s:%d" .Values.listenHost (int .Values.metrics.port)) "" .Values.metrics.enabled | quote }}
+{{- /* Unset, not empty, when off: outboxd serves no console by default. */}}
+{{- if .Values.console.enabled }}
+- name: OUTBOX_CONSOLE__LISTEN_ADDR
+  value: {{ printf "%s:%d" .Values.listenHost (int .Values.console.port) | quote }}
+{{- end }}
 - name: OUTBOX_SHUTDOWN__DRAIN_DELAY
   value: {{ printf "%ds" (int .Values.shutdown.drainDelaySeconds) | quote }}
 - name: OUTBOX_SHUTDOWN__GRACE

@@ -140,7 +140,7 @@ pub struct QueueStats {
 /// NEEDS_RECONCILE, or DEAD_LETTERED without an operator's decision. Each is the one head
 /// of its key, so they count keys. Read through intent_ordering_head_idx. $1 the API key's
 /// regions (empty: any), $2 now (or NULL).
-const BLOCKED_HEADS: &str = r#"
+pub(super) const BLOCKED_HEADS: &str = r#"
     FROM outbox.intent i
     WHERE i.ordering_key IS NOT NULL
       AND i.state IN ('pending', 'needs_reconcile', 'dead_lettered')

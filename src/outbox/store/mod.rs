@@ -16,6 +16,7 @@
 mod access;
 mod api_keys;
 mod claim;
+mod console;
 mod current;
 mod enqueue;
 mod inspect;
@@ -33,6 +34,11 @@ pub use api_keys::{
     lookup_api_key, revoke_api_key,
 };
 pub use claim::{CLAIM_CALL, ClaimParams, Claimed, QueueLevel, claim_intents, release_leases};
+pub use console::{
+    BlockedKey, GroupCount, Minute, OVERVIEW_COUNT_CAP, Overview, blocked_keys,
+    create_console_session, delete_console_session, find_console_session,
+    ids_by_idempotency_key, overview, revoke_api_key_by_id,
+};
 pub use enqueue::{EnqueueParams, Inserted, insert_intents};
 pub use inspect::{
     ListParams, QueueDepth, QueueStats, StateCount, get_intent, list_intents, probe, queue_depth,

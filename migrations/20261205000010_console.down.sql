@@ -1,0 +1,34 @@
+-- Takes back what …10 granted, then restores …09's grant.
+DO $$
+DECLARE
+    grantee text;
+BEGIN
+    FOR grantee IN
+        SELECT DISTINCT pg_get_userbyid(a.grantee)::text
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = 'outbox.api_key'::regclass
+          AND a.privilege_type = 'INSERT'
+          AND a.grantee <> c.relowner
+          AND a.grantee <> 0
+    LOOP
+        EXECUTE format('REVOKE INSERT, UPDATE ON outbox.api_key FROM %I', grantee);
+    END LOOP;
+END
+$$;
+
+DROP TABLE outbox.console_session;
+
+CREATE OR REPLACE FUNCTION outbox.grant_service_role(role_name text) RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    EXECUTE format('GRANT USAGE ON SCHEMA outbox TO %I', role_name);
+    EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.intent, outbox.resolution TO %I', role_name);
+    EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.delivered_batch TO %I', role_name);
+    EXECUTE format('GRANT SELECT, INSERT, UPDATE ON outbox.queue_level, outbox.queue_policy, outbox.queue_policy_change TO %I', role_name);
+    EXECUTE format('GRANT SELECT ON outbox.all_intents TO %I', role_name);
+    EXECUTE format('GRANT USAGE ON ALL SEQUENCES IN SCHEMA outbox TO %I', role_name);
+    EXECUTE format('GRANT SELECT ON outbox.api_key TO %I', role_name);
+    EXECUTE format('GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA outbox TO %I', role_name);
+END;
+$$;

@@ -1,0 +1,231 @@
+//! `GET /keys` (admin): the API keys this key manages; `POST /keys` mints one (its secret
+//! shown once); `POST /keys/{id}/revoke`. A key manages keys within its own reach: an
+//! admin of every tenant any key, an admin of some tenants keys of those tenants only, a
+//! region-bound admin keys bound to its regions only, so no key mints a wider one.
+
+use askama::Template;
+use axum::Form;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::Response;
+use serde::Deserialize;
+use uuid::Uuid;
+
+use super::Shared;
+use super::session::Session;
+use super::view::{self, Chrome};
+use crate::auth::{self, Caller, Permission};
+use crate::outbox::store::{self, ApiKeyRecord, TenantScope};
+
+#[derive(Template)]
+#[template(path = "console/keys.html")]
+struct KeysPage {
+    chrome: Chrome,
+    keys: Vec<Key>,
+    created: Option<(String, String)>,
+    scopes: [&'static str; 4],
+}
+
+struct Key {
+    id: String,
+    name: String,
+    prefix: String,
+    tenants: String,
+    scopes: String,
+    regions: String,
+    created_at: String,
+    revoked_at: String,
+}
+
+/// Whether `caller` may see and revoke `key`, or mint one like it.
+fn manages(caller: &Caller, key: &ApiKeyRecord) -> bool {
+    let tenants_within = match &caller.tenants {
+        TenantScope::All => true,
+        TenantScope::Tenants(mine) => !key.all_tenants && key.tenants.iter().all(|t| mine.contains(t)),
+    };
+    let regions_within = caller.regions.is_empty()
+        || (!key.regions.is_empty() && key.regions.iter().all(|r| caller.regions.contains(r)));
+    tenants_within && regions_within
+}
+
+fn admin(session: &Session) -> Result<(), Response> {
+    session
+        .caller
+        .require(Permission::Admin)
+        .map_err(|e| view::failure(&e.into()))
+}
+
+/// `GET /keys`.
+pub(super) async fn page(State(console): State<Shared>, session: Session) -> Response {
+    if let Err(refused) = admin(&session) {
+        return refused;
+    }
+    render(&console, &session, None).await
+}
+
+async fn render(console: &Shared, session: &Session, created: Option<(String, String)>) -> Response {
+    let keys = match store::list_api_keys(console.pools.tenant()).await {
+        Ok(keys) => keys,
+        Err(e) => return view::failure(&e.into()),
+    };
+    let page = KeysPage {
+        chrome: session.chrome("keys"),
+        keys: keys
+            .into_iter()
+            .filter(|k| manages(&session.caller, k))
+            .map(|k| Key {
+                id: k.id.to_string(),
+                tenants: if k.all_tenants {
+                    "every tenant".to_owned()
+                } else {
+                    k.tenants.join(", ")
+                },
+                scopes: k.scopes.join(", "),
+                regions: if k.regions.is_empty() {
+                    "any".to_owned()
+                } else {
+                    k.regions.join(", ")
+                },
+                created_at: view::time(&k.created_at),
+                revoked_at: k.revoked_at.map(|t| view::time(&t)).unwrap_or_default(),
+                name: k.name,
+                prefix: k.prefix,
+            })
+            .collect(),
+        created,
+        scopes: Permission::NAMES,
+    };
+    view::render(StatusCode::OK, &page)
+}
+
+#[derive(Deserialize)]
+pub(super) struct NewKey {
+    #[serde(default)]
+    csrf: String,
+    #[serde(default)]
+    name: String,
+    /// Comma-separated; `*` for every tenant.
+    #[serde(default)]
+    tenants: String,
+    #[serde(default)]
+    regions: String,
+    #[serde(default)]
+    produce: Option<String>,
+    #[serde(default)]
+    consume: Option<String>,
+    #[serde(default)]
+    operate: Option<String>,
+    #[serde(default)]
+    admin: Option<String>,
+}
+
+fn names(list: &str) -> Vec<String> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// `POST /keys`.
+pub(super) async fn create(
+    State(console): State<Shared>,
+    session: Session,
+    Form(form): Form<NewKey>,
+) -> Response {
+    if let Err(refused) = admin(&session).and_then(|()| session.check_csrf(&form.csrf)) {
+        return refused;
+    }
+    let bad = |why: &str| {
+        view::error_page(
+            StatusCode::BAD_REQUEST,
+            &format!("{why}; no key was created"),
+        )
+    };
+    let name = form.name.trim();
+    if name.is_empty() || name.len() > 200 {
+        return bad("a key needs a name of at most 200 bytes");
+    }
+    let all_tenants = form.tenants.trim() == "*";
+    let tenants = names(&form.tenants);
+    let regions = names(&form.regions);
+    if !all_tenants
+        && (tenants.is_empty() || tenants.iter().any(|t| !crate::outbox::is_name(t, 64)))
+    {
+        return bad("tenants: one or more names of 1-64 letters, digits or . _ - : /, or *");
+    }
+    if regions.iter().any(|r| !crate::outbox::is_name(r, 64)) {
+        return bad("regions: names of 1-64 letters, digits or . _ - : /");
+    }
+    let scopes: Vec<String> = [
+        ("produce", &form.produce),
+        ("consume", &form.consume),
+        ("operate", &form.operate),
+        ("admin", &form.admin),
+    ]
+    .into_iter()
+    .filter(|(_, on)| on.is_some())
+    .map(|(scope, _)| scope.to_owned())
+    .collect();
+    if scopes.is_empty() {
+        return bad("choose at least one scope");
+    }
+    let tenants = (!all_tenants).then_some(tenants);
+    let wanted = ApiKeyRecord {
+        id: Uuid::nil(),
+        name: name.to_owned(),
+        prefix: String::new(),
+        all_tenants,
+        tenants: tenants.clone().unwrap_or_default(),
+        scopes: scopes.clone(),
+        regions: regions.clone(),
+        created_at: chrono::Utc::now(),
+        revoked_at: None,
+    };
+    if !manages(&session.caller, &wanted) {
+        return view::error_page(
+            StatusCode::FORBIDDEN,
+            "this key may only create keys within its own tenants and regions; no key was \
+             created",
+        );
+    }
+    match auth::issue_key(console.pools.tenant(), name, tenants, scopes, regions).await {
+        Ok((record, secret)) => {
+            tracing::info!(auth.key = %session.caller.key_name, key.name = %record.name, "console created an API key");
+            render(&console, &session, Some((record.name, secret))).await
+        }
+        Err(e) => view::error_page(StatusCode::BAD_REQUEST, &format!("no key was created: {e}")),
+    }
+}
+
+#[derive(Deserialize)]
+pub(super) struct Revoke {
+    #[serde(default)]
+    csrf: String,
+}
+
+/// `POST /keys/{id}/revoke`.
+pub(super) async fn revoke(
+    State(console): State<Shared>,
+    session: Session,
+    Path(id): Path<Uuid>,
+    Form(form): Form<Revoke>,
+) -> Response {
+    if let Err(refused) = admin(&session).and_then(|()| session.check_csrf(&form.csrf)) {
+        return refused;
+    }
+    let keys = match store::list_api_keys(console.pools.tenant()).await {
+        Ok(keys) => keys,
+        Err(e) => return view::failure(&e.into()),
+    };
+    let Some(key) = keys.into_iter().find(|k| k.id == id && manages(&session.caller, k)) else {
+        return view::error_page(StatusCode::NOT_FOUND, "no such key among the keys you manage");
+    };
+    match store::revoke_api_key_by_id(console.pools.tenant(), id).await {
+        Ok(_) => {
+            tracing::info!(auth.key = %session.caller.key_name, key.name = %key.name, "console revoked an API key");
+            render(&console, &session, None).await
+        }
+        Err(e) => view::failure(&e.into()),
+    }
+}

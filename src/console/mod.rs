@@ -1,0 +1,129 @@
+//! The operator console (`OUTBOX_CONSOLE__LISTEN_ADDR`, docs/console.md): server-rendered
+//! pages that call the gRPC handler in-process, so every read and change passes the same
+//! scopes, tenant and region rules, validation and audit as the API.
+
+mod assets;
+mod desk;
+mod intents;
+mod keys;
+mod overview;
+mod queues;
+mod session;
+mod tls;
+mod view;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, Request};
+use axum::http::{HeaderValue, header};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+use tokio_util::sync::CancellationToken;
+
+use crate::auth::Authenticator;
+use crate::grpc::OutboxHandler;
+use crate::outbox::Clock;
+use crate::outbox::store::Pools;
+
+pub use tls::tls_acceptor;
+
+/// What the console's pages work with.
+pub struct Console {
+    /// The gRPC handler every read and decision goes through.
+    pub handler: OutboxHandler,
+    /// Resolves the key given at sign-in.
+    pub auth: Arc<Authenticator>,
+    /// For the console's own statements (sessions, overview, keys).
+    pub pools: Pools,
+    /// The server's clock (manual in tests).
+    pub clock: Clock,
+    /// How long a sign-in lasts.
+    pub session_ttl: Duration,
+    /// Served over TLS: cookies are `Secure`.
+    pub secure: bool,
+}
+
+type Shared = Arc<Console>;
+
+/// Forms are small: a reason, a few dozen ids.
+const MAX_FORM_BYTES: usize = 64 * 1024;
+
+/// The console's routes.
+pub fn router(console: Console) -> Router {
+    Router::new()
+        .route("/", get(overview::page))
+        .route("/sign-in", get(session::sign_in_page).post(session::sign_in))
+        .route("/sign-out", post(session::sign_out))
+        .route("/intents", get(intents::list))
+        .route("/intents/{id}", get(intents::one))
+        .route("/desk", get(desk::page))
+        .route("/resolve", post(desk::resolve))
+        .route("/queues", get(queues::page).post(queues::set))
+        .route("/keys", get(keys::page).post(keys::create))
+        .route("/keys/{id}/revoke", post(keys::revoke))
+        .route("/assets/console.css", get(assets::css))
+        .route("/assets/console.js", get(assets::js))
+        .layer(DefaultBodyLimit::max(MAX_FORM_BYTES))
+        .layer(middleware::from_fn(hardened))
+        .with_state(Arc::new(console))
+}
+
+/// Serves the console on `listener` (through `tls` when given) until `shutdown`.
+///
+/// # Errors
+/// The listener failed.
+pub async fn serve(
+    console: Console,
+    listener: tokio::net::TcpListener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let app = router(console);
+    match tls {
+        Some(acceptor) => {
+            axum::serve(tls::TlsListener::new(listener, acceptor), app)
+                .with_graceful_shutdown(shutdown.cancelled_owned())
+                .await
+        }
+        None => {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown.cancelled_owned())
+                .await
+        }
+    }
+}
+
+/// Every answer's security headers, and every request's work in a task of its own: a
+/// browser that goes away mid-request must not stop a change half way (the gRPC
+/// handler's own rule, `grpc::to_completion`).
+async fn hardened(request: Request, next: Next) -> Response {
+    let mut response = match tokio::spawn(next.run(request)).await {
+        Ok(response) => response,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => view::error_page(
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            "the server is shutting down",
+        ),
+    };
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; \
+             form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+        ),
+    );
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    headers.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    headers
+        .entry(header::CACHE_CONTROL)
+        .or_insert(HeaderValue::from_static("no-store"));
+    response
+}

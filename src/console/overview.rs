@@ -1,0 +1,198 @@
+//! `GET /`: live counts by state, tenant, kind and region, the oldest waiting intents, and
+//! the last hour's enqueued and delivered intents a minute at a time.
+
+use std::collections::BTreeMap;
+
+use askama::Template;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::Response;
+
+use super::Shared;
+use super::session::Session;
+use super::view::{self, Chrome};
+use crate::outbox::store::{self, Minute};
+use crate::outbox::IntentState;
+
+#[derive(Template)]
+#[template(path = "console/overview.html")]
+struct OverviewPage {
+    chrome: Chrome,
+    states: Vec<Tally>,
+    tenants: Vec<Tally>,
+    kinds: Vec<Tally>,
+    regions: Vec<Tally>,
+    groups: Vec<Group>,
+    oldest_pending: String,
+    oldest_staged: String,
+    chart: Chart,
+    at_least: bool,
+}
+
+/// A count and the intents page that lists what it counts.
+struct Tally {
+    label: String,
+    count: String,
+    href: String,
+}
+
+struct Group {
+    state: String,
+    tenant: String,
+    kind: String,
+    region: String,
+    count: i64,
+    href: String,
+}
+
+/// The last hour as two polylines in a `WIDTH` × `HEIGHT` box.
+struct Chart {
+    enqueued: String,
+    delivered: String,
+    max: i64,
+    enqueued_total: i64,
+    delivered_total: i64,
+    from: String,
+    to: String,
+}
+
+const WIDTH: f64 = 600.0;
+const HEIGHT: f64 = 120.0;
+
+impl Chart {
+    fn of(minutes: &[Minute]) -> Self {
+        let max = minutes
+            .iter()
+            .map(|m| m.enqueued.max(m.delivered))
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let step = WIDTH / (minutes.len().max(2) - 1) as f64;
+        let line = |value: fn(&Minute) -> i64| {
+            minutes
+                .iter()
+                .enumerate()
+                .map(|(i, m)| {
+                    let y = HEIGHT - (value(m) as f64 / max as f64) * (HEIGHT - 4.0) - 2.0;
+                    format!("{:.1},{:.1}", i as f64 * step, y)
+                })
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        Self {
+            enqueued: line(|m| m.enqueued),
+            delivered: line(|m| m.delivered),
+            max,
+            enqueued_total: minutes.iter().map(|m| m.enqueued).sum(),
+            delivered_total: minutes.iter().map(|m| m.delivered).sum(),
+            from: minutes.first().map(|m| view::time(&m.at)).unwrap_or_default(),
+            to: minutes.last().map(|m| view::time(&m.at)).unwrap_or_default(),
+        }
+    }
+}
+
+/// `GET /`.
+pub(super) async fn page(State(console): State<Shared>, session: Session) -> Response {
+    let caller = &session.caller;
+    let read = async {
+        let mut tx = store::begin(&console.pools, &caller.tenants).await?;
+        let overview = store::overview(&mut tx, &caller.regions, console.clock.now()).await?;
+        tx.commit().await?;
+        Ok::<_, crate::outbox::Error>(overview)
+    };
+    let overview = match read.await {
+        Ok(overview) => overview,
+        Err(e) => return view::failure(&e.into()),
+    };
+    let shown = |state: IntentState, n: i64| {
+        if overview.capped.contains(&state) {
+            format!("≥ {n}")
+        } else {
+            n.to_string()
+        }
+    };
+    let name = |s: IntentState| view::state(crate::proto::v1::IntentState::from(s) as i32);
+    let mut by_state: BTreeMap<String, (IntentState, i64)> = BTreeMap::new();
+    let mut by = [BTreeMap::new(), BTreeMap::new(), BTreeMap::new()];
+    for g in &overview.counts {
+        by_state.entry(name(g.state)).or_insert((g.state, 0)).1 += g.count;
+        for (map, key) in by.iter_mut().zip([&g.tenant, &g.kind, &g.region]) {
+            *map.entry(key.clone()).or_insert(0i64) += g.count;
+        }
+    }
+    let at_least = !overview.capped.is_empty();
+    let [tenants, kinds, regions] = by;
+    let tally = |param: &str, map: BTreeMap<String, i64>| -> Vec<Tally> {
+        map.into_iter()
+            .map(|(label, count)| Tally {
+                href: format!("/intents?{param}={}", query_value(&label)),
+                count: if at_least {
+                    format!("≥ {count}")
+                } else {
+                    count.to_string()
+                },
+                label: if label.is_empty() {
+                    "(any)".to_owned()
+                } else {
+                    label
+                },
+            })
+            .collect()
+    };
+    let page = OverviewPage {
+        chrome: session.chrome("overview"),
+        states: by_state
+            .into_iter()
+            .map(|(label, (state, count))| Tally {
+                href: format!("/intents?state={label}"),
+                count: shown(state, count),
+                label,
+            })
+            .collect(),
+        tenants: tally("tenant", tenants),
+        kinds: tally("kind", kinds),
+        regions: tally("region", regions),
+        groups: overview
+            .counts
+            .iter()
+            .map(|g| Group {
+                state: name(g.state),
+                href: format!(
+                    "/intents?state={}&tenant={}&kind={}&region={}",
+                    name(g.state),
+                    query_value(&g.tenant),
+                    query_value(&g.kind),
+                    query_value(&g.region)
+                ),
+                tenant: g.tenant.clone(),
+                kind: g.kind.clone(),
+                region: g.region.clone(),
+                count: g.count,
+            })
+            .collect(),
+        oldest_pending: overview
+            .oldest_pending_at
+            .map(|t| view::time(&t))
+            .unwrap_or_else(|| "none".to_owned()),
+        oldest_staged: overview
+            .oldest_staged_at
+            .map(|t| view::time(&t))
+            .unwrap_or_else(|| "none".to_owned()),
+        chart: Chart::of(&overview.minutes),
+        at_least,
+    };
+    view::render(StatusCode::OK, &page)
+}
+
+/// A value for a URL's query (escaped for HTML by the template).
+pub(super) fn query_value(value: &str) -> String {
+    value
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}

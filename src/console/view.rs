@@ -1,0 +1,190 @@
+//! What every page shares: the frame, the error pages, and how values are shown.
+
+use askama::Template;
+use axum::http::StatusCode;
+use axum::response::{Html, IntoResponse, Response};
+use chrono::{DateTime, Utc};
+use tonic_types::StatusExt;
+
+use crate::proto::v1;
+
+/// The frame of a signed-in page: who, the navigation, the sign-out form's token.
+pub(super) struct Chrome {
+    pub key_name: String,
+    pub admin: bool,
+    pub csrf: String,
+    pub active: &'static str,
+}
+
+/// Renders `page` with `status`.
+pub(super) fn render(status: StatusCode, page: &impl Template) -> Response {
+    match page.render() {
+        Ok(html) => (status, Html(html)).into_response(),
+        Err(e) => {
+            tracing::error!(error.message = %e, "a console page did not render");
+            (StatusCode::INTERNAL_SERVER_ERROR, "the page did not render").into_response()
+        }
+    }
+}
+
+#[derive(Template)]
+#[template(path = "console/error.html")]
+struct ErrorPage<'a> {
+    status: u16,
+    message: &'a str,
+    violations: Vec<(String, String)>,
+}
+
+/// A page that says what went wrong, and that nothing was changed where it applies.
+pub(super) fn error_page(status: StatusCode, message: &str) -> Response {
+    render(
+        status,
+        &ErrorPage {
+            status: status.as_u16(),
+            message,
+            violations: Vec::new(),
+        },
+    )
+}
+
+/// The page of a refused or failed call: its message and field violations.
+pub(super) fn failure(status: &tonic::Status) -> Response {
+    let http = match status.code() {
+        tonic::Code::InvalidArgument | tonic::Code::OutOfRange => StatusCode::BAD_REQUEST,
+        tonic::Code::NotFound => StatusCode::NOT_FOUND,
+        tonic::Code::PermissionDenied => StatusCode::FORBIDDEN,
+        tonic::Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+        tonic::Code::FailedPrecondition | tonic::Code::Aborted | tonic::Code::AlreadyExists => {
+            StatusCode::CONFLICT
+        }
+        tonic::Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
+        tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => {
+            StatusCode::SERVICE_UNAVAILABLE
+        }
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    let violations = status
+        .get_details_bad_request()
+        .map(|b| {
+            b.field_violations
+                .into_iter()
+                .map(|v| (v.field, v.description))
+                .collect()
+        })
+        .unwrap_or_default();
+    render(
+        http,
+        &ErrorPage {
+            status: http.as_u16(),
+            message: status.message(),
+            violations,
+        },
+    )
+}
+
+#[derive(Template)]
+#[template(path = "console/sign_in.html")]
+struct SignInPage<'a> {
+    error: Option<&'a str>,
+}
+
+/// The sign-in page, with why the last try failed.
+pub(super) fn sign_in(status: StatusCode, error: Option<&str>) -> Response {
+    render(status, &SignInPage { error })
+}
+
+/// A wire timestamp as `2026-12-05 04:22:18 UTC` ("" when unset).
+pub(super) fn timestamp(t: Option<&prost_types::Timestamp>) -> String {
+    t.and_then(|t| DateTime::<Utc>::from_timestamp(t.seconds, u32::try_from(t.nanos).ok()?))
+        .map(|t| time(&t))
+        .unwrap_or_default()
+}
+
+/// An instant as `2026-12-05 04:22:18 UTC`.
+pub(super) fn time(t: &DateTime<Utc>) -> String {
+    t.format("%Y-%m-%d %H:%M:%S UTC").to_string()
+}
+
+/// A wire state without its prefix: `NEEDS_RECONCILE`.
+pub(super) fn state(state: i32) -> String {
+    v1::IntentState::try_from(state)
+        .map(|s| s.as_str_name())
+        .unwrap_or("UNKNOWN")
+        .trim_start_matches("INTENT_STATE_")
+        .to_owned()
+}
+
+/// A wire decision without its prefix: `DELIVERED`.
+pub(super) fn decision(decision: i32) -> String {
+    v1::Decision::try_from(decision)
+        .map(|d| d.as_str_name())
+        .unwrap_or("UNKNOWN")
+        .trim_start_matches("DECISION_")
+        .to_owned()
+}
+
+/// Most payload bytes a page shows.
+pub(super) const PAYLOAD_SHOWN: usize = 64 * 1024;
+
+/// A payload as shown: pretty JSON when it is JSON, its text when it is UTF-8, hex
+/// otherwise; at most [`PAYLOAD_SHOWN`] bytes of it. Escaped by the template.
+pub(super) struct Payload {
+    pub format: &'static str,
+    pub text: String,
+    pub size: usize,
+    pub truncated: bool,
+}
+
+impl Payload {
+    pub fn of(bytes: &[u8]) -> Self {
+        let size = bytes.len();
+        if size <= PAYLOAD_SHOWN
+            && let Ok(value) = serde_json::from_slice::<serde_json::Value>(bytes)
+            && let Ok(text) = serde_json::to_string_pretty(&value)
+        {
+            return Self {
+                format: "JSON",
+                text,
+                size,
+                truncated: false,
+            };
+        }
+        let shown = &bytes[..size.min(PAYLOAD_SHOWN)];
+        match std::str::from_utf8(shown) {
+            Ok(text) => Self {
+                format: "text",
+                text: text.to_owned(),
+                size,
+                truncated: size > shown.len(),
+            },
+            Err(_) => {
+                let shown = &bytes[..size.min(PAYLOAD_SHOWN / 4)];
+                let text = shown
+                    .chunks(16)
+                    .enumerate()
+                    .map(|(row, chunk)| {
+                        let hex: Vec<String> = chunk.iter().map(|b| format!("{b:02x}")).collect();
+                        format!("{:08x}  {}", row * 16, hex.join(" "))
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                Self {
+                    format: "hex",
+                    text,
+                    size,
+                    truncated: size > shown.len(),
+                }
+            }
+        }
+    }
+}
+
+/// The trace id of a W3C `traceparent` header, if any.
+pub(super) fn trace_id(headers: &std::collections::HashMap<String, String>) -> String {
+    headers
+        .get("traceparent")
+        .and_then(|t| t.split('-').nth(1))
+        .filter(|id| id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()))
+        .unwrap_or_default()
+        .to_owned()
+}

@@ -1,0 +1,333 @@
+//! What the operator console reads and writes beyond the gRPC API's statements: its
+//! sign-ins, the overview's counts and per-minute figures, lookups by idempotency key and
+//! the blocked ordering keys.
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgConnection, PgExecutor, PgPool};
+use uuid::Uuid;
+
+use super::ApiKeyRecord;
+use crate::outbox::{IntentId, IntentState, Result};
+
+/// Stores a sign-in of `key_id` until `ttl` from now, and removes expired ones.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn create_console_session(
+    pool: &PgPool,
+    token_hash: &[u8],
+    key_id: Uuid,
+    csrf_token: &str,
+    ttl: std::time::Duration,
+) -> Result<()> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("DELETE FROM outbox.console_session WHERE expires_at < now()")
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(
+        r#"
+        INSERT INTO outbox.console_session (token_hash, key_id, csrf_token, created_at, expires_at)
+        VALUES ($1, $2, $3, now(), now() + make_interval(secs => $4))
+        "#,
+    )
+    .bind(token_hash)
+    .bind(key_id)
+    .bind(csrf_token)
+    .bind(ttl.as_secs_f64())
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// The live key and CSRF token of an unexpired sign-in.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn find_console_session(
+    db: impl PgExecutor<'_>,
+    token_hash: &[u8],
+) -> Result<Option<(ApiKeyRecord, String)>> {
+    #[derive(sqlx::FromRow)]
+    struct Row {
+        #[sqlx(flatten)]
+        key: ApiKeyRecord,
+        csrf_token: String,
+    }
+    let row: Option<Row> = sqlx::query_as(
+        r#"
+        SELECT k.id, k.name, k.prefix, k.tenants, k.all_tenants, k.scopes, k.regions,
+               k.created_at, k.revoked_at, s.csrf_token
+        FROM outbox.console_session s
+        JOIN outbox.api_key k ON k.id = s.key_id
+        WHERE s.token_hash = $1
+          AND s.expires_at > now()
+          AND k.revoked_at IS NULL
+        "#,
+    )
+    .bind(token_hash)
+    .fetch_optional(db)
+    .await?;
+    Ok(row.map(|r| (r.key, r.csrf_token)))
+}
+
+/// Ends a sign-in.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn delete_console_session(db: impl PgExecutor<'_>, token_hash: &[u8]) -> Result<()> {
+    sqlx::query("DELETE FROM outbox.console_session WHERE token_hash = $1")
+        .bind(token_hash)
+        .execute(db)
+        .await?;
+    Ok(())
+}
+
+/// Revokes one key by id; whether it was live.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn revoke_api_key_by_id(db: impl PgExecutor<'_>, id: Uuid) -> Result<bool> {
+    let done = sqlx::query(
+        "UPDATE outbox.api_key SET revoked_at = now() WHERE id = $1 AND revoked_at IS NULL",
+    )
+    .bind(id)
+    .execute(db)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Live intents of one state, tenant, kind and region.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct GroupCount {
+    /// The state.
+    pub state: IntentState,
+    /// The tenant.
+    pub tenant: String,
+    /// The kind.
+    pub kind: String,
+    /// The region ('' = any).
+    pub region: String,
+    /// How many.
+    pub count: i64,
+}
+
+/// Intents enqueued and delivered in one minute.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct Minute {
+    /// The minute's start.
+    pub at: DateTime<Utc>,
+    /// Intents enqueued in it.
+    pub enqueued: i64,
+    /// Intents delivered (acknowledged) in it.
+    pub delivered: i64,
+}
+
+/// The console's overview of the transaction's tenants.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Overview {
+    /// Live intents (not final) by state, tenant, kind and region.
+    pub counts: Vec<GroupCount>,
+    /// States whose count stopped at [`OVERVIEW_COUNT_CAP`] rows (shown as "at least").
+    pub capped: Vec<IntentState>,
+    /// Earliest `available_at` among claimable PENDING intents.
+    pub oldest_pending_at: Option<DateTime<Utc>>,
+    /// Enqueue time of the oldest STAGED intent.
+    pub oldest_staged_at: Option<DateTime<Utc>>,
+    /// The last hour, a minute at a time, oldest first.
+    pub minutes: Vec<Minute>,
+}
+
+/// Most rows the overview counts in each group of live states: a page must answer fast
+/// however deep the backlog, and beyond this a count is shown as "at least".
+pub const OVERVIEW_COUNT_CAP: i64 = 100_000;
+
+/// Each part is one partial index's predicate (see `queue_depth`), read at most $2 rows.
+/// $1 the API key's regions (empty: any).
+const OVERVIEW_COUNTS: &str = r#"
+    SELECT p.part, p.state, p.tenant_id AS tenant, p.kind, p.region, count(*) AS count
+    FROM (
+        (SELECT 1 AS part, i.state, i.tenant_id, i.kind, i.region FROM outbox.intent i
+         WHERE i.state = 'pending'
+           AND (cardinality($1::text[]) = 0 OR i.region = '' OR i.region = ANY($1::text[]))
+         LIMIT $2)
+        UNION ALL
+        (SELECT 2, i.state, i.tenant_id, i.kind, i.region FROM outbox.intent i
+         WHERE i.state IN ('leased', 'submitted') AND i.lease_expires_at IS NOT NULL
+           AND (cardinality($1::text[]) = 0 OR i.region = '' OR i.region = ANY($1::text[]))
+         LIMIT $2)
+        UNION ALL
+        (SELECT 3, i.state, i.tenant_id, i.kind, i.region FROM outbox.intent i
+         WHERE i.state IN ('needs_reconcile', 'dead_lettered', 'staged')
+           AND (cardinality($1::text[]) = 0 OR i.region = '' OR i.region = ANY($1::text[]))
+         LIMIT $2)
+        UNION ALL
+        (SELECT 4, i.state, i.tenant_id, i.kind, i.region FROM outbox.intent i
+         WHERE i.state = 'waiting' AND i.ordering_key IS NOT NULL
+           AND (cardinality($1::text[]) = 0 OR i.region = '' OR i.region = ANY($1::text[]))
+         LIMIT $2)
+    ) p
+    GROUP BY p.part, p.state, p.tenant_id, p.kind, p.region
+    ORDER BY p.state, p.tenant_id, p.kind, p.region
+"#;
+
+/// Per minute of the hour before $2 (or now): intents enqueued (by their UUIDv7 ids, from
+/// the primary key and the history's buckets) and delivered (by their finish time).
+/// $1 the API key's regions.
+const OVERVIEW_MINUTES: &str = r#"
+    WITH bounds AS (
+        SELECT date_trunc('minute', coalesce($2::timestamptz, now())) AS last,
+               date_trunc('minute', coalesce($2::timestamptz, now())) - interval '59 minutes'
+                   AS first
+    ), floor AS (
+        SELECT (substr(h, 1, 8) || '-' || substr(h, 9, 4) || '-7000-8000-000000000000')::uuid
+                   AS id, first
+        FROM bounds,
+             LATERAL (SELECT lpad(to_hex((extract(epoch FROM first) * 1000)::bigint), 12, '0')
+                      AS h) x
+    ), enqueued AS (
+        SELECT date_trunc('minute', e.created_at) AS at, count(*) AS n
+        FROM (
+            SELECT i.created_at, i.region FROM outbox.intent i, floor f WHERE i.id >= f.id
+            UNION ALL
+            SELECT x.created_at, x.region
+            FROM floor f, outbox.delivered_batch b CROSS JOIN LATERAL unnest(b.items) x
+            WHERE b.bucket >= outbox.history_bucket(f.id) AND x.id >= f.id
+        ) e
+        WHERE cardinality($1::text[]) = 0 OR e.region = '' OR e.region = ANY($1::text[])
+        GROUP BY 1
+    ), delivered AS (
+        SELECT date_trunc('minute', d.finished_at) AS at, sum(d.n)::bigint AS n
+        FROM (
+            SELECT i.finished_at, i.region, 1 AS n FROM outbox.intent i, floor f
+            WHERE i.state = 'delivered' AND i.finished_at >= f.first
+            UNION ALL
+            SELECT b.finished_at, b.region, cardinality(b.ids) FROM outbox.delivered_batch b, floor f
+            WHERE b.finished_at >= f.first
+        ) d
+        WHERE cardinality($1::text[]) = 0 OR d.region = '' OR d.region = ANY($1::text[])
+        GROUP BY 1
+    )
+    SELECT m.at, coalesce(e.n, 0)::bigint AS enqueued, coalesce(d.n, 0)::bigint AS delivered
+    FROM bounds, generate_series(bounds.first, bounds.last, interval '1 minute') m(at)
+    LEFT JOIN enqueued e ON e.at = m.at
+    LEFT JOIN delivered d ON d.at = m.at
+    ORDER BY m.at
+"#;
+
+/// Reads the [`Overview`] of the transaction's tenants in `regions` (empty: any).
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn overview(
+    conn: &mut PgConnection,
+    regions: &[String],
+    now: Option<DateTime<Utc>>,
+) -> Result<Overview> {
+    #[derive(sqlx::FromRow)]
+    struct Row {
+        part: i32,
+        #[sqlx(flatten)]
+        group: GroupCount,
+    }
+    let rows: Vec<Row> = sqlx::query_as(OVERVIEW_COUNTS)
+        .bind(regions)
+        .bind(OVERVIEW_COUNT_CAP)
+        .fetch_all(&mut *conn)
+        .await?;
+    let mut capped = Vec::new();
+    for part in 1..=4 {
+        let in_part = || rows.iter().filter(move |r| r.part == part);
+        if in_part().map(|r| r.group.count).sum::<i64>() >= OVERVIEW_COUNT_CAP {
+            capped.extend(in_part().map(|r| r.group.state));
+        }
+    }
+    capped.sort_by_key(|s| *s as i32);
+    capped.dedup();
+    let (oldest_pending_at, oldest_staged_at): (Option<DateTime<Utc>>, Option<DateTime<Utc>>) =
+        sqlx::query_as(
+            r#"
+            SELECT
+                outbox.oldest_pending($1::timestamptz, $2::text[]),
+                (SELECT min(i.created_at) FROM outbox.intent i
+                 WHERE i.state = 'staged'
+                   AND (cardinality($2::text[]) = 0 OR i.region = ''
+                        OR i.region = ANY($2::text[])))
+            "#,
+        )
+        .bind(now)
+        .bind(regions)
+        .fetch_one(&mut *conn)
+        .await?;
+    let minutes = sqlx::query_as(OVERVIEW_MINUTES)
+        .bind(regions)
+        .bind(now)
+        .fetch_all(&mut *conn)
+        .await?;
+    Ok(Overview {
+        counts: rows.into_iter().map(|r| r.group).collect(),
+        capped,
+        oldest_pending_at,
+        oldest_staged_at,
+        minutes,
+    })
+}
+
+/// The intents of the transaction's tenants with this idempotency key (one per tenant).
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn ids_by_idempotency_key(conn: &mut PgConnection, key: &str) -> Result<Vec<IntentId>> {
+    let ids: Vec<Uuid> = sqlx::query_scalar(
+        r#"
+        SELECT i.id FROM outbox.intent i
+        WHERE i.idempotency_key = $1 AND i.state <> 'discarded'
+        ORDER BY i.id
+        LIMIT 100
+        "#,
+    )
+    .bind(key)
+    .fetch_all(conn)
+    .await?;
+    Ok(ids.into_iter().map(IntentId).collect())
+}
+
+/// An ordering key held back by its first intent.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct BlockedKey {
+    /// The head intent.
+    pub id: Uuid,
+    /// Its tenant.
+    pub tenant: String,
+    /// Its kind.
+    pub kind: String,
+    /// The ordering key.
+    pub ordering_key: String,
+    /// The head's state.
+    pub state: IntentState,
+    /// Since when (the head's last state change).
+    pub since: DateTime<Utc>,
+}
+
+/// The longest-blocked ordering keys first, at most `limit` (see `BLOCKED_HEADS`).
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn blocked_keys(
+    conn: &mut PgConnection,
+    regions: &[String],
+    now: Option<DateTime<Utc>>,
+    limit: i64,
+) -> Result<Vec<BlockedKey>> {
+    let keys = sqlx::query_as(&format!(
+        "SELECT i.id, i.tenant_id AS tenant, i.kind, i.ordering_key, i.state, \
+         i.updated_at AS since {} ORDER BY i.updated_at LIMIT $3",
+        super::inspect::BLOCKED_HEADS
+    ))
+    .bind(regions)
+    .bind(now)
+    .bind(limit)
+    .fetch_all(conn)
+    .await?;
+    Ok(keys)
+}

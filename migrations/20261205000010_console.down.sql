@@ -1,21 +1,4 @@
--- Takes back what …10 granted, then restores …09's grant.
-DO $$
-DECLARE
-    grantee text;
-BEGIN
-    FOR grantee IN
-        SELECT DISTINCT pg_get_userbyid(a.grantee)::text
-        FROM pg_class c, aclexplode(c.relacl) a
-        WHERE c.oid = 'outbox.api_key'::regclass
-          AND a.privilege_type = 'INSERT'
-          AND a.grantee <> c.relowner
-          AND a.grantee <> 0
-    LOOP
-        EXECUTE format('REVOKE INSERT, UPDATE ON outbox.api_key FROM %I', grantee);
-    END LOOP;
-END
-$$;
-
+-- Restores …09's grant.
 DROP TABLE outbox.console_session;
 
 CREATE OR REPLACE FUNCTION outbox.grant_service_role(role_name text) RETURNS void

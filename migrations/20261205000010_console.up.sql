@@ -1,5 +1,4 @@
--- The operator console (docs/console.md): its sign-ins, and API keys written by the
--- server for a console admin as `outboxd keys` writes them for the owner.
+-- The operator console (docs/console.md): its sign-ins.
 
 -- A console sign-in. The cookie carries a random secret; only its SHA-256 is stored (as
 -- for API keys). A session lives no longer than its key: the lookup joins the live key,
@@ -16,6 +15,8 @@ CREATE TABLE outbox.console_session (
 -- Sign-ins remove expired sessions.
 CREATE INDEX console_session_expires_at_idx ON outbox.console_session (expires_at);
 
+-- The service role writes sign-ins (never keys: the console mints and revokes them through
+-- the owner's connection, see docs/console.md).
 CREATE OR REPLACE FUNCTION outbox.grant_service_role(role_name text) RETURNS void
 LANGUAGE plpgsql
 AS $$
@@ -26,8 +27,7 @@ BEGIN
     EXECUTE format('GRANT SELECT, INSERT, UPDATE ON outbox.queue_level, outbox.queue_policy, outbox.queue_policy_change TO %I', role_name);
     EXECUTE format('GRANT SELECT ON outbox.all_intents TO %I', role_name);
     EXECUTE format('GRANT USAGE ON ALL SEQUENCES IN SCHEMA outbox TO %I', role_name);
-    EXECUTE format('GRANT SELECT, INSERT ON outbox.api_key TO %I', role_name);
-    EXECUTE format('GRANT UPDATE (revoked_at) ON outbox.api_key TO %I', role_name);
+    EXECUTE format('GRANT SELECT ON outbox.api_key TO %I', role_name);
     EXECUTE format('GRANT SELECT, INSERT, DELETE ON outbox.console_session TO %I', role_name);
     EXECUTE format('GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA outbox TO %I', role_name);
 END;

@@ -342,16 +342,28 @@ impl Authenticator {
         self.resolve(secret).await
     }
 
-    /// The caller whose key is `secret` (the console's sign-in).
+    /// The caller whose key is `secret`, read from the database now, not from the cache:
+    /// a console sign-in must not outlive the key's revocation by the cache's TTL.
     ///
     /// # Errors
     /// As [`Self::authenticate`].
-    pub async fn resolve(&self, secret: &str) -> Result<Caller> {
+    pub async fn resolve_now(&self, secret: &str) -> Result<Caller> {
+        self.lookup(secret, false).await
+    }
+
+    async fn resolve(&self, secret: &str) -> Result<Caller> {
+        self.lookup(secret, true).await
+    }
+
+    async fn lookup(&self, secret: &str, cached: bool) -> Result<Caller> {
         let hash = hash_key(secret);
-        let cached = self
-            .lock()
-            .get(&hash)
-            .and_then(|(caller, at)| (at.elapsed() < self.ttl).then(|| caller.clone()));
+        let cached = cached
+            .then(|| {
+                self.lock()
+                    .get(&hash)
+                    .and_then(|(caller, at)| (at.elapsed() < self.ttl).then(|| caller.clone()))
+            })
+            .flatten();
         let caller = match cached {
             Some(caller) => caller,
             None => {

@@ -419,6 +419,25 @@ pub async fn verify_fleet_role(pool: &PgPool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The schema owner's connection the console mints and revokes keys through, when the
+/// server has one: `OUTBOX_DATABASE__MIGRATION_URL`, or the running embedded cluster's.
+/// Connected on first use, one connection.
+fn console_owner(settings: &Settings) -> anyhow::Result<Option<PgPool>> {
+    let url =
+        settings.database.migration_url.clone().or_else(|| {
+            settings.database.url.is_none().then(|| {
+                crate::embedded::running_url(&settings.embedded.data_dir, EMBEDDED_DATABASE)
+            })?
+        });
+    url.map(|url| {
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect_lazy(&url)
+            .context("OUTBOX_DATABASE__MIGRATION_URL is not a valid PostgreSQL URL")
+    })
+    .transpose()
+}
+
 /// The schema owner's URL, for `migrate` and key management: `OUTBOX_DATABASE__MIGRATION_URL`,
 /// else `OUTBOX_DATABASE__URL`, else the embedded cluster (the running server's, or started
 /// here and returned so the caller stops it).
@@ -566,6 +585,7 @@ impl Application {
                     clock: runtime.clock.clone(),
                     session_ttl: settings.console.session_ttl,
                     secure: settings.tls.is_some(),
+                    owner: console_owner(settings)?,
                 };
                 let tls = match &settings.tls {
                     Some(tls) => Some(crate::console::tls_acceptor(tls)?),

@@ -663,12 +663,12 @@ pub fn reconcile(req: v1::ReconcileRequest, limits: &Limits) -> Result<Reconcile
     let target = match req.target {
         None => {
             c.fail("target", "give either ids or filter");
-            ReconcileTarget::Ids(Vec::new())
+            ReconcileTarget::Ids(Vec::new(), Vec::new())
         }
         Some(v1::reconcile_request::Target::Ids(ids)) => {
             c.batch("ids.ids", ids.ids.len(), limits);
             let mut seen = HashSet::new();
-            let ids = ids
+            let ids_seen = ids
                 .ids
                 .iter()
                 .take(limits.max_batch)
@@ -685,7 +685,24 @@ pub fn reconcile(req: v1::ReconcileRequest, limits: &Limits) -> Result<Reconcile
             if req.limit != 0 {
                 c.fail("limit", "applies only to a filter");
             }
-            ReconcileTarget::Ids(ids)
+            if !ids.updated_at.is_empty() && ids.updated_at.len() != ids.ids.len() {
+                c.fail("ids.updated_at", "give none, or one per id");
+            }
+            let seen = ids
+                .updated_at
+                .iter()
+                .take(limits.max_batch)
+                .enumerate()
+                .filter_map(|(i, t)| {
+                    c.instant(
+                        &format!("ids.updated_at[{i}]"),
+                        t,
+                        latest_after(Duration::MAX),
+                        "must be a valid instant between the years 1 and 9999",
+                    )
+                })
+                .collect();
+            ReconcileTarget::Ids(ids_seen, seen)
         }
         Some(v1::reconcile_request::Target::Filter(filter)) => {
             let cancel = decision == Decision::Cancel;

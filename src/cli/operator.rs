@@ -281,7 +281,10 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                     created_before: None,
                 })
             } else {
-                v1::reconcile_request::Target::Ids(v1::ReconcileIds { ids })
+                v1::reconcile_request::Target::Ids(v1::ReconcileIds {
+                    ids,
+                    updated_at: Vec::new(),
+                })
             };
             let decision = match decision {
                 DecisionArg::Delivered => v1::Decision::Delivered,

@@ -11,5 +11,8 @@ pub(super) async fn css() -> impl IntoResponse {
 }
 
 pub(super) async fn js() -> impl IntoResponse {
-    ([(header::CONTENT_TYPE, "text/javascript; charset=utf-8")], JS)
+    (
+        [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
+        JS,
+    )
 }

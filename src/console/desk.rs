@@ -107,6 +107,29 @@ pub(super) async fn resolve(
         .filter(|(k, _)| k == "id")
         .map(|(_, v)| v.clone())
         .collect();
+    // Each intent's updated_at as the page showed it (`seen=<id> <seconds>.<nanos>`).
+    let seen = |id: &str| {
+        fields
+            .iter()
+            .filter(|(k, _)| k == "seen")
+            .filter_map(|(_, v)| v.split_once(' '))
+            .find(|(seen_id, _)| *seen_id == id)
+            .and_then(|(_, at)| at.split_once('.'))
+            .and_then(|(seconds, nanos)| {
+                Some(prost_types::Timestamp {
+                    seconds: seconds.parse().ok()?,
+                    nanos: nanos.parse().ok()?,
+                })
+            })
+    };
+    let updated_at: Option<Vec<prost_types::Timestamp>> = ids.iter().map(|id| seen(id)).collect();
+    let Some(updated_at) = updated_at else {
+        return view::error_page(
+            StatusCode::BAD_REQUEST,
+            "the form did not say when each intent was seen (reload the page); nothing was \
+             changed",
+        );
+    };
     if ids.is_empty() {
         return view::error_page(
             StatusCode::BAD_REQUEST,
@@ -132,6 +155,7 @@ pub(super) async fn resolve(
     let request = v1::ReconcileRequest {
         target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
             ids: ids.clone(),
+            updated_at,
         })),
         decision: decision as i32,
         actor: actor.clone(),

@@ -52,6 +52,9 @@ pub(super) struct Row {
     pub attempts: String,
     pub created_at: String,
     pub updated_at: String,
+    /// `updated_at` exactly, `seconds.nanos`: what a decision form sends back, so that a
+    /// decision is not taken on an intent changed since the page was read.
+    pub seen: String,
     pub worker: String,
     pub last_error: String,
 }
@@ -66,6 +69,11 @@ impl Row {
             attempts: format!("{}/{}", i.attempts, i.max_attempts),
             created_at: view::timestamp(i.created_at.as_ref()),
             updated_at: view::timestamp(i.updated_at.as_ref()),
+            seen: i
+                .updated_at
+                .as_ref()
+                .map(|t| format!("{}.{:09}", t.seconds, t.nanos))
+                .unwrap_or_default(),
             worker: i.worker_id.clone(),
             last_error: i.last_error.chars().take(300).collect(),
         }
@@ -96,9 +104,7 @@ fn instant(field: &str, value: &str) -> Result<Option<DateTime<Utc>>, Response> 
     DateTime::parse_from_rfc3339(value)
         .map(|t| t.with_timezone(&Utc))
         .or_else(|_| NaiveDateTime::parse_from_str(value, "%Y-%m-%dT%H:%M").map(|t| t.and_utc()))
-        .or_else(|_| {
-            NaiveDateTime::parse_from_str(value, "%Y-%m-%dT%H:%M:%S").map(|t| t.and_utc())
-        })
+        .or_else(|_| NaiveDateTime::parse_from_str(value, "%Y-%m-%dT%H:%M:%S").map(|t| t.and_utc()))
         .map(Some)
         .map_err(|_| {
             view::error_page(
@@ -110,7 +116,9 @@ fn instant(field: &str, value: &str) -> Result<Option<DateTime<Utc>>, Response> 
 
 /// The smallest UUIDv7 of `t`'s millisecond: ids after it were minted at `t` or later.
 fn first_id_at(t: DateTime<Utc>) -> Uuid {
-    let ms = u64::try_from(t.timestamp_millis()).unwrap_or(0).to_be_bytes();
+    let ms = u64::try_from(t.timestamp_millis())
+        .unwrap_or(0)
+        .to_be_bytes();
     let mut bytes = [0u8; 16];
     bytes[..6].copy_from_slice(&ms[2..]);
     bytes[6] = 0x70;
@@ -128,7 +136,10 @@ pub(super) async fn list(
     if !q.is_empty() {
         return find(&console, &session, &filter.tenant, q).await;
     }
-    let (since, until) = match (instant("since", &filter.since), instant("until", &filter.until)) {
+    let (since, until) = match (
+        instant("since", &filter.since),
+        instant("until", &filter.until),
+    ) {
         (Ok(since), Ok(until)) => (since, until),
         (Err(e), _) | (_, Err(e)) => return e,
     };
@@ -164,7 +175,11 @@ pub(super) async fn list(
         (Some(until), Some(t)) => t.seconds <= until.timestamp(),
         _ => true,
     };
-    let shown: Vec<&v1::Intent> = page.intents.iter().take_while(|i| before_until(i)).collect();
+    let shown: Vec<&v1::Intent> = page
+        .intents
+        .iter()
+        .take_while(|i| before_until(i))
+        .collect();
     let next = (shown.len() == page.intents.len() && !page.next_page_token.is_empty()).then(|| {
         format!(
             "/intents?state={}&tenant={}&kind={}&region={}&until={}&after={}",
@@ -198,7 +213,10 @@ async fn find(console: &Shared, session: &Session, tenant: &str, q: &str) -> Res
         return Redirect::to(&format!("/intents/{id}")).into_response();
     }
     if q.len() > 1024 {
-        return view::error_page(StatusCode::BAD_REQUEST, "an idempotency key is at most 1024 bytes");
+        return view::error_page(
+            StatusCode::BAD_REQUEST,
+            "an idempotency key is at most 1024 bytes",
+        );
     }
     let request = match session.request((), Some(tenant)) {
         Ok(r) => r,
@@ -216,11 +234,16 @@ async fn find(console: &Shared, session: &Session, tenant: &str, q: &str) -> Res
     };
     match read.await {
         Ok(ids) if ids.len() == 1 => Redirect::to(&format!("/intents/{}", ids[0])).into_response(),
-        Ok(ids) if ids.is_empty() => {
-            view::error_page(StatusCode::NOT_FOUND, "no intent has this id or idempotency key")
-        }
+        Ok(ids) if ids.is_empty() => view::error_page(
+            StatusCode::NOT_FOUND,
+            "no intent has this id or idempotency key",
+        ),
         Ok(ids) => {
-            let list = ids.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
+            let list = ids
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ");
             view::error_page(
                 StatusCode::OK,
                 &format!("this idempotency key names intents of several tenants: {list}"),

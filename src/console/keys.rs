@@ -2,6 +2,10 @@
 //! shown once); `POST /keys/{id}/revoke`. A key manages keys within its own reach: an
 //! admin of every tenant any key, an admin of some tenants keys of those tenants only, a
 //! region-bound admin keys bound to its regions only, so no key mints a wider one.
+//!
+//! Keys are written through the schema owner's connection (the service role may read keys,
+//! never write them), and each change asks for the admin's own key again: a session alone,
+//! stolen or forged by whoever can write sessions, cannot mint or revoke a key.
 
 use askama::Template;
 use axum::Form;
@@ -24,6 +28,8 @@ struct KeysPage {
     keys: Vec<Key>,
     created: Option<(String, String)>,
     scopes: [&'static str; 4],
+    /// Keys can be written: the server has the owner's connection.
+    writable: bool,
 }
 
 struct Key {
@@ -41,7 +47,9 @@ struct Key {
 fn manages(caller: &Caller, key: &ApiKeyRecord) -> bool {
     let tenants_within = match &caller.tenants {
         TenantScope::All => true,
-        TenantScope::Tenants(mine) => !key.all_tenants && key.tenants.iter().all(|t| mine.contains(t)),
+        TenantScope::Tenants(mine) => {
+            !key.all_tenants && key.tenants.iter().all(|t| mine.contains(t))
+        }
     };
     let regions_within = caller.regions.is_empty()
         || (!key.regions.is_empty() && key.regions.iter().all(|r| caller.regions.contains(r)));
@@ -63,7 +71,11 @@ pub(super) async fn page(State(console): State<Shared>, session: Session) -> Res
     render(&console, &session, None).await
 }
 
-async fn render(console: &Shared, session: &Session, created: Option<(String, String)>) -> Response {
+async fn render(
+    console: &Shared,
+    session: &Session,
+    created: Option<(String, String)>,
+) -> Response {
     let keys = match store::list_api_keys(console.pools.tenant()).await {
         Ok(keys) => keys,
         Err(e) => return view::failure(&e.into()),
@@ -94,14 +106,47 @@ async fn render(console: &Shared, session: &Session, created: Option<(String, St
             .collect(),
         created,
         scopes: Permission::NAMES,
+        writable: console.owner.is_some(),
     };
     view::render(StatusCode::OK, &page)
+}
+
+/// The owner's connection, once the admin's own key, given again, matches the session's.
+async fn authorized<'a>(
+    console: &'a Shared,
+    session: &Session,
+    csrf: &str,
+    confirm: &str,
+) -> Result<&'a sqlx::PgPool, Response> {
+    admin(session)?;
+    session.check_csrf(csrf)?;
+    let Some(owner) = &console.owner else {
+        return Err(view::error_page(
+            StatusCode::CONFLICT,
+            "this server has no schema owner connection (OUTBOX_DATABASE__MIGRATION_URL), so \
+             keys are managed with `outboxd keys`; nothing was changed",
+        ));
+    };
+    let confirmed = console
+        .auth
+        .resolve_now(confirm.trim())
+        .await
+        .is_ok_and(|caller| caller.key_id == session.caller.key_id);
+    if !confirmed {
+        return Err(view::error_page(
+            StatusCode::FORBIDDEN,
+            "confirm with the API key you signed in with; nothing was changed",
+        ));
+    }
+    Ok(owner)
 }
 
 #[derive(Deserialize)]
 pub(super) struct NewKey {
     #[serde(default)]
     csrf: String,
+    #[serde(default)]
+    confirm: String,
     #[serde(default)]
     name: String,
     /// Comma-separated; `*` for every tenant.
@@ -133,9 +178,10 @@ pub(super) async fn create(
     session: Session,
     Form(form): Form<NewKey>,
 ) -> Response {
-    if let Err(refused) = admin(&session).and_then(|()| session.check_csrf(&form.csrf)) {
-        return refused;
-    }
+    let owner = match authorized(&console, &session, &form.csrf, &form.confirm).await {
+        Ok(owner) => owner,
+        Err(refused) => return refused,
+    };
     let bad = |why: &str| {
         view::error_page(
             StatusCode::BAD_REQUEST,
@@ -189,7 +235,7 @@ pub(super) async fn create(
              created",
         );
     }
-    match auth::issue_key(console.pools.tenant(), name, tenants, scopes, regions).await {
+    match auth::issue_key(owner, name, tenants, scopes, regions).await {
         Ok((record, secret)) => {
             tracing::info!(auth.key = %session.caller.key_name, key.name = %record.name, "console created an API key");
             render(&console, &session, Some((record.name, secret))).await
@@ -202,6 +248,8 @@ pub(super) async fn create(
 pub(super) struct Revoke {
     #[serde(default)]
     csrf: String,
+    #[serde(default)]
+    confirm: String,
 }
 
 /// `POST /keys/{id}/revoke`.
@@ -211,17 +259,24 @@ pub(super) async fn revoke(
     Path(id): Path<Uuid>,
     Form(form): Form<Revoke>,
 ) -> Response {
-    if let Err(refused) = admin(&session).and_then(|()| session.check_csrf(&form.csrf)) {
-        return refused;
-    }
+    let owner = match authorized(&console, &session, &form.csrf, &form.confirm).await {
+        Ok(owner) => owner,
+        Err(refused) => return refused,
+    };
     let keys = match store::list_api_keys(console.pools.tenant()).await {
         Ok(keys) => keys,
         Err(e) => return view::failure(&e.into()),
     };
-    let Some(key) = keys.into_iter().find(|k| k.id == id && manages(&session.caller, k)) else {
-        return view::error_page(StatusCode::NOT_FOUND, "no such key among the keys you manage");
+    let Some(key) = keys
+        .into_iter()
+        .find(|k| k.id == id && manages(&session.caller, k))
+    else {
+        return view::error_page(
+            StatusCode::NOT_FOUND,
+            "no such key among the keys you manage",
+        );
     };
-    match store::revoke_api_key_by_id(console.pools.tenant(), id).await {
+    match store::revoke_api_key_by_id(owner, id).await {
         Ok(_) => {
             tracing::info!(auth.key = %session.caller.key_name, key.name = %key.name, "console revoked an API key");
             render(&console, &session, None).await

@@ -44,6 +44,9 @@ pub struct Console {
     pub session_ttl: Duration,
     /// Served over TLS: cookies are `Secure`.
     pub secure: bool,
+    /// The schema owner's connection, through which an admin mints and revokes keys (the
+    /// service role may read keys, never write them); none: the keys page only lists.
+    pub owner: Option<sqlx::PgPool>,
 }
 
 type Shared = Arc<Console>;
@@ -55,7 +58,10 @@ const MAX_FORM_BYTES: usize = 64 * 1024;
 pub fn router(console: Console) -> Router {
     Router::new()
         .route("/", get(overview::page))
-        .route("/sign-in", get(session::sign_in_page).post(session::sign_in))
+        .route(
+            "/sign-in",
+            get(session::sign_in_page).post(session::sign_in),
+        )
         .route("/sign-out", post(session::sign_out))
         .route("/intents", get(intents::list))
         .route("/intents/{id}", get(intents::one))
@@ -120,7 +126,10 @@ async fn hardened(request: Request, next: Next) -> Response {
         header::X_CONTENT_TYPE_OPTIONS,
         HeaderValue::from_static("nosniff"),
     );
-    headers.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    headers.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
     headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
     headers
         .entry(header::CACHE_CONTROL)

@@ -11,8 +11,8 @@ use axum::response::Response;
 use super::Shared;
 use super::session::Session;
 use super::view::{self, Chrome};
-use crate::outbox::store::{self, Minute};
 use crate::outbox::IntentState;
+use crate::outbox::store::{self, Minute};
 
 #[derive(Template)]
 #[template(path = "console/overview.html")]
@@ -85,8 +85,14 @@ impl Chart {
             max,
             enqueued_total: minutes.iter().map(|m| m.enqueued).sum(),
             delivered_total: minutes.iter().map(|m| m.delivered).sum(),
-            from: minutes.first().map(|m| view::time(&m.at)).unwrap_or_default(),
-            to: minutes.last().map(|m| view::time(&m.at)).unwrap_or_default(),
+            from: minutes
+                .first()
+                .map(|m| view::time(&m.at))
+                .unwrap_or_default(),
+            to: minutes
+                .last()
+                .map(|m| view::time(&m.at))
+                .unwrap_or_default(),
         }
     }
 }

@@ -53,7 +53,11 @@ impl Session {
     }
 
     /// A gRPC request of this session's caller, for `tenant` (the key's tenants if none).
-    pub fn request<T>(&self, message: T, tenant: Option<&str>) -> Result<tonic::Request<T>, Response> {
+    pub fn request<T>(
+        &self,
+        message: T,
+        tenant: Option<&str>,
+    ) -> Result<tonic::Request<T>, Response> {
         let mut request = tonic::Request::new(message);
         request
             .extensions_mut()
@@ -124,7 +128,7 @@ pub(super) async fn sign_in(State(console): State<Shared>, Form(form): Form<Sign
             Some("an API key starts with obx_ (from `outboxd keys create`)"),
         );
     }
-    let caller = match console.auth.resolve(key).await {
+    let caller = match console.auth.resolve_now(key).await {
         Ok(caller) => caller,
         Err(crate::outbox::Error::Unauthenticated(why)) => {
             return view::sign_in(StatusCode::UNAUTHORIZED, Some(&why));

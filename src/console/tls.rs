@@ -62,7 +62,8 @@ impl TlsListener {
                 let (stream, addr) = Listener::accept(&mut listener).await;
                 let (acceptor, sender) = (acceptor.clone(), send.clone());
                 tokio::spawn(async move {
-                    let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream));
+                    let handshake =
+                        tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream));
                     if let Ok(Ok(tls)) = handshake.await {
                         let _ = sender.send((tls, addr)).await;
                     }

@@ -58,9 +58,7 @@ pub(super) fn failure(status: &tonic::Status) -> Response {
             StatusCode::CONFLICT
         }
         tonic::Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
-        tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => {
-            StatusCode::SERVICE_UNAVAILABLE
-        }
+        tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     let violations = status

@@ -453,6 +453,17 @@ impl ItemError {
         }
     }
 
+    /// The intent changed after the caller read it: a decision is not taken on a stale view.
+    pub fn changed_since_read(id: IntentId, state: IntentState) -> Self {
+        Self {
+            reason: Reason::Conflict,
+            message: format!(
+                "intent {id} changed after it was read (it is {state} now); read it again \
+                 before deciding"
+            ),
+        }
+    }
+
     /// The intent is in a state the operation does not apply to.
     pub fn invalid_state(id: IntentId, state: IntentState, wanted: &str) -> Self {
         Self {

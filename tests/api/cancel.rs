@@ -14,6 +14,7 @@ fn cancel_ids(ids: &[&str]) -> v1::ReconcileRequest {
     v1::ReconcileRequest {
         target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
             ids: ids.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
         })),
         decision: Decision::Cancel as i32,
         actor: "alice".into(),

@@ -235,6 +235,8 @@ pub struct TestApp {
     pub addr: std::net::SocketAddr,
     /// The `/metrics` endpoint, when enabled.
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// The console, when enabled (`OUTBOX_CONSOLE__LISTEN_ADDR`).
+    pub console_addr: Option<std::net::SocketAddr>,
     /// URL of the outbox database (superuser), for producer connections.
     pub url: String,
     app: Option<Application>,
@@ -313,6 +315,7 @@ impl TestApp {
             settings,
             addr: app.local_addr(),
             metrics_addr: app.metrics_addr(),
+            console_addr: app.console_addr(),
             url,
             app: Some(app),
         }

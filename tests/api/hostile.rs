@@ -448,7 +448,10 @@ fn random_ref() -> v1::LeaseRef {
 
 fn reconcile_ids(ids: Vec<String>) -> v1::ReconcileRequest {
     v1::ReconcileRequest {
-        target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds { ids })),
+        target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
+            ids,
+            ..Default::default()
+        })),
         decision: v1::Decision::Delivered as i32,
         actor: "mallory".into(),
         reason: "hostile".into(),

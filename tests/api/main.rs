@@ -2,10 +2,12 @@
 //! migrated template) and a real outboxd server on 127.0.0.1:0, driven through the
 //! generated gRPC client.
 
+mod browser;
 mod cancel;
 mod cancellation;
 mod claim;
 mod commands;
+mod console;
 mod enqueue;
 mod flow_control;
 mod group_commit;

@@ -220,6 +220,7 @@ async fn delivered_intents_without_a_key_leave_the_live_table_and_stay_readable_
         .reconcile(v1::ReconcileRequest {
             target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
                 ids: vec![ids[1].clone()],
+                ..Default::default()
             })),
             decision: v1::Decision::Requeue as i32,
             actor: "alice".into(),

@@ -1049,6 +1049,7 @@ impl StateMachineTest for Lifecycle {
                 let request = v1::ReconcileRequest {
                     target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
                         ids: vec![id.clone()],
+                        ..Default::default()
                     })),
                     decision: decision as i32,
                     actor: "model".into(),

@@ -24,6 +24,7 @@ fn decide(id: &str, decision: Decision) -> v1::ReconcileRequest {
     v1::ReconcileRequest {
         target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
             ids: vec![id.to_owned()],
+            ..Default::default()
         })),
         decision: decision as i32,
         actor: "alice".into(),

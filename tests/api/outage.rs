@@ -180,6 +180,7 @@ async fn every_rpc_answers_unavailable_when_the_database_address_accepts_and_clo
                 .reconcile(v1::ReconcileRequest {
                     target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
                         ids: vec![id_of(lease).to_owned()],
+                        ..Default::default()
                     })),
                     decision: v1::Decision::Delivered as i32,
                     actor: "alice".into(),

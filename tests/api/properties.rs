@@ -267,8 +267,12 @@ fn reconcile_request() -> impl Strategy<Value = v1::ReconcileRequest> {
     let target = proptest::option::weighted(
         0.9,
         prop_oneof![
-            prop_oneof![3 => vec(uuid_text(), 1..3), 1 => vec(uuid_text(), 0..5)]
-                .prop_map(|ids| v1::reconcile_request::Target::Ids(v1::ReconcileIds { ids })),
+            prop_oneof![3 => vec(uuid_text(), 1..3), 1 => vec(uuid_text(), 0..5)].prop_map(|ids| {
+                v1::reconcile_request::Target::Ids(v1::ReconcileIds {
+                    ids,
+                    ..Default::default()
+                })
+            }),
             (
                 prop_oneof![3 => vec(6..8i32, 1..3), 1 => vec(small_i32(), 0..4)],
                 prop_oneof![Just(String::new()), name_like().boxed()],
@@ -491,7 +495,7 @@ fn check_reconcile(req: &v1::ReconcileRequest, limits: &Limits) {
             assert!(!r.actor.is_empty() && printable(&r.actor, limits.max_name_length));
             assert!(!r.reason.is_empty() && printable(&r.reason, limits.max_text_length));
             match r.target {
-                ReconcileTarget::Ids(ids) => {
+                ReconcileTarget::Ids(ids, _) => {
                     assert!((1..=limits.max_batch).contains(&ids.len()));
                     let unique: HashSet<_> = ids.iter().map(|i| i.0).collect();
                     assert_eq!(unique.len(), ids.len());

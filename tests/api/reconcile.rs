@@ -9,6 +9,7 @@ fn by_ids(ids: &[&str], decision: Decision) -> v1::ReconcileRequest {
     v1::ReconcileRequest {
         target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
             ids: ids.iter().map(|s| s.to_string()).collect(),
+            updated_at: Vec::new(),
         })),
         decision: decision as i32,
         actor: "alice".into(),
@@ -221,4 +222,46 @@ async fn reconcile_requests_without_a_decision_actor_reason_or_target_are_invali
         &["ids.ids[0]"],
     );
     assert_eq!(app.snapshot().await, before);
+}
+
+#[tokio::test]
+async fn a_decision_on_an_intent_changed_since_it_was_read_is_not_taken() {
+    let app = TestApp::spawn().await;
+    let ids = ambiguous(&app, "charge", 2).await;
+    let seen: Vec<_> = [&ids[0], &ids[1]]
+        .iter()
+        .map(|id| async { app.intent(id).await.updated_at.unwrap() })
+        .collect::<futures::future::JoinAll<_>>()
+        .await;
+    app.advance(std::time::Duration::from_secs(1));
+    let first = app
+        .reconcile(by_ids(&[&ids[0]], Decision::Dead))
+        .await
+        .unwrap();
+    assert!(first[0].error.is_none());
+    let mut request = by_ids(&[&ids[0], &ids[1]], Decision::Requeue);
+    if let Some(v1::reconcile_request::Target::Ids(target)) = &mut request.target {
+        target.updated_at = seen.clone();
+    }
+    let results = app.reconcile(request).await.unwrap();
+    let error = results[0]
+        .error
+        .as_ref()
+        .expect("changed since it was read");
+    assert_eq!(error.reason, "CONFLICT");
+    assert!(
+        error.message.contains("changed after it was read"),
+        "{error:?}"
+    );
+    assert_eq!(results[0].state(), IntentState::DeadLettered);
+    assert!(results[1].error.is_none(), "unchanged: decided");
+    assert_eq!(results[1].state(), IntentState::Pending);
+    assert_eq!(app.get(&ids[0]).await.resolutions.len(), 1);
+
+    let mut uneven = by_ids(&[&ids[1]], Decision::Dead);
+    if let Some(v1::reconcile_request::Target::Ids(target)) = &mut uneven.target {
+        target.updated_at = seen;
+    }
+    let refused = app.reconcile(uneven).await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument);
 }

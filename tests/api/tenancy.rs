@@ -66,6 +66,7 @@ async fn no_rpc_lets_a_tenant_read_or_change_another_tenants_intents() {
         .reconcile(v1::ReconcileRequest {
             target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
                 ids: vec![b.waiting.clone()],
+                ..Default::default()
             })),
             decision: v1::Decision::Delivered as i32,
             actor: "mallory".into(),
@@ -683,7 +684,10 @@ async fn an_operator_key_bound_to_a_region_sees_and_resolves_only_that_regions_i
     assert_status(&outside, Code::PermissionDenied, "REGION_NOT_ALLOWED", &[]);
 
     let requeue = |ids: Vec<String>| v1::ReconcileRequest {
-        target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds { ids })),
+        target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
+            ids,
+            ..Default::default()
+        })),
         decision: v1::Decision::Requeue as i32,
         actor: "alice".into(),
         reason: "checked".into(),

@@ -23,6 +23,8 @@ pub struct Current {
     pub lease_id: Option<Uuid>,
     /// Its last claim took its last attempt: a RETRY from that lease dead-letters it.
     pub attempts_used_up: bool,
+    /// Its last state change.
+    pub updated_at: chrono::DateTime<chrono::Utc>,
 }
 
 /// The intents of `ids` the transaction's tenants see, within `key_regions` (the caller's
@@ -41,7 +43,8 @@ pub async fn current_intents(
     }
     let current = sqlx::query_as::<_, Current>(
         r#"
-        SELECT i.id, i.state, i.lease_id, i.attempts >= i.max_attempts AS attempts_used_up
+        SELECT i.id, i.state, i.lease_id, i.attempts >= i.max_attempts AS attempts_used_up,
+               i.updated_at
         FROM outbox.intents_by_id($1) i
         WHERE (cardinality($2::text[]) = 0 OR i.region = '' OR i.region = ANY($2::text[]))
         "#,

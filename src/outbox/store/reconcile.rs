@@ -13,8 +13,9 @@ use crate::outbox::{Decision, IntentId, IntentState, ItemError, ItemResult, Resu
 /// Which intents a decision applies to.
 #[derive(Debug, Clone)]
 pub enum ReconcileTarget {
-    /// These ids, each reported in request order.
-    Ids(Vec<IntentId>),
+    /// These ids, each reported in request order, and (if not empty) each one's
+    /// `updated_at` as the caller saw it: one changed since is not decided.
+    Ids(Vec<IntentId>, Vec<DateTime<Utc>>),
     /// Every intent matching, oldest first, up to `limit`.
     Filter {
         /// States to match (subset of NEEDS_RECONCILE, DEAD_LETTERED).
@@ -92,8 +93,17 @@ pub async fn resolve_intents(
     params: ReconcileParams<'_>,
 ) -> Result<Vec<ItemResult>> {
     let allowed = from_states(params.decision);
+    // When the caller said when it read each intent: the instant, by id.
+    let seen: std::collections::HashMap<Uuid, DateTime<Utc>> = match &params.target {
+        ReconcileTarget::Ids(ids, seen) => ids
+            .iter()
+            .map(|id| id.0)
+            .zip(seen.iter().copied())
+            .collect(),
+        ReconcileTarget::Filter { .. } => std::collections::HashMap::new(),
+    };
     let sql = match params.target {
-        ReconcileTarget::Ids(_) => RESOLVE_BY_IDS,
+        ReconcileTarget::Ids(..) => RESOLVE_BY_IDS,
         ReconcileTarget::Filter { .. } => RESOLVE_BY_FILTER,
     };
     let query = sqlx::query_as::<_, ResolveRow>(sql)
@@ -105,7 +115,9 @@ pub async fn resolve_intents(
         .bind(PENDING_CHANNEL)
         .bind(params.key_regions);
     let query = match params.target {
-        ReconcileTarget::Ids(ids) => query.bind(ids.into_iter().map(|id| id.0).collect::<Vec<_>>()),
+        ReconcileTarget::Ids(ids, seen) => query
+            .bind(ids.into_iter().map(|id| id.0).collect::<Vec<_>>())
+            .bind(seen),
         ReconcileTarget::Filter {
             states,
             kind,
@@ -139,9 +151,14 @@ pub async fn resolve_intents(
                 Some(state) => Some(state),
                 None => current.get(&row.id).map(|c| c.state),
             };
+            let stale = match (seen.get(&row.id), current.get(&row.id)) {
+                (Some(seen), Some(now)) => now.updated_at != *seen,
+                _ => false,
+            };
             let error = match state {
                 _ if row.applied => None,
                 None => Some(ItemError::not_found(id)),
+                Some(state) if stale => Some(ItemError::changed_since_read(id, state)),
                 // Passed over, then moved where the decision applies (a worker's Fail, say):
                 // INVALID_STATE would contradict the state it names.
                 Some(state) if allowed.contains(&state) => {

@@ -148,7 +148,10 @@ async fn caller(endpoint: &str, keys: &Keys, end: Instant, mut rng: Rng, n: u64)
                     // Ids nobody has: every item NOT_FOUND, nothing resolved.
                     let ids = vec![Uuid::now_v7().to_string()];
                     let request = v1::ReconcileRequest {
-                        target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds { ids })),
+                        target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
+                            ids,
+                            ..Default::default()
+                        })),
                         decision: v1::Decision::Delivered as i32,
                         actor: "storm".into(),
                         reason: "made-up id".into(),

@@ -2,10 +2,11 @@
 -- outbox.resolution in the same statement. $1 the states the decision applies to,
 -- $2 the decision ('delivered', 'requeue', 'dead' or 'cancel'), $3 actor, $4 reason, $5
 -- now (or NULL), $6 the pending channel (a requeue wakes claimers), $7 the API key's regions
--- (empty: any), $8 the intent ids. One row per id, in request order: whether it applied,
--- the state it left the intent in, and its tenant and ordering key (to advance).
+-- (empty: any), $8 the intent ids, $9 each one's updated_at as the caller saw it (or
+-- empty: any). One row per id, in request order: whether it applied, the state it left the
+-- intent in, and its tenant and ordering key (to advance).
 WITH input AS (
-    SELECT * FROM unnest($8::uuid[]) WITH ORDINALITY AS t(id, ord)
+    SELECT * FROM unnest($8::uuid[], $9::timestamptz[]) WITH ORDINALITY AS t(id, seen, ord)
 ),
 target AS (
     SELECT i.id, i.state
@@ -16,6 +17,7 @@ target AS (
            OR ($2 = 'dead' AND i.state = 'dead_lettered' AND i.ordering_key IS NOT NULL
                AND i.finished_at IS NULL))
       AND (cardinality($7::text[]) = 0 OR i.region = '' OR i.region = ANY($7::text[]))
+      AND (input.seen IS NULL OR i.updated_at = input.seen)
     FOR UPDATE OF i
 ),
 resolved AS (

@@ -493,6 +493,7 @@ impl Suite {
                 let message = v1::ReconcileRequest {
                     target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
                         ids: chunk.to_vec(),
+                        ..Default::default()
                     })),
                     decision: decision as i32,
                     actor: "outboxd-faults".to_owned(),

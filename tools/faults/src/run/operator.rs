@@ -122,6 +122,7 @@ async fn decide(rpc: &mut Rpc, ids: &[Uuid], decision: v1::Decision, reason: &st
     let message = v1::ReconcileRequest {
         target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
             ids: ids.iter().map(Uuid::to_string).collect(),
+            ..Default::default()
         })),
         decision: decision as i32,
         actor: ACTOR.to_owned(),

@@ -1,0 +1,145 @@
+//! A real browser for the console's tests: the system's chromium, headless, driven by its
+//! chromedriver over WebDriver (Debian: `apt-get install chromium chromium-driver`).
+
+use std::time::{Duration, Instant};
+
+use fantoccini::{Client, ClientBuilder, Locator};
+use serde_json::json;
+use tokio::process::{Child, Command};
+use tokio::sync::Semaphore;
+
+/// Browsers at once: each is a chromium, and the machine has two cores.
+static BROWSERS: Semaphore = Semaphore::const_new(2);
+
+pub struct Browser {
+    pub client: Client,
+    base: String,
+    _driver: Child,
+    _permit: tokio::sync::SemaphorePermit<'static>,
+}
+
+impl Browser {
+    /// A fresh browser (no cookies) pointed at the console at `addr`.
+    pub async fn open(addr: std::net::SocketAddr) -> Self {
+        let permit = BROWSERS.acquire().await.unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let driver = Command::new("chromedriver")
+            .arg(format!("--port={port}"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("chromedriver is needed: apt-get install chromium chromium-driver");
+        let mut capabilities = serde_json::Map::new();
+        capabilities.insert(
+            "goog:chromeOptions".to_owned(),
+            json!({ "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
+                             "--disable-dev-shm-usage", "--window-size=1280,1000"] }),
+        );
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let client = loop {
+            let connected =
+                ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
+                    .capabilities(capabilities.clone())
+                    .connect(&format!("http://127.0.0.1:{port}"))
+                    .await;
+            match connected {
+                Ok(client) => break client,
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "chromedriver did not start: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        };
+        Self {
+            client,
+            base: format!("http://{addr}"),
+            _driver: driver,
+            _permit: permit,
+        }
+    }
+
+    pub async fn goto(&self, path: &str) {
+        self.client
+            .goto(&format!("{}{path}", self.base))
+            .await
+            .unwrap();
+    }
+
+    /// The path of the page shown.
+    pub async fn path(&self) -> String {
+        self.client.current_url().await.unwrap().path().to_owned()
+    }
+
+    pub async fn text(&self, css: &str) -> String {
+        self.client
+            .find(Locator::Css(css))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
+    /// The visible text of the whole page.
+    pub async fn body(&self) -> String {
+        self.text("body").await
+    }
+
+    pub async fn fill(&self, css: &str, value: &str) {
+        self.client
+            .find(Locator::Css(css))
+            .await
+            .unwrap()
+            .send_keys(value)
+            .await
+            .unwrap();
+    }
+
+    pub async fn click(&self, css: &str) {
+        self.client
+            .find(Locator::Css(css))
+            .await
+            .unwrap()
+            .click()
+            .await
+            .unwrap();
+    }
+
+    pub async fn select(&self, css: &str, value: &str) {
+        self.client
+            .find(Locator::Css(css))
+            .await
+            .unwrap()
+            .select_by_value(value)
+            .await
+            .unwrap();
+    }
+
+    pub async fn sign_in(&self, key: &str) {
+        self.goto("/sign-in").await;
+        self.fill("#key", key).await;
+        self.click("#sign-in").await;
+    }
+
+    /// Saves the page as `<name>.png` in `OUTBOX_SCREENSHOTS_DIR`, or under `target/`:
+    /// the committed ones in docs/console are made by this with that variable set.
+    pub async fn screenshot(&self, name: &str) {
+        let dir = std::env::var_os("OUTBOX_SCREENSHOTS_DIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| {
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/console-screenshots")
+            });
+        std::fs::create_dir_all(&dir).unwrap();
+        let png = self.client.screenshot().await.unwrap();
+        std::fs::write(dir.join(format!("{name}.png")), png).unwrap();
+    }
+
+    pub async fn close(self) {
+        self.client.close().await.unwrap();
+    }
+}

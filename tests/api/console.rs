@@ -1,0 +1,393 @@
+//! The operator console, in a real browser (headless chromium): sign-in, the reconcile
+//! desk, tenancy, CSRF, hostile payloads, keys; each decision checked through the gRPC API.
+
+use outboxd::proto::v1::{self, Decision, FailOutcome, IntentState};
+
+use crate::browser::Browser;
+use crate::helpers::{TestApp, id_of, intent};
+
+/// A server with the console on, and no schema owner's connection: no migration URL, and
+/// no embedded cluster to find (a developer's `cargo run` may have one running).
+async fn console_app() -> TestApp {
+    TestApp::spawn_with(|s| {
+        s.console.listen_addr = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
+        s.embedded.data_dir = crate::helpers::scratch_dir().join("no-embedded-cluster");
+    })
+    .await
+}
+
+/// Intents a worker left in NEEDS_RECONCILE: claimed, then failed with an unknown outcome.
+async fn left_unknown(app: &TestApp, kind: &str, n: usize) -> Vec<String> {
+    app.enqueue_n(kind, n).await;
+    let leases = app.claim_n("worker-7", n as i32).await;
+    for lease in &leases {
+        app.fail_with(v1::Failure {
+            lease: Some(crate::helpers::lease_ref(lease)),
+            outcome: FailOutcome::Unknown as i32,
+            error: "timeout after the provider accepted the request".to_owned(),
+            ..Default::default()
+        })
+        .await;
+    }
+    leases.iter().map(|l| id_of(l).to_owned()).collect()
+}
+
+#[tokio::test]
+async fn an_operator_resolves_an_intent_a_worker_left_unknown_and_sees_the_audit() {
+    let app = console_app().await;
+    let ids = left_unknown(&app, "charge", 2).await;
+    let key =
+        crate::helpers::create_key(&app.pool, "alice-desk", &["acme"], &["operate"], &[]).await;
+    let browser = Browser::open(app.console_addr.unwrap()).await;
+    browser.sign_in(&key).await;
+    assert_eq!(browser.path().await, "/");
+    assert_eq!(browser.text("#who").await, "alice-desk");
+    assert!(browser.text("#states").await.contains("NEEDS_RECONCILE"));
+    browser.screenshot("overview").await;
+
+    browser.click("a[href='/desk']").await;
+    let desk = browser.text("#intents").await;
+    assert!(desk.contains(&ids[0]) && desk.contains(&ids[1]), "{desk}");
+    assert!(desk.contains("timeout after the provider accepted the request"));
+    browser.screenshot("desk").await;
+    browser.click(&format!("input[value='{}']", ids[0])).await;
+    browser.select("#decision", "DELIVERED").await;
+    browser
+        .fill("#reason", "the PSP dashboard shows the charge")
+        .await;
+    browser.click("#resolve").await;
+    let outcome = browser.text("#outcomes").await;
+    assert!(
+        outcome.contains(&ids[0]) && outcome.contains("applied"),
+        "{outcome}"
+    );
+    assert!(
+        !outcome.contains(&ids[1]),
+        "only the selected intent is decided"
+    );
+
+    browser.goto(&format!("/intents/{}", ids[0])).await;
+    assert_eq!(browser.text("#intent-state").await, "DELIVERED");
+    let audit = browser.text("#resolutions").await;
+    assert!(audit.contains("alice-desk") && audit.contains("the PSP dashboard shows the charge"));
+    browser.screenshot("intent").await;
+
+    let got = app.get(&ids[0]).await;
+    assert_eq!(got.intent.unwrap().state(), IntentState::Delivered);
+    assert_eq!(got.resolutions.len(), 1);
+    assert_eq!(got.resolutions[0].actor, "alice-desk");
+    assert_eq!(got.resolutions[0].decision(), Decision::Delivered);
+    assert_eq!(app.state(&ids[1]).await, IntentState::NeedsReconcile);
+
+    browser.goto("/intents?state=NEEDS_RECONCILE").await;
+    let listed = browser.text("#intents").await;
+    assert!(listed.contains(&ids[1]) && !listed.contains(&ids[0]));
+    browser.screenshot("intents").await;
+    browser.goto("/queues").await;
+    browser.screenshot("queues").await;
+    browser.close().await;
+}
+
+#[tokio::test]
+async fn a_key_of_another_tenant_sees_none_of_it() {
+    let app = console_app().await;
+    let ids = left_unknown(&app, "charge", 1).await;
+    let other =
+        crate::helpers::create_key(&app.pool, "globex-ops", &["globex"], &["operate"], &[]).await;
+    let browser = Browser::open(app.console_addr.unwrap()).await;
+    browser.sign_in(&other).await;
+    assert!(!browser.text("#states").await.contains("NEEDS_RECONCILE"));
+    browser.goto("/desk").await;
+    assert!(browser.body().await.contains("Nothing awaits a decision"));
+    browser.goto(&format!("/intents/{}", ids[0])).await;
+    assert!(
+        browser.text("h1").await.contains("404"),
+        "another tenant's intent is not found"
+    );
+    browser.goto("/intents").await;
+    assert!(!browser.body().await.contains(&ids[0]));
+    browser.close().await;
+}
+
+#[tokio::test]
+async fn signing_out_ends_the_session_and_a_revoked_key_ends_its_sessions() {
+    let app = console_app().await;
+    let key = crate::helpers::create_key(&app.pool, "bob", &["acme"], &["operate"], &[]).await;
+    let browser = Browser::open(app.console_addr.unwrap()).await;
+    browser.sign_in(&key).await;
+    assert_eq!(browser.path().await, "/");
+    let cookies = browser.client.get_all_cookies().await.unwrap();
+    let session = cookies
+        .iter()
+        .find(|c| c.name() == "outboxd_session")
+        .unwrap()
+        .clone();
+    assert_eq!(session.http_only(), Some(true));
+    assert_eq!(session.same_site(), Some(cookie::SameSite::Strict));
+    browser.click("#sign-out").await;
+    assert_eq!(browser.path().await, "/sign-in");
+    // The old cookie, put back, no longer opens anything.
+    browser
+        .client
+        .add_cookie(session.into_owned())
+        .await
+        .unwrap();
+    browser.goto("/desk").await;
+    assert_eq!(browser.path().await, "/sign-in");
+
+    browser.sign_in(&key).await;
+    assert_eq!(browser.path().await, "/");
+    sqlx::query("UPDATE outbox.api_key SET revoked_at = now() WHERE name = 'bob'")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    browser.goto("/desk").await;
+    assert_eq!(
+        browser.path().await,
+        "/sign-in",
+        "a revoked key's session ends at once"
+    );
+    browser.sign_in(&key).await;
+    assert!(browser.text("#error").await.contains("unknown or revoked"));
+    browser.close().await;
+}
+
+#[tokio::test]
+async fn a_key_without_the_operate_scope_cannot_sign_in() {
+    let app = console_app().await;
+    let producer = app.key(&["acme"], &["produce", "consume"], &[]).await;
+    let browser = Browser::open(app.console_addr.unwrap()).await;
+    browser.sign_in(&producer).await;
+    assert!(browser.text("#error").await.contains("operate or admin"));
+    browser.goto("/").await;
+    assert_eq!(browser.path().await, "/sign-in");
+    browser.sign_in("obx_not-a-key-at-all").await;
+    assert!(browser.text("#error").await.contains("unknown or revoked"));
+    browser.close().await;
+}
+
+#[tokio::test]
+async fn hostile_payloads_render_inert() {
+    let app = console_app().await;
+    let script = "<script>window.pwned = 1</script><img src=x onerror=\"window.pwned = 1\">";
+    let mut binary = intent("binary", "");
+    binary.payload = vec![0xff, 0xfe, 0x00, b'<', b's', 0xc3, 0x28];
+    binary.content_type = "application/octet-stream".to_owned();
+    let mut huge = intent("huge", "");
+    huge.payload = "<b>".repeat(300_000).into_bytes();
+    huge.content_type = "text/plain".to_owned();
+    let mut hostile = intent("hostile", script);
+    hostile.content_type = "text/html".to_owned();
+    hostile.headers.insert(
+        "x-evil".to_owned(),
+        "\"><script>window.pwned = 1</script>".to_owned(),
+    );
+    let ids = app.enqueue_ids(vec![hostile, binary, huge]).await;
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let browser = Browser::open(app.console_addr.unwrap()).await;
+    browser.sign_in(&key).await;
+
+    browser.goto(&format!("/intents/{}", ids[0])).await;
+    assert_eq!(browser.text("#payload").await, script, "shown as text");
+    assert!(browser.text("#headers").await.contains("<script>"));
+    let injected = browser
+        .client
+        .execute(
+            "return [window.pwned === undefined, document.querySelectorAll('main script, main img').length]",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(injected, serde_json::json!([true, 0]));
+
+    browser.goto(&format!("/intents/{}", ids[1])).await;
+    let shown = browser.text("#payload").await;
+    assert!(
+        shown.starts_with("00000000  ff fe 00 3c 73 c3 28"),
+        "{shown}"
+    );
+    assert!(browser.body().await.contains("hex, 7 bytes"));
+
+    browser.goto(&format!("/intents/{}", ids[2])).await;
+    assert!(
+        browser
+            .body()
+            .await
+            .contains("900000 bytes, the first part shown")
+    );
+    let shown = browser.text("#payload").await.len();
+    assert!(
+        shown <= 64 * 1024,
+        "at most 64 KiB of a payload is shown ({shown})"
+    );
+    browser.close().await;
+}
+
+#[tokio::test]
+async fn a_change_without_the_csrf_token_is_refused_and_changes_nothing() {
+    let app = console_app().await;
+    let ids = left_unknown(&app, "charge", 1).await;
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let browser = Browser::open(app.console_addr.unwrap()).await;
+    browser.sign_in(&key).await;
+    browser.goto(&format!("/intents/{}", ids[0])).await;
+    browser
+        .client
+        .execute(
+            "document.querySelector('#decide input[name=csrf]').remove()",
+            vec![],
+        )
+        .await
+        .unwrap();
+    browser.select("#decision", "REQUEUE").await;
+    browser.fill("#reason", "forged").await;
+    browser.click("#resolve").await;
+    assert!(browser.text("h1").await.contains("403"));
+    assert!(browser.text("#error").await.contains("CSRF"));
+    assert_eq!(app.state(&ids[0]).await, IntentState::NeedsReconcile);
+    assert!(app.get(&ids[0]).await.resolutions.is_empty());
+    browser.close().await;
+}
+
+#[tokio::test]
+async fn a_decision_another_operator_took_first_answers_clearly_and_applies_once() {
+    let app = console_app().await;
+    let ids = left_unknown(&app, "charge", 1).await;
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let browser = Browser::open(app.console_addr.unwrap()).await;
+    browser.sign_in(&key).await;
+    browser.goto("/desk").await;
+    browser.click(&format!("input[value='{}']", ids[0])).await;
+    // Meanwhile, a second later, another operator decides it through the API.
+    app.advance(std::time::Duration::from_secs(1));
+    let mut other = app.client();
+    other
+        .reconcile(v1::ReconcileRequest {
+            target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
+                ids: ids.clone(),
+                updated_at: Vec::new(),
+            })),
+            decision: Decision::Dead as i32,
+            actor: "carol".to_owned(),
+            reason: "refunded by hand".to_owned(),
+            limit: 0,
+        })
+        .await
+        .unwrap();
+    browser.select("#decision", "REQUEUE").await;
+    browser.fill("#reason", "deliver again").await;
+    browser.click("#resolve").await;
+    let outcome = browser.text("#outcomes").await;
+    assert!(outcome.contains("not applied"), "{outcome}");
+    assert!(outcome.contains("changed after it was read"), "{outcome}");
+    assert!(outcome.contains("DEAD_LETTERED"), "{outcome}");
+    let got = app.get(&ids[0]).await;
+    assert_eq!(got.intent.unwrap().state(), IntentState::DeadLettered);
+    assert_eq!(got.resolutions.len(), 1, "one decision applied");
+    assert_eq!(got.resolutions[0].actor, "carol");
+    browser.close().await;
+}
+
+#[tokio::test]
+async fn an_admin_creates_a_key_whose_secret_is_shown_once_and_revokes_it() {
+    let url = crate::helpers::fresh_database().await;
+    let owner = url.clone();
+    let app = TestApp::spawn_on(url, |s| {
+        s.console.listen_addr = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
+        s.database.migration_url = Some(owner);
+    })
+    .await;
+    let admin = crate::helpers::create_key(&app.pool, "root-ops", &["acme"], &["admin"], &[]).await;
+    let browser = Browser::open(app.console_addr.unwrap()).await;
+    browser.sign_in(&admin).await;
+    browser.goto("/keys").await;
+    browser
+        .fill("#new-key input[name=name]", "billing-worker")
+        .await;
+    browser.fill("#new-key input[name=tenants]", "acme").await;
+    browser.click("#new-key input[name=produce]").await;
+    browser
+        .fill("#new-key input[name=confirm]", "obx_a-key-that-is-not-mine")
+        .await;
+    browser.click("#new-key button").await;
+    assert!(
+        browser.text("h1").await.contains("403"),
+        "a change asks for the admin's own key"
+    );
+    browser.goto("/keys").await;
+    browser
+        .fill("#new-key input[name=name]", "billing-worker")
+        .await;
+    browser.fill("#new-key input[name=tenants]", "acme").await;
+    browser.click("#new-key input[name=produce]").await;
+    browser.fill("#new-key input[name=confirm]", &admin).await;
+    browser.click("#new-key button").await;
+    let secret = browser.text("#secret").await;
+    assert!(secret.starts_with("obx_"));
+    browser.screenshot("keys").await;
+    let mut worker = app.client_with(Some(&secret), None).await;
+    worker
+        .enqueue(v1::EnqueueRequest {
+            intents: vec![intent("mail", "{}")],
+            txn_token: String::new(),
+        })
+        .await
+        .expect("the new key works");
+    browser.goto("/keys").await;
+    assert!(
+        !browser.body().await.contains(&secret),
+        "the secret is shown once"
+    );
+
+    // A key for another tenant is beyond this admin's reach.
+    browser.fill("#new-key input[name=name]", "sneaky").await;
+    browser.fill("#new-key input[name=tenants]", "*").await;
+    browser.click("#new-key input[name=admin]").await;
+    browser.fill("#new-key input[name=confirm]", &admin).await;
+    browser.click("#new-key button").await;
+    assert!(browser.text("h1").await.contains("403"));
+
+    browser.goto("/keys").await;
+    let row = "//tr[td[text()='billing-worker']]";
+    let confirm = browser
+        .client
+        .find(fantoccini::Locator::XPath(&format!(
+            "{row}//input[@name='confirm']"
+        )))
+        .await
+        .unwrap();
+    confirm.send_keys(&admin).await.unwrap();
+    let revoke = browser
+        .client
+        .find(fantoccini::Locator::XPath(&format!("{row}//button")))
+        .await
+        .unwrap();
+    revoke.click().await.unwrap();
+    assert!(!browser.text("#keys").await.is_empty());
+    let revoked: Option<chrono::DateTime<chrono::Utc>> =
+        sqlx::query_scalar("SELECT revoked_at FROM outbox.api_key WHERE name = 'billing-worker'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert!(revoked.is_some());
+    browser.close().await;
+}
+
+#[tokio::test]
+async fn without_the_owners_connection_the_keys_page_only_lists() {
+    let app = console_app().await;
+    let admin = crate::helpers::create_key(&app.pool, "root-ops", &["acme"], &["admin"], &[]).await;
+    let browser = Browser::open(app.console_addr.unwrap()).await;
+    browser.sign_in(&admin).await;
+    browser.goto("/keys").await;
+    assert!(browser.text("#keys").await.contains("root-ops"));
+    assert!(browser.text("#read-only").await.contains("outboxd keys"));
+    assert!(
+        browser
+            .client
+            .find(fantoccini::Locator::Css("#new-key"))
+            .await
+            .is_err()
+    );
+    browser.close().await;
+}

@@ -318,10 +318,12 @@ class ReconcileRequest(_message.Message):
     def __init__(self, ids: _Optional[_Union[ReconcileIds, _Mapping]] = ..., filter: _Optional[_Union[ReconcileFilter, _Mapping]] = ..., decision: _Optional[_Union[Decision, str]] = ..., actor: _Optional[str] = ..., reason: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class ReconcileIds(_message.Message):
-    __slots__ = ("ids",)
+    __slots__ = ("ids", "updated_at")
     IDS_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    updated_at: _containers.RepeatedCompositeFieldContainer[_timestamp_pb2.Timestamp]
+    def __init__(self, ids: _Optional[_Iterable[str]] = ..., updated_at: _Optional[_Iterable[_Union[_timestamp_pb2.Timestamp, _Mapping]]] = ...) -> None: ...
 
 class ReconcileResult(_message.Message):
     __slots__ = ("intent_id", "error", "state")

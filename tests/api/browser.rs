@@ -21,6 +21,15 @@ pub struct Browser {
 impl Browser {
     /// A fresh browser (no cookies) pointed at the console at `addr`.
     pub async fn open(addr: std::net::SocketAddr) -> Self {
+        Self::start(format!("http://{addr}"), false).await
+    }
+
+    /// The same over HTTPS, trusting the test's own certificate authority's certificate.
+    pub async fn open_https(addr: std::net::SocketAddr) -> Self {
+        Self::start(format!("https://localhost:{}", addr.port()), true).await
+    }
+
+    async fn start(base: String, insecure: bool) -> Self {
         let permit = BROWSERS.acquire().await.unwrap();
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
@@ -40,6 +49,7 @@ impl Browser {
             json!({ "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
                              "--disable-dev-shm-usage", "--window-size=1280,1000"] }),
         );
+        capabilities.insert("acceptInsecureCerts".to_owned(), json!(insecure));
         let deadline = Instant::now() + Duration::from_secs(60);
         let client = loop {
             let connected =
@@ -57,7 +67,7 @@ impl Browser {
         };
         Self {
             client,
-            base: format!("http://{addr}"),
+            base,
             _driver: driver,
             _permit: permit,
         }

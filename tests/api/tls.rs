@@ -148,3 +148,30 @@ async fn mtls_refuses_clients_without_a_certificate_from_the_configured_ca() {
         "a certificate from another CA"
     );
 }
+
+#[tokio::test]
+async fn the_console_serves_https_with_the_grpc_certificate_and_a_secure_cookie() {
+    let pki = Pki::new();
+    let (cert_file, key_file) = pki.leaf("server", ExtendedKeyUsagePurpose::ServerAuth);
+    let app = TestApp::spawn_with(|s| {
+        s.tls = Some(TlsSettings {
+            cert_file,
+            key_file,
+            client_ca_file: None,
+        });
+        s.console.listen_addr = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
+    })
+    .await;
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let browser = crate::browser::Browser::open_https(app.console_addr.unwrap()).await;
+    browser.sign_in(&key).await;
+    assert_eq!(browser.path().await, "/");
+    let cookies = browser.client.get_all_cookies().await.unwrap();
+    let session = cookies
+        .iter()
+        .find(|c| c.name() == "outboxd_session")
+        .expect("signed in");
+    assert_eq!(session.secure(), Some(true));
+    assert_eq!(session.http_only(), Some(true));
+    browser.close().await;
+}

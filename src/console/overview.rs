@@ -29,11 +29,12 @@ struct OverviewPage {
     at_least: bool,
 }
 
-/// A count and the intents page that lists what it counts.
+/// A count and the intents page that lists what it counts (none for intents of any
+/// region: a filter cannot name them apart).
 struct Tally {
     label: String,
     count: String,
-    href: String,
+    href: Option<String>,
 }
 
 struct Group {
@@ -131,7 +132,8 @@ pub(super) async fn page(State(console): State<Shared>, session: Session) -> Res
     let tally = |param: &str, map: BTreeMap<String, i64>| -> Vec<Tally> {
         map.into_iter()
             .map(|(label, count)| Tally {
-                href: format!("/intents?{param}={}", query_value(&label)),
+                href: (!label.is_empty())
+                    .then(|| format!("/intents?{param}={}", query_value(&label))),
                 count: if at_least {
                     format!("≥ {count}")
                 } else {
@@ -150,7 +152,7 @@ pub(super) async fn page(State(console): State<Shared>, session: Session) -> Res
         states: by_state
             .into_iter()
             .map(|(label, (state, count))| Tally {
-                href: format!("/intents?state={label}"),
+                href: Some(format!("/intents?state={label}")),
                 count: shown(state, count),
                 label,
             })

@@ -83,8 +83,6 @@ async fn an_operator_resolves_an_intent_a_worker_left_unknown_and_sees_the_audit
     let listed = browser.text("#intents").await;
     assert!(listed.contains(&ids[1]) && !listed.contains(&ids[0]));
     browser.screenshot("intents").await;
-    browser.goto("/queues").await;
-    browser.screenshot("queues").await;
     browser.close().await;
 }
 
@@ -389,5 +387,79 @@ async fn without_the_owners_connection_the_keys_page_only_lists() {
             .await
             .is_err()
     );
+    browser.close().await;
+}
+
+#[tokio::test]
+async fn an_operator_pauses_a_queue_and_sees_the_blocked_ordering_keys() {
+    let app = console_app().await;
+    let mut head = v1::NewIntent {
+        ordering_key: "customer-42".to_owned(),
+        max_attempts: 1,
+        ..intent("order.event", "{}")
+    };
+    head.priority = 0;
+    let next = v1::NewIntent {
+        ordering_key: "customer-42".to_owned(),
+        ..intent("order.event", "{}")
+    };
+    let ids = app.enqueue_ids(vec![head, next]).await;
+    let leases = app.claim_n("w", 10).await;
+    app.fail(&leases[0], FailOutcome::Retry).await;
+    assert_eq!(app.state(&ids[0]).await, IntentState::DeadLettered);
+
+    let key = crate::helpers::create_key(&app.pool, "dora-ops", &["acme"], &["operate"], &[]).await;
+    let browser = Browser::open(app.console_addr.unwrap()).await;
+    browser.sign_in(&key).await;
+    browser.goto("/queues").await;
+    let blocked = browser.text("#blocked").await;
+    assert!(
+        blocked.contains("customer-42") && blocked.contains(&ids[0]),
+        "{blocked}"
+    );
+    browser.fill("#policy input[name=kind]", "mail").await;
+    browser.click("#policy input[name=paused]").await;
+    browser.fill("#policy input[name=max_in_flight]", "5").await;
+    browser
+        .fill("#policy textarea[name=reason]", "the relay is down")
+        .await;
+    browser.click("#policy button").await;
+    assert!(browser.text("#saved").await.contains("acme/mail"));
+    let shown = browser.text("#policies").await;
+    assert!(
+        shown.contains("paused") && shown.contains("the relay is down"),
+        "{shown}"
+    );
+    browser.screenshot("queues").await;
+
+    let policies = app
+        .client()
+        .list_queue_policies(v1::ListQueuePoliciesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .policies;
+    assert_eq!(policies.len(), 1);
+    assert!(policies[0].paused);
+    assert_eq!(policies[0].max_in_flight, 5);
+    assert_eq!(policies[0].actor, "dora-ops");
+
+    // A bad policy is refused with the API's own message, and changes nothing.
+    browser.goto("/queues").await;
+    browser.fill("#policy input[name=kind]", "mail").await;
+    browser.fill("#policy input[name=burst]", "3").await;
+    browser
+        .fill("#policy textarea[name=reason]", "burst without a rate")
+        .await;
+    browser.click("#policy button").await;
+    assert!(browser.text("h1").await.contains("400"));
+    let policies = app
+        .client()
+        .list_queue_policies(v1::ListQueuePoliciesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .policies;
+    assert!(policies[0].paused, "unchanged");
     browser.close().await;
 }

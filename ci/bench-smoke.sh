@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # CI smoke run of the benchmarks (issue 7): `outboxd-bench all --smoke` — outboxd, the
 # raw-SQL ceiling (pgbench), graphile-worker and pg-boss with small N on a private
-# embedded PostgreSQL — printing the table. Figures only, no thresholds: a slow or shared
-# CI machine must not fail the build. Exits non-zero only when the harness itself fails
-# (a scenario errors, a server does not start); a peer that cannot run (no pgbench, no
-# Node, npm unreachable) is reported as "not run: reason" in the table instead.
+# embedded PostgreSQL, and outboxd's console pages over a small seeded outbox (20,000
+# intents, 5 requests a page: `--console-intents`, `--console-requests`) — printing the
+# table. Figures only, no thresholds: a slow or shared CI machine must not fail the build.
+# Exits non-zero only when the harness itself fails (a scenario errors, a server does not
+# start); a peer that cannot run (no pgbench, no Node, npm unreachable) is reported as
+# "not run: reason" in the table instead.
 #
 # Debug profile on purpose: CI already builds it for the tests, and a release build of the
 # whole dependency tree costs minutes more (the smoke N is small enough either way).

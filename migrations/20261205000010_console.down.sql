@@ -1,5 +1,7 @@
 -- Restores …09's grant.
 DROP TABLE outbox.console_session;
+DROP FUNCTION outbox.few_intents(outbox.intent_state[], text, text, text[], text, uuid, bigint);
+DROP FUNCTION outbox.are_few(outbox.intent_state[]);
 
 CREATE OR REPLACE FUNCTION outbox.grant_service_role(role_name text) RETURNS void
 LANGUAGE plpgsql

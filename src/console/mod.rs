@@ -2,6 +2,13 @@
 //! pages that call the gRPC handler in-process, so every read and change passes the same
 //! scopes, tenant and region rules, validation and audit as the API.
 
+// A refusal is the page answered at once (`Result<_, Response>`), built and moved once per
+// request: boxing it would only add an allocation.
+#![allow(
+    clippy::result_large_err,
+    reason = "a refusal is the response, once per request"
+)]
+
 mod assets;
 mod desk;
 mod intents;

@@ -36,8 +36,10 @@ impl Browser {
             .local_addr()
             .unwrap()
             .port();
+        // A process group of its own: a failed test must not leave its chromium running.
         let driver = Command::new("chromedriver")
             .arg(format!("--port={port}"))
+            .process_group(0)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .kill_on_drop(true)
@@ -150,6 +152,17 @@ impl Browser {
     }
 
     pub async fn close(self) {
-        self.client.close().await.unwrap();
+        self.client.clone().close().await.unwrap();
+    }
+}
+
+impl Drop for Browser {
+    /// chromedriver's chromium outlives a killed chromedriver: end its whole group.
+    fn drop(&mut self) {
+        if let Some(pid) = self._driver.id() {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &format!("-{pid}")])
+                .status();
+        }
     }
 }

@@ -134,37 +134,48 @@ pub struct Overview {
     pub oldest_pending_at: Option<DateTime<Utc>>,
     /// Enqueue time of the oldest STAGED intent.
     pub oldest_staged_at: Option<DateTime<Utc>>,
-    /// The last hour, a minute at a time, oldest first.
-    pub minutes: Vec<Minute>,
 }
 
 /// Most rows the overview counts in each group of live states: a page must answer fast
-/// however deep the backlog, and beyond this a count is shown as "at least".
-pub const OVERVIEW_COUNT_CAP: i64 = 100_000;
+/// however deep the backlog (row-level security reads each row), and beyond this a count
+/// is shown as "at least"; the metrics have exact depths.
+pub const OVERVIEW_COUNT_CAP: i64 = 10_000;
 
-/// Each part is one partial index's predicate (see `queue_depth`), read at most $2 rows.
-/// $1 the API key's regions (empty: any).
+/// Each part is one partial index's predicate (see `queue_depth`), read at most $2 rows:
+/// PENDING level by level, the others in their index's order (so that the scan stops at
+/// the limit, where a bitmap scan would read the whole index first). $1 the API key's
+/// regions (empty: any).
 const OVERVIEW_COUNTS: &str = r#"
     SELECT p.part, p.state, p.tenant_id AS tenant, p.kind, p.region, count(*) AS count
     FROM (
-        (SELECT 1 AS part, i.state, i.tenant_id, i.kind, i.region FROM outbox.intent i
-         WHERE i.state = 'pending'
-           AND (cardinality($1::text[]) = 0 OR i.region = '' OR i.region = ANY($1::text[]))
+        -- Level by level (the transaction's tenants' queues): in the index's order, other
+        -- tenants' levels would be read and filtered out first.
+        (SELECT 1 AS part, i.state, i.tenant_id, i.kind, i.region
+         FROM outbox.queue_level l
+         CROSS JOIN LATERAL (
+             SELECT i.state, i.tenant_id, i.kind, i.region FROM outbox.intent i
+             WHERE i.level_key = l.level_key AND i.state = 'pending'
+               AND (cardinality($1::text[]) = 0 OR i.region = '' OR i.region = ANY($1::text[]))
+             LIMIT $2
+         ) i
          LIMIT $2)
         UNION ALL
         (SELECT 2, i.state, i.tenant_id, i.kind, i.region FROM outbox.intent i
          WHERE i.state IN ('leased', 'submitted') AND i.lease_expires_at IS NOT NULL
            AND (cardinality($1::text[]) = 0 OR i.region = '' OR i.region = ANY($1::text[]))
+         ORDER BY i.lease_expires_at
          LIMIT $2)
         UNION ALL
         (SELECT 3, i.state, i.tenant_id, i.kind, i.region FROM outbox.intent i
          WHERE i.state IN ('needs_reconcile', 'dead_lettered', 'staged')
            AND (cardinality($1::text[]) = 0 OR i.region = '' OR i.region = ANY($1::text[]))
+         ORDER BY i.tenant_id, i.state, i.id
          LIMIT $2)
         UNION ALL
         (SELECT 4, i.state, i.tenant_id, i.kind, i.region FROM outbox.intent i
          WHERE i.state = 'waiting' AND i.ordering_key IS NOT NULL
            AND (cardinality($1::text[]) = 0 OR i.region = '' OR i.region = ANY($1::text[]))
+         ORDER BY i.tenant_id, i.ordering_key, i.order_ts, i.order_seq
          LIMIT $2)
     ) p
     GROUP BY p.part, p.state, p.tenant_id, p.kind, p.region
@@ -230,6 +241,7 @@ pub async fn overview(
         #[sqlx(flatten)]
         group: GroupCount,
     }
+    no_jit(conn).await?;
     let rows: Vec<Row> = sqlx::query_as(OVERVIEW_COUNTS)
         .bind(regions)
         .bind(OVERVIEW_COUNT_CAP)
@@ -259,18 +271,40 @@ pub async fn overview(
         .bind(regions)
         .fetch_one(&mut *conn)
         .await?;
-    let minutes = sqlx::query_as(OVERVIEW_MINUTES)
-        .bind(regions)
-        .bind(now)
-        .fetch_all(&mut *conn)
-        .await?;
     Ok(Overview {
         counts: rows.into_iter().map(|r| r.group).collect(),
         capped,
         oldest_pending_at,
         oldest_staged_at,
-        minutes,
     })
+}
+
+/// The last hour of the transaction's tenants in `regions` (empty: any), a minute at a
+/// time, oldest first: read apart from [`overview`], so that a page may read both at once.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn overview_minutes(
+    conn: &mut PgConnection,
+    regions: &[String],
+    now: Option<DateTime<Utc>>,
+) -> Result<Vec<Minute>> {
+    no_jit(conn).await?;
+    let minutes = sqlx::query_as(OVERVIEW_MINUTES)
+        .bind(regions)
+        .bind(now)
+        .fetch_all(&mut *conn)
+        .await?;
+    Ok(minutes)
+}
+
+/// The console's reads are costed past `jit_above_cost` (counts over large ranges,
+/// `outbox.oldest_pending`'s `enable_seqscan = off`), and compiling them took longer than
+/// running them (0.1-0.15 s a page at 1M intents): JIT is off for the rest of the
+/// transaction.
+async fn no_jit(conn: &mut PgConnection) -> Result<()> {
+    sqlx::query("SET LOCAL jit = off").execute(conn).await?;
+    Ok(())
 }
 
 /// The intents of the transaction's tenants with this idempotency key (one per tenant).
@@ -319,6 +353,7 @@ pub async fn blocked_keys(
     now: Option<DateTime<Utc>>,
     limit: i64,
 ) -> Result<Vec<BlockedKey>> {
+    no_jit(conn).await?;
     let keys = sqlx::query_as(&format!(
         "SELECT i.id, i.tenant_id AS tenant, i.kind, i.ordering_key, i.state, \
          i.updated_at AS since {} ORDER BY i.updated_at LIMIT $3",

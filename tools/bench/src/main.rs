@@ -10,14 +10,15 @@
 //! Each subcommand is one benchmark; a new one adds a [`Command`] variant and reuses the
 //! modules under `outboxd-bench/`: `harness` (cluster, in-process server, keys), `server`
 //! (outboxd as a child process), `meter` (CPU, commits, WAL), `report` (percentiles,
-//! histograms, the table), `suite` (`all`), `ordered` (its ordering-key scenarios), `peers`
-//! (pgbench, graphile-worker, pg-boss).
+//! histograms, the table), `suite` (`all`), `ordered` (its ordering-key scenarios),
+//! `console` (the operator console's pages), `peers` (pgbench, graphile-worker, pg-boss).
 
 /// mimalloc, not glibc's malloc: the server allocates per row and per message, and glibc's
 /// arenas spent ~4% of the machine on it in a burn-down (see README, Performance).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+mod console;
 mod fairness;
 mod harness;
 mod meter;
@@ -60,7 +61,8 @@ enum Command {
     /// Enqueue throughput, burn-down, enqueue → claim latency at fixed rates and commit →
     /// claimable, for outboxd and (same cluster, same run) a raw-SQL ceiling with pgbench,
     /// graphile-worker and pg-boss: one table with ratios, CPU, commits and WAL per 1k;
-    /// and ordering keys: burn-down over many keys, one hot key, a blocked key's backlog.
+    /// and ordering keys: burn-down over many keys, one hot key, a blocked key's backlog;
+    /// and the operator console's pages over a large outbox.
     All(Box<AllArgs>),
     /// Internal: serve outboxd in this process for `all` (which runs the server as a
     /// child process to measure its CPU apart from the load generator's).

@@ -1,7 +1,8 @@
 //! outboxd in a child process, so that its CPU is its own and not the load generator's:
 //! the bench binary re-runs itself with the hidden `serve-child` subcommand, which serves
 //! exactly as `outboxd serve` does (same `Application`, production runtime) on a free port,
-//! prints that port, and stops gracefully when its stdin closes.
+//! prints that port (and the console's, when `OUTBOX_CONSOLE__LISTEN_ADDR` asks for one),
+//! and stops gracefully when its stdin closes.
 
 use std::io::Read;
 use std::net::SocketAddr;
@@ -42,7 +43,10 @@ pub async fn serve_child(args: &ServeChildArgs, settings: Settings) -> anyhow::R
     let mut settings = settings;
     settings.metrics.listen_addr = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
     let server = Application::start(&settings, pools.clone(), listener, Runtime::default()).await?;
-    println!("listening {}", server.local_addr());
+    match server.console_addr() {
+        Some(console) => println!("listening {} console {console}", server.local_addr()),
+        None => println!("listening {}", server.local_addr()),
+    }
     tokio::task::spawn_blocking(|| {
         let mut sink = Vec::new();
         std::io::stdin().read_to_end(&mut sink)
@@ -58,6 +62,9 @@ pub struct ServerProcess {
     child: Child,
     pid: u32,
     pub endpoint: String,
+    /// The console's base URL, when `env` set `OUTBOX_CONSOLE__LISTEN_ADDR`
+    /// (`127.0.0.1:0`: a free port).
+    pub console: Option<String>,
 }
 
 impl ServerProcess {
@@ -88,8 +95,13 @@ impl ServerProcess {
         let Some(addr) = line.as_deref().and_then(|l| l.strip_prefix("listening ")) else {
             bail!("outboxd child said {line:?} instead of its address");
         };
+        let (addr, console) = match addr.split_once(" console ") {
+            Some((addr, console)) => (addr, Some(format!("http://{console}"))),
+            None => (addr, None),
+        };
         Ok(Self {
             endpoint: format!("http://{addr}"),
+            console,
             child,
             pid,
         })

@@ -5,7 +5,8 @@
 //! and the highest sustainable rate), 5 commit → claimable (the `txn-latency`
 //! measurement), 6 the fixed rate over a large finished history and with xmin pinned,
 //! and the ordering keys' scenarios (`ordered`: burn-down over many keys, one hot key, a
-//! blocked key's backlog). Peers run 1, 2 and 3/4 (pgbench 1 and 2).
+//! blocked key's backlog), and the operator console's pages over a large outbox
+//! (`console`). Peers run 1, 2 and 3/4 (pgbench 1 and 2).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -117,6 +118,13 @@ pub struct AllArgs {
     /// Intents of the backlog burnt down in the fairness scenario [1000000; smoke 5000].
     #[arg(long, value_name = "N")]
     pub fairness_backlog: Option<u64>,
+    /// Intents seeded (by SQL) before the console's pages are requested, at least 1000
+    /// [1000000; smoke 20000].
+    #[arg(long, value_name = "N")]
+    pub console_intents: Option<u64>,
+    /// Requests of each console page, per key [50; smoke 5].
+    #[arg(long, value_name = "N")]
+    pub console_requests: Option<usize>,
     /// Do not ANALYZE before the burn-downs. By default every system's database is
     /// analyzed right before its burn-down, so that each plans its claim on statistics that
     /// know the backlog: without it, whether autovacuum has analyzed the freshly filled
@@ -130,7 +138,8 @@ pub struct AllArgs {
     /// burn-down), `rates` (enqueue → claim at fixed rates), `history` (1M rows, pinned
     /// xmin), `token` (commit → claimable), `peers`; the ordering keys' `ordered-burn-down`,
     /// `hot-key`, `blocked-key`, or `ordered` for the three; `fairness` (a small tenant
-    /// beside another's backlog). For iterating on one scenario.
+    /// beside another's backlog); `console` (the operator console's pages). For iterating
+    /// on one scenario.
     #[arg(long, value_enum, value_delimiter = ',', value_name = "SECTION")]
     pub only: Vec<SectionName>,
     /// Folder of the peer harnesses (package.json, peer.js, pgbench/*.sql): the
@@ -163,6 +172,8 @@ pub enum SectionName {
     BlockedKey,
     /// A small tenant's latency while another tenant's backlog is burnt down.
     Fairness,
+    /// The operator console's pages over a large outbox.
+    Console,
 }
 
 impl AllArgs {
@@ -196,6 +207,8 @@ pub struct Sizes {
     pub analyze: bool,
     pub(crate) ordered: OrderedSizes,
     pub fairness_backlog: u64,
+    pub console_intents: u64,
+    pub console_requests: usize,
 }
 
 impl Sizes {
@@ -233,6 +246,11 @@ impl Sizes {
             fairness_backlog: a
                 .fairness_backlog
                 .unwrap_or(if s { 5_000 } else { 1_000_000 }),
+            console_intents: a
+                .console_intents
+                .unwrap_or(if s { 20_000 } else { 1_000_000 })
+                .max(1_000),
+            console_requests: a.console_requests.unwrap_or(if s { 5 } else { 50 }).max(1),
         }
     }
 }
@@ -334,6 +352,10 @@ pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyho
         let db = format!("{base}_fairness");
         crate::fairness::fairness(cluster, &mut admin, &db, &meter, &sizes, &mut rows).await?;
     }
+    if args.runs(SectionName::Console) {
+        let db = format!("{base}_console");
+        crate::console::console(cluster, &mut admin, &db, &meter, &sizes, &mut rows).await?;
+    }
     if args.runs(SectionName::Token) {
         commit_to_claimable(cluster, &settings, &sizes, &mut rows).await?;
     }
@@ -364,6 +386,7 @@ pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyho
             format!("{base}_ordered"),
             format!("{base}_hot"),
             format!("{base}_blocked"),
+            format!("{base}_console"),
             format!("{base}_raw"),
             format!("{base}_graphile_worker"),
             format!("{base}_pg_boss"),
@@ -417,6 +440,9 @@ pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyho
     {
         println!("{}\n", ordered::describe(&sizes));
     }
+    if args.runs(SectionName::Console) {
+        println!("{}\n", crate::console::describe(&sizes));
+    }
     print_rows(&rows);
     println!();
     print_notes();
@@ -469,6 +495,7 @@ fn print_notes() {
          `pg_current_wal_lsn` difference (cluster-wide). Each section starts after a \
          CHECKPOINT. Per 1k intents of the row.",
         ordered::NOTE,
+        crate::console::NOTE,
     ] {
         println!("- {note}");
     }

@@ -9,7 +9,8 @@
 -- part stops at the page's size of matches. The cursor is a bare bound, so that a cached
 -- plan still starts each scan at it. Then the page stops where the weight of the intents
 -- before one reaches the budget, and payloads are read only if asked for (their size is
--- the stored one, not read).
+-- the stored one, not read). A filter of states that are few however large the table
+-- (outbox.few_intents) reads them through their partial indexes instead of the primary key.
 SELECT i.id, i.state, i.kind,
        CASE WHEN $8 THEN i.payload ELSE ''::bytea END AS payload,
        i.content_type, i.region, i.idempotency_key, i.headers, i.attempts,
@@ -22,7 +23,8 @@ FROM (
         (
             SELECT *
             FROM outbox.intent i
-            WHERE (cardinality($1::outbox.intent_state[]) = 0 OR i.state = ANY($1))
+            WHERE NOT outbox.are_few($1)
+              AND (cardinality($1::outbox.intent_state[]) = 0 OR i.state = ANY($1))
               AND ($2::text IS NULL OR i.kind = $2)
               AND ($3::text IS NULL OR i.region = $3)
               AND (cardinality($6::text[]) = 0 OR i.region = '' OR i.region = ANY($6::text[]))
@@ -30,6 +32,12 @@ FROM (
               AND i.id > $4
             ORDER BY i.id
             LIMIT $5
+        )
+        UNION ALL
+        (
+            SELECT f.*
+            FROM outbox.few_intents($1, $2, $3, $6, $9, $4, $5) f
+            WHERE outbox.are_few($1)
         )
         UNION ALL
         (

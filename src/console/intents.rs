@@ -228,7 +228,7 @@ async fn find(console: &Shared, session: &Session, tenant: &str, q: &str) -> Res
     };
     let read = async {
         let mut tx = store::begin(&console.pools, &scope).await?;
-        let ids = store::ids_by_idempotency_key(&mut tx, q).await?;
+        let ids = store::ids_by_idempotency_key(&mut tx, q, &session.caller.regions).await?;
         tx.commit().await?;
         Ok::<_, crate::outbox::Error>(ids)
     };

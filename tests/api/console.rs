@@ -463,3 +463,34 @@ async fn an_operator_pauses_a_queue_and_sees_the_blocked_ordering_keys() {
     assert!(policies[0].paused, "unchanged");
     browser.close().await;
 }
+
+#[tokio::test]
+async fn an_intent_is_found_by_its_id_or_idempotency_key_and_listed_by_filter() {
+    let app = console_app().await;
+    let mut keyed = intent("invoice.send", "{}");
+    keyed.idempotency_key = "invoices/2026-0042".to_owned();
+    let ids = app
+        .enqueue_ids(vec![keyed, intent("mail", "{}"), intent("mail", "{}")])
+        .await;
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let browser = Browser::open(app.console_addr.unwrap()).await;
+    browser.sign_in(&key).await;
+    browser.goto("/intents").await;
+    browser.fill("#q", "invoices/2026-0042").await;
+    browser.click("#filter").await;
+    assert_eq!(browser.path().await, format!("/intents/{}", ids[0]));
+    browser.goto("/intents").await;
+    browser.fill("#q", &ids[1]).await;
+    browser.click("#filter").await;
+    assert_eq!(browser.path().await, format!("/intents/{}", ids[1]));
+    browser.goto("/intents?kind=mail&state=PENDING").await;
+    let listed = browser.text("#intents").await;
+    assert!(listed.contains(&ids[1]) && listed.contains(&ids[2]) && !listed.contains(&ids[0]));
+    browser
+        .goto("/intents?since=2000-01-01T00:00&until=2000-01-02T00:00")
+        .await;
+    assert!(browser.body().await.contains("No intents match"));
+    browser.goto("/intents?since=yesterday").await;
+    assert!(browser.text("h1").await.contains("400"));
+    browser.close().await;
+}

@@ -307,20 +307,27 @@ async fn no_jit(conn: &mut PgConnection) -> Result<()> {
     Ok(())
 }
 
-/// The intents of the transaction's tenants with this idempotency key (one per tenant).
+/// The intents of the transaction's tenants in `regions` (empty: any) with this idempotency
+/// key (one per tenant).
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
-pub async fn ids_by_idempotency_key(conn: &mut PgConnection, key: &str) -> Result<Vec<IntentId>> {
+pub async fn ids_by_idempotency_key(
+    conn: &mut PgConnection,
+    key: &str,
+    regions: &[String],
+) -> Result<Vec<IntentId>> {
     let ids: Vec<Uuid> = sqlx::query_scalar(
         r#"
         SELECT i.id FROM outbox.intent i
         WHERE i.idempotency_key = $1 AND i.state <> 'discarded'
+          AND (cardinality($2::text[]) = 0 OR i.region = '' OR i.region = ANY($2::text[]))
         ORDER BY i.id
         LIMIT 100
         "#,
     )
     .bind(key)
+    .bind(regions)
     .fetch_all(conn)
     .await?;
     Ok(ids.into_iter().map(IntentId).collect())

@@ -390,6 +390,15 @@ async fn without_the_owners_connection_the_keys_page_only_lists() {
     browser.close().await;
 }
 
+async fn queue_policies(app: &TestApp) -> Vec<v1::QueuePolicy> {
+    let listed = app
+        .client()
+        .list_queue_policies(v1::ListQueuePoliciesRequest::default())
+        .await
+        .unwrap();
+    listed.into_inner().policies
+}
+
 #[tokio::test]
 async fn an_operator_pauses_a_queue_and_sees_the_blocked_ordering_keys() {
     let app = console_app().await;
@@ -432,13 +441,7 @@ async fn an_operator_pauses_a_queue_and_sees_the_blocked_ordering_keys() {
     );
     browser.screenshot("queues").await;
 
-    let policies = app
-        .client()
-        .list_queue_policies(v1::ListQueuePoliciesRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .policies;
+    let policies = queue_policies(&app).await;
     assert_eq!(policies.len(), 1);
     assert!(policies[0].paused);
     assert_eq!(policies[0].max_in_flight, 5);
@@ -453,13 +456,7 @@ async fn an_operator_pauses_a_queue_and_sees_the_blocked_ordering_keys() {
         .await;
     browser.click("#policy button").await;
     assert!(browser.text("h1").await.contains("400"));
-    let policies = app
-        .client()
-        .list_queue_policies(v1::ListQueuePoliciesRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .policies;
+    let policies = queue_policies(&app).await;
     assert!(policies[0].paused, "unchanged");
     browser.close().await;
 }

@@ -256,21 +256,8 @@ pub async fn overview(
     }
     capped.sort_by_key(|s| *s as i32);
     capped.dedup();
-    let (oldest_pending_at, oldest_staged_at): (Option<DateTime<Utc>>, Option<DateTime<Utc>>) =
-        sqlx::query_as(
-            r#"
-            SELECT
-                outbox.oldest_pending($1::timestamptz, $2::text[]),
-                (SELECT min(i.created_at) FROM outbox.intent i
-                 WHERE i.state = 'staged'
-                   AND (cardinality($2::text[]) = 0 OR i.region = ''
-                        OR i.region = ANY($2::text[])))
-            "#,
-        )
-        .bind(now)
-        .bind(regions)
-        .fetch_one(&mut *conn)
-        .await?;
+    let (oldest_pending_at, oldest_staged_at) =
+        super::inspect::oldest_waiting(conn, regions, now).await?;
     Ok(Overview {
         counts: rows.into_iter().map(|r| r.group).collect(),
         capped,

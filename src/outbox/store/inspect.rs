@@ -179,21 +179,7 @@ pub async fn queue_stats(
     .bind(regions)
     .fetch_all(&mut *conn)
     .await?;
-    let (oldest_pending_at, oldest_staged_at): (Option<DateTime<Utc>>, Option<DateTime<Utc>>) =
-        sqlx::query_as(
-            r#"
-            SELECT
-                outbox.oldest_pending($1::timestamptz, $2::text[]),
-                (SELECT min(i.created_at) FROM outbox.intent i
-                 WHERE i.state = 'staged'
-                   AND (cardinality($2::text[]) = 0 OR i.region = ''
-                        OR i.region = ANY($2::text[])))
-            "#,
-        )
-        .bind(now)
-        .bind(regions)
-        .fetch_one(&mut *conn)
-        .await?;
+    let (oldest_pending_at, oldest_staged_at) = oldest_waiting(conn, regions, now).await?;
     let (blocked_keys, oldest_blocked_at): (i64, Option<DateTime<Utc>>) = sqlx::query_as(&format!(
         "SELECT count(*), min(i.updated_at) {BLOCKED_HEADS}"
     ))
@@ -210,6 +196,34 @@ pub async fn queue_stats(
         oldest_blocked_at,
         policies,
     })
+}
+
+/// Since when the longest-waiting claimable PENDING intent has been claimable, and the
+/// enqueue time of the oldest STAGED one, among the transaction's tenants' intents in
+/// `regions` (empty: any).
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn oldest_waiting(
+    conn: &mut PgConnection,
+    regions: &[String],
+    now: Option<DateTime<Utc>>,
+) -> Result<(Option<DateTime<Utc>>, Option<DateTime<Utc>>)> {
+    let oldest = sqlx::query_as(
+        r#"
+        SELECT
+            outbox.oldest_pending($1::timestamptz, $2::text[]),
+            (SELECT min(i.created_at) FROM outbox.intent i
+             WHERE i.state = 'staged'
+               AND (cardinality($2::text[]) = 0 OR i.region = ''
+                    OR i.region = ANY($2::text[])))
+        "#,
+    )
+    .bind(now)
+    .bind(regions)
+    .fetch_one(conn)
+    .await?;
+    Ok(oldest)
 }
 
 /// Live queue depth across the transaction's tenants, for metrics: counts of non-final

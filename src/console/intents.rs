@@ -114,18 +114,6 @@ fn instant(field: &str, value: &str) -> Result<Option<DateTime<Utc>>, Response> 
         })
 }
 
-/// The smallest UUIDv7 of `t`'s millisecond: ids after it were minted at `t` or later.
-fn first_id_at(t: DateTime<Utc>) -> Uuid {
-    let ms = u64::try_from(t.timestamp_millis())
-        .unwrap_or(0)
-        .to_be_bytes();
-    let mut bytes = [0u8; 16];
-    bytes[..6].copy_from_slice(&ms[2..]);
-    bytes[6] = 0x70;
-    bytes[8] = 0x80;
-    Uuid::from_bytes(bytes)
-}
-
 /// `GET /intents`.
 pub(super) async fn list(
     State(console): State<Shared>,
@@ -151,7 +139,7 @@ pub(super) async fn list(
         },
     };
     let page_token = match (filter.after.as_str(), since) {
-        ("", Some(since)) => first_id_at(since).to_string(),
+        ("", Some(since)) => store::first_id_at(since).to_string(),
         (after, _) => after.to_owned(),
     };
     let request = v1::ListIntentsRequest {

@@ -8,6 +8,7 @@ mod cancellation;
 mod claim;
 mod commands;
 mod console;
+mod console_indexes;
 mod enqueue;
 mod flow_control;
 mod group_commit;

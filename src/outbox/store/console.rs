@@ -182,45 +182,36 @@ const OVERVIEW_COUNTS: &str = r#"
     ORDER BY p.state, p.tenant_id, p.kind, p.region
 "#;
 
-/// Per minute of the hour before $2 (or now): intents enqueued (by their UUIDv7 ids, from
-/// the primary key and the history's buckets) and delivered (by their finish time).
-/// $1 the API key's regions.
+/// Per minute from $2 to $3 (the last hour): intents enqueued (by their UUIDv7 ids, from the
+/// primary key and the history's buckets, $4 the first minute's smallest id) and delivered
+/// (by their finish time). $1 the API key's regions. The bounds are parameters, not read
+/// from `now()`, so that the planner sees how few rows the hour holds.
 const OVERVIEW_MINUTES: &str = r#"
-    WITH bounds AS (
-        SELECT date_trunc('minute', coalesce($2::timestamptz, now())) AS last,
-               date_trunc('minute', coalesce($2::timestamptz, now())) - interval '59 minutes'
-                   AS first
-    ), floor AS (
-        SELECT (substr(h, 1, 8) || '-' || substr(h, 9, 4) || '-7000-8000-000000000000')::uuid
-                   AS id, first
-        FROM bounds,
-             LATERAL (SELECT lpad(to_hex((extract(epoch FROM first) * 1000)::bigint), 12, '0')
-                      AS h) x
-    ), enqueued AS (
+    WITH enqueued AS (
         SELECT date_trunc('minute', e.created_at) AS at, count(*) AS n
         FROM (
-            SELECT i.created_at, i.region FROM outbox.intent i, floor f WHERE i.id >= f.id
+            SELECT i.created_at, i.region FROM outbox.intent i WHERE i.id >= $4
             UNION ALL
             SELECT x.created_at, x.region
-            FROM floor f, outbox.delivered_batch b CROSS JOIN LATERAL unnest(b.items) x
-            WHERE b.bucket >= outbox.history_bucket(f.id) AND x.id >= f.id
+            FROM outbox.delivered_batch b CROSS JOIN LATERAL unnest(b.items) x
+            WHERE b.bucket >= outbox.history_bucket($4) AND x.id >= $4
         ) e
         WHERE cardinality($1::text[]) = 0 OR e.region = '' OR e.region = ANY($1::text[])
         GROUP BY 1
     ), delivered AS (
         SELECT date_trunc('minute', d.finished_at) AS at, sum(d.n)::bigint AS n
         FROM (
-            SELECT i.finished_at, i.region, 1 AS n FROM outbox.intent i, floor f
-            WHERE i.state = 'delivered' AND i.finished_at >= f.first
+            SELECT i.finished_at, i.region, 1 AS n FROM outbox.intent i
+            WHERE i.state = 'delivered' AND i.finished_at >= $2
             UNION ALL
-            SELECT b.finished_at, b.region, cardinality(b.ids) FROM outbox.delivered_batch b, floor f
-            WHERE b.finished_at >= f.first
+            SELECT b.finished_at, b.region, cardinality(b.ids) FROM outbox.delivered_batch b
+            WHERE b.finished_at >= $2
         ) d
         WHERE cardinality($1::text[]) = 0 OR d.region = '' OR d.region = ANY($1::text[])
         GROUP BY 1
     )
     SELECT m.at, coalesce(e.n, 0)::bigint AS enqueued, coalesce(d.n, 0)::bigint AS delivered
-    FROM bounds, generate_series(bounds.first, bounds.last, interval '1 minute') m(at)
+    FROM generate_series($2::timestamptz, $3::timestamptz, interval '1 minute') m(at)
     LEFT JOIN enqueued e ON e.at = m.at
     LEFT JOIN delivered d ON d.at = m.at
     ORDER BY m.at
@@ -241,7 +232,7 @@ pub async fn overview(
         #[sqlx(flatten)]
         group: GroupCount,
     }
-    no_jit(conn).await?;
+    bounded_reads(conn).await?;
     let rows: Vec<Row> = sqlx::query_as(OVERVIEW_COUNTS)
         .bind(regions)
         .bind(OVERVIEW_COUNT_CAP)
@@ -276,21 +267,50 @@ pub async fn overview_minutes(
     regions: &[String],
     now: Option<DateTime<Utc>>,
 ) -> Result<Vec<Minute>> {
-    no_jit(conn).await?;
+    bounded_reads(conn).await?;
+    let last: DateTime<Utc> =
+        sqlx::query_scalar("SELECT date_trunc('minute', coalesce($1::timestamptz, now()))")
+            .bind(now)
+            .fetch_one(&mut *conn)
+            .await?;
+    let first = last - chrono::Duration::minutes(59);
     let minutes = sqlx::query_as(OVERVIEW_MINUTES)
         .bind(regions)
-        .bind(now)
+        .bind(first)
+        .bind(last)
+        .bind(first_id_at(first))
         .fetch_all(&mut *conn)
         .await?;
     Ok(minutes)
 }
 
-/// The console's reads are costed past `jit_above_cost` (counts over large ranges,
-/// `outbox.oldest_pending`'s `enable_seqscan = off`), and compiling them took longer than
-/// running them (0.1-0.15 s a page at 1M intents): JIT is off for the rest of the
-/// transaction.
-async fn no_jit(conn: &mut PgConnection) -> Result<()> {
-    sqlx::query("SET LOCAL jit = off").execute(conn).await?;
+/// The smallest UUIDv7 of `t`'s millisecond: ids above it were minted at `t` or later.
+pub fn first_id_at(t: DateTime<Utc>) -> Uuid {
+    let ms = u64::try_from(t.timestamp_millis())
+        .unwrap_or(0)
+        .to_be_bytes();
+    let mut bytes = [0u8; 16];
+    bytes[..6].copy_from_slice(&ms[2..]);
+    bytes[6] = 0x70;
+    bytes[8] = 0x80;
+    Uuid::from_bytes(bytes)
+}
+
+/// Plans the rest of the transaction for reads that an index bounds whatever the table's
+/// size (a LIMIT, the last hour's ids, a partial index of few rows). Costing random reads
+/// at `random_page_cost`, the planner would rather read a table of a few hundred thousand
+/// rows whole, or a whole queue level into a bitmap before the LIMIT; a generic plan would
+/// guess a third of the table past a bound. JIT: these reads are costed past
+/// `jit_above_cost`, and compiling them took longer than running them (0.1-0.15 s a page
+/// at 1M intents).
+async fn bounded_reads(conn: &mut PgConnection) -> Result<()> {
+    sqlx::query(
+        "SELECT set_config('jit', 'off', true), set_config('enable_seqscan', 'off', true), \
+         set_config('enable_bitmapscan', 'off', true), \
+         set_config('plan_cache_mode', 'force_custom_plan', true)",
+    )
+    .execute(conn)
+    .await?;
     Ok(())
 }
 
@@ -347,7 +367,7 @@ pub async fn blocked_keys(
     now: Option<DateTime<Utc>>,
     limit: i64,
 ) -> Result<Vec<BlockedKey>> {
-    no_jit(conn).await?;
+    bounded_reads(conn).await?;
     let keys = sqlx::query_as(&format!(
         "SELECT i.id, i.tenant_id AS tenant, i.kind, i.ordering_key, i.state, \
          i.updated_at AS since {} ORDER BY i.updated_at LIMIT $3",
@@ -359,4 +379,19 @@ pub async fn blocked_keys(
     .fetch_all(conn)
     .await?;
     Ok(keys)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_floor_of_an_instant_is_its_smallest_uuid_v7() {
+        let at = DateTime::parse_from_rfc3339("2026-12-05T07:00:00.123Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let floor = first_id_at(at);
+        assert_eq!(floor.to_string(), "01a24500-a5fb-7000-8000-000000000000");
+        assert_eq!(floor.get_version_num(), 7);
+    }
 }

@@ -136,6 +136,13 @@ impl Browser {
         self.goto("/sign-in").await;
         self.fill("#key", key).await;
         self.click("#sign-in").await;
+        // The answer: signed in (`#who`) or refused (`#error`); the click may return
+        // before the browser shows it.
+        self.client
+            .wait()
+            .for_element(Locator::Css("#who, #error"))
+            .await
+            .unwrap();
     }
 
     /// Saves the page as `<name>.png` in `OUTBOX_SCREENSHOTS_DIR`, or under `target/`:
@@ -159,10 +166,14 @@ impl Browser {
 impl Drop for Browser {
     /// chromedriver's chromium outlives a killed chromedriver: end its whole group.
     fn drop(&mut self) {
-        if let Some(pid) = self._driver.id() {
-            let _ = std::process::Command::new("kill")
-                .args(["-KILL", &format!("-{pid}")])
-                .status();
+        // killpg, not `kill -KILL -<pid>`: procps' kill reads that as kill(-1), every
+        // process the user may signal.
+        let group = self
+            ._driver
+            .id()
+            .and_then(|pid| rustix::process::Pid::from_raw(i32::try_from(pid).ok()?));
+        if let Some(group) = group {
+            let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
         }
     }
 }

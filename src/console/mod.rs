@@ -109,17 +109,25 @@ pub async fn serve(
     }
 }
 
-/// Every answer's security headers, and every request's work in a task of its own: a
+/// Every answer's security headers, changes from other sites' pages refused, and every
+/// request's work in a task of its own: a
 /// browser that goes away mid-request must not stop a change half way (the gRPC
 /// handler's own rule, `grpc::to_completion`).
 async fn hardened(request: Request, next: Next) -> Response {
-    let mut response = match tokio::spawn(next.run(request)).await {
-        Ok(response) => response,
-        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        Err(_) => view::error_page(
-            axum::http::StatusCode::SERVICE_UNAVAILABLE,
-            "the server is shutting down",
-        ),
+    let mut response = if from_another_site(&request) {
+        view::error_page(
+            axum::http::StatusCode::FORBIDDEN,
+            "a change sent from another site's page is refused",
+        )
+    } else {
+        match tokio::spawn(next.run(request)).await {
+            Ok(response) => response,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => view::error_page(
+                axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                "the server is shutting down",
+            ),
+        }
     };
     let headers = response.headers_mut();
     headers.insert(
@@ -142,4 +150,37 @@ async fn hardened(request: Request, next: Next) -> Response {
         .entry(header::CACHE_CONTROL)
         .or_insert(HeaderValue::from_static("no-store"));
     response
+}
+
+/// A change (any method but GET and HEAD) that a page of another origin sent: a forged
+/// form. The CSRF token guards a session's changes; this guards the sign-in form too, which
+/// has no session yet (a forged sign-in would put the operator in the forger's session).
+/// Browsers say where a request comes from in `Sec-Fetch-Site`, else in `Origin` (`null`
+/// under this console's `Referrer-Policy: no-referrer`, so it cannot clear a request);
+/// a client that sends neither is no browser, and no page can make it send anything.
+fn from_another_site(request: &Request) -> bool {
+    use axum::http::Method;
+    if matches!(*request.method(), Method::GET | Method::HEAD) {
+        return false;
+    }
+    let headers = request.headers();
+    if let Some(site) = headers.get("sec-fetch-site") {
+        return !matches!(site.as_bytes(), b"same-origin" | b"none");
+    }
+    let Some(origin) = headers.get(header::ORIGIN) else {
+        return false;
+    };
+    if origin.as_bytes() == b"null" {
+        return false;
+    }
+    let host = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .or_else(|| request.uri().authority().map(|a| a.as_str()));
+    let origin_host = origin
+        .to_str()
+        .ok()
+        .and_then(|o| o.split_once("://"))
+        .map(|(_, host)| host);
+    origin_host.is_none() || origin_host != host
 }

@@ -4,7 +4,7 @@
 use outboxd::proto::v1::{self, Decision, FailOutcome, IntentState};
 
 use crate::browser::Browser;
-use crate::helpers::{TestApp, id_of, intent};
+use crate::helpers::{TestApp, http_exchange, id_of, intent};
 
 /// A server with the console on, and no schema owner's connection: no migration URL, and
 /// no embedded cluster to find (a developer's `cargo run` may have one running).
@@ -162,6 +162,50 @@ async fn a_key_without_the_operate_scope_cannot_sign_in() {
     browser.sign_in("obx_not-a-key-at-all").await;
     assert!(browser.text("#error").await.contains("unknown or revoked"));
     browser.close().await;
+}
+
+/// A forged form: another site's page that posts the forger's key to the console, so that
+/// the operator would work in the forger's session. No browser: the headers are those
+/// browsers send for such a page.
+#[tokio::test]
+async fn a_sign_in_sent_from_another_sites_page_is_refused_and_opens_no_session() {
+    let app = console_app().await;
+    let addr = app.console_addr.unwrap();
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let sign_in = |from: &str| {
+        let form = format!("key={key}");
+        format!(
+            "POST /sign-in HTTP/1.1\r\nHost: {addr}\r\n{from}\
+             Content-Type: application/x-www-form-urlencoded\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{form}",
+            form.len()
+        )
+    };
+    for forged in [
+        "Sec-Fetch-Site: cross-site\r\nOrigin: https://attacker.example\r\n",
+        "Sec-Fetch-Site: same-site\r\nOrigin: null\r\n",
+        "Origin: https://attacker.example\r\n",
+    ] {
+        let (status, headers, body) = http_exchange(addr, &sign_in(forged)).await;
+        assert_eq!(status, 403, "{forged}: {body}");
+        assert!(body.contains("another site"), "{body}");
+        assert!(!headers.iter().any(|(name, _)| name == "set-cookie"));
+    }
+    let sessions: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.console_session")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(sessions, 0);
+
+    // The console's own form, as chromium sends it (`Origin: null` under no-referrer).
+    let own = sign_in("Sec-Fetch-Site: same-origin\r\nOrigin: null\r\n");
+    let (status, headers, body) = http_exchange(addr, &own).await;
+    assert_eq!(status, 303, "{body}");
+    assert!(
+        headers
+            .iter()
+            .any(|(name, value)| name == "set-cookie" && value.starts_with("outboxd_session="))
+    );
 }
 
 #[tokio::test]

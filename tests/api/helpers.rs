@@ -475,32 +475,15 @@ impl TestApp {
         path: &str,
         accept: Option<&str>,
     ) -> (u16, Vec<(String, String)>, String) {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let addr = self.metrics_addr.expect("metrics enabled");
-        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
         let accept = accept
             .map(|a| format!("Accept: {a}\r\n"))
             .unwrap_or_default();
-        let request =
-            format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{accept}Connection: close\r\n\r\n");
-        stream.write_all(request.as_bytes()).await.unwrap();
-        let mut response = String::new();
-        stream.read_to_string(&mut response).await.unwrap();
-        let (head, body) = response.split_once("\r\n\r\n").unwrap();
-        let mut lines = head.lines();
-        let status = lines
-            .next()
-            .unwrap()
-            .split(' ')
-            .nth(1)
-            .unwrap()
-            .parse()
-            .unwrap();
-        let headers = lines
-            .filter_map(|l| l.split_once(':'))
-            .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
-            .collect();
-        (status, headers, body.to_owned())
+        http_exchange(
+            addr,
+            &format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{accept}Connection: close\r\n\r\n"),
+        )
+        .await
     }
 
     /// Takes the application out, to stop it from another task.
@@ -893,4 +876,32 @@ pub async fn populate_globex(app: &TestApp) -> OtherTenant {
         leased: leases[0].clone(),
         waiting: id_of(&leases[1]).to_owned(),
     }
+}
+
+/// Sends `request` (one whole HTTP/1.1 request, `Connection: close`) to `addr`: the status
+/// code, the headers (lowercase names) and the body.
+pub async fn http_exchange(
+    addr: std::net::SocketAddr,
+    request: &str,
+) -> (u16, Vec<(String, String)>, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    (status, headers, body.to_owned())
 }

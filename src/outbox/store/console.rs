@@ -128,7 +128,7 @@ pub struct Minute {
 pub struct Overview {
     /// Live intents (not final) by state, tenant, kind and region.
     pub counts: Vec<GroupCount>,
-    /// States whose count stopped at [`OVERVIEW_COUNT_CAP`] rows (shown as "at least").
+    /// States whose count stopped at a cap (shown as "at least").
     pub capped: Vec<IntentState>,
     /// Earliest `available_at` among claimable PENDING intents.
     pub oldest_pending_at: Option<DateTime<Utc>>,
@@ -141,10 +141,25 @@ pub struct Overview {
 /// is shown as "at least"; the metrics have exact depths.
 pub const OVERVIEW_COUNT_CAP: i64 = 10_000;
 
+/// Most PENDING rows the overview reads, shared among the queue levels (a tenant's kind at
+/// one priority), so that every kind shows its backlog: each level is counted up to
+/// [`pending_per_level`]. Fewer than the other states' cap: the backlog is the deepest
+/// state, and its oldest rows, which the count reads, lie a page apart each.
+pub const OVERVIEW_PENDING_CAP: i64 = 5_000;
+
+/// PENDING rows counted per level when there are `levels`: the largest round share of
+/// [`OVERVIEW_PENDING_CAP`], at least 100 (beyond 50 levels, the last are not read).
+fn pending_per_level(levels: i64) -> i64 {
+    [5_000, 2_000, 1_000, 500, 200, 100]
+        .into_iter()
+        .find(|share| share * levels.max(1) <= OVERVIEW_PENDING_CAP)
+        .unwrap_or(100)
+}
+
 /// Each part is one partial index's predicate (see `queue_depth`), read at most $2 rows:
-/// PENDING level by level, the others in their index's order (so that the scan stops at
-/// the limit, where a bitmap scan would read the whole index first). $1 the API key's
-/// regions (empty: any).
+/// PENDING level by level, $3 rows a level and $4 in all, the others in their index's
+/// order (so that the scan stops at the limit, where a bitmap scan would read the whole
+/// index first). $1 the API key's regions (empty: any).
 const OVERVIEW_COUNTS: &str = r#"
     SELECT p.part, p.state, p.tenant_id AS tenant, p.kind, p.region, count(*) AS count
     FROM (
@@ -156,9 +171,9 @@ const OVERVIEW_COUNTS: &str = r#"
              SELECT i.state, i.tenant_id, i.kind, i.region FROM outbox.intent i
              WHERE i.level_key = l.level_key AND i.state = 'pending'
                AND (cardinality($1::text[]) = 0 OR i.region = '' OR i.region = ANY($1::text[]))
-             LIMIT $2
+             LIMIT $3
          ) i
-         LIMIT $2)
+         LIMIT $4)
         UNION ALL
         (SELECT 2, i.state, i.tenant_id, i.kind, i.region FROM outbox.intent i
          WHERE i.state IN ('leased', 'submitted') AND i.lease_expires_at IS NOT NULL
@@ -233,17 +248,38 @@ pub async fn overview(
         group: GroupCount,
     }
     bounded_reads(conn).await?;
+    let levels: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.queue_level")
+        .fetch_one(&mut *conn)
+        .await?;
+    let per_level = pending_per_level(levels);
     let rows: Vec<Row> = sqlx::query_as(OVERVIEW_COUNTS)
         .bind(regions)
         .bind(OVERVIEW_COUNT_CAP)
+        .bind(per_level)
+        .bind(OVERVIEW_PENDING_CAP)
         .fetch_all(&mut *conn)
         .await?;
     let mut capped = Vec::new();
     for part in 1..=4 {
         let in_part = || rows.iter().filter(move |r| r.part == part);
-        if in_part().map(|r| r.group.count).sum::<i64>() >= OVERVIEW_COUNT_CAP {
+        let cap = if part == 1 {
+            OVERVIEW_PENDING_CAP
+        } else {
+            OVERVIEW_COUNT_CAP
+        };
+        if in_part().map(|r| r.group.count).sum::<i64>() >= cap {
             capped.extend(in_part().map(|r| r.group.state));
         }
+    }
+    // A level read up to its share (its tenant's kind, over regions and priorities).
+    let mut by_queue: std::collections::HashMap<(&str, &str), i64> = Default::default();
+    for r in rows.iter().filter(|r| r.part == 1) {
+        *by_queue
+            .entry((&r.group.tenant, &r.group.kind))
+            .or_default() += r.group.count;
+    }
+    if by_queue.values().any(|&n| n >= per_level) {
+        capped.push(IntentState::Pending);
     }
     capped.sort_by_key(|s| *s as i32);
     capped.dedup();
@@ -384,6 +420,15 @@ pub async fn blocked_keys(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pending_levels_share_the_cap_in_round_numbers() {
+        let shares: Vec<i64> = [0, 1, 2, 3, 6, 11, 26, 1000]
+            .into_iter()
+            .map(pending_per_level)
+            .collect();
+        assert_eq!(shares, [5_000, 5_000, 2_000, 1_000, 500, 200, 100, 100]);
+    }
 
     #[test]
     fn the_floor_of_an_instant_is_its_smallest_uuid_v7() {

@@ -61,9 +61,11 @@ pub const NOTE: &str = "**console**: an outbox seeded by SQL (INSERT … SELECT 
     scope operate for the largest tenant, then with one for every tenant, and GETs each \
     page in turn, the pages round-robin, one request at a time over one keep-alive \
     HTTP/1.1 connection (hyper), timing each from the request sent to the page's last \
-    byte; the first request of each page counts too. `/intents/<id>` asks for random ids \
-    of the key's tenants: live ones (any state of the live table) and delivered ones (the \
-    batch history). The target is the issue's: under 100 ms per page with 1M intents.";
+    byte; each page's first request (cold connections, and pages of the table not yet \
+    in shared buffers) is timed apart from the figures, in the row's text. \
+    `/intents/<id>` asks for random ids of the key's tenants: live ones (any state of the \
+    live table) and delivered ones (the batch history). The target is the issue's: under \
+    100 ms per page with 1M intents.";
 
 /// The line of the run's header that gives the console scenario's sizes.
 pub fn describe(sizes: &Sizes) -> String {
@@ -421,6 +423,8 @@ struct Page {
     hist: Hist,
     /// Intent links and bytes of the first answer.
     first: Option<(usize, usize)>,
+    /// The first request's time, apart: it pays for cold connections and buffers.
+    cold: Option<std::time::Duration>,
 }
 
 impl Page {
@@ -431,6 +435,7 @@ impl Page {
             listing,
             hist: Hist::new(),
             first: None,
+            cold: None,
         }
     }
 
@@ -541,12 +546,17 @@ async fn measure_keys(
             Page::new("GET /queues (blocked keys)", true, one("/queues")),
         ];
         let operator = Operator::sign_in(base, key).await?;
-        // Round-robin, so that the machine's moments fall on every page alike.
-        for i in 0..n {
+        // Round-robin, so that the machine's moments fall on every page alike; one round
+        // more first, timed apart.
+        for i in 0..=n {
             for page in &mut pages {
                 let path = &page.paths[i % page.paths.len()];
                 let (body, elapsed) = operator.get(path).await?;
-                page.hist.record(elapsed);
+                if page.cold.is_none() {
+                    page.cold = Some(elapsed);
+                } else {
+                    page.hist.record(elapsed);
+                }
                 page.first.get_or_insert_with(|| {
                     let links = String::from_utf8_lossy(&body)
                         .matches("href=\"/intents/")
@@ -556,12 +566,14 @@ async fn measure_keys(
             }
         }
         for page in pages {
+            let within = |ms: f64| if ms < TARGET_MS { "within" } else { "OVER" };
             let p99 = page.hist.ms(0.99);
-            let verdict = if p99 < TARGET_MS {
-                format!("p99 within the {TARGET_MS} ms target")
-            } else {
-                format!("p99 OVER the {TARGET_MS} ms target")
-            };
+            let cold = page.cold.unwrap_or_default().as_secs_f64() * 1e3;
+            let verdict = format!(
+                "p99 {} the {TARGET_MS} ms target; first request {cold:.0} ms, {}",
+                within(p99),
+                within(cold)
+            );
             rows.push(Row {
                 system: "outboxd".to_owned(),
                 key: KEY.to_owned(),

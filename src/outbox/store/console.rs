@@ -143,7 +143,7 @@ pub const OVERVIEW_COUNT_CAP: i64 = 10_000;
 
 /// Most PENDING rows the overview reads, shared among the queue levels (a tenant's kind at
 /// one priority), so that every kind shows its backlog: each level is counted up to
-/// [`pending_per_level`]. Fewer than the other states' cap: the backlog is the deepest
+/// `pending_per_level`. Fewer than the other states' cap: the backlog is the deepest
 /// state, and its oldest rows, which the count reads, lie a page apart each.
 pub const OVERVIEW_PENDING_CAP: i64 = 5_000;
 

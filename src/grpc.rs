@@ -17,7 +17,8 @@ use crate::config::{Limits, Settings};
 use crate::deadline::{bounded_wait, caller_timeout};
 use crate::gate::{Authenticated, Gate, GateLayer};
 use crate::metrics::{Metrics, OutcomeLabels};
-use crate::outbox::claim::{ClaimAnswer, ClaimCall, ClaimSettings, Claims, handoff};
+use crate::outbox::claim::tally::ClaimTally;
+use crate::outbox::claim::{ClaimAnswer, ClaimCall, ClaimCounters, ClaimSettings, Claims, handoff};
 use crate::outbox::enqueue::DirectEnqueues;
 use crate::outbox::notify::PendingSignal;
 use crate::outbox::store::{self, BackoffParams, ClaimParams, DeliveredRows, Pools, TenantScope};
@@ -43,6 +44,8 @@ pub struct OutboxHandler {
     direct_enqueues: Arc<DirectEnqueues>,
     claim_settings: ClaimSettings,
     claims: Arc<Claims>,
+    /// Leases counted for the console's chart, when this server serves the console.
+    claim_tally: Option<Arc<ClaimTally>>,
     delivered_rows: DeliveredRows,
 }
 
@@ -160,6 +163,11 @@ impl OutboxHandler {
             hand_off: settings.claim.hand_off,
         };
         let metrics = Arc::<Metrics>::default();
+        let claim_tally = settings
+            .console
+            .listen_addr
+            .is_some()
+            .then(Arc::<ClaimTally>::default);
         let (direct_enqueues, claims) = Self::use_cases(
             &pools,
             &pending,
@@ -167,6 +175,7 @@ impl OutboxHandler {
             &shutdown,
             &metrics,
             claim_settings,
+            claim_tally.clone(),
         );
         Self {
             pools,
@@ -181,6 +190,7 @@ impl OutboxHandler {
             direct_enqueues,
             claim_settings,
             claims,
+            claim_tally,
             delivered_rows: DeliveredRows::for_retention(settings.maintenance.retention),
         }
     }
@@ -206,12 +216,20 @@ impl OutboxHandler {
             &self.shutdown,
             &self.metrics,
             self.claim_settings,
+            self.claim_tally.clone(),
         );
         self
     }
 
-    /// Direct enqueues and claims, counted into `metrics`, sharing the hand-off: leases no
-    /// claimer received go back through `pools` (`outbox::claim::handoff`).
+    /// The leases counted for the console's chart, when this server serves the console:
+    /// someone must add them to the table (`outbox::claim::tally::add_until_stopped`).
+    pub fn claim_tally(&self) -> Option<&Arc<ClaimTally>> {
+        self.claim_tally.as_ref()
+    }
+
+    /// Direct enqueues and claims, counted into `metrics` (and their leases into `tally`),
+    /// sharing the hand-off: leases no claimer received go back through `pools`
+    /// (`outbox::claim::handoff`).
     fn use_cases(
         pools: &Pools,
         pending: &PendingSignal,
@@ -219,6 +237,7 @@ impl OutboxHandler {
         shutdown: &CancellationToken,
         metrics: &Metrics,
         settings: ClaimSettings,
+        tally: Option<Arc<ClaimTally>>,
     ) -> (Arc<DirectEnqueues>, Arc<Claims>) {
         let release = handoff::give_back(
             pools.clone(),
@@ -226,7 +245,7 @@ impl OutboxHandler {
             clock.clone(),
             metrics.given_back.clone(),
         );
-        let enqueues = DirectEnqueues::new(metrics.enqueue_counters(), release);
+        let enqueues = DirectEnqueues::new(metrics.enqueue_counters(), release, tally.clone());
         let claims = Claims::new(
             pools.clone(),
             clock.clone(),
@@ -234,7 +253,10 @@ impl OutboxHandler {
             shutdown.clone(),
             enqueues.handoffs().clone(),
             settings,
-            metrics.claim_counters(),
+            ClaimCounters {
+                tally,
+                ..metrics.claim_counters()
+            },
         );
         (Arc::new(enqueues), Arc::new(claims))
     }

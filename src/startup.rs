@@ -576,6 +576,15 @@ impl Application {
         )
         .with_long_poll_recheck(runtime.long_poll_recheck)
         .with_metrics(metrics.clone());
+        if let Some(tally) = handler.claim_tally() {
+            background.push(tokio::spawn(
+                crate::outbox::claim::tally::add_until_stopped(
+                    tally.clone(),
+                    pools.clone(),
+                    shutdown.clone(),
+                ),
+            ));
+        }
         let console_addr = match settings.console.listen_addr {
             Some(addr) => {
                 let console = crate::console::Console {

@@ -1,5 +1,5 @@
 //! `GET /`: live counts by state, tenant, kind and region, the oldest waiting intents, and
-//! the last hour's enqueued and delivered intents a minute at a time.
+//! the last hour's enqueued, claimed and delivered intents a minute at a time.
 
 use std::collections::BTreeMap;
 
@@ -46,12 +46,14 @@ struct Group {
     href: String,
 }
 
-/// The last hour as two polylines in a `WIDTH` × `HEIGHT` box.
+/// The last hour as three polylines in a `WIDTH` × `HEIGHT` box.
 struct Chart {
     enqueued: String,
+    claimed: String,
     delivered: String,
     max: i64,
     enqueued_total: i64,
+    claimed_total: i64,
     delivered_total: i64,
     from: String,
     to: String,
@@ -64,7 +66,7 @@ impl Chart {
     fn of(minutes: &[Minute]) -> Self {
         let max = minutes
             .iter()
-            .map(|m| m.enqueued.max(m.delivered))
+            .map(|m| m.enqueued.max(m.claimed).max(m.delivered))
             .max()
             .unwrap_or(0)
             .max(1);
@@ -82,9 +84,11 @@ impl Chart {
         };
         Self {
             enqueued: line(|m| m.enqueued),
+            claimed: line(|m| m.claimed),
             delivered: line(|m| m.delivered),
             max,
             enqueued_total: minutes.iter().map(|m| m.enqueued).sum(),
+            claimed_total: minutes.iter().map(|m| m.claimed).sum(),
             delivered_total: minutes.iter().map(|m| m.delivered).sum(),
             from: minutes
                 .first()

@@ -496,12 +496,13 @@ impl Metrics {
         }
     }
 
-    /// The counters of Claim calls.
+    /// The counters of Claim calls (no claim tally: the console's, not the metrics').
     pub fn claim_counters(&self) -> ClaimCounters {
         ClaimCounters {
             waiting: self.claims_waiting.clone(),
             handed_off: self.handed_off.clone(),
             refused_by_limit: self.refused_by_limit.clone(),
+            tally: None,
         }
     }
 

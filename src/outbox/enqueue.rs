@@ -9,6 +9,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 
 use super::claim::handoff::{Handoffs, Release};
+use super::claim::tally::ClaimTally;
 use super::group_commit::GroupCommit;
 use super::store::{self, AlsoAtBegin, EnqueueParams, Pools, TenantScope, TxnStatus};
 use super::token::TxnToken;
@@ -39,6 +40,7 @@ pub struct DirectEnqueues {
 struct DirectInserts {
     transactions: Counter,
     handoffs: Arc<Handoffs>,
+    tally: Option<Arc<ClaimTally>>,
 }
 
 /// What direct enqueues count: calls waiting for a shared transaction, and transactions.
@@ -49,9 +51,13 @@ pub struct EnqueueCounters {
 }
 
 impl DirectEnqueues {
-    /// Counting into `counters`; leases that no claimer received go to `release`
-    /// (`super::claim::handoff`).
-    pub fn new(counters: EnqueueCounters, release: Release) -> Self {
+    /// Counting into `counters`, and the leases handed to waiting claims into `tally`;
+    /// leases that no claimer received go to `release` (`super::claim::handoff`).
+    pub fn new(
+        counters: EnqueueCounters,
+        release: Release,
+        tally: Option<Arc<ClaimTally>>,
+    ) -> Self {
         Self {
             groups: GroupCommit::new(
                 fits_shared_transaction,
@@ -61,6 +67,7 @@ impl DirectEnqueues {
             inserts: DirectInserts {
                 transactions: counters.transactions,
                 handoffs: Arc::new(Handoffs::new(release)),
+                tally,
             },
         }
     }
@@ -162,6 +169,9 @@ async fn insert_direct(
     }
     direct.transactions.inc();
     if let Some(taken) = taken {
+        if let Some(tally) = &direct.tally {
+            tally.count(inserted.leased.iter().map(|i| (tenant_id, i)));
+        }
         let ids: Vec<_> = inserted.enqueued.iter().map(|e| e.id).collect();
         taken.hand_over(&ids, inserted.leased);
     }

@@ -164,6 +164,51 @@ async fn a_key_without_the_operate_scope_cannot_sign_in() {
     browser.close().await;
 }
 
+/// Waits until the claim tally holds `n` leases of acme (it is added every second), and
+/// checks that it holds no more.
+async fn tallied(app: &TestApp, n: i64) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let claimed: i64 = sqlx::query_scalar(
+            "SELECT coalesce(sum(claimed), 0)::bigint FROM outbox.claim_tally \
+             WHERE tenant_id = 'acme'",
+        )
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        if claimed >= n {
+            assert_eq!(claimed, n);
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{claimed} of {n} tallied"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// The chart's claimed line: what Claims lease, and what enqueues hand to waiting Claims.
+#[tokio::test]
+async fn claims_and_hand_offs_show_on_the_chart_as_claimed() {
+    let app = console_app().await;
+    app.enqueue_n("charge", 3).await;
+    assert_eq!(app.claim_n("worker-1", 3).await.len(), 3);
+    let waiting = crate::handoff::waiting_claim(&app, app.client(), "worker-2", 1, &[]).await;
+    app.enqueue_n("charge", 1).await;
+    assert_eq!(crate::handoff::answered(waiting).await.len(), 1);
+    app.wait_for_metric("outbox_intents_handed_off_total 1")
+        .await;
+    tallied(&app, 4).await;
+
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let browser = Browser::open(app.console_addr.unwrap()).await;
+    browser.sign_in(&key).await;
+    assert_eq!(browser.text("#enqueued").await, "enqueued 4");
+    assert_eq!(browser.text("#claimed").await, "claimed 4");
+    browser.close().await;
+}
+
 /// A forged form: another site's page that posts the forger's key to the console, so that
 /// the operator would work in the forger's session. No browser: the headers are those
 /// browsers send for such a page.

@@ -13,7 +13,7 @@ use crate::helpers::{
 /// A Claim of `worker` for up to `n` intents (of `kinds`, any when empty) through
 /// `client`, waiting up to 60 s, running in the background; returned once `app`'s server
 /// counts it waiting (it looked, found nothing, and may be handed intents).
-async fn waiting_claim(
+pub(crate) async fn waiting_claim(
     app: &TestApp,
     mut client: outboxd::client::Client,
     worker: &str,
@@ -30,7 +30,7 @@ async fn waiting_claim(
 }
 
 /// The claim's answer, which must come long before its 60 s deadline.
-async fn answered(claim: tokio::task::JoinHandle<Vec<v1::Lease>>) -> Vec<v1::Lease> {
+pub(crate) async fn answered(claim: tokio::task::JoinHandle<Vec<v1::Lease>>) -> Vec<v1::Lease> {
     tokio::time::timeout(Duration::from_secs(30), claim)
         .await
         .expect("the waiting claim was never answered")

@@ -235,6 +235,7 @@ async fn every_table_under_row_level_security_opens_to_the_fleet_grant_and_no_se
     assert_eq!(
         names,
         [
+            "claim_tally",
             "delivered_batch",
             "intent",
             "queue_level",

@@ -7,6 +7,7 @@
 pub mod drained;
 pub mod floor;
 pub mod handoff;
+pub mod tally;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use self::drained::{DrainedGroups, Seen};
 use self::floor::{ClaimFloors, Leased};
 use self::handoff::{Handoffs, Wanted};
+use self::tally::ClaimTally;
 use super::notify::PendingSignal;
 use super::store::{self, ClaimParams, Pools, TenantScope};
 use super::{Clock, Intent, Result};
@@ -48,13 +50,14 @@ pub struct ClaimSettings {
     pub hand_off: bool,
 }
 
-/// What Claim calls count: those waiting now, intents handed to them by enqueues, and
-/// leases queue limits refused them.
+/// What Claim calls count: those waiting now, intents handed to them by enqueues, leases
+/// queue limits refused them, and (when the console is served) their leases per minute.
 #[derive(Debug, Clone, Default)]
 pub struct ClaimCounters {
     pub waiting: Gauge,
     pub handed_off: Counter,
     pub refused_by_limit: Counter,
+    pub tally: Option<Arc<ClaimTally>>,
 }
 
 /// A Claim call: what to lease, and until when it may wait.
@@ -292,6 +295,9 @@ impl Claims {
                 now,
             );
             self.drained.record(group, seen, !filled, again_in, now);
+            if let Some(tally) = &self.counters.tally {
+                tally.count(tenants.iter().map(String::as_str).zip(&intents));
+            }
         }
         Ok(Look {
             intents,

@@ -112,13 +112,15 @@ pub struct GroupCount {
     pub count: i64,
 }
 
-/// Intents enqueued and delivered in one minute.
+/// Intents enqueued, leased and delivered in one minute.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct Minute {
     /// The minute's start.
     pub at: DateTime<Utc>,
     /// Intents enqueued in it.
     pub enqueued: i64,
+    /// Intents leased in it (by the replicas that serve the console, `outbox.claim_tally`).
+    pub claimed: i64,
     /// Intents delivered (acknowledged) in it.
     pub delivered: i64,
 }
@@ -198,8 +200,8 @@ const OVERVIEW_COUNTS: &str = r#"
 "#;
 
 /// Per minute from $2 to $3 (the last hour): intents enqueued (by their UUIDv7 ids, from the
-/// primary key and the history's buckets, $4 the first minute's smallest id) and delivered
-/// (by their finish time). $1 the API key's regions. The bounds are parameters, not read
+/// primary key and the history's buckets, $4 the first minute's smallest id), leased (the
+/// claim tally) and delivered (by their finish time). $1 the API key's regions. The bounds are parameters, not read
 /// from `now()`, so that the planner sees how few rows the hour holds.
 const OVERVIEW_MINUTES: &str = r#"
     WITH enqueued AS (
@@ -224,13 +226,63 @@ const OVERVIEW_MINUTES: &str = r#"
         ) d
         WHERE cardinality($1::text[]) = 0 OR d.region = '' OR d.region = ANY($1::text[])
         GROUP BY 1
+    ), claimed AS (
+        SELECT t.minute AS at, sum(t.claimed)::bigint AS n
+        FROM outbox.claim_tally t
+        WHERE t.minute >= $2
+          AND (cardinality($1::text[]) = 0 OR t.region = '' OR t.region = ANY($1::text[]))
+        GROUP BY 1
     )
-    SELECT m.at, coalesce(e.n, 0)::bigint AS enqueued, coalesce(d.n, 0)::bigint AS delivered
+    SELECT m.at, coalesce(e.n, 0)::bigint AS enqueued, coalesce(c.n, 0)::bigint AS claimed,
+           coalesce(d.n, 0)::bigint AS delivered
     FROM generate_series($2::timestamptz, $3::timestamptz, interval '1 minute') m(at)
     LEFT JOIN enqueued e ON e.at = m.at
+    LEFT JOIN claimed c ON c.at = m.at
     LEFT JOIN delivered d ON d.at = m.at
     ORDER BY m.at
 "#;
+
+/// Intents leased, by minute, tenant and region (`outbox.claim_tally`).
+pub type ClaimCounts = std::collections::HashMap<(DateTime<Utc>, String, String), i64>;
+
+/// How long `outbox.claim_tally` keeps a minute: the chart shows the last hour.
+pub const CLAIM_TALLY_KEPT: chrono::TimeDelta = chrono::TimeDelta::hours(2);
+
+/// Adds `counts` to `outbox.claim_tally` (as the fleet: every tenant), and drops
+/// the minutes older than [`CLAIM_TALLY_KEPT`].
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn add_claim_counts(pools: &super::Pools, counts: &ClaimCounts) -> Result<()> {
+    let mut columns = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for ((minute, tenant, region), n) in counts {
+        columns.0.push(*minute);
+        columns.1.push(tenant.as_str());
+        columns.2.push(region.as_str());
+        columns.3.push(*n);
+    }
+    let mut tx = super::begin(pools, &super::TenantScope::All).await?;
+    sqlx::query(
+        r#"
+        INSERT INTO outbox.claim_tally (minute, tenant_id, region, claimed)
+        SELECT * FROM unnest($1::timestamptz[], $2::text[], $3::text[], $4::bigint[])
+        ON CONFLICT (minute, tenant_id, region)
+            DO UPDATE SET claimed = outbox.claim_tally.claimed + excluded.claimed
+        "#,
+    )
+    .bind(&columns.0)
+    .bind(&columns.1)
+    .bind(&columns.2)
+    .bind(&columns.3)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query("DELETE FROM outbox.claim_tally WHERE minute < now() - $1::interval")
+        .bind(CLAIM_TALLY_KEPT)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(())
+}
 
 /// Reads the [`Overview`] of the transaction's tenants in `regions` (empty: any).
 ///

@@ -35,9 +35,10 @@ pub use api_keys::{
 };
 pub use claim::{CLAIM_CALL, ClaimParams, Claimed, QueueLevel, claim_intents, release_leases};
 pub use console::{
-    BlockedKey, GroupCount, Minute, OVERVIEW_COUNT_CAP, OVERVIEW_PENDING_CAP, Overview,
-    blocked_keys, create_console_session, delete_console_session, find_console_session,
-    first_id_at, ids_by_idempotency_key, overview, overview_minutes, revoke_api_key_by_id,
+    BlockedKey, CLAIM_TALLY_KEPT, ClaimCounts, GroupCount, Minute, OVERVIEW_COUNT_CAP,
+    OVERVIEW_PENDING_CAP, Overview, add_claim_counts, blocked_keys, create_console_session,
+    delete_console_session, find_console_session, first_id_at, ids_by_idempotency_key, overview,
+    overview_minutes, revoke_api_key_by_id,
 };
 pub use enqueue::{EnqueueParams, Inserted, insert_intents};
 pub use inspect::{

@@ -88,13 +88,10 @@ impl Browser {
     }
 
     pub async fn text(&self, css: &str) -> String {
-        self.client
-            .find(Locator::Css(css))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
+        match self.client.find(Locator::Css(css)).await {
+            Ok(element) => element.text().await.unwrap(),
+            Err(e) => panic!("{css} is not on {}: {e}", self.path().await),
+        }
     }
 
     /// The visible text of the whole page.
@@ -122,6 +119,40 @@ impl Browser {
             .unwrap();
     }
 
+    /// Clicks what sends a form or follows a link, and waits until the browser has left
+    /// the page: the click may return before the navigation it starts.
+    pub async fn submit(&self, css: &str) {
+        self.leave_by(Locator::Css(css)).await;
+    }
+
+    /// [`Self::submit`] for an element found by XPath.
+    pub async fn submit_xpath(&self, xpath: &str) {
+        self.leave_by(Locator::XPath(xpath)).await;
+    }
+
+    async fn leave_by(&self, locator: Locator<'_>) {
+        let page = self.client.find(Locator::Css("html")).await.unwrap();
+        self.client
+            .find(locator)
+            .await
+            .unwrap_or_else(|e| panic!("{locator:?}: {e}"))
+            .click()
+            .await
+            .unwrap();
+        // The old page's root goes stale once the browser has left it; chromium may first
+        // answer that it is not in the document, so other errors are asked again.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let why = match page.tag_name().await {
+                Err(e) if e.is_stale_element_reference() => break,
+                Err(e) => e.to_string(),
+                Ok(_) => "still on the page".to_owned(),
+            };
+            assert!(Instant::now() < deadline, "after clicking {locator:?}: {why}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub async fn select(&self, css: &str, value: &str) {
         self.client
             .find(Locator::Css(css))
@@ -135,14 +166,7 @@ impl Browser {
     pub async fn sign_in(&self, key: &str) {
         self.goto("/sign-in").await;
         self.fill("#key", key).await;
-        self.click("#sign-in").await;
-        // The answer: signed in (`#who`) or refused (`#error`); the click may return
-        // before the browser shows it.
-        self.client
-            .wait()
-            .for_element(Locator::Css("#who, #error"))
-            .await
-            .unwrap();
+        self.submit("#sign-in").await;
     }
 
     /// Saves the page as `<name>.png` in `OUTBOX_SCREENSHOTS_DIR`, or under `target/`:

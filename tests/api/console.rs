@@ -45,7 +45,7 @@ async fn an_operator_resolves_an_intent_a_worker_left_unknown_and_sees_the_audit
     assert!(browser.text("#states").await.contains("NEEDS_RECONCILE"));
     browser.screenshot("overview").await;
 
-    browser.click("a[href='/desk']").await;
+    browser.submit("a[href='/desk']").await;
     let desk = browser.text("#intents").await;
     assert!(desk.contains(&ids[0]) && desk.contains(&ids[1]), "{desk}");
     assert!(desk.contains("timeout after the provider accepted the request"));
@@ -55,7 +55,7 @@ async fn an_operator_resolves_an_intent_a_worker_left_unknown_and_sees_the_audit
     browser
         .fill("#reason", "the PSP dashboard shows the charge")
         .await;
-    browser.click("#resolve").await;
+    browser.submit("#resolve").await;
     let outcome = browser.text("#outcomes").await;
     assert!(
         outcome.contains(&ids[0]) && outcome.contains("applied"),
@@ -122,7 +122,7 @@ async fn signing_out_ends_the_session_and_a_revoked_key_ends_its_sessions() {
         .clone();
     assert_eq!(session.http_only(), Some(true));
     assert_eq!(session.same_site(), Some(cookie::SameSite::Strict));
-    browser.click("#sign-out").await;
+    browser.submit("#sign-out").await;
     assert_eq!(browser.path().await, "/sign-in");
     // The old cookie, put back, no longer opens anything.
     browser
@@ -328,7 +328,7 @@ async fn a_change_without_the_csrf_token_is_refused_and_changes_nothing() {
         .unwrap();
     browser.select("#decision", "REQUEUE").await;
     browser.fill("#reason", "forged").await;
-    browser.click("#resolve").await;
+    browser.submit("#resolve").await;
     assert!(browser.text("h1").await.contains("403"));
     assert!(browser.text("#error").await.contains("CSRF"));
     assert_eq!(app.state(&ids[0]).await, IntentState::NeedsReconcile);
@@ -363,7 +363,7 @@ async fn a_decision_another_operator_took_first_answers_clearly_and_applies_once
         .unwrap();
     browser.select("#decision", "REQUEUE").await;
     browser.fill("#reason", "deliver again").await;
-    browser.click("#resolve").await;
+    browser.submit("#resolve").await;
     let outcome = browser.text("#outcomes").await;
     assert!(outcome.contains("not applied"), "{outcome}");
     assert!(outcome.contains("changed after it was read"), "{outcome}");
@@ -396,7 +396,7 @@ async fn an_admin_creates_a_key_whose_secret_is_shown_once_and_revokes_it() {
     browser
         .fill("#new-key input[name=confirm]", "obx_a-key-that-is-not-mine")
         .await;
-    browser.click("#new-key button").await;
+    browser.submit("#new-key button").await;
     assert!(
         browser.text("h1").await.contains("403"),
         "a change asks for the admin's own key"
@@ -408,7 +408,7 @@ async fn an_admin_creates_a_key_whose_secret_is_shown_once_and_revokes_it() {
     browser.fill("#new-key input[name=tenants]", "acme").await;
     browser.click("#new-key input[name=produce]").await;
     browser.fill("#new-key input[name=confirm]", &admin).await;
-    browser.click("#new-key button").await;
+    browser.submit("#new-key button").await;
     let secret = browser.text("#secret").await;
     assert!(secret.starts_with("obx_"));
     browser.screenshot("keys").await;
@@ -431,7 +431,7 @@ async fn an_admin_creates_a_key_whose_secret_is_shown_once_and_revokes_it() {
     browser.fill("#new-key input[name=tenants]", "*").await;
     browser.click("#new-key input[name=admin]").await;
     browser.fill("#new-key input[name=confirm]", &admin).await;
-    browser.click("#new-key button").await;
+    browser.submit("#new-key button").await;
     assert!(browser.text("h1").await.contains("403"));
 
     browser.goto("/keys").await;
@@ -444,12 +444,7 @@ async fn an_admin_creates_a_key_whose_secret_is_shown_once_and_revokes_it() {
         .await
         .unwrap();
     confirm.send_keys(&admin).await.unwrap();
-    let revoke = browser
-        .client
-        .find(fantoccini::Locator::XPath(&format!("{row}//button")))
-        .await
-        .unwrap();
-    revoke.click().await.unwrap();
+    browser.submit_xpath(&format!("{row}//button")).await;
     assert!(!browser.text("#keys").await.is_empty());
     let revoked: Option<chrono::DateTime<chrono::Utc>> =
         sqlx::query_scalar("SELECT revoked_at FROM outbox.api_key WHERE name = 'billing-worker'")
@@ -521,7 +516,7 @@ async fn an_operator_pauses_a_queue_and_sees_the_blocked_ordering_keys() {
     browser
         .fill("#policy textarea[name=reason]", "the relay is down")
         .await;
-    browser.click("#policy button").await;
+    browser.submit("#policy button").await;
     assert!(browser.text("#saved").await.contains("acme/mail"));
     let shown = browser.text("#policies").await;
     assert!(
@@ -543,7 +538,7 @@ async fn an_operator_pauses_a_queue_and_sees_the_blocked_ordering_keys() {
     browser
         .fill("#policy textarea[name=reason]", "burst without a rate")
         .await;
-    browser.click("#policy button").await;
+    browser.submit("#policy button").await;
     assert!(browser.text("h1").await.contains("400"));
     let policies = queue_policies(&app).await;
     assert!(policies[0].paused, "unchanged");
@@ -563,11 +558,11 @@ async fn an_intent_is_found_by_its_id_or_idempotency_key_and_listed_by_filter() 
     browser.sign_in(&key).await;
     browser.goto("/intents").await;
     browser.fill("#q", "invoices/2026-0042").await;
-    browser.click("#filter").await;
+    browser.submit("#filter").await;
     assert_eq!(browser.path().await, format!("/intents/{}", ids[0]));
     browser.goto("/intents").await;
     browser.fill("#q", &ids[1]).await;
-    browser.click("#filter").await;
+    browser.submit("#filter").await;
     assert_eq!(browser.path().await, format!("/intents/{}", ids[1]));
     browser.goto("/intents?kind=mail&state=PENDING").await;
     let listed = browser.text("#intents").await;

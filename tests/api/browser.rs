@@ -148,7 +148,10 @@ impl Browser {
                 Err(e) => e.to_string(),
                 Ok(_) => "still on the page".to_owned(),
             };
-            assert!(Instant::now() < deadline, "after clicking {locator:?}: {why}");
+            assert!(
+                Instant::now() < deadline,
+                "after clicking {locator:?}: {why}"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }

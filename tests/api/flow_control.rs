@@ -342,6 +342,55 @@ async fn a_concurrency_limit_holds_across_two_replicas_and_eight_claimers() {
 }
 
 #[tokio::test]
+async fn a_claim_waits_its_turn_at_a_limited_queue_instead_of_leaving_empty() {
+    let app = TestApp::spawn().await;
+    set(
+        &mut app.client(),
+        v1::SetQueuePolicyRequest {
+            max_in_flight: 100,
+            ..policy("pay")
+        },
+    )
+    .await;
+    let ids = app
+        .enqueue_ids((0..5).map(|_| intent("pay", "{}")).collect())
+        .await;
+    // Another claim of the queue, between its take of the policy and its commit.
+    let mut other = app.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM outbox.queue_policy WHERE kind = 'pay' FOR UPDATE")
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    let mut client = app.client();
+    let claim = tokio::spawn(async move {
+        let reply = client.claim(claim_request("w", 5)).await.unwrap();
+        reply.into_inner().leases
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND wait_event_type = 'Lock' AND query LIKE '%outbox.claim(%'",
+        )
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        if waiting == 1 {
+            break;
+        }
+        assert!(
+            !claim.is_finished() && Instant::now() < deadline,
+            "the claim did not wait for the queue's policy"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    other.commit().await.unwrap();
+    let leases = claim.await.unwrap();
+    let leased: HashSet<String> = leases.iter().map(|l| id_of(l).to_owned()).collect();
+    assert_eq!(leased, ids.into_iter().collect::<HashSet<_>>());
+}
+
+#[tokio::test]
 async fn a_rate_limit_leases_its_burst_then_its_rate() {
     let app = TestApp::spawn().await;
     let mut client = app.client();

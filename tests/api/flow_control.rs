@@ -391,6 +391,29 @@ async fn a_claim_waits_its_turn_at_a_limited_queue_instead_of_leaving_empty() {
 }
 
 #[tokio::test]
+async fn leases_a_limit_refuses_are_counted_in_the_metrics() {
+    let app = TestApp::spawn().await;
+    set(
+        &mut app.client(),
+        v1::SetQueuePolicyRequest {
+            max_in_flight: 2,
+            ..policy("pay")
+        },
+    )
+    .await;
+    app.enqueue((0..5).map(|_| intent("pay", "{}")).collect())
+        .await
+        .unwrap();
+    assert_eq!(app.claim_n("w", 5).await.len(), 2);
+    app.wait_for_metric("outbox_leases_refused_by_limit_total 3")
+        .await;
+    // At its limit the queue refuses every lease a claim asks for.
+    assert!(app.claim_n("w", 5).await.is_empty());
+    app.wait_for_metric("outbox_leases_refused_by_limit_total 8")
+        .await;
+}
+
+#[tokio::test]
 async fn a_rate_limit_leases_its_burst_then_its_rate() {
     let app = TestApp::spawn().await;
     let mut client = app.client();

@@ -52,6 +52,7 @@ $$;
 
 -- The claim is …09's, but for its count of leases refused by a limit: a queue's refusal
 -- counts once, not again when the second pass comes back to the queue.
+--
 -- Leases up to `max_intents` claimable intents of the worker's region (or none) and `kinds`
 -- (empty: any); see src/outbox/store/claim.rs for the arguments. A replay (a `request_id`
 -- that already leased for this worker) returns those live leases, as before.

@@ -502,6 +502,7 @@ pub struct Application {
     grace: Duration,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     background: Vec<JoinHandle<()>>,
+    pending: PendingSignal,
     /// Closed by [`Application::run_until_stopped`] within the grace.
     pools: store::Pools,
 }
@@ -571,7 +572,7 @@ impl Application {
             cluster_id,
             settings,
             runtime.clock.clone(),
-            pending,
+            pending.clone(),
             shutdown.clone(),
         )
         .with_long_poll_recheck(runtime.long_poll_recheck)
@@ -673,6 +674,7 @@ impl Application {
             grace: settings.shutdown.grace,
             server,
             background,
+            pending,
             pools: pools.clone(),
         })
     }
@@ -686,6 +688,12 @@ impl Application {
     /// resolved).
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.metrics_addr
+    }
+
+    /// Whether the server hears other replicas' enqueues (its LISTEN connection is up);
+    /// until then its long polls learn of them at their recheck.
+    pub fn is_listening(&self) -> bool {
+        self.pending.is_listening()
     }
 
     /// Where the console listens, if it does.

@@ -209,6 +209,12 @@ impl PendingSignal {
         }
     }
 
+    /// Whether a LISTEN connection is up, and the claimers have been woken for what was
+    /// announced before it.
+    pub fn is_listening(&self) -> bool {
+        self.listener_pid.load(Ordering::SeqCst) != 0
+    }
+
     /// Listens until `shutdown`, bumping on each pending notification and kicking
     /// `txn_committed` on each producer commit; both after each reconnect too, since
     /// notifications sent while disconnected are lost and everyone must look again.
@@ -249,10 +255,11 @@ impl PendingSignal {
                     continue;
                 }
             };
-            self.listener_pid.store(pid, Ordering::SeqCst);
             retry = Duration::from_millis(100);
             self.bump();
             txn_committed.notify_one();
+            // After the wake-ups: whoever sees this server listening sees them given.
+            self.listener_pid.store(pid, Ordering::SeqCst);
             let (answered, seen) = watch::channel(0);
             let silent = CancellationToken::new();
             // Ends the watchdog with this connection, however the loop below ends.

@@ -301,6 +301,16 @@ impl TestApp {
         let app = Application::start(&settings, service_pools.clone(), listener, runtime)
             .await
             .unwrap();
+        // Its first LISTEN connection wakes every waiting claim (they may have missed
+        // announcements): a test's claim must begin waiting after that, not be woken by it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !app.is_listening() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the server never listened"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
         let key = create_key(&pool, "test", &[TENANT], &["admin"], &[]).await;
         // Lazy: a TLS test server refuses this plaintext channel, and such tests bring their own.
         let channel = Channel::from_shared(format!("http://{}", app.local_addr()))

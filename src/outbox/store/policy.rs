@@ -59,15 +59,8 @@ pub struct QueuePolicy {
 const POLICIES: &str = r#"
     SELECT p.tenant_id, p.kind, p.paused, p.max_in_flight, p.rate_per_second, p.burst,
            p.updated_by, p.reason, p.updated_at,
-           (SELECT count(*) FROM outbox.intent i
-            WHERE i.state IN ('leased', 'submitted') AND i.lease_expires_at IS NOT NULL
-              AND i.tenant_id = p.tenant_id AND i.kind = p.kind) AS in_flight,
-           CASE WHEN p.rate_per_second IS NOT NULL THEN
-               least(p.burst::float8,
-                     coalesce(p.tokens, p.burst) + p.rate_per_second * greatest(
-                         extract(epoch FROM coalesce($2, now()) - coalesce(p.tokens_at, $2, now())),
-                         0))
-           END AS tokens
+           outbox.queue_in_flight(p.tenant_id, p.kind) AS in_flight,
+           outbox.bucket_tokens(p, coalesce($2, now())) AS tokens
     FROM outbox.queue_policy p
     WHERE ($1::text IS NULL OR p.kind = $1)
 "#;

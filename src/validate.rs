@@ -880,6 +880,10 @@ pub struct QueuePolicyChange {
 /// Most leases per second a rate limit may allow (the database's CHECK).
 const MAX_RATE_PER_SECOND: f64 = 1_000_000.0;
 
+/// Fewest leases per second a rate limit may allow: one a day. A slower bucket's next
+/// token would be further away than any wait is measured in.
+const MIN_RATE_PER_SECOND: f64 = 1.0 / 86_400.0;
+
 /// Validates a SetQueuePolicy request.
 ///
 /// # Errors
@@ -893,10 +897,15 @@ pub fn queue_policy(req: v1::SetQueuePolicyRequest, limits: &Limits) -> Result<Q
         c.fail("max_in_flight", "must be at least 1 (0: no limit)");
     }
     let rate = req.rate_per_second;
-    if !rate.is_finite() || !(0.0..=MAX_RATE_PER_SECOND).contains(&rate) {
+    if !rate.is_finite()
+        || !(rate == 0.0 || (MIN_RATE_PER_SECOND..=MAX_RATE_PER_SECOND).contains(&rate))
+    {
         c.fail(
             "rate_per_second",
-            format!("must be a number from 0 (no limit) to {MAX_RATE_PER_SECOND}"),
+            format!(
+                "must be 0 (no limit) or a number from 1/86400 (one a day) to \
+                 {MAX_RATE_PER_SECOND}"
+            ),
         );
     }
     if req.burst < 0 || (rate == 0.0 && req.burst != 0) {

@@ -8,7 +8,9 @@ use outboxd::proto::v1;
 use tokio::time::Instant;
 use tonic::Code;
 
-use crate::helpers::{Client, TestApp, assert_status, claim_request, id_of, intent, lease_ref};
+use crate::helpers::{
+    Client, TestApp, assert_status, claim_request, duration, id_of, intent, lease_ref,
+};
 use crate::long_poll::{wait_until_claims_are_waiting, woken};
 use crate::ordering::{cli, drain_one_by_one};
 
@@ -413,6 +415,37 @@ async fn leases_a_limit_refuses_are_counted_in_the_metrics() {
         .await;
 }
 
+/// The docs' promise: a worker that acks and claims again gets the freed capacity at once,
+/// also with a long poll (whose group's last look, held back by the limit, must not count
+/// as having drained the queue: nothing would wake it but the recheck).
+#[tokio::test]
+async fn a_long_poll_after_an_ack_gets_the_slot_the_ack_freed_at_once() {
+    let app = TestApp::spawn().await;
+    set(
+        &mut app.client(),
+        v1::SetQueuePolicyRequest {
+            max_in_flight: 1,
+            ..policy("pay")
+        },
+    )
+    .await;
+    let ids = app
+        .enqueue(vec![intent("pay", "1"), intent("pay", "2")])
+        .await
+        .unwrap();
+    let mut long_poll = claim_request("w", 10);
+    long_poll.wait = Some(duration(Duration::from_secs(60)));
+    let first = app.claim(long_poll.clone()).await.unwrap();
+    assert_eq!(first.iter().map(id_of).collect::<Vec<_>>(), [&ids[0].id]);
+    app.ack(&[&first[0]]).await;
+    // The tests' recheck is an hour: only a look of its own finds the freed slot.
+    let second = tokio::time::timeout(Duration::from_secs(30), app.claim(long_poll))
+        .await
+        .expect("the long poll after the Ack waited for its recheck")
+        .unwrap();
+    assert_eq!(second.iter().map(id_of).collect::<Vec<_>>(), [&ids[1].id]);
+}
+
 #[tokio::test]
 async fn a_rate_limit_leases_its_burst_then_its_rate() {
     let app = TestApp::spawn().await;
@@ -505,6 +538,15 @@ async fn bad_policies_are_refused_and_change_nothing() {
         (
             v1::SetQueuePolicyRequest {
                 rate_per_second: 1e9,
+                ..policy("x")
+            },
+            "rate_per_second",
+        ),
+        (
+            // Its next token would be 1e300 s away, more than a wait can be.
+            v1::SetQueuePolicyRequest {
+                rate_per_second: 1e-300,
+                burst: 1,
                 ..policy("x")
             },
             "rate_per_second",

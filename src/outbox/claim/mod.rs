@@ -294,7 +294,10 @@ impl Claims {
                 Leased::by_level(&intents, &tenants),
                 now,
             );
-            self.drained.record(group, seen, !filled, again_in, now);
+            // A queue a limit held back is not drained: a slot or token freed since
+            // (an Ack, say) is for the group's next claim to find at once.
+            let drained = !filled && refused_by_limit == 0;
+            self.drained.record(group, seen, drained, again_in, now);
             if let Some(tally) = &self.counters.tally {
                 tally.count(tenants.iter().map(String::as_str).zip(&intents));
             }

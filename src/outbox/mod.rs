@@ -206,6 +206,13 @@ pub struct Intent {
     pub priority: i16,
 }
 
+impl Intent {
+    /// Where it comes in a claim's reply: higher priorities first, then oldest.
+    pub fn claim_order(&self) -> (std::cmp::Reverse<i16>, DateTime<Utc>, IntentId) {
+        (std::cmp::Reverse(self.priority), self.available_at, self.id)
+    }
+}
+
 /// A LEASED intent as a claim returns it, now, for unit tests.
 #[cfg(test)]
 pub(crate) fn leased_intent(id: IntentId) -> Intent {

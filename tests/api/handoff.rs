@@ -130,6 +130,35 @@ async fn only_what_a_waiting_claim_would_lease_is_handed_to_it_the_rest_stays_pe
 }
 
 #[tokio::test]
+async fn a_waiting_claim_is_handed_the_highest_priorities_of_an_enqueue_first() {
+    let app = TestApp::spawn().await;
+    let claim = waiting_claim(&app, app.client(), "w", 2, &[]).await;
+    let prioritised = |priority: i32, payload: &str| v1::NewIntent {
+        priority,
+        ..intent("job", payload)
+    };
+    let results = app
+        .enqueue(vec![
+            prioritised(-10, "low"),
+            prioritised(0, "middle"),
+            prioritised(10, "high"),
+        ])
+        .await
+        .unwrap();
+    let handed: Vec<_> = answered(claim)
+        .await
+        .iter()
+        .map(|l| id_of(l).to_owned())
+        .collect();
+    assert_eq!(
+        handed,
+        [results[2].id.clone(), results[1].id.clone()],
+        "as a claim takes them, and listed so"
+    );
+    assert_eq!(app.state(&results[0].id).await, v1::IntentState::Pending);
+}
+
+#[tokio::test]
 async fn a_waiting_claim_of_another_tenant_is_never_handed_an_intent() {
     let app = TestApp::spawn().await;
     let key = app.key(&["globex"], &["consume"], &[]).await;

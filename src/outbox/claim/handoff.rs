@@ -8,10 +8,10 @@
 //! delay, no `available_at`), without an idempotency key (a key may deduplicate to an
 //! intent that already exists), enqueued directly (two-phase ones are STAGED until their
 //! producer commits), to a claimer whose tenants, region and kinds take them, up to its
-//! `max_intents`. A claimer waits only after a look found nothing (or when its group had
-//! just drained the queue, `outbox::claim::drained`), so what it is handed comes after everything
-//! it could have leased; the rest of the batch stays PENDING and is announced
-//! as before. Claims of other replicas are woken by the announcement, as before.
+//! `max_intents`, higher priorities first. A claimer waits only after a look found nothing
+//! (or when its group had just drained the queue, `outbox::claim::drained`), so what it is
+//! handed comes after everything it could have leased; the rest of the batch stays PENDING
+//! and is announced as before. Claims of other replicas are woken by the announcement, as before.
 //!
 //! A claimer is taken out of the registry by the enqueue that hands it intents, before
 //! the insert, so no two enqueues lease to one call; a claimer whose wait ends meanwhile
@@ -192,30 +192,32 @@ impl Handoffs {
         // (full, or not taking it) never takes it later in the batch, so the list is walked
         // at most once per (kind, region), not once per intent, while it is locked.
         let mut resume_at: HashMap<(&str, &str), usize> = HashMap::new();
-        let lease_of: Vec<Option<usize>> = intents
-            .iter()
-            .map(|intent| {
-                if room == 0 || !matches!(intent.schedule, Schedule::Now) {
-                    return None;
-                }
-                let from = resume_at
-                    .entry((intent.kind.as_str(), intent.region.as_str()))
-                    .or_insert(0);
-                // (A claimer whose call is gone has left the list: its Waiter was dropped.)
-                let found = waiting[*from..]
-                    .iter()
-                    .zip(&counts[*from..])
-                    .position(|(w, n)| *n < w.wanted.max_intents && w.wanted.takes(tenant, intent));
-                let Some(at) = found.map(|skipped| *from + skipped) else {
-                    *from = waiting.len();
-                    return None;
-                };
-                *from = at;
-                counts[at] += 1;
-                room -= 1;
-                Some(at)
-            })
-            .collect();
+        // Higher priorities first, as a claim takes them; equal ones in request order.
+        let mut by_priority: Vec<usize> = (0..intents.len()).collect();
+        by_priority.sort_by_key(|at| std::cmp::Reverse(intents[*at].priority));
+        let mut lease_of: Vec<Option<usize>> = vec![None; intents.len()];
+        for at in by_priority {
+            let intent = &intents[at];
+            if room == 0 || !matches!(intent.schedule, Schedule::Now) {
+                continue;
+            }
+            let from = resume_at
+                .entry((intent.kind.as_str(), intent.region.as_str()))
+                .or_insert(0);
+            // (A claimer whose call is gone has left the list: its Waiter was dropped.)
+            let found = waiting[*from..]
+                .iter()
+                .zip(&counts[*from..])
+                .position(|(w, n)| *n < w.wanted.max_intents && w.wanted.takes(tenant, intent));
+            let Some(claimer) = found.map(|skipped| *from + skipped) else {
+                *from = waiting.len();
+                continue;
+            };
+            *from = claimer;
+            counts[claimer] += 1;
+            room -= 1;
+            lease_of[at] = Some(claimer);
+        }
         if counts.iter().all(|n| *n == 0) {
             return None;
         }
@@ -300,7 +302,8 @@ impl Taken {
                 handed[*to].push(intent);
             }
         }
-        for (claimer, intents) in self.claimers.into_iter().zip(handed) {
+        for (claimer, mut intents) in self.claimers.into_iter().zip(handed) {
+            intents.sort_by_key(Intent::claim_order);
             // A claimer gone since it was taken: nobody has these leases.
             if let Err(intents) = claimer.answer.send(intents) {
                 (self.release)(&claimer.wanted.scope, intents);
@@ -452,6 +455,28 @@ mod tests {
         );
         assert_eq!(taken.leases().flatten().count(), 3);
         assert!(handoffs.take("t", &batch).is_none(), "both were taken");
+    }
+
+    #[test]
+    fn higher_priorities_are_handed_off_first_as_a_claim_would_take_them() {
+        let handoffs = handoffs();
+        let _a = handoffs.wait(wanted("a", &[], 2));
+        let prioritised = |priority: i16| NewIntent {
+            priority,
+            ..intent("x")
+        };
+        let batch = [
+            prioritised(-10),
+            prioritised(0),
+            prioritised(10),
+            prioritised(0),
+        ];
+        let taken = handoffs.take("t", &batch).unwrap();
+        assert_eq!(
+            workers(&taken),
+            [None, Some("a"), Some("a"), None],
+            "the highest, then the first of the next priority in request order"
+        );
     }
 
     #[test]

@@ -154,7 +154,9 @@ pub async fn claim_intents(
     );
     if let Some(row) = rows.first() {
         if let Some(seconds) = row.try_get::<Option<f64>, _>(next_due_in)? {
-            claimed.next_due_in = Some(Duration::from_secs_f64(seconds.max(0.0)));
+            // Beyond what a Duration holds: as good as never (the recheck comes first).
+            claimed.next_due_in =
+                Some(Duration::try_from_secs_f64(seconds.max(0.0)).unwrap_or(Duration::MAX));
         }
         claimed.ran_out = row.try_get(ran_out)?;
         claimed.refused_by_limit = u64::try_from(row.try_get::<i32, _>(refused)?).unwrap_or(0);
@@ -170,7 +172,7 @@ pub async fn claim_intents(
         }
         leased.push((intent_at(row, n == 0)?, row.try_get::<String, _>(tenant)?));
     }
-    leased.sort_by_key(|(i, _)| (std::cmp::Reverse(i.priority), i.available_at, i.id));
+    leased.sort_by_key(|(i, _)| i.claim_order());
     (claimed.intents, claimed.tenants) = leased.into_iter().unzip();
     Ok(claimed)
 }

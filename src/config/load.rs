@@ -425,6 +425,21 @@ mod tests {
     }
 
     #[test]
+    fn a_console_session_must_last_and_not_past_the_ceiling() {
+        for (ttl, problem) in [
+            ("0s", "OUTBOX_CONSOLE__SESSION_TTL must be positive"),
+            (
+                "500000y",
+                "OUTBOX_CONSOLE__SESSION_TTL must not exceed 3660d",
+            ),
+        ] {
+            let err =
+                Settings::from_vars(vars(&[("OUTBOX_CONSOLE__SESSION_TTL", ttl)])).unwrap_err();
+            assert_eq!(err.0, [problem], "{ttl}");
+        }
+    }
+
+    #[test]
     fn durations_take_a_unit() {
         for (value, expected) in [
             ("250ms", Duration::from_millis(250)),

@@ -397,6 +397,7 @@ impl Settings {
                 self.metrics.refresh_interval,
                 "OUTBOX_METRICS__REFRESH_INTERVAL",
             ),
+            (self.console.session_ttl, "OUTBOX_CONSOLE__SESSION_TTL"),
         ];
         for (_, name) in positive.into_iter().filter(|(d, _)| d.is_zero()) {
             problems.push(format!("{name} must be positive"));
@@ -411,6 +412,11 @@ impl Settings {
             (l.max_delay, limit, "OUTBOX_LIMITS__MAX_DELAY"),
             (l.max_lease, limit, "OUTBOX_LEASE__MAX"),
             (m.backoff.cap, limit, "OUTBOX_RETRY__CAP"),
+            (
+                self.console.session_ttl,
+                limit,
+                "OUTBOX_CONSOLE__SESSION_TTL",
+            ),
             (m.retention, retention, "OUTBOX_RETENTION__FINISHED"),
             (
                 m.key_retention,

@@ -80,7 +80,10 @@ async fn render(console: &Shared, session: &Session, saved: Option<String>) -> R
             .into_iter()
             .map(|p| Policy {
                 rate: if p.rate_per_second > 0.0 {
-                    format!("{}/s, burst {}", p.rate_per_second, p.burst)
+                    format!(
+                        "{}/s, burst {}, {:.1} tokens now",
+                        p.rate_per_second, p.burst, p.tokens
+                    )
                 } else {
                     String::new()
                 },

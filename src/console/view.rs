@@ -148,14 +148,22 @@ impl Payload {
             };
         }
         let shown = &bytes[..size.min(PAYLOAD_SHOWN)];
-        match std::str::from_utf8(shown) {
-            Ok(text) => Self {
+        let text = match std::str::from_utf8(shown) {
+            Ok(text) => Some(text),
+            // The cut fell inside a character: the text up to it.
+            Err(e) if e.error_len().is_none() && size > shown.len() => {
+                std::str::from_utf8(&shown[..e.valid_up_to()]).ok()
+            }
+            Err(_) => None,
+        };
+        match text {
+            Some(text) => Self {
                 format: "text",
                 text: text.to_owned(),
                 size,
                 truncated: size > shown.len(),
             },
-            Err(_) => {
+            None => {
                 let shown = &bytes[..size.min(PAYLOAD_SHOWN / 4)];
                 let text = shown
                     .chunks(16)
@@ -185,4 +193,25 @@ pub(super) fn trace_id(headers: &std::collections::HashMap<String, String>) -> S
         .filter(|id| id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()))
         .unwrap_or_default()
         .to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{PAYLOAD_SHOWN, Payload};
+
+    #[test]
+    fn a_long_text_cut_inside_a_character_is_shown_as_text_up_to_it() {
+        // 3-byte characters: 64 KiB is not a multiple of 3.
+        let payload = Payload::of("€".repeat(PAYLOAD_SHOWN).as_bytes());
+        assert_eq!(payload.format, "text");
+        assert!(payload.truncated);
+        assert_eq!(payload.text.len(), PAYLOAD_SHOWN / 3 * 3);
+    }
+
+    #[test]
+    fn bytes_that_are_not_utf8_are_shown_as_hex() {
+        let payload = Payload::of(&[0xff, 0xfe, b'a']);
+        assert_eq!(payload.format, "hex");
+        assert_eq!(payload.text, "00000000  ff fe 61");
+    }
 }

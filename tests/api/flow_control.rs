@@ -57,6 +57,14 @@ async fn higher_priorities_are_claimed_first_and_equal_ones_oldest_first() {
         drain_one_by_one(&app).await,
         [&ids[1], &ids[3], &ids[0], &ids[4], &ids[2]].map(String::clone)
     );
+    for (id, priority) in ids.iter().zip([0, 5, -3, 5, 0]) {
+        let delivered = app.intent(id).await;
+        assert_eq!(
+            (delivered.state(), delivered.priority),
+            (v1::IntentState::Delivered, priority),
+            "the priority given at enqueue, also once delivered"
+        );
+    }
 }
 
 #[tokio::test]

@@ -11,7 +11,8 @@
 //! `max_intents`, higher priorities first. A claimer waits only after a look found nothing
 //! (or when its group had just drained the queue, `outbox::claim::drained`), so what it is
 //! handed comes after everything it could have leased; the rest of the batch stays PENDING
-//! and is announced as before. Claims of other replicas are woken by the announcement, as before.
+//! and is announced as before. Claims of other replicas are woken by the announcement, as
+//! before.
 //!
 //! A claimer is taken out of the registry by the enqueue that hands it intents, before
 //! the insert, so no two enqueues lease to one call; a claimer whose wait ends meanwhile

@@ -600,7 +600,7 @@ impl OutboxHandler {
             caller.require_region("region", region)?;
         }
         let mut tx = store::begin(&self.pools, &scope).await?;
-        let intents = store::list_intents(
+        let listed = store::list_intents(
             &mut tx,
             store::ListParams {
                 states: list.states,
@@ -609,19 +609,22 @@ impl OutboxHandler {
                 ordering_key: list.ordering_key,
                 key_regions: caller.regions,
                 after: list.after,
-                limit: list.limit,
+                // One more than the page: whether there is a next page, without asking.
+                limit: list.limit + 1,
                 include_payload: list.include_payload,
                 max_bytes: self.limits.max_reply_bytes,
             },
         )
         .await?;
         tx.commit().await.map_err(Error::from)?;
+        let mut intents = listed.intents;
+        let beyond = intents.len() as i64 > list.limit;
+        intents.truncate(usize::try_from(list.limit).unwrap_or(0));
         // A page the client could not receive would stop the listing: it ends early instead.
         let (intents, next_pages) = split_at_reply_budget(intents, self.limits.max_reply_bytes);
+        let more = beyond || listed.cut_short || !next_pages.is_empty();
         let next_page_token = match intents.last() {
-            Some(last) if !next_pages.is_empty() || intents.len() as i64 == list.limit => {
-                last.id.to_string()
-            }
+            Some(last) if more => last.id.to_string(),
             _ => String::new(),
         };
         Ok(Response::new(v1::ListIntentsResponse {

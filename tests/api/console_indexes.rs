@@ -54,11 +54,27 @@ const SEED: &str = r#"
                  AS v
 "#;
 
+/// An intent WAITING behind each seeded head of an ordering key: the key is blocked.
+const SEED_WAITING: &str = r#"
+    INSERT INTO outbox.intent (id, tenant_id, kind, region, payload, content_type, state,
+                               attempts, max_attempts, available_at, created_at, updated_at,
+                               ordering_key, txn_xid, order_ts, order_seq, level_key)
+    SELECT gen_random_uuid(), h.tenant_id, h.kind, h.region, '\x'::bytea, '', 'waiting', 0,
+           5, h.available_at, h.created_at, h.updated_at, h.ordering_key, h.txn_xid,
+           h.order_ts + interval '1 second', h.order_seq + 1, h.level_key
+    FROM outbox.intent h
+    WHERE h.ordering_key IS NOT NULL
+"#;
+
 /// Seeds the outbox, and a delivered history through the API (Acks of claimed batches).
 async fn large_outbox() -> TestApp {
     let app = TestApp::spawn().await;
     sqlx::query(SEED)
         .bind(SEEDED)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    sqlx::query(SEED_WAITING)
         .execute(&app.pool)
         .await
         .unwrap();
@@ -172,6 +188,7 @@ async fn the_console_reads_a_large_outbox_through_indexes() {
             !store::list_intents(&mut tx, params)
                 .await
                 .unwrap()
+                .intents
                 .is_empty(),
             "{read}"
         );

@@ -153,6 +153,28 @@ async fn health_reports_the_outbox_service_as_serving() {
     app.stop().await;
 }
 
+/// The database stops a page by its own weight of each intent (`outbox.reply_weight`, a
+/// little more than the server's estimate of the reply): at this payload it stops at four
+/// intents of five, which the server's estimate lets through whole. The page must still
+/// say there is more; it came back without a next_page_token, and the fifth was never
+/// listed.
+#[tokio::test]
+async fn a_page_the_database_cut_short_by_its_weight_still_names_the_next() {
+    let app = TestApp::spawn().await;
+    let intents = (0..5)
+        .map(|_| v1::NewIntent {
+            payload: vec![b'x'; 1_048_100],
+            ..intent("big", "")
+        })
+        .collect();
+    let ids = app.enqueue_ids(intents).await;
+    let listed = app.list_all(&[], 5).await;
+    assert_eq!(
+        listed.iter().map(|i| &i.id).collect::<Vec<_>>(),
+        ids.iter().collect::<Vec<_>>()
+    );
+}
+
 /// A page of intents with payloads that would pass the reply limit (gRPC clients' 4 MiB
 /// receive limit by default) ends early with a next_page_token, so the listing goes on.
 #[tokio::test]

@@ -2,7 +2,7 @@
 //! and queue statistics.
 
 use chrono::{DateTime, Utc};
-use sqlx::PgConnection;
+use sqlx::{FromRow, PgConnection, Row};
 use uuid::Uuid;
 
 use crate::outbox::{Decision, Intent, IntentId, IntentState, Resolution, Result};
@@ -91,8 +91,8 @@ const LIST_INTENTS: &str = include_str!("sql/list_intents.sql");
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
-pub async fn list_intents(conn: &mut PgConnection, params: ListParams) -> Result<Vec<Intent>> {
-    let intents: Vec<Intent> = sqlx::query_as(LIST_INTENTS)
+pub async fn list_intents(conn: &mut PgConnection, params: ListParams) -> Result<Listed> {
+    let rows = sqlx::query(LIST_INTENTS)
         .bind(&params.states)
         .bind(&params.kind)
         .bind(&params.region)
@@ -104,7 +104,27 @@ pub async fn list_intents(conn: &mut PgConnection, params: ListParams) -> Result
         .bind(&params.ordering_key)
         .fetch_all(conn)
         .await?;
-    Ok(intents)
+    let candidates: i64 = match rows.first() {
+        Some(row) => row.try_get("candidates")?,
+        None => 0,
+    };
+    let intents = rows
+        .iter()
+        .map(Intent::from_row)
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    Ok(Listed {
+        cut_short: usize::try_from(candidates).unwrap_or(0) > intents.len(),
+        intents,
+    })
+}
+
+/// A page of [`list_intents`].
+#[derive(Debug)]
+pub struct Listed {
+    /// The intents, in id order.
+    pub intents: Vec<Intent>,
+    /// The byte budget stopped the page before the page size or the end: more may follow.
+    pub cut_short: bool,
 }
 
 /// Number of intents in one state and region.
@@ -137,8 +157,9 @@ pub struct QueueStats {
 }
 
 /// The heads of ordering keys that hold their keys back: waiting out a retry's backoff,
-/// NEEDS_RECONCILE, or DEAD_LETTERED without an operator's decision. Each is the one head
-/// of its key, so they count keys. Read through intent_ordering_head_idx. $1 the API key's
+/// NEEDS_RECONCILE, or DEAD_LETTERED without an operator's decision, with later intents of
+/// their key WAITING behind them. Each is the one head of its key, so they count keys. Read
+/// through intent_ordering_head_idx and intent_ordering_waiting_idx. $1 the API key's
 /// regions (empty: any), $2 now (or NULL).
 pub(super) const BLOCKED_HEADS: &str = r#"
     FROM outbox.intent i
@@ -148,6 +169,9 @@ pub(super) const BLOCKED_HEADS: &str = r#"
       AND (i.state <> 'pending'
            OR (i.attempts > 0 AND i.available_at > coalesce($2::timestamptz, now())))
       AND (cardinality($1::text[]) = 0 OR i.region = '' OR i.region = ANY($1::text[]))
+      AND EXISTS (SELECT 1 FROM outbox.intent w
+                  WHERE w.state = 'waiting'
+                    AND w.tenant_id = i.tenant_id AND w.ordering_key = i.ordering_key)
 "#;
 
 /// Counts the transaction's tenants' intents in `regions` (empty: any) by state and region.

@@ -42,8 +42,8 @@ pub use console::{
 };
 pub use enqueue::{EnqueueParams, Inserted, insert_intents};
 pub use inspect::{
-    ListParams, QueueDepth, QueueStats, StateCount, get_intent, list_intents, probe, queue_depth,
-    queue_stats,
+    ListParams, Listed, QueueDepth, QueueStats, StateCount, get_intent, list_intents, probe,
+    queue_depth, queue_stats,
 };
 pub use listeners::{hold_listener_lock, others_listen};
 pub use maintenance::{BackoffParams, purge_finished_intents, rescue_expired_leases};

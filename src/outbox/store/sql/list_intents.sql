@@ -8,17 +8,20 @@
 -- their buckets are), sorted within a bucket. The filters are in both parts, so that a
 -- part stops at the page's size of matches. The cursor is a bare bound, so that a cached
 -- plan still starts each scan at it. Then the page stops where the weight of the intents
--- before one reaches the budget, and payloads are read only if asked for (their size is
--- the stored one, not read). A filter of states that are few however large the table
+-- before one reaches the budget (`candidates`: the rows before that cut, so that the
+-- caller knows a short page was cut, not the end), and payloads are read only if asked
+-- for (their size is the stored one, not read). A filter of states that are few however large the table
 -- (outbox.few_intents) reads them through their partial indexes instead of the primary key.
 SELECT i.id, i.state, i.kind,
        CASE WHEN $8 THEN i.payload ELSE ''::bytea END AS payload,
        i.content_type, i.region, i.idempotency_key, i.headers, i.attempts,
        i.max_attempts, i.available_at, i.created_at, i.updated_at, i.lease_id,
-       i.lease_expires_at, i.worker_id, i.last_error, i.ordering_key, i.priority
+       i.lease_expires_at, i.worker_id, i.last_error, i.ordering_key, i.priority,
+       i.candidates
 FROM (
     SELECT u.*, w.weight,
-           sum(w.weight) OVER (ORDER BY u.id ROWS UNBOUNDED PRECEDING) AS through
+           sum(w.weight) OVER (ORDER BY u.id ROWS UNBOUNDED PRECEDING) AS through,
+           count(*) OVER () AS candidates
     FROM (
         (
             SELECT *

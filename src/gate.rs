@@ -36,6 +36,9 @@ const FRAME_HEADER: usize = 5;
 /// The longest valid id on the wire: a UUID in its longest accepted form
 /// (`urn:uuid:…`, 45 characters) with its tag and length.
 const ID_FIELD: usize = 2 + 45;
+/// A `google.protobuf.Timestamp` (seconds and nanos at their longest) with its tag and
+/// length: `ReconcileIds.updated_at`, one per id.
+const TIMESTAMP_FIELD: usize = 2 + 11 + 6;
 /// A `LeaseRef` of two such ids, with its own tag and length.
 const LEASE_REF: usize = 2 + 2 * ID_FIELD;
 /// Room for the small fields of a message (durations, enums, flags, tags) and a little
@@ -93,7 +96,7 @@ impl Method {
     /// Largest request message of this method, in bytes: what `limits.max_batch` (or
     /// `max_kinds`) items of the largest valid size take, strings counted at 4 bytes a
     /// character. With the default limits: Enqueue and Fail 8 MiB (`max_message_bytes`),
-    /// the lease calls 97,024 B, Claim 82,894 B, Reconcile 66,080 B, the inspection calls
+    /// the lease calls 97,024 B, Claim 82,894 B, Reconcile 85,080 B, the inspection calls
     /// 1,939 B.
     pub fn max_request_bytes(self, limits: &Limits) -> usize {
         let name = 2 + 4 * limits.max_name_length;
@@ -103,7 +106,7 @@ impl Method {
             Self::Leases(_) => limits.max_batch * LEASE_REF + SMALL_FIELDS,
             Self::Claim => (limits.max_kinds + 2) * name + region + SMALL_FIELDS,
             Self::Reconcile => {
-                limits.max_batch * ID_FIELD
+                limits.max_batch * (ID_FIELD + TIMESTAMP_FIELD)
                     + 2 * name
                     + region
                     + 2
@@ -356,7 +359,7 @@ mod tests {
         assert_eq!(
             got,
             [
-                mib8, mib8, leases, leases, leases, 82_894, 66_080, 1_939, 1_939, 1_939
+                mib8, mib8, leases, leases, leases, 82_894, 85_080, 1_939, 1_939, 1_939
             ]
         );
         assert_eq!(Method::of("/grpc.health.v1.Health/Check"), None);

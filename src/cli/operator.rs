@@ -198,7 +198,14 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
             let request = v1::ListIntentsRequest {
                 states: IntentState::ALL
                     .into_iter()
-                    .filter(|s| !matches!(s, IntentState::Delivered | IntentState::Discarded))
+                    .filter(|s| {
+                        !matches!(
+                            s,
+                            IntentState::Delivered
+                                | IntentState::Discarded
+                                | IntentState::Cancelled
+                        )
+                    })
                     .map(|s| v1::IntentState::from(s) as i32)
                     .collect(),
                 ordering_key: key,

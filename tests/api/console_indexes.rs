@@ -74,10 +74,7 @@ async fn large_outbox() -> TestApp {
         .execute(&app.pool)
         .await
         .unwrap();
-    sqlx::query(SEED_WAITING)
-        .execute(&app.pool)
-        .await
-        .unwrap();
+    sqlx::query(SEED_WAITING).execute(&app.pool).await.unwrap();
     app.enqueue_n("charge", 300).await;
     for _ in 0..3 {
         let leases = app.claim_n("worker-1", 100).await;

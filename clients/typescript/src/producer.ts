@@ -114,13 +114,15 @@ export class NotInTransactionError extends Error {
 
 /**
  * The token naming the current transaction, in plain SQL that works from any database of
- * the cluster: `v2.<system id>.<server incarnation>.<xid>`.
+ * the cluster: `v2.<system id>.<server incarnation>.<xid>`. The logical-decoding message
+ * makes the transaction write WAL, so its COMMIT is flushed (and replicated to a
+ * synchronous standby) even if it wrote nothing else.
  */
 export const PLAIN_TOKEN_SQL = `SELECT 'v2.' || system_identifier || '.' ||
   (extract(epoch FROM least(pg_stat_get_bgwriter_stat_reset_time(),
                             (SELECT stats_reset FROM pg_stat_archiver))) * 1000000)::bigint
   || '.' || pg_current_xact_id() AS token
-FROM pg_control_system()`;
+FROM pg_control_system(), pg_logical_emit_message(true, 'outboxd', '')`;
 
 const PROBE_SQL = `SELECT CASE WHEN to_regproc('outbox.txn_token') IS NOT NULL
   THEN has_function_privilege('outbox.txn_token()', 'EXECUTE') ELSE false END AS outbox_token,

@@ -196,7 +196,8 @@ export class Worker {
     this.leaseMs = positive("leaseMs", options.leaseMs ?? 30_000);
     this.heartbeatMs = positive("heartbeatMs", options.heartbeatMs ?? Math.max(50, Math.floor(this.leaseMs / 3)));
     this.claimWaitMs = positive("claimWaitMs", options.claimWaitMs ?? 20_000);
-    this.claimBatch = positive("claimBatch", options.claimBatch ?? Math.min(this.concurrency, 1_000));
+    // The server refuses a Claim of more than 1,000.
+    this.claimBatch = Math.min(positive("claimBatch", options.claimBatch ?? this.concurrency), 1_000);
     this.claimLingerMs = options.claimLingerMs ?? 5;
     if (!Number.isFinite(this.claimLingerMs) || this.claimLingerMs < 0) {
       throw new RangeError("outboxd: claimLingerMs must not be negative");
@@ -319,42 +320,49 @@ export class Worker {
       const requestId = randomUUID();
       const sentAt = Date.now();
       let tries = 0;
-      let leases: Lease[];
-      try {
-        const reply = await this.connection.call(
-          (client, options) => {
-            tries++;
-            return client.claim(
-              {
-                workerId: this.workerId,
-                region: this.options.region ?? "",
-                kinds,
-                maxIntents: max,
-                leaseDuration: durationFromMs(this.leaseMs),
-                wait: durationFromMs(this.claimWaitMs),
-                // A retry after a lost answer gets the leases the first try took.
-                requestId,
-              },
-              options,
-            );
-          },
-          {
-            budgetMs: this.leaseMs,
-            tryTimeoutMs: this.claimWaitMs + 10_000,
-            signal: this.stopping.signal,
-          },
-        );
-        leases = reply.leases;
-        failures = 0;
-      } catch (thrown) {
+      let leases: Lease[] | undefined;
+      while (leases === undefined) {
+        try {
+          const reply = await this.connection.call(
+            (client, options) => {
+              tries++;
+              return client.claim(
+                {
+                  workerId: this.workerId,
+                  region: this.options.region ?? "",
+                  kinds,
+                  maxIntents: max,
+                  leaseDuration: durationFromMs(this.leaseMs),
+                  wait: durationFromMs(this.claimWaitMs),
+                  // A retry after a lost answer gets the leases the first try took.
+                  requestId,
+                },
+                options,
+              );
+            },
+            {
+              budgetMs: this.leaseMs,
+              tryTimeoutMs: this.claimWaitMs + 10_000,
+              signal: this.stopping.signal,
+            },
+          );
+          leases = reply.leases;
+          failures = 0;
+        } catch (thrown) {
+          const error = OutboxError.from(thrown);
+          if (!this.stopped) this.emit({ type: "claimFailed", error });
+          // Its budget spent on a transient failure, the same Claim (request id, size,
+          // reserved slots) goes on, slower: a lost answer's leases come back to it.
+          if (this.stopped || !transient(error)) break;
+          await sleep(Math.random() * Math.min(5_000, 100 * 2 ** failures++), this.stopping.signal);
+        }
+      }
+      this.counters.claimRetries += Math.max(0, tries - 1);
+      if (leases === undefined) {
         this.reserved -= max;
         if (this.stopped) break;
-        const error = OutboxError.from(thrown);
-        this.emit({ type: "claimFailed", error });
         await sleep(Math.random() * Math.min(5_000, 100 * 2 ** failures++), this.stopping.signal);
         continue;
-      } finally {
-        this.counters.claimRetries += Math.max(0, tries - 1);
       }
       this.reserved -= max;
       this.backlog = leases.length >= max;
@@ -363,8 +371,9 @@ export class Worker {
         this.emit({ type: "claimed", count: leases.length, replayed: tries > 1 });
       }
       // When the leases began, on this clock: not before the Claim was sent, and for a long
-      // poll about when its answer came (the server answers as it leases).
-      const leasedAt = Math.max(sentAt, Date.now() - 1_000);
+      // poll about when its answer came (the server answers as it leases); for a replay, the
+      // first send (an earlier try may have taken them).
+      const leasedAt = tries > 1 ? sentAt : Math.max(sentAt, Date.now() - 1_000);
       for (const lease of leases) this.start(lease, leasedAt, tracing);
       // A full reply lets the other claimers claim; a short one ends another claimer's
       // wait for company (the queue is short).

@@ -4,7 +4,7 @@ import { after, before, describe, test } from "node:test";
 import knexFactory from "knex";
 import { durationFromMs } from "@bufbuild/protobuf/wkt";
 import pg from "pg";
-import { NotInTransactionError, Outbox, OutboxError, Worker, type PrismaTransactionLike } from "../src/index.js";
+import { NotInTransactionError, Outbox, OutboxError, PLAIN_TOKEN_SQL, Worker, type PrismaTransactionLike } from "../src/index.js";
 import { Fixture, waitFor } from "./harness.js";
 
 let fx: Fixture;
@@ -112,6 +112,31 @@ describe("node-postgres", () => {
       return c.state !== "STAGED" && r.state === "DISCARDED";
     });
     assert.notEqual((await fx.intent(committed.intentId)).state, "DISCARDED");
+  });
+
+  // Without a WAL record of its own, a transaction that wrote nothing but its token commits
+  // unflushed (and unreplicated): a crash or failover right after its COMMIT loses it.
+  test("the plain-SQL token makes a transaction that writes nothing else write WAL", async () => {
+    await fx.postgres.sql("shop", "CREATE EXTENSION IF NOT EXISTS pg_walinspect");
+    const client = await shop.connect();
+    let from = "";
+    let xid = "";
+    try {
+      await client.query("BEGIN");
+      from = (await client.query<{ lsn: string }>("SELECT pg_current_wal_insert_lsn()::text AS lsn")).rows[0]?.lsn ?? "";
+      await client.query(PLAIN_TOKEN_SQL);
+      xid = (await client.query<{ xid: string }>("SELECT (pg_current_xact_id()::text::bigint % 4294967296)::text AS xid")).rows[0]?.xid ?? "";
+      await client.query("COMMIT");
+    } finally {
+      client.release();
+    }
+    const { rows } = await fx.postgres.sql(
+      "shop",
+      `SELECT count(*)::int AS n FROM pg_get_wal_records_info($1::pg_lsn, pg_current_wal_flush_lsn())
+       WHERE resource_manager = 'LogicalMessage' AND xid::text = $2`,
+      [from, xid],
+    );
+    assert.equal((rows[0] as { n: number }).n, 1, "the token's logical-decoding message, in its transaction");
   });
 
   test("a repeated idempotency key returns the intent already recorded", async () => {

@@ -11,6 +11,7 @@ import pytest
 from conftest import Running, list_intents, state, wait_state
 from harness import Stack, wait_for
 from sqlalchemy import create_engine, text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 import outboxd
@@ -82,9 +83,18 @@ def test_enqueue_outside_a_transaction_raises_and_records_nothing(
             conn.execute("SELECT 1/0")
         with pytest.raises(TransactionRequired, match="roll it back"):
             outbox.enqueue(conn, kind=k, payload=b"x")
-    with Session(create_engine(stack.cluster.url("app").replace("postgres://", "postgresql+psycopg://"))) as session:
+    engine = create_engine(stack.cluster.url("app").replace("postgres://", "postgresql+psycopg://"))
+    with Session(engine) as session:
         with pytest.raises(TransactionRequired):
             outbox.enqueue(session, kind=k, payload=b"x")
+    # A transaction whose statement failed: SQLAlchemy still calls it open.
+    with engine.connect() as connection:
+        transaction = connection.begin()
+        with pytest.raises(DBAPIError):
+            connection.execute(text("SELECT 1/0"))
+        with pytest.raises(TransactionRequired):
+            outbox.enqueue(connection, kind=k, payload=b"x")
+        transaction.rollback()
     assert list_intents(outbox, k) == {}
 
 

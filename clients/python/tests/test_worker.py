@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import socket
 import threading
 import time
 from typing import Callable, Optional, Sequence
@@ -281,6 +282,26 @@ def test_an_unreachable_endpoint_is_skipped_for_the_next_one(
     worker.add_handler(k, lambda intent: handled.append(intent.id))
     with Running(worker):
         wait_for("10 acks", lambda: worker.stats.acked == 10, timeout=20)
+    assert sorted(handled) == sorted(ids)
+
+
+def test_an_endpoint_that_never_answers_is_left_for_the_next_one(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    k = kind("hung")
+    ids = enqueue(outbox, k, 10)
+    # Accepts connections (the kernel's backlog) and never answers: a frozen replica.
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(16)
+        monkeypatch.setattr("outboxd._rpc.random.randrange", lambda n: 0)
+        endpoint = f"127.0.0.1:{hung.getsockname()[1]}"
+        worker = Worker([endpoint, stack.endpoints[1]], stack.api_key, concurrency=4, claim_wait=0.5, call_timeout=1.0)
+        handled: list[str] = []
+        worker.add_handler(k, lambda intent: handled.append(intent.id))
+        with Running(worker):
+            # Each Claim's tries time out on it until its budget is spent; the next goes on.
+            wait_for("10 acks", lambda: worker.stats.acked == 10, timeout=20)
     assert sorted(handled) == sorted(ids)
 
 

@@ -155,14 +155,16 @@ class AsyncClient:
                 code, reason, message = describe(error)
                 if not retry(code, reason):
                     raise OutboxError(code, reason, message) from None
+                # Another replica may answer while this one recovers: the next try, or the
+                # caller's next call once the budget is spent (a hung replica times out
+                # every try, and must not keep every later call).
+                self.index = (index + 1) % len(self._channels)
                 pause = backoff.next()
                 if time.monotonic() + pause >= deadline:
                     raise OutboxError(code, reason, f"no answer within {budget:.1f}s: {message}") from None
                 if on_retry is not None:
                     on_retry(f"{name} via {self.config.endpoints[index]}: {code.name} {message}")
                 log.debug("outboxd %s: %s %s, retrying in %.3fs", name, code.name, message, pause)
-                # Another replica may answer while this one recovers.
-                self.index = (index + 1) % len(self._channels)
                 await asyncio.sleep(pause)
 
     async def close(self) -> None:
@@ -219,10 +221,11 @@ class SyncClient:
                 code, reason, message = describe(error)
                 if not retry(code, reason):
                     raise OutboxError(code, reason, message) from None
+                # The next try, or the caller's next call, goes to another replica.
+                self.index = (index + 1) % len(self._channels)
                 pause = backoff.next()
                 if time.monotonic() + pause >= deadline:
                     raise OutboxError(code, reason, f"no answer within {budget:.1f}s: {message}") from None
-                self.index = (index + 1) % len(self._channels)
                 time.sleep(pause)
 
     def close(self) -> None:

@@ -106,6 +106,15 @@ def _check_sqlalchemy(conn: Any) -> None:
             "enqueue(session, ...) needs an open transaction (with session.begin(): ...); "
             "use enqueue_direct(...) to enqueue without one"
         )
+    # SQLAlchemy still reports a transaction whose statement failed: ask psycopg (whose
+    # transaction may not have begun yet: SQLAlchemy sends BEGIN with the first statement).
+    connection = conn.connection() if callable(getattr(conn, "connection", None)) else conn
+    dbapi = getattr(getattr(connection, "connection", None), "dbapi_connection", None)
+    if dbapi is not None and _is_psycopg(dbapi):
+        from psycopg.pq import TransactionStatus
+
+        if dbapi.info.transaction_status == TransactionStatus.INERROR:
+            raise TransactionRequired("the transaction on this connection has failed: roll it back")
 
 
 def _cache_key(conn: Any) -> Any:

@@ -380,6 +380,17 @@ impl Connection {
             if !options.retry.allows(&status) {
                 return Err(status.into());
             }
+            // Another replica may answer while this one recovers: the next try, or the
+            // caller's next call once the budget is spent (a hung replica times out every
+            // try, and must not keep every later call). Only the caller that saw the
+            // failure moves on: concurrent failures on one endpoint move once.
+            let next = (index + 1) % self.inner.channels.len();
+            let _ = self.inner.current.compare_exchange(
+                index,
+                next,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
             let pause = backoff.next();
             if started.elapsed() + pause >= options.budget {
                 return Err(status.into());
@@ -391,15 +402,6 @@ impl Connection {
                 "outboxd call failed; retrying on the next endpoint in {pause:?}"
             );
             attempts.retried.push(status);
-            // Another replica may answer while this one recovers. Only the caller that saw
-            // the failure moves on: concurrent failures on one endpoint move once.
-            let next = (index + 1) % self.inner.channels.len();
-            let _ = self.inner.current.compare_exchange(
-                index,
-                next,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            );
             tokio::time::sleep(pause).await;
         }
     }

@@ -373,7 +373,8 @@ impl WorkerBuilder {
 ///   applied on its own; a call that gets no answer is retried with the same items.
 /// - **Failover**: transient failures move to the next endpoint (see [`Connection`]).
 /// - **Drain**: when the shutdown future resolves, it stops claiming (a long poll in
-///   flight is cancelled: the server gives back what it took), running handlers get the
+///   flight is cancelled: what it took as the stop came expires with its lease, kept by
+///   the server for a retry of its request id), running handlers get the
 ///   grace, every settle is sent, and handlers still running are aborted and failed
 ///   `RETRY` (`UNKNOWN` once submitted). Then `run_until` returns.
 ///

@@ -32,6 +32,34 @@ async fn a_call_that_gets_no_answer_ends_at_its_deadline() {
     );
 }
 
+/// A frozen replica times out every try: a call whose one try spends its budget there
+/// (a heartbeat's) fails, and the next call goes to the next endpoint, not to it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_that_spent_its_budget_on_a_frozen_endpoint_sends_the_next_elsewhere() {
+    let stack = stack();
+    let proxy = Proxy::start(&stack.endpoints[0], Cuts::new(0, usize::MAX)).await;
+    proxy.freeze(true);
+    let connection = Connection::builder([proxy.addr.clone(), stack.endpoints[1].clone()])
+        .api_key(&stack.api_key)
+        .build()
+        .unwrap();
+    let one_try =
+        || CallOptions::new(Duration::from_millis(300)).budget(Duration::from_millis(300));
+    let error = connection
+        .call(one_try(), |mut client| async move {
+            client.get_queue_stats(proto::GetQueueStatsRequest {}).await
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), Some(Code::DeadlineExceeded), "{error}");
+    connection
+        .call(one_try(), |mut client| async move {
+            client.get_queue_stats(proto::GetQueueStatsRequest {}).await
+        })
+        .await
+        .expect("the next endpoint answers");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_every_endpoint_down_a_call_fails_unavailable_once_its_budget_is_spent() {
     let stack = stack();

@@ -292,6 +292,8 @@ export class Worker {
    */
   private async claimer(index: number, kinds: string[], tracing: Awaited<ReturnType<typeof loadTracing>>): Promise<void> {
     let failures = 0;
+    const backOff = (): Promise<void> =>
+      sleep(Math.random() * Math.min(5_000, 100 * 2 ** failures++), this.stopping.signal);
     while (!this.stopping.signal.aborted) {
       let free = this.freeSlots();
       if (free <= 0 || this.settling > 4 * this.settleBatch || (index > 0 && !this.backlog) || this.gathering) {
@@ -354,14 +356,14 @@ export class Worker {
           // Its budget spent on a transient failure, the same Claim (request id, size,
           // reserved slots) goes on, slower: a lost answer's leases come back to it.
           if (this.stopped || !transient(error)) break;
-          await sleep(Math.random() * Math.min(5_000, 100 * 2 ** failures++), this.stopping.signal);
+          await backOff();
         }
       }
       this.counters.claimRetries += Math.max(0, tries - 1);
       if (leases === undefined) {
         this.reserved -= max;
         if (this.stopped) break;
-        await sleep(Math.random() * Math.min(5_000, 100 * 2 ** failures++), this.stopping.signal);
+        await backOff();
         continue;
       }
       this.reserved -= max;

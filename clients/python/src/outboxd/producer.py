@@ -82,13 +82,18 @@ def _is_psycopg(conn: Any) -> bool:
     return type(conn).__module__.startswith("psycopg") and hasattr(conn, "info")
 
 
+def _refuse_failed(conn: Any) -> None:
+    from psycopg.pq import TransactionStatus
+
+    if conn.info.transaction_status == TransactionStatus.INERROR:
+        raise TransactionRequired("the transaction on this connection has failed: roll it back")
+
+
 def _check_psycopg(conn: Any) -> None:
     from psycopg.pq import TransactionStatus
 
-    status = conn.info.transaction_status
-    if status == TransactionStatus.INERROR:
-        raise TransactionRequired("the transaction on this connection has failed: roll it back")
-    if status != TransactionStatus.INTRANS:
+    _refuse_failed(conn)
+    if conn.info.transaction_status != TransactionStatus.INTRANS:
         raise TransactionRequired(
             "enqueue(conn, ...) needs an open transaction on conn (with conn.transaction(): ...); "
             "use enqueue_direct(...) to enqueue without one"
@@ -111,10 +116,7 @@ def _check_sqlalchemy(conn: Any) -> None:
     connection = conn.connection() if callable(getattr(conn, "connection", None)) else conn
     dbapi = getattr(getattr(connection, "connection", None), "dbapi_connection", None)
     if dbapi is not None and _is_psycopg(dbapi):
-        from psycopg.pq import TransactionStatus
-
-        if dbapi.info.transaction_status == TransactionStatus.INERROR:
-            raise TransactionRequired("the transaction on this connection has failed: roll it back")
+        _refuse_failed(dbapi)
 
 
 def _cache_key(conn: Any) -> Any:

@@ -443,6 +443,28 @@ async fn extending_a_lease_keeps_the_intent_from_rescue() {
     assert_eq!(app.rescue().await.requeued, 1);
 }
 
+/// An extension never moves a lease's expiry back: one whose statement waited on a row
+/// lock kept its transaction's time, and committed after a later extension it set the
+/// expiry into the past; the rescue then leased the intent again while its worker held a
+/// lease the server had extended (found by the fault suite). A shorter extension stands
+/// for that stale one here.
+#[tokio::test]
+async fn an_extension_never_moves_a_lease_expiry_back() {
+    let app = TestApp::spawn().await;
+    let id = app.enqueue_one("job", "{}").await;
+    let lease = app.claim_n("w", 1).await.remove(0);
+    let longer = &app.extend(&[&lease], Duration::from_secs(60)).await[0];
+    let shorter = &app.extend(&[&lease], Duration::from_secs(1)).await[0];
+    assert_item_ok(shorter, IntentState::Leased);
+    assert_eq!(
+        secs(&shorter.lease_expires_at),
+        secs(&longer.lease_expires_at)
+    );
+    app.advance(Duration::from_secs(31)); // past the claim's lease and the shorter one
+    assert_eq!(app.rescue().await.requeued, 0);
+    assert_eq!(app.state(&id).await, IntentState::Leased);
+}
+
 #[tokio::test]
 async fn an_expired_lease_out_of_attempts_is_dead_lettered_by_the_rescue() {
     let app = TestApp::spawn().await;

@@ -368,7 +368,10 @@ impl Model {
         let now = self.now;
         let intent = &mut self.intents[seq];
         if current && matches!(intent.state, St::Leased | St::Submitted) {
-            let expiry = now + secs * 1000;
+            // Never earlier than the lease already runs (a stale extension moves nothing).
+            let expiry = intent
+                .lease_expires_at
+                .map_or(now + secs * 1000, |at| at.max(now + secs * 1000));
             intent.lease_expires_at = Some(expiry);
             Answer {
                 lease_expires_at: Some(expiry),

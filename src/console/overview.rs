@@ -43,7 +43,8 @@ struct Group {
     kind: String,
     region: String,
     count: i64,
-    href: String,
+    /// None for intents without a region: the list filters by one region or by none.
+    href: Option<String>,
 }
 
 /// The last hour as three polylines in a `WIDTH` × `HEIGHT` box.
@@ -178,13 +179,15 @@ pub(super) async fn page(State(console): State<Shared>, session: Session) -> Res
             .iter()
             .map(|g| Group {
                 state: name(g.state),
-                href: format!(
-                    "/intents?state={}&tenant={}&kind={}&region={}",
-                    name(g.state),
-                    query_value(&g.tenant),
-                    query_value(&g.kind),
-                    query_value(&g.region)
-                ),
+                href: (!g.region.is_empty()).then(|| {
+                    format!(
+                        "/intents?state={}&tenant={}&kind={}&region={}",
+                        name(g.state),
+                        query_value(&g.tenant),
+                        query_value(&g.kind),
+                        query_value(&g.region)
+                    )
+                }),
                 tenant: g.tenant.clone(),
                 kind: g.kind.clone(),
                 region: g.region.clone(),

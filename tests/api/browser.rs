@@ -94,6 +94,14 @@ impl Browser {
         }
     }
 
+    /// The element's markup, as the browser serializes it.
+    pub async fn html(&self, css: &str) -> String {
+        match self.client.find(Locator::Css(css)).await {
+            Ok(element) => element.html(false).await.unwrap(),
+            Err(e) => panic!("{css} is not on {}: {e}", self.path().await),
+        }
+    }
+
     /// The visible text of the whole page.
     pub async fn body(&self) -> String {
         self.text("body").await

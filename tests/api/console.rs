@@ -550,12 +550,26 @@ async fn an_intent_is_found_by_its_id_or_idempotency_key_and_listed_by_filter() 
     let app = console_app().await;
     let mut keyed = intent("invoice.send", "{}");
     keyed.idempotency_key = "invoices/2026-0042".to_owned();
+    let in_eu = v1::NewIntent {
+        region: "eu".to_owned(),
+        ..intent("mail", "{}")
+    };
     let ids = app
-        .enqueue_ids(vec![keyed, intent("mail", "{}"), intent("mail", "{}")])
+        .enqueue_ids(vec![
+            keyed,
+            intent("mail", "{}"),
+            intent("mail", "{}"),
+            in_eu,
+        ])
         .await;
     let key = app.key(&["acme"], &["operate"], &[]).await;
     let browser = Browser::open(app.console_addr.unwrap()).await;
     browser.sign_in(&key).await;
+    // The overview's groups link to their list; the list filters by one region or by
+    // none, so a group of intents without a region has no link (it would list every region).
+    let groups = browser.html("#groups").await;
+    assert!(groups.contains("kind=mail&amp;region=eu\""), "{groups}");
+    assert!(!groups.contains("region=\""), "{groups}");
     browser.goto("/intents").await;
     browser.fill("#q", "invoices/2026-0042").await;
     browser.submit("#filter").await;
@@ -567,6 +581,14 @@ async fn an_intent_is_found_by_its_id_or_idempotency_key_and_listed_by_filter() 
     browser.goto("/intents?kind=mail&state=PENDING").await;
     let listed = browser.text("#intents").await;
     assert!(listed.contains(&ids[1]) && listed.contains(&ids[2]) && !listed.contains(&ids[0]));
+    browser
+        .goto("/intents?kind=mail&state=PENDING&region=eu")
+        .await;
+    let listed = browser.text("#intents").await;
+    assert!(
+        listed.contains(&ids[3]) && !listed.contains(&ids[1]),
+        "{listed}"
+    );
     browser
         .goto("/intents?since=2000-01-01T00:00&until=2000-01-02T00:00")
         .await;

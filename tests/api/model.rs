@@ -64,12 +64,8 @@ struct Intent {
     /// Its ordering key (`ordering_name`), if any.
     ordering: Option<u8>,
     /// DEAD_LETTERED and given up by an operator's DEAD: it no longer holds its key
-    /// (`finished_at` is set).
+    /// (`finished_at` is set), and no later decision applies to it.
     released: bool,
-    /// Ghost: an operator gave it up (DEAD) at some point. The ordering promise counts it
-    /// finished for the intents behind it, even once requeued (it then waits behind the
-    /// key's head of the moment).
-    given_up: bool,
 }
 
 impl Intent {
@@ -307,7 +303,6 @@ impl Model {
             submitted_by: None,
             ordering,
             released: false,
-            given_up: false,
         });
     }
 
@@ -497,7 +492,8 @@ impl Model {
                         && intent.ordering.is_some()
                         && !intent.released)
             }
-            _ => matches!(intent.state, St::NeedsReconcile | St::DeadLettered),
+            // Given up, its key moved on: the decision is final.
+            _ => matches!(intent.state, St::NeedsReconcile | St::DeadLettered) && !intent.released,
         };
         if !applies {
             return Answer {
@@ -510,7 +506,6 @@ impl Model {
         intent.submitted_by = None;
         let ordering = intent.ordering;
         intent.released = decision == Decision::Dead && ordering.is_some();
-        intent.given_up |= decision == Decision::Dead;
         intent.state = match decision {
             Decision::Delivered => St::Delivered,
             Decision::Dead => St::DeadLettered,
@@ -1209,7 +1204,7 @@ fn check_ordering(server: &Server, model: &Model, stored: &[Stored]) {
         if let Some(&head) = heads.first() {
             for (seq, row) in rows.iter().take_while(|(seq, _)| *seq < head) {
                 assert!(
-                    row.state == "delivered" || model.intents[*seq].given_up,
+                    row.state == "delivered" || model.intents[*seq].released,
                     "{at}: #{head} is the head while #{seq} before it is unfinished"
                 );
             }

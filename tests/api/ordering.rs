@@ -232,6 +232,55 @@ async fn a_dead_lettered_head_blocks_its_key_until_an_operator_decides() {
 }
 
 #[tokio::test]
+async fn a_dead_letter_given_up_after_its_key_moved_on_is_not_requeued_behind_it() {
+    let app = TestApp::spawn().await;
+    let mut head = ordered("k", "head");
+    head.max_attempts = 1;
+    let ids = app
+        .enqueue_ids(vec![head, ordered("k", "next"), ordered("k", "last")])
+        .await;
+    let leases = app.claim_n("w", 10).await;
+    app.fail(&leases[0], FailOutcome::Permanent).await;
+    app.reconcile(decide(&ids[0], Decision::Dead))
+        .await
+        .unwrap();
+    let next = app.claim_n("w", 10).await;
+    assert_eq!(next.iter().map(id_of).collect::<Vec<_>>(), [&ids[1]]);
+
+    // Run again now it would come after "next", or be recorded delivered after its key
+    // went on without it: both refused, nothing changed.
+    for decision in [Decision::Requeue, Decision::Delivered, Decision::Dead] {
+        let r = app.reconcile(decide(&ids[0], decision)).await.unwrap();
+        let e = r[0].error.as_ref().expect("refused");
+        assert_eq!(
+            (e.code, e.reason.as_str()),
+            (Code::FailedPrecondition as i32, "INVALID_STATE"),
+            "{decision:?}: {}",
+            e.message
+        );
+        assert_eq!(r[0].state(), IntentState::DeadLettered);
+    }
+    let by_filter = app
+        .reconcile(v1::ReconcileRequest {
+            target: Some(v1::reconcile_request::Target::Filter(v1::ReconcileFilter {
+                states: vec![IntentState::DeadLettered as i32],
+                ..Default::default()
+            })),
+            decision: Decision::Requeue as i32,
+            actor: "alice".into(),
+            reason: "requeue every dead letter".into(),
+            limit: 100,
+        })
+        .await
+        .unwrap();
+    assert!(by_filter.is_empty(), "{by_filter:?}");
+    assert_eq!(app.state(&ids[0]).await, IntentState::DeadLettered);
+    assert_eq!(app.get(&ids[0]).await.resolutions.len(), 1);
+    app.ack(&[&next[0]]).await;
+    assert_eq!(drain_one_by_one(&app).await, [ids[2].clone()]);
+}
+
+#[tokio::test]
 async fn a_head_needing_reconcile_holds_its_key_until_it_is_decided_delivered() {
     let app = TestApp::spawn().await;
     let ids = app

@@ -12,6 +12,7 @@ from conftest import Running, list_intents, state, wait_state
 from harness import Stack, wait_for
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
 import outboxd
@@ -154,6 +155,43 @@ def test_the_async_producer_with_psycopg_async_connection(
     wait_state(outbox, kept, "PENDING")
     wait_state(outbox, dropped, "DISCARDED")
     assert state(outbox, kept) == "PENDING"
+
+
+def test_the_async_producer_with_sqlalchemy_async_session_and_connection(
+    stack: Stack, outbox: Outbox, kind: Callable[[str], str], orders: None
+) -> None:
+    k = kind("async-sqlalchemy")
+    url = stack.cluster.url("app").replace("postgres://", "postgresql+psycopg://")
+
+    async def produce() -> tuple[str, str, str]:
+        engine = create_async_engine(url)
+        try:
+            async with AsyncOutbox(stack.endpoints, stack.api_key) as aoutbox:
+                async with AsyncSession(engine) as session:
+                    with pytest.raises(TransactionRequired):
+                        await aoutbox.enqueue(session, kind=k, payload=b"x")
+                    async with session.begin():
+                        await session.execute(text("INSERT INTO orders (customer) VALUES ('eve')"))
+                        kept = await aoutbox.enqueue(session, kind=k, payload={"ok": True})
+                    async with session.begin():
+                        failed = await aoutbox.enqueue(session, kind=k, payload={"ok": False})
+                        with pytest.raises(DBAPIError):
+                            await session.execute(text("SELECT 1/0"))
+                        # The transaction failed: no intent can join it.
+                        with pytest.raises(TransactionRequired):
+                            await aoutbox.enqueue(session, kind=k, payload=b"x")
+                        await session.rollback()
+                async with engine.connect() as conn, conn.begin():
+                    await conn.execute(text("INSERT INTO orders (customer) VALUES ('fay')"))
+                    via_connection = await aoutbox.enqueue(conn, kind=k, payload={"ok": True})
+                return kept.id, failed.id, via_connection.id
+        finally:
+            await engine.dispose()
+
+    kept, failed, via_connection = asyncio.run(produce())
+    wait_state(outbox, kept, "PENDING")
+    wait_state(outbox, via_connection, "PENDING")
+    wait_state(outbox, failed, "DISCARDED")
 
 
 def test_refusals_carry_the_servers_reason(stack: Stack, outbox: Outbox, kind: Callable[[str], str]) -> None:

@@ -96,6 +96,23 @@ def test_a_handler_running_10s_under_a_2s_lease_is_never_redelivered(
     assert delivered.attempts == 1
 
 
+def test_an_intent_enqueued_late_in_a_long_poll_longer_than_the_lease_is_handled(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    k = kind("late")
+    handled: list[str] = []
+    w = Worker(stack.endpoints[:1], stack.api_key, lease=2, claim_wait=8, concurrency=1)
+    w.add_handler(k, lambda intent: handled.append(intent.id))
+    with Running(w):
+        began = time.monotonic()
+        # The scenario is time itself: the poll has waited longer than a lease lasts.
+        wait_for("3 s into the long poll", lambda: time.monotonic() - began > 3, timeout=10)
+        [intent_id] = enqueue(outbox, k, 1)
+        wait_for("the intent acked", lambda: w.stats.acked == 1, timeout=15)
+    assert handled == [intent_id]
+    assert w.stats.lease_lost == 0
+
+
 def test_a_lease_whose_heartbeats_are_blocked_is_lost_and_its_late_ack_is_not_counted(
     stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
 ) -> None:

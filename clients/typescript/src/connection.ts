@@ -46,6 +46,8 @@ const BACKOFF_CAP_MS = 2_000;
 /** A failure that another try, maybe on another endpoint, may not see. */
 export function transient(error: OutboxError): boolean {
   if (error.code === Code.Unavailable || error.code === Code.DeadlineExceeded) return true;
+  // A deadlock or serialization failure in PostgreSQL: the call changed nothing.
+  if (error.code === Code.Aborted && error.reason === "CONFLICT") return true;
   // A connection that broke mid-call surfaces as INTERNAL, UNKNOWN or CANCELED made here.
   return !error.fromServer && (error.code === Code.Internal || error.code === Code.Unknown || error.code === Code.Canceled);
 }

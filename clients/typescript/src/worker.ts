@@ -176,6 +176,8 @@ export class Worker {
   private readonly stopping = new AbortController();
   private readonly graceOver = new AbortController();
   private runPromise: Promise<void> | undefined;
+  /** What stopped the worker on its own (a Claim refused for good): `run()` rejects with it. */
+  private fatal: OutboxError | undefined;
 
   private readonly concurrency: number;
   private readonly leaseMs: number;
@@ -232,11 +234,18 @@ export class Worker {
     return this.runPromise;
   }
 
-  /** Starts the drain; resolves when `run()` does (at once if it never ran). */
+  /**
+   * Starts the drain; resolves when `run()` has finished (at once if it never ran). It
+   * never rejects: `run()` reports what stopped the worker.
+   */
   stop(): Promise<void> {
+    this.beginStop();
+    return (this.runPromise ?? Promise.resolve()).catch(() => undefined);
+  }
+
+  private beginStop(): void {
     this.stopping.abort();
     this.wakeAll();
-    return this.runPromise ?? Promise.resolve();
   }
 
   private get stopped(): boolean {
@@ -260,6 +269,7 @@ export class Worker {
     try {
       await this.claimLoop(kinds, tracing);
       await this.drain();
+      if (this.fatal) throw this.fatal;
     } finally {
       clearInterval(heartbeat);
       if (this.options.handleSignals ?? true) {
@@ -353,9 +363,16 @@ export class Worker {
         } catch (thrown) {
           const error = OutboxError.from(thrown);
           if (!this.stopped) this.emit({ type: "claimFailed", error });
+          if (this.stopped) break;
+          if (!transient(error)) {
+            // A refused key, a missing scope, a bad request: retrying cannot help. The
+            // worker drains what it holds and `run()` rejects with the error.
+            this.fatal ??= error;
+            this.beginStop();
+            break;
+          }
           // Its budget spent on a transient failure, the same Claim (request id, size,
           // reserved slots) goes on, slower: a lost answer's leases come back to it.
-          if (this.stopped || !transient(error)) break;
           await backOff();
         }
       }
@@ -645,7 +662,7 @@ export class Worker {
       const results = await this.connection.call(send, {
         budgetMs: Math.max(this.leaseMs, 30_000),
         tryTimeoutMs: 10_000,
-        retryable: (error) => transient(error) || (error.code === Code.Aborted && error.reason === "CONFLICT"),
+        retryable: transient,
       });
       batch.forEach(({ live, failure }, i) => {
         const result = results[i];

@@ -4,7 +4,7 @@ import { after, afterEach, before, describe, test } from "node:test";
 import { ConnectError, type Interceptor } from "@connectrpc/connect";
 import { context, trace } from "@opentelemetry/api";
 import { AsyncLocalStorageContextManager } from "@opentelemetry/context-async-hooks";
-import { Code, LeaseLostError, Outbox, Permanent, Retry, ShutdownError, Worker, type WorkerEvent, type WorkerOptions } from "../src/index.js";
+import { Code, LeaseLostError, Outbox, OutboxError, Permanent, Retry, ShutdownError, Worker, type WorkerEvent, type WorkerOptions } from "../src/index.js";
 import { failText } from "../src/worker.js";
 import { Fixture, freePort, waitFor } from "./harness.js";
 
@@ -289,6 +289,14 @@ describe("transport", () => {
     await waitFor("20 acks", () => w.stats().acked === 20);
     await w.stop();
     await run;
+  });
+
+  test("a Claim refused for good (an unknown API key) stops the worker: run() rejects with it", async () => {
+    const events: WorkerEvent[] = [];
+    const w = worker({ apiKey: "obx_not_a_key", onEvent: (event) => events.push(event) });
+    w.handle("refused.key", () => {});
+    await assert.rejects(w.run(), (error: unknown) => error instanceof OutboxError && error.code === Code.Unauthenticated);
+    assert.equal(events.filter((e) => e.type === "claimFailed").length, 1, "one Claim, not retried");
   });
 
   test("the handler runs in a span whose parent is the producer's trace context", async () => {

@@ -159,6 +159,14 @@ pub async fn resolve_intents(
                 _ if row.applied => None,
                 None => Some(ItemError::not_found(id)),
                 Some(state) if stale => Some(ItemError::changed_since_read(id, state)),
+                Some(state) if current.get(&row.id).is_some_and(|c| c.given_up) => {
+                    Some(ItemError::invalid_state(
+                        id,
+                        state,
+                        "DEAD was decided on this ordered dead letter and its ordering key \
+                         moved on: that decision is final",
+                    ))
+                }
                 // Passed over, then moved where the decision applies (a worker's Fail, say):
                 // INVALID_STATE would contradict the state it names.
                 Some(state) if allowed.contains(&state) => {

@@ -101,6 +101,8 @@ def _check_psycopg(conn: Any) -> None:
 
 
 def _check_sqlalchemy(conn: Any) -> None:
+    # An AsyncSession or AsyncConnection: the state lives in its synchronous twin.
+    conn = getattr(conn, "sync_session", None) or getattr(conn, "sync_connection", None) or conn
     in_transaction = getattr(conn, "in_transaction", None)
     if in_transaction is None:
         raise TypeError(
@@ -114,7 +116,8 @@ def _check_sqlalchemy(conn: Any) -> None:
     # SQLAlchemy still reports a transaction whose statement failed: ask psycopg (whose
     # transaction may not have begun yet: SQLAlchemy sends BEGIN with the first statement).
     connection = conn.connection() if callable(getattr(conn, "connection", None)) else conn
-    dbapi = getattr(getattr(connection, "connection", None), "dbapi_connection", None)
+    # The driver's own connection (under an async engine, dbapi_connection is an adapter).
+    dbapi = getattr(getattr(connection, "connection", None), "driver_connection", None)
     if dbapi is not None and _is_psycopg(dbapi):
         _refuse_failed(dbapi)
 

@@ -499,8 +499,14 @@ class Worker:
             request_id=str(uuid.uuid4()),
         )
         backoff = Backoff()
-        # Counted from the first send: a replay returns leases that first attempt took.
         sent = time.monotonic()
+        retried = False
+
+        def on_retry(_: object) -> None:
+            nonlocal retried
+            retried = True
+            self._count("claim_retries")
+
         while True:
             try:
                 answer = await self._client.call(
@@ -509,15 +515,20 @@ class Worker:
                     pb.ClaimResponse,
                     timeout=self.claim_wait + self.call_timeout,
                     budget=self.claim_wait + self.call_timeout,
-                    on_retry=lambda _: self._count("claim_retries"),
+                    on_retry=on_retry,
                 )
-                return answer.leases, sent
+                # A replay returns leases the first try took: counted from its send. A
+                # first answer's leases began about when it was made (a long poll answers
+                # as it leases), so not from the send: the poll may have waited longer
+                # than a lease lasts.
+                leased_at = sent if retried else max(sent, time.monotonic() - 1.0)
+                return answer.leases, leased_at
             except OutboxError as error:
                 if not transient(error.code, error.reason):
                     raise
                 # Budget spent: keep the request_id and keep trying, slower.
                 log.warning("outboxd worker %s: Claim: %s", self.worker_id, error)
-                self._count("claim_retries")
+                on_retry(error)
                 await asyncio.sleep(backoff.next())
 
     def _start(self, lease: pb.Lease, sent: float) -> None:

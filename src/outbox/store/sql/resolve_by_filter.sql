@@ -9,6 +9,9 @@ WITH target AS (
            -- DEAD on a DEAD_LETTERED intent that holds its ordering key releases the key.
            OR ($2 = 'dead' AND i.state = 'dead_lettered' AND i.ordering_key IS NOT NULL
                AND i.finished_at IS NULL))
+      -- An ordered dead letter given up (DEAD) let its key move on: that decision is final.
+      AND NOT (i.state = 'dead_lettered' AND i.ordering_key IS NOT NULL
+               AND i.finished_at IS NOT NULL)
       AND i.state = ANY($8)
       AND ($9::text IS NULL OR i.kind = $9)
       AND ($10::text IS NULL OR i.region = $10)

@@ -16,6 +16,9 @@ target AS (
            -- DEAD on a DEAD_LETTERED intent that holds its ordering key releases the key.
            OR ($2 = 'dead' AND i.state = 'dead_lettered' AND i.ordering_key IS NOT NULL
                AND i.finished_at IS NULL))
+      -- An ordered dead letter given up (DEAD) let its key move on: that decision is final.
+      AND NOT (i.state = 'dead_lettered' AND i.ordering_key IS NOT NULL
+               AND i.finished_at IS NOT NULL)
       AND (cardinality($7::text[]) = 0 OR i.region = '' OR i.region = ANY($7::text[]))
       AND (input.seen IS NULL OR i.updated_at = input.seen)
     FOR UPDATE OF i

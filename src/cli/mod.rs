@@ -26,7 +26,7 @@ use crate::config::{self, Settings};
 #[derive(Debug, Parser)]
 #[command(version, after_help = variables_help())]
 pub struct Cli {
-    /// Set a configuration variable, overriding the environment: `--set LISTEN_ADDR=0.0.0.0:50051`
+    /// Set a configuration variable, overriding the environment: `--set LISTEN_ADDR=127.0.0.1:50052`
     /// (the `OUTBOX_` prefix is optional). Repeatable.
     #[arg(long = "set", value_name = "NAME=VALUE", global = true)]
     pub overrides: Vec<String>,

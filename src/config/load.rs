@@ -29,6 +29,9 @@ const CLIENT_ONLY: [&str; 4] = [
     "OUTBOX_CA_FILE",
 ];
 
+/// Read by the test suite (docs/development.md): a developer's shell may still export it.
+const TEST_ONLY: &str = "OUTBOX_TEST_DATABASE_URL";
+
 /// Variables whose field is in another section, as (variable's key, field's key): requests
 /// are checked against one [`Limits`](super::Limits) and the sweeps take one
 /// `MaintenanceConfig`, while an operator tunes leases, retries and retention.
@@ -64,7 +67,9 @@ impl Settings {
     ) -> Result<Self, ConfigError> {
         let given: BTreeMap<String, String> = vars
             .into_iter()
-            .filter(|(name, _)| name.starts_with("OUTBOX_") && !CLIENT_ONLY.contains(&&**name))
+            .filter(|(name, _)| {
+                name.starts_with("OUTBOX_") && !CLIENT_ONLY.contains(&&**name) && name != TEST_ONLY
+            })
             .map(|(name, value)| (name, value.trim().to_owned()))
             .collect();
         let mut errors = Vec::new();
@@ -487,10 +492,14 @@ mod tests {
     }
 
     #[test]
-    fn the_operator_commands_variables_are_left_to_them() {
+    fn the_operator_commands_and_test_suites_variables_are_left_to_them() {
         let s = Settings::from_vars(vars(&[
             ("OUTBOX_SERVER", "http://elsewhere:50051"),
             ("OUTBOX_API_KEY", "obx_secret"),
+            (
+                "OUTBOX_TEST_DATABASE_URL",
+                "postgres://postgres@localhost/postgres",
+            ),
         ]));
         assert_eq!(s.unwrap(), Settings::default());
     }

@@ -27,7 +27,6 @@ use self::format::text_004;
 pub use self::layer::{RpcMetrics, RpcMetricsLayer};
 use self::pool::PoolCollector;
 use self::process::ProcessCollector;
-use crate::outbox::IntentState;
 use crate::outbox::claim::ClaimCounters;
 use crate::outbox::enqueue::EnqueueCounters;
 use crate::outbox::maintenance::{SweepObserver, SweepReport};
@@ -35,6 +34,7 @@ use crate::outbox::promotion::PromotionObserver;
 use crate::outbox::store::{
     self, AcquireCounters, AlsoAtBegin, Pools, PromotionReport, TenantScope,
 };
+use crate::outbox::{FailOutcome, IntentState};
 
 /// Labels of RPC metrics.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -235,6 +235,15 @@ impl Metrics {
             };
             let _ = m.enqueued.get_or_create(&labels);
             let _ = m.claimed.get_or_create(&labels);
+        }
+        for outcome in [
+            FailOutcome::Retry,
+            FailOutcome::Permanent,
+            FailOutcome::Unknown,
+        ] {
+            let _ = m.failed.get_or_create(&OutcomeLabels {
+                outcome: outcome.as_str().to_owned(),
+            });
         }
         m.set_depth(&[], &BTreeSet::from([String::new()]));
         m.registry.register_collector(Box::new(ProcessCollector));

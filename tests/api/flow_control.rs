@@ -376,6 +376,18 @@ async fn a_claim_waits_its_turn_at_a_limited_queue_instead_of_leaving_empty() {
         let reply = client.claim(claim_request("w", 5)).await.unwrap();
         reply.into_inner().leases
     });
+    wait_until_a_claim_waits_for_a_lock(&app, &claim).await;
+    other.commit().await.unwrap();
+    let leases = claim.await.unwrap();
+    let leased: HashSet<String> = leases.iter().map(|l| id_of(l).to_owned()).collect();
+    assert_eq!(leased, ids.into_iter().collect::<HashSet<_>>());
+}
+
+/// Polls until a Claim's statement waits for a lock (a limited queue's policy row).
+async fn wait_until_a_claim_waits_for_a_lock(
+    app: &TestApp,
+    claim: &tokio::task::JoinHandle<Vec<v1::Lease>>,
+) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let waiting: i64 = sqlx::query_scalar(
@@ -386,7 +398,7 @@ async fn a_claim_waits_its_turn_at_a_limited_queue_instead_of_leaving_empty() {
         .await
         .unwrap();
         if waiting == 1 {
-            break;
+            return;
         }
         assert!(
             !claim.is_finished() && Instant::now() < deadline,
@@ -394,10 +406,62 @@ async fn a_claim_waits_its_turn_at_a_limited_queue_instead_of_leaving_empty() {
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    other.commit().await.unwrap();
-    let leases = claim.await.unwrap();
-    let leased: HashSet<String> = leases.iter().map(|l| id_of(l).to_owned()).collect();
-    assert_eq!(leased, ids.into_iter().collect::<HashSet<_>>());
+}
+
+#[tokio::test]
+async fn a_pause_set_while_a_claim_waits_its_turn_holds_for_that_claim() {
+    let app = TestApp::spawn().await;
+    set(
+        &mut app.client(),
+        v1::SetQueuePolicyRequest {
+            max_in_flight: 100,
+            ..policy("pay")
+        },
+    )
+    .await;
+    app.enqueue_ids(vec![intent("pay", "{}")]).await;
+    // A claim walks its queues in an order drawn afresh: over eight rounds it comes to the
+    // paused queue after waiting for "pay" in some (before it, it finds the rows locked).
+    for round in 0..8 {
+        let kind = format!("mail-{round}");
+        app.enqueue_ids(vec![intent(&kind, "{}"), intent(&kind, "{}")])
+            .await;
+        let mut other = app.pool.begin().await.unwrap();
+        sqlx::query("SELECT 1 FROM outbox.queue_policy WHERE kind = 'pay' FOR UPDATE")
+            .execute(&mut *other)
+            .await
+            .unwrap();
+        sqlx::query("SELECT 1 FROM outbox.intent WHERE kind = $1 FOR UPDATE")
+            .bind(&kind)
+            .execute(&mut *other)
+            .await
+            .unwrap();
+        let mut client = app.client();
+        let kinds = vec!["pay".to_owned(), kind.clone()];
+        let claim = tokio::spawn(async move {
+            let request = v1::ClaimRequest {
+                kinds,
+                ..claim_request("w", 10)
+            };
+            client.claim(request).await.unwrap().into_inner().leases
+        });
+        wait_until_a_claim_waits_for_a_lock(&app, &claim).await;
+        set(
+            &mut app.client(),
+            v1::SetQueuePolicyRequest {
+                paused: true,
+                ..policy(&kind)
+            },
+        )
+        .await;
+        other.commit().await.unwrap();
+        let leases = claim.await.unwrap();
+        let paused: Vec<_> = leases
+            .iter()
+            .filter(|l| l.intent.as_ref().unwrap().kind == kind)
+            .collect();
+        assert!(paused.is_empty(), "round {round}: {paused:?}");
+    }
 }
 
 #[tokio::test]

@@ -328,6 +328,10 @@ async fn every_live_state_of_every_region_seen_reads_zero_rather_than_vanishing(
         let series = format!(r#"outbox_intents{{state="{state}",region=""}}"#);
         assert_eq!(sample(&text, &series), Some(0.0), "{series} in\n{text}");
     }
+    for outcome in ["retry", "permanent", "unknown"] {
+        let series = format!(r#"outbox_intents_failed_total{{outcome="{outcome}"}}"#);
+        assert_eq!(sample(&text, &series), Some(0.0), "{series} in\n{text}");
+    }
 
     let mut eu = intent("job", "{}");
     eu.region = "eu".into();

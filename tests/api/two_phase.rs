@@ -534,6 +534,46 @@ async fn a_commit_of_a_transaction_that_wrote_nothing_but_its_token_survives_a_p
     .unwrap();
 }
 
+#[tokio::test]
+async fn a_limited_queues_leases_survive_a_postgres_crash_right_after_the_claims_answer() {
+    // No autovacuum: its commits, flushing the WAL, would flush the claim's too.
+    let settings = vec![("autovacuum".to_owned(), "off".to_owned())];
+    let (app, cluster) = app_on_own_cluster_with(settings).await;
+    app.client()
+        .set_queue_policy(v1::SetQueuePolicyRequest {
+            kind: "pay".to_owned(),
+            max_in_flight: 10,
+            actor: "ops".to_owned(),
+            reason: "provider limit".to_owned(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let id = app.enqueue_one("pay", "{}").await;
+    // The claim of a limited queue commits without waiting for its flush (the queue's
+    // claims take turns); the WAL writer would flush it within 200 ms, the crash first.
+    let pool = app.pool.clone();
+    let wal_writer = stop_wal_writer(&pool).await;
+    let leases = app.claim_n("w", 1).await;
+    assert_eq!(id_of(&leases[0]), id);
+    // A server process this test stopped: it cannot exit meanwhile.
+    kill_process(wal_writer, Signal::KILL).unwrap();
+    let cluster = crash_and_restart(cluster).await;
+
+    let (state, lease): (String, Option<uuid::Uuid>) =
+        sqlx::query_as("SELECT state::text, lease_id FROM outbox.intent WHERE id = $1::uuid")
+            .bind(&id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (state.as_str(), lease.map(|l| l.to_string())),
+        ("leased", Some(leases[0].lease_id.clone())),
+        "a lease answered before the crash was lost in it"
+    );
+    stop_own_cluster(app, cluster).await;
+}
+
 /// SIGSTOPs the cluster's WAL writer; returns its pid.
 async fn stop_wal_writer(pool: &sqlx::PgPool) -> Pid {
     let pid: i32 =

@@ -19,6 +19,7 @@ mod claim;
 mod console;
 mod current;
 mod enqueue;
+mod flush;
 mod inspect;
 mod listeners;
 mod maintenance;

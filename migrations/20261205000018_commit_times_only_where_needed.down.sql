@@ -1,0 +1,79 @@
+-- Restores …06's advance_keys.
+CREATE OR REPLACE FUNCTION outbox.advance_keys(tenants text[], ordering_keys text[], as_of timestamptz)
+RETURNS SETOF uuid
+LANGUAGE plpgsql VOLATILE
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+-- A key at a time through its indexes. Set here, not inherited: outbox.ack, which calls
+-- it, turns nested loops off, and under its settings this plan read every head through a
+-- hash anti join over the whole primary key (3.8 s instead of 0.3 ms).
+SET enable_nestloop = on
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+AS $$
+DECLARE
+    own xid8 := pg_current_xact_id_if_assigned();
+    at timestamptz := coalesce(as_of, now());
+    key_tenants text[];
+    key_names text[];
+    lock_ids bigint[];
+BEGIN
+    SELECT array_agg(u.tenant ORDER BY u.lock_id), array_agg(u.ordering_key ORDER BY u.lock_id),
+           array_agg(u.lock_id ORDER BY u.lock_id)
+    INTO key_tenants, key_names, lock_ids
+    FROM (
+        SELECT DISTINCT t.tenant, t.ordering_key,
+               outbox.ordering_lock(t.tenant, t.ordering_key) AS lock_id
+        FROM unnest(tenants, ordering_keys) AS t(tenant, ordering_key)
+        WHERE t.ordering_key IS NOT NULL
+    ) u;
+    IF key_tenants IS NULL THEN
+        RETURN;
+    END IF;
+    -- One statement, in the array's (lock) order.
+    PERFORM pg_advisory_xact_lock(l) FROM unnest(lock_ids) AS l;
+
+    UPDATE outbox.intent i
+    SET order_ts = coalesce(outbox.commit_time(i.txn_xid), '-infinity')
+    FROM unnest(key_tenants, key_names) AS k(tenant, ordering_key)
+    WHERE i.tenant_id = k.tenant
+      AND i.ordering_key = k.ordering_key
+      AND i.state = 'waiting'
+      AND i.order_ts IS NULL
+      AND i.txn_xid IS DISTINCT FROM own;
+
+    -- Claimable from now on, as a promoted STAGED intent is (outbox::claim::floor).
+    RETURN QUERY
+        UPDATE outbox.intent i
+        SET state = 'pending',
+            available_at = greatest(i.available_at, at),
+            updated_at = at
+        FROM (
+            SELECT next.id
+            FROM unnest(key_tenants, key_names) AS k(tenant, ordering_key)
+            CROSS JOIN LATERAL (
+                SELECT w.id
+                FROM outbox.intent w
+                WHERE w.tenant_id = k.tenant
+                  AND w.ordering_key = k.ordering_key
+                  AND w.state = 'waiting'
+                ORDER BY w.order_ts, w.order_seq
+                LIMIT 1
+            ) next
+            WHERE NOT EXISTS (
+                SELECT 1
+                FROM outbox.intent h
+                WHERE h.tenant_id = k.tenant
+                  AND h.ordering_key = k.ordering_key
+                  AND h.state IN ('staged', 'pending', 'leased', 'submitted', 'needs_reconcile',
+                                  'dead_lettered')
+                  AND (h.state <> 'dead_lettered' OR h.finished_at IS NULL)
+            )
+        ) heads
+        WHERE i.id = heads.id
+        RETURNING i.id;
+    IF FOUND THEN
+        PERFORM pg_notify('outbox_intent_pending', '');
+    END IF;
+END
+$$;

@@ -241,7 +241,8 @@ impl From<outbox::store::QueueStats> for v1::GetQueueStatsResponse {
             .iter()
             .filter(|c| c.state.awaits_decision())
             .map(|c| c.count)
-            .sum();
+            .sum::<i64>()
+            - s.given_up;
         Self {
             counts: s
                 .counts

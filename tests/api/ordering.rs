@@ -278,6 +278,20 @@ async fn a_dead_letter_given_up_after_its_key_moved_on_is_not_requeued_behind_it
     assert_eq!(app.get(&ids[0]).await.resolutions.len(), 1);
     app.ack(&[&next[0]]).await;
     assert_eq!(drain_one_by_one(&app).await, [ids[2].clone()]);
+
+    // Finished: no operator's work left, and purged with the resolved intents.
+    assert_eq!(stats(&app).await.reconcile_backlog, 0);
+    app.wait_for_metric("outbox_reconcile_backlog 0").await;
+    app.advance(Duration::from_secs(3 * 86_400));
+    assert_eq!(app.purge().await, 3);
+    assert_eq!(
+        app.client()
+            .get_intent(v1::GetIntentRequest { id: ids[0].clone() })
+            .await
+            .unwrap_err()
+            .code(),
+        Code::NotFound
+    );
 }
 
 #[tokio::test]

@@ -154,6 +154,9 @@ pub struct QueueStats {
     pub oldest_blocked_at: Option<DateTime<Utc>>,
     /// The queues with a policy, with their live figures.
     pub policies: Vec<super::QueuePolicy>,
+    /// Of the DEAD_LETTERED intents, the ordered ones an operator gave up (DEAD): counted
+    /// in their state, but awaiting no decision.
+    pub given_up: i64,
 }
 
 /// The heads of ordering keys that hold their keys back: waiting out a retry's backoff,
@@ -212,6 +215,18 @@ pub async fn queue_stats(
     .fetch_one(&mut *conn)
     .await?;
     let policies = super::list_queue_policies(conn, None, now).await?;
+    let given_up: i64 = sqlx::query_scalar(
+        r#"
+        SELECT count(*)
+        FROM outbox.intent i
+        WHERE i.state = 'dead_lettered'
+          AND i.finished_at IS NOT NULL
+          AND (cardinality($1::text[]) = 0 OR i.region = '' OR i.region = ANY($1::text[]))
+        "#,
+    )
+    .bind(regions)
+    .fetch_one(&mut *conn)
+    .await?;
     Ok(QueueStats {
         counts,
         oldest_pending_at,
@@ -219,6 +234,7 @@ pub async fn queue_stats(
         blocked_keys,
         oldest_blocked_at,
         policies,
+        given_up,
     })
 }
 
@@ -294,6 +310,8 @@ pub async fn queue_depth(conn: &mut PgConnection) -> Result<QueueDepth> {
         SELECT state, region, count(*) AS count
         FROM outbox.intent
         WHERE state IN ('needs_reconcile', 'dead_lettered', 'staged')
+          -- An ordered dead letter given up by an operator is finished.
+          AND (state <> 'dead_lettered' OR finished_at IS NULL)
         GROUP BY state, region
         UNION ALL
         SELECT state, region, count(*) AS count

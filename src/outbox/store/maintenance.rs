@@ -99,7 +99,8 @@ pub async fn rescue_expired_leases(
     Ok(states.into_iter().map(|(s,)| s).collect())
 }
 
-/// Deletes up to `limit` DELIVERED and DISCARDED intents that finished before
+/// Deletes up to `limit` DELIVERED, DISCARDED and CANCELLED intents (and as many ordered
+/// dead letters given up by an operator) that finished before
 /// `now - live_retention` from `outbox.intent`, and up to `limit` rows of
 /// `outbox.delivered_batch` (where Ack moves delivered intents without an idempotency key)
 /// that finished before `now - history_retention`.
@@ -130,6 +131,21 @@ pub async fn purge_finished_intents(
             )
             RETURNING 1
         ),
+        -- Ordered dead letters an operator gave up (DEAD): finished, like the others.
+        given_up AS (
+            DELETE FROM outbox.intent
+            WHERE id IN (
+                SELECT id
+                FROM outbox.intent
+                WHERE state = 'dead_lettered'
+                  AND ordering_key IS NOT NULL
+                  AND finished_at < (SELECT coalesce($3::timestamptz, now()) - $1 * interval '1 ms')
+                ORDER BY finished_at
+                LIMIT $2
+                FOR UPDATE SKIP LOCKED
+            )
+            RETURNING 1
+        ),
         -- Whole rows of the batch history (each an Ack's intents of one bucket, finished
         -- together): up to $2 rows, counted by their intents.
         batches AS (
@@ -144,7 +160,7 @@ pub async fn purge_finished_intents(
             )
             RETURNING cardinality(ids) AS intents
         )
-        SELECT (SELECT count(*) FROM hot)
+        SELECT (SELECT count(*) FROM hot) + (SELECT count(*) FROM given_up)
             + (SELECT coalesce(sum(intents), 0) FROM batches)::bigint
         "#,
     )

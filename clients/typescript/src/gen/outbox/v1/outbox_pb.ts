@@ -51,14 +51,16 @@ export type NewIntent = Message<"outbox.v1.NewIntent"> & {
   /**
    * Per-tenant deduplication key. Repeating it returns the existing intent; repeating it
    * with another kind, payload or region fails with ALREADY_EXISTS. Remembered for as long as
-   * the intent is retained.
+   * the intent is retained. Unique within one Enqueue (a repeat is INVALID_ARGUMENT).
    *
    * @generated from field: string idempotency_key = 5;
    */
   idempotencyKey: string;
 
   /**
-   * Free-form headers carried to the worker; a W3C `traceparent` is carried through.
+   * Headers carried to the worker; a W3C `traceparent` is carried through. Names: ASCII
+   * letters, digits and . _ - : / (128 bytes at most); values: no control characters (4,096
+   * characters at most); 64 headers at most (the server's default limits).
    *
    * @generated from field: map<string, string> headers = 6;
    */
@@ -213,7 +215,7 @@ export type Intent = Message<"outbox.v1.Intent"> & {
   createdAt?: Timestamp | undefined;
 
   /**
-   * When the intent last changed state.
+   * When the intent last changed: its state, or its lease extended.
    *
    * @generated from field: google.protobuf.Timestamp updated_at = 13;
    */
@@ -570,7 +572,8 @@ export type LeaseResult = Message<"outbox.v1.LeaseResult"> & {
   state: IntentState;
 
   /**
-   * New lease expiry (ExtendLease only).
+   * The lease's expiry: the new one for ExtendLease, the unchanged one for
+   * MarkSubmitted; unset for Ack and Fail.
    *
    * @generated from field: google.protobuf.Timestamp lease_expires_at = 4;
    */
@@ -598,7 +601,9 @@ export type ExtendLeaseRequest = Message<"outbox.v1.ExtendLeaseRequest"> & {
   leases: LeaseRef[];
 
   /**
-   * New lease length counted from now. Unset: the server default (30 s).
+   * New lease length counted from now: the expiry becomes now plus this, or stays where it
+   * is if that is later (an extension never shortens a lease). Unset: the server default
+   * (30 s).
    *
    * @generated from field: google.protobuf.Duration lease_duration = 2;
    */
@@ -1289,7 +1294,8 @@ export type GetQueueStatsResponse = Message<"outbox.v1.GetQueueStatsResponse"> &
   oldestBlockedAt?: Timestamp | undefined;
 
   /**
-   * The queues with a policy (paused, limited), with their live figures.
+   * The queues given a policy (paused, limited, or set back to nothing), with their live
+   * figures.
    *
    * @generated from field: repeated outbox.v1.QueuePolicy policies = 7;
    */
@@ -1699,7 +1705,8 @@ export const DecisionSchema: GenEnum<Decision> = /*@__PURE__*/
  * workers, who perform the side effect and report its outcome.
  *
  * Errors carry a google.rpc.ErrorInfo with a stable reason (domain "outboxd") and, for
- * invalid input, a google.rpc.BadRequest naming every offending field. Batch calls that
+ * invalid input, a google.rpc.BadRequest naming the offending fields (the first 32, then
+ * how many more). Batch calls that
  * act on leases answer per item: one lost lease does not fail its neighbours.
  *
  * @generated from service outbox.v1.OutboxService
@@ -1826,8 +1833,9 @@ export const OutboxService: GenService<{
     output: typeof SetQueuePolicyResponseSchema;
   },
   /**
-   * ListQueuePolicies lists the queues of the caller's tenants that have a policy, with
-   * their live figures. Scope operate.
+   * ListQueuePolicies lists the queues of the caller's tenants that were given a policy
+   * (one set back to nothing too: not paused, no limits), with their live figures. Scope
+   * operate.
    *
    * @generated from rpc outbox.v1.OutboxService.ListQueuePolicies
    */

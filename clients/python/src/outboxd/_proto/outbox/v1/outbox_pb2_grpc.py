@@ -30,7 +30,8 @@ class OutboxServiceStub(object):
     workers, who perform the side effect and report its outcome.
 
     Errors carry a google.rpc.ErrorInfo with a stable reason (domain "outboxd") and, for
-    invalid input, a google.rpc.BadRequest naming every offending field. Batch calls that
+    invalid input, a google.rpc.BadRequest naming the offending fields (the first 32, then
+    how many more). Batch calls that
     act on leases answer per item: one lost lease does not fail its neighbours.
     """
 
@@ -107,7 +108,8 @@ class OutboxServiceServicer(object):
     workers, who perform the side effect and report its outcome.
 
     Errors carry a google.rpc.ErrorInfo with a stable reason (domain "outboxd") and, for
-    invalid input, a google.rpc.BadRequest naming every offending field. Batch calls that
+    invalid input, a google.rpc.BadRequest naming the offending fields (the first 32, then
+    how many more). Batch calls that
     act on leases answer per item: one lost lease does not fail its neighbours.
     """
 
@@ -199,8 +201,9 @@ class OutboxServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def ListQueuePolicies(self, request, context):
-        """ListQueuePolicies lists the queues of the caller's tenants that have a policy, with
-        their live figures. Scope operate.
+        """ListQueuePolicies lists the queues of the caller's tenants that were given a policy
+        (one set back to nothing too: not paused, no limits), with their live figures. Scope
+        operate.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -282,7 +285,8 @@ class OutboxService(object):
     workers, who perform the side effect and report its outcome.
 
     Errors carry a google.rpc.ErrorInfo with a stable reason (domain "outboxd") and, for
-    invalid input, a google.rpc.BadRequest naming every offending field. Batch calls that
+    invalid input, a google.rpc.BadRequest naming the offending fields (the first 32, then
+    how many more). Batch calls that
     act on leases answer per item: one lost lease does not fail its neighbours.
     """
 

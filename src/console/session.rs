@@ -146,14 +146,19 @@ pub(super) async fn sign_in(State(console): State<Shared>, Form(form): Form<Sign
     };
     let stored = store::create_console_session(
         console.pools.tenant(),
+        key,
         &hash_key(&token),
-        caller.key_id,
         &csrf,
         console.session_ttl,
     )
     .await;
-    if let Err(e) = stored {
-        return view::failure(&e.into());
+    match stored {
+        Ok(Some(_)) => {}
+        // Revoked between the check and now.
+        Ok(None) => {
+            return view::sign_in(StatusCode::UNAUTHORIZED, Some("unknown or revoked API key"));
+        }
+        Err(e) => return view::failure(&e.into()),
     }
     tracing::info!(auth.key = %caller.key_name, "console sign-in");
     let cookie = Cookie::build((COOKIE, token))

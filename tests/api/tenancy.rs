@@ -177,6 +177,34 @@ async fn the_service_role_sees_and_writes_only_the_tenant_set_in_its_transaction
         minted.as_database_error().unwrap().code().as_deref(),
         Some("42501")
     );
+    // Nor open a console session of a key whose secret it was not given (an all-tenant
+    // admin key's, say: every key's id is readable).
+    let admin = app.key(&["*"], &["admin"], &[]).await;
+    let session = sqlx::query(
+        "INSERT INTO outbox.console_session (token_hash, key_id, csrf_token, created_at, expires_at)
+         SELECT 'x', id, 'c', now(), now() + interval '1 hour' FROM outbox.api_key LIMIT 1",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap_err();
+    assert_eq!(
+        session.as_database_error().unwrap().code().as_deref(),
+        Some("42501"),
+        "{session}"
+    );
+    let opened: Option<uuid::Uuid> =
+        sqlx::query_scalar("SELECT outbox.open_console_session('obx_guessed', 'x', 'c', 60)")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    assert_eq!(opened, None);
+    let opened: Option<uuid::Uuid> =
+        sqlx::query_scalar("SELECT outbox.open_console_session($1, 'x', 'c', 60)")
+            .bind(&admin)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    assert!(opened.is_some(), "with the key's secret");
     let kinds: Vec<String> =
         sqlx::query_scalar("SELECT DISTINCT kind FROM outbox.intent WHERE tenant_id = 'globex'")
             .fetch_all(&app.pool)

@@ -9,35 +9,28 @@ use uuid::Uuid;
 use super::ApiKeyRecord;
 use crate::outbox::{IntentId, IntentState, Result};
 
-/// Stores a sign-in of `key_id` until `ttl` from now, and removes expired ones.
+/// Opens a sign-in of the key whose secret is `secret` (live, of scope operate or admin)
+/// until `ttl` from now, and removes expired ones; returns that key's id, or None when
+/// no such key exists. Through `outbox.open_console_session`: the request-serving role may
+/// not insert a session itself, for a key whose secret it was not shown.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn create_console_session(
     pool: &PgPool,
+    secret: &str,
     token_hash: &[u8],
-    key_id: Uuid,
     csrf_token: &str,
     ttl: std::time::Duration,
-) -> Result<()> {
-    let mut tx = pool.begin().await?;
-    sqlx::query("DELETE FROM outbox.console_session WHERE expires_at < now()")
-        .execute(&mut *tx)
+) -> Result<Option<Uuid>> {
+    let key_id = sqlx::query_scalar("SELECT outbox.open_console_session($1, $2, $3, $4)")
+        .bind(secret)
+        .bind(token_hash)
+        .bind(csrf_token)
+        .bind(ttl.as_secs_f64())
+        .fetch_one(pool)
         .await?;
-    sqlx::query(
-        r#"
-        INSERT INTO outbox.console_session (token_hash, key_id, csrf_token, created_at, expires_at)
-        VALUES ($1, $2, $3, now(), now() + make_interval(secs => $4))
-        "#,
-    )
-    .bind(token_hash)
-    .bind(key_id)
-    .bind(csrf_token)
-    .bind(ttl.as_secs_f64())
-    .execute(&mut *tx)
-    .await?;
-    tx.commit().await?;
-    Ok(())
+    Ok(key_id)
 }
 
 /// The live key and CSRF token of an unexpired sign-in.

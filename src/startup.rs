@@ -256,7 +256,7 @@ pub async fn connect_pools(
     let fleet_url = database.fleet_url.as_deref().context(
         "OUTBOX_DATABASE__FLEET_URL is not set: outboxd needs a second role, a member of \
          outboxd_fleet, for the work of every tenant (lease rescue, retention, promotion, queue \
-         gauges, keys bound to all tenants); see \"An external PostgreSQL\" in the README",
+         gauges, keys bound to all tenants); see \"An external PostgreSQL\" in docs/security.md",
     )?;
     let tenant = connect(&database.service_url, max_connections).await?;
     verify_service_role(&tenant).await?;
@@ -393,7 +393,7 @@ pub async fn verify_service_role(pool: &PgPool) -> anyhow::Result<()> {
     anyhow::bail!(
         "outboxd connects as role {role:?}, which {problem}: row-level security would not isolate \
          tenants. Connect with a role that owns nothing and run \
-         `SELECT outbox.grant_service_role('<role>')` as the schema owner (see README)"
+         `SELECT outbox.grant_service_role('<role>')` as the schema owner (see docs/security.md)"
     )
 }
 
@@ -616,7 +616,10 @@ impl Application {
             }
             None => None,
         };
-        let mut builder = tonic::transport::Server::builder();
+        // hyper's guard against floods of resets it must answer with errors ("rapid
+        // reset"), which tonic's builder turns off unless it is given.
+        let mut builder =
+            tonic::transport::Server::builder().http2_max_local_error_reset_streams(Some(1024));
         if let Some(tls) = &settings.tls {
             builder = builder
                 .tls_config(tls_config(tls)?)

@@ -1,5 +1,6 @@
 //! The operator and walkthrough commands: a gRPC client of a running server.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -212,10 +213,29 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                 page_size: limit,
                 ..Default::default()
             };
-            let response = connect(&client).await?.list_intents(request).await?;
-            let response = response.into_inner();
+            let mut service = connect(&client).await?;
+            let response = service.list_intents(request).await?.into_inner();
+            // A DEAD_LETTERED intent given up by an operator (DEAD) no longer holds its
+            // key; only its resolutions tell it from one that does.
+            let mut given_up = HashSet::new();
+            for intent in &response.intents {
+                if intent.state != v1::IntentState::DeadLettered as i32 {
+                    continue;
+                }
+                let request = v1::GetIntentRequest {
+                    id: intent.id.clone(),
+                };
+                let got = service.get_intent(request).await?.into_inner();
+                if got
+                    .resolutions
+                    .iter()
+                    .any(|r| r.decision() == v1::Decision::Dead)
+                {
+                    given_up.insert(intent.id.clone());
+                }
+            }
             print_list(&client, &response, || {
-                println!("{}", why_key_waits(&response.intents))
+                println!("{}", why_key_waits(&response.intents, &given_up))
             })
         }
         Command::Intents {
@@ -442,16 +462,15 @@ fn print_list(
 }
 
 /// Why an ordering key's later intents wait, from its live intents: what its first intent
-/// is doing. An operator's DEAD decision releases a key, but a listing cannot tell that
-/// DEAD_LETTERED intent from one that holds its key, so another head is preferred.
-fn why_key_waits(intents: &[v1::Intent]) -> String {
+/// is doing. The intents of `given_up` (DEAD_LETTERED, given up by an operator's DEAD) no
+/// longer hold the key.
+fn why_key_waits(intents: &[v1::Intent], given_up: &HashSet<String>) -> String {
     use v1::IntentState as S;
     let state = |i: &v1::Intent| S::try_from(i.state).unwrap_or(S::Unspecified);
     let waiting = intents.iter().filter(|i| state(i) == S::Waiting).count();
     let head = intents
         .iter()
-        .find(|i| !matches!(state(i), S::Waiting | S::DeadLettered))
-        .or_else(|| intents.iter().find(|i| state(i) == S::DeadLettered));
+        .find(|i| state(i) != S::Waiting && !given_up.contains(&i.id));
     let Some(head) = head else {
         return if waiting == 0 {
             "nothing live under this key".to_owned()

@@ -233,8 +233,11 @@ async fn find(console: &Shared, session: &Session, tenant: &str, q: &str) -> Res
                 .collect::<Vec<_>>()
                 .join(", ");
             view::error_page(
-                StatusCode::OK,
-                &format!("this idempotency key names intents of several tenants: {list}"),
+                StatusCode::CONFLICT,
+                &format!(
+                    "this idempotency key names intents of several tenants ({list}): name the \
+                     tenant"
+                ),
             )
         }
         Err(e) => view::failure(&e.into()),
@@ -309,16 +312,19 @@ pub(super) async fn one(
                 at: view::timestamp(r.resolved_at.as_ref()),
             })
             .collect(),
-        decisions: decisions_for(intent.state),
+        decisions: decisions_for(intent.state, !intent.ordering_key.is_empty()),
     };
     view::render(StatusCode::OK, &page)
 }
 
-/// The decisions an operator may take on an intent in `state`.
-pub(super) fn decisions_for(state: i32) -> Vec<&'static str> {
+/// The decisions an operator may take on an intent in `state`: DEAD on a dead letter only
+/// releases an ordered one's key (on an unordered one it would change nothing).
+pub(super) fn decisions_for(state: i32, ordered: bool) -> Vec<&'static str> {
     use v1::IntentState as S;
     match S::try_from(state) {
-        Ok(S::NeedsReconcile | S::DeadLettered) => vec!["DELIVERED", "REQUEUE", "DEAD"],
+        Ok(S::NeedsReconcile) => vec!["DELIVERED", "REQUEUE", "DEAD"],
+        Ok(S::DeadLettered) if ordered => vec!["DELIVERED", "REQUEUE", "DEAD"],
+        Ok(S::DeadLettered) => vec!["DELIVERED", "REQUEUE"],
         Ok(S::Staged | S::Waiting | S::Pending) => vec!["CANCEL"],
         _ => Vec::new(),
     }
@@ -330,4 +336,26 @@ fn state_names() -> Vec<String> {
         .filter_map(|n| v1::IntentState::try_from(n).ok())
         .map(|s| view::state(s as i32))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dead_is_offered_on_a_dead_letter_only_when_it_releases_an_ordering_key() {
+        use v1::IntentState as S;
+        let offered = |state: S, ordered| decisions_for(state as i32, ordered);
+        assert_eq!(offered(S::DeadLettered, false), ["DELIVERED", "REQUEUE"]);
+        assert_eq!(
+            offered(S::DeadLettered, true),
+            ["DELIVERED", "REQUEUE", "DEAD"]
+        );
+        assert_eq!(
+            offered(S::NeedsReconcile, false),
+            ["DELIVERED", "REQUEUE", "DEAD"]
+        );
+        assert_eq!(offered(S::Pending, true), ["CANCEL"]);
+        assert!(offered(S::Leased, false).is_empty());
+    }
 }

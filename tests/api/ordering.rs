@@ -508,6 +508,19 @@ async fn the_cli_enqueues_with_an_ordering_key_and_shows_why_a_key_waits() {
     let out = cli(&app, &key, &["stats", "--json"]).await;
     let stats: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(stats["blocked_keys"], 1, "{out}");
+
+    // Given up, the first no longer holds the key: the second, dead-lettered in turn, does.
+    app.reconcile(decide(&ids[0], Decision::Dead))
+        .await
+        .unwrap();
+    let leases = app.claim_n("w", 10).await;
+    app.fail(&leases[0], FailOutcome::Permanent).await;
+    let out = cli(&app, &key, &["intents", "key", "order-9"]).await;
+    assert!(
+        out.contains(&format!("first: {} DEAD_LETTERED: blocks the key", ids[1])),
+        "{out}"
+    );
+    assert!(out.contains("0 waiting behind it"), "{out}");
 }
 
 #[tokio::test]

@@ -353,15 +353,7 @@ async fn a_concurrency_limit_holds_across_two_replicas_and_eight_claimers() {
 
 #[tokio::test]
 async fn a_claim_waits_its_turn_at_a_limited_queue_instead_of_leaving_empty() {
-    let app = TestApp::spawn().await;
-    set(
-        &mut app.client(),
-        v1::SetQueuePolicyRequest {
-            max_in_flight: 100,
-            ..policy("pay")
-        },
-    )
-    .await;
+    let app = app_with_a_limited_queue("pay").await;
     let ids = app
         .enqueue_ids((0..5).map(|_| intent("pay", "{}")).collect())
         .await;
@@ -381,6 +373,20 @@ async fn a_claim_waits_its_turn_at_a_limited_queue_instead_of_leaving_empty() {
     let leases = claim.await.unwrap();
     let leased: HashSet<String> = leases.iter().map(|l| id_of(l).to_owned()).collect();
     assert_eq!(leased, ids.into_iter().collect::<HashSet<_>>());
+}
+
+/// A server whose queue `kind` has a concurrency limit (100) no test here reaches.
+async fn app_with_a_limited_queue(kind: &str) -> TestApp {
+    let app = TestApp::spawn().await;
+    set(
+        &mut app.client(),
+        v1::SetQueuePolicyRequest {
+            max_in_flight: 100,
+            ..policy(kind)
+        },
+    )
+    .await;
+    app
 }
 
 /// Polls until a Claim's statement waits for a lock (a limited queue's policy row).
@@ -410,15 +416,7 @@ async fn wait_until_a_claim_waits_for_a_lock(
 
 #[tokio::test]
 async fn a_pause_set_while_a_claim_waits_its_turn_holds_for_that_claim() {
-    let app = TestApp::spawn().await;
-    set(
-        &mut app.client(),
-        v1::SetQueuePolicyRequest {
-            max_in_flight: 100,
-            ..policy("pay")
-        },
-    )
-    .await;
+    let app = app_with_a_limited_queue("pay").await;
     app.enqueue_ids(vec![intent("pay", "{}")]).await;
     // A claim walks its queues in an order drawn afresh: over eight rounds it comes to the
     // paused queue after waiting for "pay" in some (before it, it finds the rows locked).

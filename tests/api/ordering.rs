@@ -188,16 +188,22 @@ async fn a_retried_head_keeps_the_later_intents_of_its_key_waiting() {
     assert_eq!(stats(&app).await.blocked_keys, 0);
 }
 
-#[tokio::test]
-async fn a_dead_lettered_head_blocks_its_key_until_an_operator_decides() {
-    let app = TestApp::spawn().await;
+/// Three intents of key "k" whose head (one attempt) failed with `outcome`: dead-lettered.
+async fn three_behind_a_dead_lettered_head(app: &TestApp, outcome: FailOutcome) -> Vec<String> {
     let mut head = ordered("k", "head");
     head.max_attempts = 1;
     let ids = app
         .enqueue_ids(vec![head, ordered("k", "next"), ordered("k", "last")])
         .await;
     let leases = app.claim_n("w", 10).await;
-    app.fail(&leases[0], FailOutcome::Retry).await;
+    app.fail(&leases[0], outcome).await;
+    ids
+}
+
+#[tokio::test]
+async fn a_dead_lettered_head_blocks_its_key_until_an_operator_decides() {
+    let app = TestApp::spawn().await;
+    let ids = three_behind_a_dead_lettered_head(&app, FailOutcome::Retry).await;
     assert_eq!(app.state(&ids[0]).await, IntentState::DeadLettered);
 
     app.advance(Duration::from_secs(3600));
@@ -234,13 +240,7 @@ async fn a_dead_lettered_head_blocks_its_key_until_an_operator_decides() {
 #[tokio::test]
 async fn a_dead_letter_given_up_after_its_key_moved_on_is_not_requeued_behind_it() {
     let app = TestApp::spawn().await;
-    let mut head = ordered("k", "head");
-    head.max_attempts = 1;
-    let ids = app
-        .enqueue_ids(vec![head, ordered("k", "next"), ordered("k", "last")])
-        .await;
-    let leases = app.claim_n("w", 10).await;
-    app.fail(&leases[0], FailOutcome::Permanent).await;
+    let ids = three_behind_a_dead_lettered_head(&app, FailOutcome::Permanent).await;
     app.reconcile(decide(&ids[0], Decision::Dead))
         .await
         .unwrap();

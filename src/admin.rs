@@ -38,6 +38,11 @@ impl Readiness {
         self.draining.store(true, Ordering::Relaxed);
     }
 
+    /// Whether a shutdown has begun.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
     /// Whether the database answers and the service role may use it.
     pub fn set_database_usable(&self, usable: bool) {
         self.database_usable.store(usable, Ordering::Relaxed);
@@ -45,7 +50,7 @@ impl Readiness {
 
     /// Why not ready, if not.
     pub fn problem(&self) -> Option<&'static str> {
-        if self.draining.load(Ordering::Relaxed) {
+        if self.is_draining() {
             Some("draining: shutting down")
         } else if !self.database_usable.load(Ordering::Relaxed) {
             Some("the database is unreachable or unusable")

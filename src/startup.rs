@@ -502,6 +502,9 @@ pub struct Application {
     grace: Duration,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     background: Vec<JoinHandle<()>>,
+    /// The admin listener (metrics, /livez, /readyz), stopped by `admin_stop` last.
+    admin: Option<JoinHandle<()>>,
+    admin_stop: CancellationToken,
     pending: PendingSignal,
     /// Closed by [`Application::run_until_stopped`] within the grace.
     pools: store::Pools,
@@ -533,7 +536,10 @@ impl Application {
         let cluster_id = store::cluster_identifier(&pool).await?;
         let mut background =
             spawn_background(settings, &pools, &runtime, &pending, &metrics, &shutdown);
-        let metrics_addr = match settings.metrics.listen_addr {
+        // The admin listener answers (/livez 200, /readyz 503) through the whole shutdown,
+        // and stops after everything else.
+        let admin_stop = CancellationToken::new();
+        let (metrics_addr, admin) = match settings.metrics.listen_addr {
             Some(addr) => {
                 let listener = admin::bind(addr)
                     .await
@@ -543,16 +549,16 @@ impl Application {
                     metrics.clone(),
                     readiness.clone(),
                     listener,
-                    shutdown.clone(),
+                    admin_stop.clone(),
                 );
-                background.push(tokio::spawn(async move {
+                let task = tokio::spawn(async move {
                     if let Err(e) = serve.await {
                         tracing::error!(error.message = %e, "metrics endpoint failed");
                     }
-                }));
-                Some(bound)
+                });
+                (Some(bound), Some(task))
             }
-            None => None,
+            None => (None, None),
         };
 
         let (health, health_service) = tonic_health::server::health_reporter();
@@ -677,6 +683,8 @@ impl Application {
             grace: settings.shutdown.grace,
             server,
             background,
+            admin,
+            admin_stop,
             pending,
             pools: pools.clone(),
         })
@@ -748,6 +756,12 @@ impl Application {
                 task.abort();
             }
         }
+        self.admin_stop.cancel();
+        if let Some(mut admin) = self.admin
+            && tokio::time::timeout_at(deadline, &mut admin).await.is_err()
+        {
+            admin.abort();
+        }
         let served = served.and_then(|s| s.context("gRPC server failed"));
         (served, deadline)
     }
@@ -776,6 +790,17 @@ impl Application {
 /// How often readiness re-checks that the database answers and the service role may use it.
 const DATABASE_CHECK_INTERVAL: Duration = Duration::from_secs(2);
 
+/// Sets the status of the whole server ("") and of the outbox service.
+async fn set_health(health: &HealthReporter, status: tonic_health::ServingStatus) {
+    health.set_service_status("", status).await;
+    health
+        .set_service_status(
+            <OutboxServiceServer<OutboxHandler> as tonic::server::NamedService>::NAME,
+            status,
+        )
+        .await;
+}
+
 /// Keeps health in step with the database: NOT_SERVING while PostgreSQL is unreachable or
 /// the service role lacks its grants (every call would fail), SERVING again once it is
 /// back, until shutdown (which owns the status from then on).
@@ -795,7 +820,8 @@ async fn watch_database(
             Ok(()) => store::probe(pools.fleet()).await,
             failed => failed,
         };
-        if shutdown.is_cancelled() || probe.is_ok() == serving {
+        // A shutdown owns the status from its first moment (the drain delay included).
+        if shutdown.is_cancelled() || readiness.is_draining() || probe.is_ok() == serving {
             continue;
         }
         serving = probe.is_ok();
@@ -810,13 +836,16 @@ async fn watch_database(
                 tonic_health::ServingStatus::NotServing
             }
         };
-        health.set_service_status("", status).await;
-        health
-            .set_service_status(
-                <OutboxServiceServer<OutboxHandler> as tonic::server::NamedService>::NAME,
-                status,
-            )
-            .await;
+        // A shutdown that began meanwhile set NOT_SERVING before or after this: it wins.
+        let status = if readiness.is_draining() {
+            tonic_health::ServingStatus::NotServing
+        } else {
+            status
+        };
+        set_health(&health, status).await;
+        if readiness.is_draining() {
+            set_health(&health, tonic_health::ServingStatus::NotServing).await;
+        }
     }
 }
 

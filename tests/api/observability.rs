@@ -546,6 +546,60 @@ async fn readyz_turns_unavailable_while_the_server_drains_and_livez_stays_ok() {
 }
 
 #[tokio::test]
+async fn livez_and_readyz_answer_until_the_last_call_of_the_grace_has_finished() {
+    let mut app = TestApp::spawn().await;
+    let id = app.enqueue_one("job", "{}").await;
+    let leases = app.claim_n("w", 1).await;
+    // An Ack held on a row lock keeps the server in its grace.
+    let mut blocker = app.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM outbox.intent WHERE id = $1::uuid FOR UPDATE")
+        .bind(&id)
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let lease = crate::helpers::lease_ref(&leases[0]);
+    let mut client = app.client();
+    let ack = tokio::spawn(async move {
+        let request = outboxd::proto::v1::AckRequest {
+            leases: vec![lease],
+        };
+        client.ack(request).await
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND wait_event_type = 'Lock' AND query LIKE '%outbox.ack%'",
+        )
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        if waiting == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the Ack did not wait for the row"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    let stopping = tokio::spawn(app.take_application().stop());
+    // Past the drain delay: the gRPC listener takes no new connection.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while tokio::net::TcpStream::connect(app.addr).await.is_ok() {
+        assert!(Instant::now() < deadline, "the gRPC listener stayed open");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(app.admin_get("/readyz", None).await.0, 503);
+    assert_eq!(app.admin_get("/livez", None).await.0, 200);
+    assert!(!stopping.is_finished(), "the Ack holds the grace");
+    blocker.commit().await.unwrap();
+    assert!(ack.await.unwrap().is_ok());
+    stopping.await.unwrap().unwrap();
+}
+
+#[tokio::test]
 async fn readyz_follows_whether_the_service_role_can_use_the_database() {
     let app = TestApp::spawn().await;
     wait_for_readyz(&app, 200).await;

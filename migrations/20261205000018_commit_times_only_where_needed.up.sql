@@ -21,6 +21,8 @@ DECLARE
     key_tenants text[];
     key_names text[];
     lock_ids bigint[];
+    fill_tenants text[];
+    fill_names text[];
 BEGIN
     SELECT array_agg(u.tenant ORDER BY u.lock_id), array_agg(u.ordering_key ORDER BY u.lock_id),
            array_agg(u.lock_id ORDER BY u.lock_id)
@@ -39,23 +41,30 @@ BEGIN
 
     -- Only a key whose WAITING intents include one with a commit time (a promoted
     -- two-phase intent) needs the others': direct Enqueues of a key hold its lock to
-    -- their commit, so among them insertion order is commit order.
-    UPDATE outbox.intent i
-    SET order_ts = coalesce(outbox.commit_time(i.txn_xid), '-infinity')
+    -- their commit, so among them insertion order is commit order. The keys are chosen
+    -- first, one probe each, so that the rows of the others (a million behind a blocked
+    -- head, none of them filled) are never walked.
+    SELECT array_agg(k.tenant), array_agg(k.ordering_key)
+    INTO fill_tenants, fill_names
     FROM unnest(key_tenants, key_names) AS k(tenant, ordering_key)
-    WHERE i.tenant_id = k.tenant
-      AND i.ordering_key = k.ordering_key
-      AND i.state = 'waiting'
-      AND i.order_ts IS NULL
-      AND i.txn_xid IS DISTINCT FROM own
-      AND EXISTS (
-          SELECT 1
-          FROM outbox.intent t
-          WHERE t.tenant_id = k.tenant
-            AND t.ordering_key = k.ordering_key
-            AND t.state = 'waiting'
-            AND t.order_ts IS NOT NULL
-      );
+    WHERE EXISTS (
+        SELECT 1
+        FROM outbox.intent t
+        WHERE t.tenant_id = k.tenant
+          AND t.ordering_key = k.ordering_key
+          AND t.state = 'waiting'
+          AND t.order_ts IS NOT NULL
+    );
+    IF fill_names IS NOT NULL THEN
+        UPDATE outbox.intent i
+        SET order_ts = coalesce(outbox.commit_time(i.txn_xid), '-infinity')
+        FROM unnest(fill_tenants, fill_names) AS k(tenant, ordering_key)
+        WHERE i.tenant_id = k.tenant
+          AND i.ordering_key = k.ordering_key
+          AND i.state = 'waiting'
+          AND i.order_ts IS NULL
+          AND i.txn_xid IS DISTINCT FROM own;
+    END IF;
 
     -- Claimable from now on, as a promoted STAGED intent is (outbox::claim::floor).
     RETURN QUERY

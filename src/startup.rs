@@ -730,12 +730,7 @@ impl Application {
     /// [`Application::stop`], returning also when the grace ends.
     async fn stop_with_deadline(self) -> (anyhow::Result<()>, tokio::time::Instant) {
         self.readiness.drain();
-        self.health
-            .set_not_serving::<OutboxServiceServer<OutboxHandler>>()
-            .await;
-        self.health
-            .set_service_status("", tonic_health::ServingStatus::NotServing)
-            .await;
+        set_health(&self.health, tonic_health::ServingStatus::NotServing).await;
         tokio::time::sleep(self.drain_delay).await;
         let deadline = tokio::time::Instant::now() + self.grace;
         self.shutdown.cancel();

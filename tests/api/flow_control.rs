@@ -368,7 +368,7 @@ async fn a_claim_waits_its_turn_at_a_limited_queue_instead_of_leaving_empty() {
         let reply = client.claim(claim_request("w", 5)).await.unwrap();
         reply.into_inner().leases
     });
-    wait_until_a_claim_waits_for_a_lock(&app, &claim).await;
+    app.wait_for_lock_waiters(1).await;
     other.commit().await.unwrap();
     let leases = claim.await.unwrap();
     let leased: HashSet<String> = leases.iter().map(|l| id_of(l).to_owned()).collect();
@@ -387,31 +387,6 @@ async fn app_with_a_limited_queue(kind: &str) -> TestApp {
     )
     .await;
     app
-}
-
-/// Polls until a Claim's statement waits for a lock (a limited queue's policy row).
-async fn wait_until_a_claim_waits_for_a_lock(
-    app: &TestApp,
-    claim: &tokio::task::JoinHandle<Vec<v1::Lease>>,
-) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-             AND wait_event_type = 'Lock' AND query LIKE '%outbox.claim(%'",
-        )
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-        if waiting == 1 {
-            return;
-        }
-        assert!(
-            !claim.is_finished() && Instant::now() < deadline,
-            "the claim did not wait for the queue's policy"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 #[tokio::test]
@@ -443,7 +418,7 @@ async fn a_pause_set_while_a_claim_waits_its_turn_holds_for_that_claim() {
             };
             client.claim(request).await.unwrap().into_inner().leases
         });
-        wait_until_a_claim_waits_for_a_lock(&app, &claim).await;
+        app.wait_for_lock_waiters(1).await;
         set(
             &mut app.client(),
             v1::SetQueuePolicyRequest {

@@ -565,24 +565,7 @@ async fn livez_and_readyz_answer_until_the_last_call_of_the_grace_has_finished()
         };
         client.ack(request).await
     });
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-             AND wait_event_type = 'Lock' AND query LIKE '%outbox.ack%'",
-        )
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-        if waiting == 1 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the Ack did not wait for the row"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    app.wait_for_lock_waiters(1).await;
 
     let stopping = tokio::spawn(app.take_application().stop());
     // Past the drain delay: the gRPC listener takes no new connection.

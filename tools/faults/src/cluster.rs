@@ -24,16 +24,22 @@ const SERVICE_ROLE: &str = "outboxd_service";
 /// Role the replicas' fleet pools connect as (a member of outboxd_fleet: every tenant).
 const FLEET_ROLE: &str = "outboxd_fleet_service";
 
-/// Tenant of every intent of the run.
+/// Tenant of every intent the producers enqueue.
 pub const TENANT: &str = "faults";
+
+/// Tenant of the backlog enqueued before the run (`run::seed_backlog`): its intents are
+/// older than every intent of [`TENANT`], which must not wait for them (`checker::fairness`).
+pub const BACKLOG_TENANT: &str = "faults-backlog";
 
 /// API keys of the run, one per actor.
 #[derive(Debug, Clone)]
 pub struct Keys {
     /// `produce` scope.
     pub producer: String,
-    /// `consume` scope.
+    /// `consume` scope, both tenants.
     pub worker: String,
+    /// `produce` scope, the backlog's tenant.
+    pub backlog: String,
     /// `admin` scope (final reconcile).
     pub operator: String,
 }
@@ -59,6 +65,8 @@ pub struct Cluster {
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct IntentRow {
     pub id: Uuid,
+    pub tenant_id: String,
+    pub kind: String,
     pub state: String,
     pub attempts: i32,
     pub max_attempts: i32,
@@ -79,7 +87,8 @@ pub struct IntentRow {
     /// DEAD_LETTERED intent, the DEAD that released its key).
     pub finished_us: Option<i64>,
     /// Commit time of its transaction per PostgreSQL (`pg_xact_commit_timestamp`, µs), for
-    /// ordered intents: evidence in reports.
+    /// ordered intents (evidence in reports) and two-phase intents of the unlimited kind
+    /// (when they became claimable, for the fairness check).
     pub commit_us: Option<i64>,
 }
 
@@ -137,6 +146,7 @@ pub struct FlowChange {
     /// Order of the writes (an identity: claims of one limited queue take it under the
     /// queue's policy row lock, so in lock order).
     pub seq: i64,
+    pub intent_id: Uuid,
     pub kind: String,
     /// `clock_timestamp()` of the change, µs.
     pub at_us: i64,
@@ -223,9 +233,16 @@ impl Cluster {
         .execute(&admin)
         .await?;
         let keys = Keys {
-            producer: create_key(&admin, "faults-producer", "produce").await?,
-            worker: create_key(&admin, "faults-worker", "consume").await?,
-            operator: create_key(&admin, "faults-operator", "admin").await?,
+            producer: create_key(&admin, "faults-producer", &[TENANT], "produce").await?,
+            worker: create_key(
+                &admin,
+                "faults-worker",
+                &[TENANT, BACKLOG_TENANT],
+                "consume",
+            )
+            .await?,
+            backlog: create_key(&admin, "faults-backlog", &[BACKLOG_TENANT], "produce").await?,
+            operator: create_key(&admin, "faults-operator", &[TENANT], "admin").await?,
         };
         let service_url = format!(
             "postgres://{SERVICE_ROLE}@127.0.0.1:{}/{DATABASE}",
@@ -251,12 +268,15 @@ impl Cluster {
     /// `outbox.intent` (SECURITY DEFINER: it writes as the owner whoever changes the row)
     /// that records, in the changing transaction, each move of an intent of a limited kind
     /// into or out of LEASED/SUBMITTED with `clock_timestamp()`, and each lease minted with
-    /// its transaction's `now()`, the instant a claim counts its tokens at.
+    /// its transaction's `now()`, the instant a claim counts its tokens at. Leases of the
+    /// unlimited kind are logged too, for the fairness check.
     pub async fn limit_queues(&mut self, limits: QueueLimits) -> anyhow::Result<()> {
         sqlx::raw_sql(&format!(
             r#"
             CREATE TABLE faults.flow_log (
                 seq bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                tenant_id text NOT NULL,
+                intent_id uuid NOT NULL,
                 kind text NOT NULL,
                 at timestamptz NOT NULL,
                 txn_at timestamptz NOT NULL,
@@ -269,6 +289,8 @@ impl Cluster {
             LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $$
             DECLARE
                 k text := CASE WHEN TG_OP = 'DELETE' THEN OLD.kind ELSE NEW.kind END;
+                tenant text := CASE WHEN TG_OP = 'DELETE' THEN OLD.tenant_id ELSE NEW.tenant_id END;
+                intent uuid := CASE WHEN TG_OP = 'DELETE' THEN OLD.id ELSE NEW.id END;
                 before int := CASE WHEN TG_OP <> 'INSERT'
                                     AND OLD.state IN ('leased', 'submitted') THEN 1 ELSE 0 END;
                 after int := CASE WHEN TG_OP <> 'DELETE'
@@ -277,9 +299,11 @@ impl Cluster {
                     AND (TG_OP = 'INSERT' OR OLD.state <> 'leased'
                          OR OLD.lease_id IS DISTINCT FROM NEW.lease_id);
             BEGIN
-                IF k IN ('{c}', '{r}') AND (after <> before OR minted) THEN
-                    INSERT INTO faults.flow_log (kind, at, txn_at, txid, delta, minted, lease_id)
-                    VALUES (k, clock_timestamp(), now(), pg_current_xact_id()::text::bigint,
+                IF k IN ('{c}', '{r}', '{u}') AND (after <> before OR minted) THEN
+                    INSERT INTO faults.flow_log
+                        (tenant_id, intent_id, kind, at, txn_at, txid, delta, minted, lease_id)
+                    VALUES (tenant, intent, k, clock_timestamp(), now(),
+                            pg_current_xact_id()::text::bigint,
                             after - before, minted, CASE WHEN minted THEN NEW.lease_id END);
                 END IF;
                 RETURN NULL;
@@ -296,6 +320,7 @@ impl Cluster {
             "#,
             c = limits.concurrency_kind,
             r = limits.rate_kind,
+            u = crate::NOTICE_KIND,
             max = limits.max_in_flight,
             rate = limits.rate_per_second,
             burst = limits.burst,
@@ -459,7 +484,7 @@ impl Cluster {
         // As superuser: row-level security does not apply, every tenant's rows are read.
         let rows: Vec<IntentRow> = sqlx::query_as(
             r#"
-            SELECT id, state::text AS state, attempts, max_attempts,
+            SELECT id, tenant_id, kind, state::text AS state, attempts, max_attempts,
                    CASE WHEN txn_xid IS NOT NULL THEN pg_xact_status(txn_xid) END AS xact,
                    -- A direct ordered intent carries outboxd's own transaction as its
                    -- txn_xid: the producers' idempotency keys tell the two apart
@@ -471,12 +496,13 @@ impl Cluster {
                    txn_xid::text AS txn_xid, lease_id, last_error, ordering_key, order_seq,
                    (extract(epoch FROM created_at) * 1000000)::bigint AS created_us,
                    (extract(epoch FROM finished_at) * 1000000)::bigint AS finished_us,
-                   CASE WHEN ordering_key IS NOT NULL AND state <> 'discarded' THEN
+                   CASE WHEN (ordering_key IS NOT NULL OR kind = $1) AND state <> 'discarded' THEN
                        (extract(epoch FROM outbox.commit_time(txn_xid)) * 1000000)::bigint
                    END AS commit_us
             FROM outbox.all_intents
             "#,
         )
+        .bind(crate::NOTICE_KIND)
         .fetch_all(&self.admin)
         .await?;
         let links: Vec<(i64, Uuid)> =
@@ -505,7 +531,7 @@ impl Cluster {
         if let Some(limits) = self.limits {
             let changes = sqlx::query_as(
                 r#"
-                SELECT seq, kind,
+                SELECT seq, intent_id, kind,
                        (extract(epoch FROM at) * 1000000)::bigint AS at_us,
                        (extract(epoch FROM txn_at) * 1000000)::bigint AS txn_us,
                        txid, delta, minted, lease_id
@@ -527,8 +553,13 @@ impl Cluster {
     }
 }
 
-async fn create_key(pool: &PgPool, name: &str, scope: &str) -> anyhow::Result<String> {
-    let tenants = Some(vec![TENANT.to_owned()]);
+async fn create_key(
+    pool: &PgPool,
+    name: &str,
+    tenants: &[&str],
+    scope: &str,
+) -> anyhow::Result<String> {
+    let tenants = Some(tenants.iter().map(|t| (*t).to_owned()).collect());
     let (_, secret) =
         outboxd::auth::issue_key(pool, name, tenants, vec![scope.to_owned()], vec![]).await?;
     Ok(secret)

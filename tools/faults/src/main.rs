@@ -54,6 +54,10 @@ pub const IDEMPOTENT_KIND: &str = "fault.email";
 /// Kind of intents workers deliver to a non-idempotent target (MarkSubmitted first).
 pub const PAYMENT_KIND: &str = "fault.payment";
 
+/// Kind of intents workers deliver to an idempotent target, with no queue limit and no
+/// ordering key: how long they wait is the claim's fairness alone (`checker::fairness`).
+pub const NOTICE_KIND: &str = "fault.notice";
+
 #[derive(Debug, Parser)]
 #[command(
     name = "outboxd-faults",

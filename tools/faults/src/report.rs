@@ -231,6 +231,18 @@ impl Summary<'_> {
                     ),
                     None => "no limit set".to_owned(),
                 },
+                Guarantee::TenantFairness => match &c.fairness {
+                    Some(f) => format!(
+                        "{} intents claimable while {} of another tenant waited ({:.1} s): first leased p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms",
+                        f.checked,
+                        f.backlog,
+                        f.backlog_span_us as f64 / 1e6,
+                        f.p50_us as f64 / 1e3,
+                        f.p99_us as f64 / 1e3,
+                        f.max_us as f64 / 1e3
+                    ),
+                    None => "no backlog".to_owned(),
+                },
                 _ => String::new(),
             };
             table.row(&format!("  {}", g.label()), count(g).to_string(), note);

@@ -24,7 +24,7 @@ use crate::journal::{Event, Journal, now_us};
 use crate::rng::Rng;
 use crate::rpc::CALL_TIMEOUT;
 use crate::witness::Witness;
-use crate::{API_KEY_ENV, IDEMPOTENT_KIND, PAYMENT_KIND};
+use crate::{API_KEY_ENV, IDEMPOTENT_KIND, NOTICE_KIND, PAYMENT_KIND};
 
 /// How long a Claim long-polls.
 const CLAIM_WAIT: Duration = Duration::from_secs(1);
@@ -111,7 +111,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         .grace(GRACE)
         .replay_claims(replay_claims)
         .observer(witness);
-    for kind in [IDEMPOTENT_KIND, PAYMENT_KIND] {
+    for kind in [IDEMPOTENT_KIND, NOTICE_KIND, PAYMENT_KIND] {
         let target = target.clone();
         builder = builder.handler(kind, move |job: Job| {
             let target = target.clone();

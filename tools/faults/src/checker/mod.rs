@@ -19,9 +19,11 @@ use crate::faults::FaultRecord;
 use crate::journal::{self, Event};
 use crate::processes::UnexpectedExit;
 
+pub use fairness::FairnessFigures;
 pub use limits::{InFlightFigures, RateFigures};
 
 mod duplicates;
+mod fairness;
 mod leases;
 mod limits;
 mod ordering;
@@ -64,11 +66,13 @@ pub enum Guarantee {
     ConcurrencyLimit,
     /// More leases of a queue in a window than its `burst + rate × W`.
     RateLimit,
+    /// An intent of the run's tenant first leased after another tenant's older backlog.
+    TenantFairness,
 }
 
 impl Guarantee {
     /// Every guarantee, in report order.
-    pub const ALL: [Guarantee; 13] = [
+    pub const ALL: [Guarantee; 14] = [
         Self::NoneLost,
         Self::AbortedNeverClaimed,
         Self::NoOverlappingLeases,
@@ -82,6 +86,7 @@ impl Guarantee {
         Self::OkCommittedOnArrival,
         Self::ConcurrencyLimit,
         Self::RateLimit,
+        Self::TenantFairness,
     ];
 
     /// Row label in the report.
@@ -100,6 +105,7 @@ impl Guarantee {
             Self::OkCommittedOnArrival => "OKs not committed when answered",
             Self::ConcurrencyLimit => "times a queue's concurrency limit was exceeded",
             Self::RateLimit => "windows over a queue's rate limit",
+            Self::TenantFairness => "intents served after another tenant's older backlog",
         }
     }
 }
@@ -225,6 +231,8 @@ pub struct Counts {
     pub in_flight: Option<InFlightFigures>,
     /// The rate-limited queue, per the database's log.
     pub rate: Option<RateFigures>,
+    /// The run's tenant beside another's backlog, per the database's log.
+    pub fairness: Option<FairnessFigures>,
 }
 
 /// The outcome of the checks.
@@ -297,6 +305,7 @@ pub fn check(
     ordering::check_ordering(snapshot, observations, &leases, &mut verdict);
     check_read_backs(observations, &mut verdict);
     limits::check_limits(snapshot, observations, &mut verdict);
+    fairness::check_fairness(snapshot, faults, &mut verdict);
     verdict
 }
 

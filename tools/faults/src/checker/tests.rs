@@ -60,6 +60,8 @@ impl World {
 fn row(id: Uuid, state: &str, xact: Option<&str>, lease: Option<Uuid>) -> IntentRow {
     IntentRow {
         id,
+        tenant_id: crate::cluster::TENANT.into(),
+        kind: crate::IDEMPOTENT_KIND.into(),
         state: state.into(),
         attempts: 1,
         max_attempts: 8,
@@ -602,6 +604,7 @@ impl FlowWorld {
         let flow = self.snapshot.flow.as_mut().unwrap();
         flow.changes.push(crate::cluster::FlowChange {
             seq: self.seq,
+            intent_id: Uuid::now_v7(),
             kind: kind.into(),
             at_us: at_ms * MS,
             txn_us: txn_ms * MS,
@@ -747,4 +750,141 @@ fn windows_are_measured_from_each_distinct_lease_time() {
     assert!((windows[0].excess - 1.5).abs() < 1e-9, "{:?}", windows[0]);
     assert!(windows[1].excess <= 0.0 && windows[2].excess <= 0.0);
     assert_eq!(limits::most_within(&times, SECOND), 4);
+}
+
+// Tenant fairness, from the database's flow log (`fairness.rs`).
+
+/// A backlog of 100 intents of the other tenant first leased one every 100 ms from 0 to
+/// 9.9 s, and an intent of the run's tenant claimable every 200 ms from 0, each leased
+/// 30 ms later.
+fn fair_run() -> (FlowWorld, Vec<Uuid>) {
+    let mut w = FlowWorld::new();
+    for i in 0..100 {
+        fairness_intent(
+            &mut w,
+            crate::cluster::BACKLOG_TENANT,
+            -SECOND,
+            Some(i * 100),
+        );
+    }
+    let ours = (0..50)
+        .map(|i| {
+            fairness_intent(
+                &mut w,
+                crate::cluster::TENANT,
+                i * 200 * MS,
+                Some(i * 200 + 30),
+            )
+        })
+        .collect();
+    (w, ours)
+}
+
+/// An unlimited-kind intent of `tenant`, directly enqueued at `created_us` and first
+/// leased at `leased_ms` (logged by the database), or never.
+fn fairness_intent(
+    w: &mut FlowWorld,
+    tenant: &str,
+    created_us: i64,
+    leased_ms: Option<i64>,
+) -> Uuid {
+    let id = Uuid::now_v7();
+    let mut intent = row(id, "delivered", None, None);
+    intent.tenant_id = tenant.into();
+    intent.kind = crate::NOTICE_KIND.into();
+    intent.created_us = created_us;
+    w.snapshot.intents.insert(id, intent);
+    if let Some(at) = leased_ms {
+        w.seq += 1;
+        let flow = w.snapshot.flow.as_mut().unwrap();
+        flow.changes.push(crate::cluster::FlowChange {
+            seq: w.seq,
+            intent_id: id,
+            kind: crate::NOTICE_KIND.into(),
+            at_us: at * MS,
+            txn_us: at * MS,
+            txid: w.seq,
+            delta: 0,
+            minted: true,
+            lease_id: Some(Uuid::new_v4()),
+        });
+    }
+    id
+}
+
+fn fairness_only(v: &Verdict) -> Vec<&Violation> {
+    v.violations
+        .iter()
+        .filter(|x| x.guarantee == Guarantee::TenantFairness)
+        .collect()
+}
+
+#[test]
+fn intents_leased_while_another_tenants_backlog_lasts_are_fair() {
+    let (w, _) = fair_run();
+    let v = w.check();
+    assert!(fairness_only(&v).is_empty(), "{:?}", v.violations);
+    let f = v.counts.fairness.unwrap();
+    // Claimable at 0, 0.2 … 4.8 s: at least 5 s before the backlog's end at 9.9 s.
+    assert_eq!((f.backlog, f.checked), (100, 25));
+    assert_eq!((f.p50_us, f.max_us), (30 * MS, 30 * MS));
+    assert_eq!(f.backlog_span_us, 9_900 * MS);
+}
+
+#[test]
+fn an_intent_served_after_the_whole_backlog_is_unfair() {
+    let (mut w, _) = fair_run();
+    let late = fairness_intent(&mut w, crate::cluster::TENANT, 2 * SECOND, Some(10_000));
+    let never = fairness_intent(&mut w, crate::cluster::TENANT, 3 * SECOND, None);
+    // Claimable 4 s before the end and leased after it: within the slack, not checked.
+    fairness_intent(&mut w, crate::cluster::TENANT, 6 * SECOND, Some(10_000));
+    let v = w.check();
+    let mut flagged: Vec<_> = fairness_only(&v).iter().map(|x| x.intent).collect();
+    flagged.sort();
+    let mut expected = vec![Some(late), Some(never)];
+    expected.sort();
+    assert_eq!(flagged, expected, "{:?}", v.violations);
+}
+
+#[test]
+fn time_postgresql_was_down_does_not_count_towards_the_slack() {
+    let (mut w, _) = fair_run();
+    // Claimable 5.3 s before the end, PostgreSQL down for 0.5 s of them, leased after the
+    // end: 4.8 s of service, not checked.
+    fairness_intent(&mut w, crate::cluster::TENANT, 4_600 * MS, Some(10_000));
+    let crash = FaultRecord {
+        kind: FaultKind::PostgresCrash,
+        target: "postgres".into(),
+        start: 9 * SECOND,
+        end: 9_500 * MS,
+        detail: String::new(),
+    };
+    let v = check(&w.snapshot, &w.observations, &[crash], &[]);
+    assert!(fairness_only(&v).is_empty(), "{:?}", v.violations);
+    assert!(!fairness_only(&w.check()).is_empty());
+}
+
+#[test]
+fn a_backlog_too_short_to_show_fairness_fails_the_check() {
+    let mut w = FlowWorld::new();
+    for i in 0..10 {
+        fairness_intent(
+            &mut w,
+            crate::cluster::BACKLOG_TENANT,
+            -SECOND,
+            Some(i * 100),
+        );
+    }
+    for i in 0..50 {
+        fairness_intent(
+            &mut w,
+            crate::cluster::TENANT,
+            i * 200 * MS,
+            Some(i * 200 + 30),
+        );
+    }
+    let v = w.check();
+    let unfair = fairness_only(&v);
+    assert_eq!(unfair.len(), 1, "{:?}", v.violations);
+    assert!(unfair[0].detail.contains("too few"), "{}", unfair[0].detail);
 }

@@ -61,6 +61,10 @@ pub struct RunArgs {
     /// Ordering keys the producers share; half their intents take one (0: unordered only).
     #[arg(long, default_value_t = 32)]
     pub ordering_keys: u64,
+    /// Intents of a second tenant enqueued before the load starts: the backlog the
+    /// producers' tenant must not wait behind (0: no fairness check).
+    #[arg(long, default_value_t = 4000)]
+    pub backlog: u64,
     /// A fault kind not to inject (repeatable), to isolate a failure.
     #[arg(long, value_enum, value_name = "KIND")]
     pub without: Vec<FaultKind>,
@@ -78,6 +82,7 @@ pub struct RunArgs {
     pub keep: bool,
 }
 
+mod backlog;
 mod inject;
 mod operator;
 
@@ -199,6 +204,18 @@ impl Suite {
                 .await
                 .with_context(|| format!("replica on port {} never served", r.port))?;
         }
+        let direct: Vec<String> = replicas
+            .iter()
+            .map(|r| format!("127.0.0.1:{}", r.port))
+            .collect();
+        backlog::seed(
+            &direct,
+            &cluster.keys.backlog,
+            args.backlog,
+            &dir.join("producers/backlog.jsonl"),
+        )
+        .await
+        .context("enqueueing the backlog")?;
         let proxied: Vec<String> = replicas
             .iter()
             .map(|r| r.proxy.listen.to_string())

@@ -23,7 +23,7 @@ use uuid::Uuid;
 
 use crate::journal::{Event, Journal, now_us};
 use crate::rng::Rng;
-use crate::rpc::{CALL_TIMEOUT, Rpc, request};
+use crate::rpc::{CALL_TIMEOUT, Called, Rpc, request};
 use crate::{API_KEY_ENV, IDEMPOTENT_KIND, NOTICE_KIND, PAYMENT_KIND};
 
 /// Retry budget of an Enqueue inside an open transaction: long enough to ride out a killed
@@ -322,23 +322,28 @@ impl Producer {
             })
             .await;
         match called {
-            Ok(called) => self.journal.log(&Event::DirectEnqueued {
-                t: now_us(),
-                intents: called
-                    .value
-                    .results
-                    .iter()
-                    .filter_map(|r| r.id.parse().ok())
-                    .collect(),
-                tries: called.tries,
-                deduplicated: deduplicated(&called.value),
-            }),
+            Ok(called) => self.journal.log(&direct_enqueued(&called)),
             Err(e) => self.journal.log(&Event::DirectUnknown {
                 t: now_us(),
                 keys,
                 error: e.describe(),
             }),
         }
+    }
+}
+
+/// The journal's record of a direct Enqueue answered OK.
+pub fn direct_enqueued(called: &Called<v1::EnqueueResponse>) -> Event {
+    Event::DirectEnqueued {
+        t: now_us(),
+        intents: called
+            .value
+            .results
+            .iter()
+            .filter_map(|r| r.id.parse().ok())
+            .collect(),
+        tries: called.tries,
+        deduplicated: deduplicated(&called.value),
     }
 }
 

@@ -8,8 +8,8 @@ use std::time::Duration;
 use outboxd::proto::v1;
 
 use crate::NOTICE_KIND;
-use crate::journal::{Event, Journal, now_us};
-use crate::producer::deduplicated;
+use crate::journal::Journal;
+use crate::producer::direct_enqueued;
 use crate::rpc::{CALL_TIMEOUT, Rpc, request};
 
 /// Intents per Enqueue.
@@ -49,17 +49,7 @@ pub async fn seed(
             })
             .await
             .map_err(|e| anyhow::anyhow!(e.describe()))?;
-        journal.log(&Event::DirectEnqueued {
-            t: now_us(),
-            intents: called
-                .value
-                .results
-                .iter()
-                .filter_map(|r| r.id.parse().ok())
-                .collect(),
-            tries: called.tries,
-            deduplicated: deduplicated(&called.value),
-        });
+        journal.log(&direct_enqueued(&called));
         enqueued += batch;
     }
     Ok(())

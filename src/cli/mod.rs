@@ -26,7 +26,8 @@ use crate::config::{self, Settings};
 #[derive(Debug, Parser)]
 #[command(version, after_help = variables_help())]
 pub struct Cli {
-    /// Set a configuration variable, overriding the environment: `--set LISTEN_ADDR=127.0.0.1:50052`
+    /// Set a server configuration variable (serve, migrate, keys), overriding the
+    /// environment: `--set LISTEN_ADDR=127.0.0.1:50052`
     /// (the `OUTBOX_` prefix is optional). Repeatable.
     #[arg(long = "set", value_name = "NAME=VALUE", global = true)]
     pub overrides: Vec<String>,
@@ -299,9 +300,12 @@ pub enum IntentsCommand {
     Key {
         /// The ordering key.
         key: String,
-        /// Most intents.
+        /// Most WAITING intents to list.
         #[arg(long, default_value_t = 50)]
         limit: i32,
+        /// List the WAITING intents after this page token.
+        #[arg(long, default_value = "")]
+        page_token: String,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -443,6 +447,12 @@ async fn dispatch(command: Command, overrides: &[String]) -> anyhow::Result<()> 
         Command::Serve => server::serve(load_settings(overrides)?).await,
         Command::Migrate => server::migrate(load_settings(overrides)?).await,
         Command::Keys { command } => keys::run(load_settings(overrides)?, command).await,
+        // Client commands take their server and key from their own flags; a --set would
+        // be silently ignored.
+        _ if !overrides.is_empty() => anyhow::bail!(
+            "--set sets the server's variables (serve, migrate, keys); this command takes \
+             --server, --api-key, --tenant and --ca-file (or OUTBOX_SERVER, OUTBOX_API_KEY, …)"
+        ),
         other => operator::run(other).await,
     }
 }

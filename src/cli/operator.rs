@@ -194,31 +194,55 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
             print_list(&client, &response.into_inner(), || {})
         }
         Command::Intents {
-            command: IntentsCommand::Key { key, limit, client },
+            command:
+                IntentsCommand::Key {
+                    key,
+                    limit,
+                    page_token,
+                    client,
+                },
         } => {
-            let request = v1::ListIntentsRequest {
-                states: IntentState::ALL
+            let mut service = connect(&client).await?;
+            // Its live intents that are not WAITING (the first, and dead letters given up),
+            // whatever their number; then one page of those WAITING behind them.
+            let mut heads = Vec::new();
+            let mut token = String::new();
+            loop {
+                let request = v1::ListIntentsRequest {
+                    states: [
+                        IntentState::Staged,
+                        IntentState::Pending,
+                        IntentState::Leased,
+                        IntentState::Submitted,
+                        IntentState::NeedsReconcile,
+                        IntentState::DeadLettered,
+                    ]
                     .into_iter()
-                    .filter(|s| {
-                        !matches!(
-                            s,
-                            IntentState::Delivered
-                                | IntentState::Discarded
-                                | IntentState::Cancelled
-                        )
-                    })
                     .map(|s| v1::IntentState::from(s) as i32)
                     .collect(),
+                    ordering_key: key.clone(),
+                    page_token: token,
+                    ..Default::default()
+                };
+                let page = service.list_intents(request).await?.into_inner();
+                heads.extend(page.intents);
+                token = page.next_page_token;
+                if token.is_empty() {
+                    break;
+                }
+            }
+            let request = v1::ListIntentsRequest {
+                states: vec![v1::IntentState::Waiting as i32],
                 ordering_key: key,
                 page_size: limit,
+                page_token,
                 ..Default::default()
             };
-            let mut service = connect(&client).await?;
-            let response = service.list_intents(request).await?.into_inner();
+            let waiting = service.list_intents(request).await?.into_inner();
             // A DEAD_LETTERED intent given up by an operator (DEAD) no longer holds its
             // key; only its resolutions tell it from one that does.
             let mut given_up = HashSet::new();
-            for intent in &response.intents {
+            for intent in &heads {
                 if intent.state != v1::IntentState::DeadLettered as i32 {
                     continue;
                 }
@@ -234,9 +258,13 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                     given_up.insert(intent.id.clone());
                 }
             }
-            print_list(&client, &response, || {
-                println!("{}", why_key_waits(&response.intents, &given_up))
-            })
+            let more = !waiting.next_page_token.is_empty();
+            let summary = why_key_waits(&heads, waiting.intents.len(), more, &given_up);
+            let response = v1::ListIntentsResponse {
+                intents: heads.into_iter().chain(waiting.intents).collect(),
+                next_page_token: waiting.next_page_token,
+            };
+            print_list(&client, &response, || println!("{summary}"))
         }
         Command::Intents {
             command: IntentsCommand::Get { id, client },
@@ -461,18 +489,25 @@ fn print_list(
     )
 }
 
-/// Why an ordering key's later intents wait, from its live intents: what its first intent
-/// is doing. The intents of `given_up` (DEAD_LETTERED, given up by an operator's DEAD) no
-/// longer hold the key.
-fn why_key_waits(intents: &[v1::Intent], given_up: &HashSet<String>) -> String {
+/// Why an ordering key's later intents wait, from its live intents that are not WAITING
+/// (`heads`) and how many WAITING ones were listed (`more`: the list went on): what its
+/// first intent is doing. The intents of `given_up` (DEAD_LETTERED, given up by an
+/// operator's DEAD) no longer hold the key.
+fn why_key_waits(
+    heads: &[v1::Intent],
+    waiting: usize,
+    more: bool,
+    given_up: &HashSet<String>,
+) -> String {
     use v1::IntentState as S;
     let state = |i: &v1::Intent| S::try_from(i.state).unwrap_or(S::Unspecified);
-    let waiting = intents.iter().filter(|i| state(i) == S::Waiting).count();
-    let head = intents
-        .iter()
-        .find(|i| state(i) != S::Waiting && !given_up.contains(&i.id));
-    let Some(head) = head else {
-        return if waiting == 0 {
+    let waiting = if more {
+        format!("more than {waiting}")
+    } else {
+        waiting.to_string()
+    };
+    let Some(head) = heads.iter().find(|i| !given_up.contains(&i.id)) else {
+        return if waiting == "0" {
             "nothing live under this key".to_owned()
         } else {
             format!(

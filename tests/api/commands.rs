@@ -1,6 +1,7 @@
 //! The `outboxd` commands a deployment runs as Jobs (charts/outboxd): `migrate` with the
 //! owner's and the service's URLs, and `keys create --secret-from-env`, each run as the
-//! real binary against a real PostgreSQL, as the chart's Jobs run them.
+//! real binary against a real PostgreSQL, as the chart's Jobs run them; and the client
+//! commands' flags.
 
 use std::process::Output;
 
@@ -158,4 +159,38 @@ async fn keys_create_from_an_environment_variable_stores_that_key_once_for_the_s
         .get_queue_stats(v1::GetQueueStatsRequest {})
         .await
         .expect("the server accepts the stored key");
+}
+
+#[tokio::test]
+async fn a_client_command_refuses_set_instead_of_ignoring_it() {
+    let app = TestApp::spawn().await;
+    let key = app.key(&["acme"], &["produce"], &[]).await;
+    let server = format!("http://{}", app.addr);
+    let env = [
+        ("OUTBOX_SERVER", server.as_str()),
+        ("OUTBOX_API_KEY", key.as_str()),
+    ];
+    let args = ["enqueue", "--kind", "email.send", "--payload", "{}"];
+
+    let with_set: Vec<&str> = args
+        .iter()
+        .copied()
+        .chain(["--set", "LISTEN_ADDR=x"])
+        .collect();
+    let refused = outboxd(&with_set, &env).await;
+    assert!(!refused.status.success(), "{}", text(&refused));
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("--set sets the server's variables"),
+        "{}",
+        text(&refused)
+    );
+    let written: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.intent")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(written, 0);
+
+    // The same command without it runs.
+    let enqueued = outboxd(&args, &env).await;
+    assert!(enqueued.status.success(), "{}", text(&enqueued));
 }

@@ -524,6 +524,37 @@ async fn the_cli_enqueues_with_an_ordering_key_and_shows_why_a_key_waits() {
 }
 
 #[tokio::test]
+async fn the_cli_names_a_keys_first_intent_behind_pages_of_waiting_ones() {
+    let app = TestApp::spawn().await;
+    let key = app.key(&[TENANT], &["admin"], &[]).await;
+    let ids = app
+        .enqueue_ids(vec![
+            ordered("k", "1"),
+            ordered("k", "2"),
+            ordered("k", "3"),
+        ])
+        .await;
+    let leases = app.claim_n("w", 10).await;
+    app.fail(&leases[0], FailOutcome::Permanent).await;
+
+    let out = cli(&app, &key, &["intents", "key", "k", "--limit", "1"]).await;
+    let first = format!("first: {} DEAD_LETTERED: blocks the key", ids[0]);
+    assert!(out.contains(&first), "{out}");
+    assert!(out.contains("more than 1 waiting behind it"), "{out}");
+    assert!(out.contains(&ids[1]) && !out.contains(&ids[2]), "{out}");
+    let token = out
+        .lines()
+        .find_map(|l| l.strip_prefix("more: --page-token "))
+        .unwrap_or_else(|| panic!("no page token: {out}"));
+
+    let args = ["intents", "key", "k", "--limit", "1", "--page-token", token];
+    let out = cli(&app, &key, &args).await;
+    assert!(out.contains(&first), "{out}");
+    assert!(out.contains("1 waiting behind it"), "{out}");
+    assert!(out.contains(&ids[2]) && !out.contains(&ids[1]), "{out}");
+}
+
+#[tokio::test]
 async fn a_long_polling_claim_gets_the_next_intent_of_a_key_as_soon_as_its_head_is_acked() {
     let app = TestApp::spawn().await;
     let ids = app

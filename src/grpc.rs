@@ -704,14 +704,10 @@ impl OutboxHandler {
         request: Request<v1::ListQueuePoliciesRequest>,
     ) -> RpcResult<v1::ListQueuePoliciesResponse> {
         let (_, scope) = self.access(&request, Permission::Operate).await?;
-        let kind = request.into_inner().kind;
+        let kind = validate::queue_policies(request.into_inner(), &self.limits)?;
         let mut tx = store::begin(&self.pools, &scope).await?;
-        let policies = store::list_queue_policies(
-            &mut tx,
-            (!kind.is_empty()).then_some(kind.as_str()),
-            self.clock.now(),
-        )
-        .await?;
+        let policies =
+            store::list_queue_policies(&mut tx, kind.as_deref(), self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(v1::ListQueuePoliciesResponse {
             policies: policies.into_iter().map(Into::into).collect(),

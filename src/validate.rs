@@ -884,6 +884,19 @@ const MAX_RATE_PER_SECOND: f64 = 1_000_000.0;
 /// token would be further away than any wait is measured in.
 const MIN_RATE_PER_SECOND: f64 = 1.0 / 86_400.0;
 
+/// Validates a ListQueuePolicies request: the kind to list (None: every kind).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when the kind is not a valid name.
+pub fn queue_policies(
+    req: v1::ListQueuePoliciesRequest,
+    limits: &Limits,
+) -> Result<Option<String>> {
+    let mut c = Check::default();
+    c.name("kind", &req.kind, false, limits.max_name_length);
+    c.done((!req.kind.is_empty()).then_some(req.kind))
+}
+
 /// Validates a SetQueuePolicy request.
 ///
 /// # Errors

@@ -623,6 +623,18 @@ async fn bad_policies_are_refused_and_change_nothing() {
         .await
         .unwrap_err();
     assert_status(&status, Code::PermissionDenied, "REGION_NOT_ALLOWED", &[]);
+    for kind in ["bad\u{1}kind".to_owned(), "k".repeat(300)] {
+        let status = client
+            .list_queue_policies(v1::ListQueuePoliciesRequest { kind })
+            .await
+            .unwrap_err();
+        assert_status(
+            &status,
+            Code::InvalidArgument,
+            "INVALID_ARGUMENT",
+            &["kind"],
+        );
+    }
     let count: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.queue_policy_change")
         .fetch_one(&app.pool)
         .await

@@ -1256,8 +1256,9 @@ export type GetQueueStatsResponse = Message<"outbox.v1.GetQueueStatsResponse"> &
 
   /**
    * Since when the longest-waiting claimable PENDING intent has been claimable: its
-   * available_at (its enqueue time unless it was delayed or is waiting out a retry's
-   * backoff); unset if none.
+   * available_at (its enqueue time, its producer's commit for a two-phase intent, the
+   * time its ordering key came to it, a REQUEUE's time, the end of a delay or of a
+   * retry's backoff); unset if none.
    *
    * @generated from field: google.protobuf.Timestamp oldest_pending_at = 2;
    */
@@ -1271,7 +1272,8 @@ export type GetQueueStatsResponse = Message<"outbox.v1.GetQueueStatsResponse"> &
   oldestStagedAt?: Timestamp | undefined;
 
   /**
-   * Intents awaiting an operator: NEEDS_RECONCILE plus DEAD_LETTERED.
+   * Intents awaiting an operator: NEEDS_RECONCILE plus DEAD_LETTERED, less the ordered
+   * dead letters already given up with DECISION_DEAD (counted DEAD_LETTERED above).
    *
    * @generated from field: int64 reconcile_backlog = 4;
    */
@@ -1670,7 +1672,9 @@ export enum Decision {
   DELIVERED = 1,
 
   /**
-   * Deliver again: the intent becomes PENDING with its attempts reset (redrive).
+   * Deliver again: the intent becomes PENDING with its attempts reset (redrive); the first
+   * intent of an ordering key becomes WAITING instead while a producer transaction that
+   * enqueued to its key is still open, and PENDING when that ends.
    *
    * @generated from enum value: DECISION_REQUEUE = 2;
    */
@@ -1705,8 +1709,8 @@ export const DecisionSchema: GenEnum<Decision> = /*@__PURE__*/
  * workers, who perform the side effect and report its outcome.
  *
  * Errors carry a google.rpc.ErrorInfo with a stable reason (domain "outboxd") and, for
- * invalid input, a google.rpc.BadRequest naming the offending fields (the first 32, then
- * how many more). Batch calls that
+ * invalid input, a google.rpc.BadRequest naming the offending fields (the first 32, fewer
+ * when their descriptions would pass 4 KiB, then how many more). Batch calls that
  * act on leases answer per item: one lost lease does not fail its neighbours.
  *
  * @generated from service outbox.v1.OutboxService

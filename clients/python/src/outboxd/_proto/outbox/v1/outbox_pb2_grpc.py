@@ -30,8 +30,8 @@ class OutboxServiceStub(object):
     workers, who perform the side effect and report its outcome.
 
     Errors carry a google.rpc.ErrorInfo with a stable reason (domain "outboxd") and, for
-    invalid input, a google.rpc.BadRequest naming the offending fields (the first 32, then
-    how many more). Batch calls that
+    invalid input, a google.rpc.BadRequest naming the offending fields (the first 32, fewer
+    when their descriptions would pass 4 KiB, then how many more). Batch calls that
     act on leases answer per item: one lost lease does not fail its neighbours.
     """
 
@@ -108,8 +108,8 @@ class OutboxServiceServicer(object):
     workers, who perform the side effect and report its outcome.
 
     Errors carry a google.rpc.ErrorInfo with a stable reason (domain "outboxd") and, for
-    invalid input, a google.rpc.BadRequest naming the offending fields (the first 32, then
-    how many more). Batch calls that
+    invalid input, a google.rpc.BadRequest naming the offending fields (the first 32, fewer
+    when their descriptions would pass 4 KiB, then how many more). Batch calls that
     act on leases answer per item: one lost lease does not fail its neighbours.
     """
 
@@ -285,8 +285,8 @@ class OutboxService(object):
     workers, who perform the side effect and report its outcome.
 
     Errors carry a google.rpc.ErrorInfo with a stable reason (domain "outboxd") and, for
-    invalid input, a google.rpc.BadRequest naming the offending fields (the first 32, then
-    how many more). Batch calls that
+    invalid input, a google.rpc.BadRequest naming the offending fields (the first 32, fewer
+    when their descriptions would pass 4 KiB, then how many more). Batch calls that
     act on leases answer per item: one lost lease does not fail its neighbours.
     """
 

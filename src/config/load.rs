@@ -522,6 +522,15 @@ mod tests {
         assert!(Settings::from_vars(vars(&tls)).unwrap().tls.is_some());
         let half = [("OUTBOX_TLS__CERT_FILE", "/tls/tls.crt")];
         assert!(Settings::from_vars(vars(&half)).is_err());
+
+        // The console's sign-in form carries API keys: the same rule.
+        let console = [("OUTBOX_CONSOLE__LISTEN_ADDR", "0.0.0.0:8080")];
+        let refused = Settings::from_vars(vars(&console)).unwrap_err().to_string();
+        assert!(refused.contains("OUTBOX_CONSOLE__LISTEN_ADDR"), "{refused}");
+        let opted_in = [console[0], ("OUTBOX_ALLOW_PLAINTEXT", "true")];
+        assert!(Settings::from_vars(vars(&opted_in)).is_ok());
+        let local = [("OUTBOX_CONSOLE__LISTEN_ADDR", "127.0.0.1:8080")];
+        assert!(Settings::from_vars(vars(&local)).is_ok());
     }
 
     #[test]

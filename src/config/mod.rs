@@ -430,6 +430,11 @@ impl Settings {
         }
         let names = 1..=Limits::NAME_LENGTH_CEILING;
         let exposed = !self.listen_addr.ip().is_loopback();
+        // The console's sign-in form posts API keys: the same rule as gRPC's.
+        let console_exposed = self
+            .console
+            .listen_addr
+            .is_some_and(|addr| !addr.ip().is_loopback());
         let others = [
             (
                 l.max_message_bytes >= l.max_payload_bytes,
@@ -463,6 +468,12 @@ impl Settings {
             (
                 self.tls.is_some() || self.allow_plaintext || !exposed,
                 "OUTBOX_LISTEN_ADDR is not a loopback address: configure TLS \
+                 (OUTBOX_TLS__CERT_FILE, OUTBOX_TLS__KEY_FILE) or set \
+                 OUTBOX_ALLOW_PLAINTEXT=true to serve plaintext",
+            ),
+            (
+                self.tls.is_some() || self.allow_plaintext || !console_exposed,
+                "OUTBOX_CONSOLE__LISTEN_ADDR is not a loopback address: configure TLS \
                  (OUTBOX_TLS__CERT_FILE, OUTBOX_TLS__KEY_FILE) or set \
                  OUTBOX_ALLOW_PLAINTEXT=true to serve plaintext",
             ),

@@ -289,9 +289,12 @@ pub(super) async fn one(
     };
     let mut headers: Vec<(String, String)> = intent.headers.clone().into_iter().collect();
     headers.sort();
+    // The list cuts the last error; its own page shows it whole.
+    let mut row = Row::of(&intent);
+    row.last_error.clone_from(&intent.last_error);
     let page = IntentPage {
         chrome: session.chrome("intents"),
-        row: Row::of(&intent),
+        row,
         priority: intent.priority,
         content_type: intent.content_type.clone(),
         idempotency_key: intent.idempotency_key.clone(),

@@ -597,3 +597,27 @@ async fn an_intent_is_found_by_its_id_or_idempotency_key_and_listed_by_filter() 
     assert!(browser.text("h1").await.contains("400"));
     browser.close().await;
 }
+
+#[tokio::test]
+async fn an_intents_page_shows_its_whole_last_error() {
+    let app = console_app().await;
+    app.enqueue_n("charge", 1).await;
+    let leases = app.claim_n("worker-7", 1).await;
+    // Longer than the 300 characters a list shows.
+    let error = "card declined by the issuer; ".repeat(30);
+    app.fail_with(v1::Failure {
+        lease: Some(crate::helpers::lease_ref(&leases[0])),
+        outcome: FailOutcome::Permanent as i32,
+        error: error.clone(),
+        ..Default::default()
+    })
+    .await;
+    let key = crate::helpers::create_key(&app.pool, "alice", &["acme"], &["operate"], &[]).await;
+    let browser = Browser::open(app.console_addr.unwrap()).await;
+    browser.sign_in(&key).await;
+    browser
+        .goto(&format!("/intents/{}", id_of(&leases[0])))
+        .await;
+    assert_eq!(browser.text("#last-error").await.trim(), error.trim());
+    browser.close().await;
+}

@@ -9,7 +9,7 @@ from typing import Callable
 import psycopg
 import pytest
 from conftest import Running, list_intents, state, wait_state
-from harness import Stack, wait_for
+from harness import Stack, free_port, wait_for
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
@@ -261,3 +261,17 @@ def test_higher_priorities_are_claimed_first_and_handlers_see_the_priority(
         outbox.enqueue_direct(k, "f", priority=11)
     assert invalid.value.reason == "INVALID_ARGUMENT"
     assert "intents[0].priority" in invalid.value.message
+
+
+def test_an_unkeyed_enqueue_is_not_retried_but_the_next_call_goes_to_the_next_endpoint(
+    stack: Stack, kind: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    k = kind("failover")
+    # Start on the first endpoint (normally a random one), where nothing listens.
+    monkeypatch.setattr("outboxd._rpc.random.randrange", lambda n: 0)
+    with Outbox([f"127.0.0.1:{free_port()}", stack.endpoints[0]], stack.api_key) as failover:
+        with pytest.raises(outboxd.OutboxError) as refused:
+            failover.enqueue_direct(k, b"x")
+        assert refused.value.code.name == "UNAVAILABLE"
+        served = failover.enqueue_direct(k, b"y")
+    assert served.state == "PENDING"

@@ -205,7 +205,7 @@ def test_handler_outcomes_map_to_ack_retry_dead_letter_and_reconcile(
         wait_state(outbox, ids["ok"], "DELIVERED")
         wait_state(outbox, ids["retry"], "DELIVERED")
         wait_state(outbox, ids["boom"], "DELIVERED")
-        assert "bad address" in wait_state(outbox, ids["permanent"], "DEAD_LETTERED").last_error
+        assert wait_state(outbox, ids["permanent"], "DEAD_LETTERED").last_error == "bad address"
         assert "PSP timed out" in wait_state(outbox, ids["submit_boom"], "NEEDS_RECONCILE").last_error
         wait_state(outbox, ids["async"], "DELIVERED")
         orphan = wait_state(outbox, ids["orphan"], "DEAD_LETTERED")

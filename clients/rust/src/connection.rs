@@ -101,6 +101,7 @@ pub struct CallOptions {
     attempt_timeout: Duration,
     budget: Duration,
     retry: Retry,
+    bounded: bool,
 }
 
 impl CallOptions {
@@ -111,6 +112,7 @@ impl CallOptions {
             attempt_timeout,
             budget: attempt_timeout,
             retry: Retry::Transient,
+            bounded: false,
         }
     }
 
@@ -118,6 +120,13 @@ impl CallOptions {
     /// starts after it; the last error is returned).
     pub fn budget(mut self, budget: Duration) -> Self {
         self.budget = budget;
+        self
+    }
+
+    /// A retry's deadline ends with the budget too, so that the budget bounds the whole
+    /// call (not for a long poll, whose retry must wait as long as its first attempt).
+    pub fn bounded(mut self) -> Self {
+        self.bounded = true;
         self
     }
 
@@ -220,13 +229,25 @@ impl ConnectionBuilder {
                     "outboxd: {endpoint} needs TLS: enable the crate's `tls` feature"
                 )));
             }
+            #[cfg(feature = "tls")]
+            let https = uri.starts_with("https://");
             let mut channel = Endpoint::from_shared(uri)
                 .map_err(|e| Error::Invalid(format!("outboxd: endpoint {endpoint}: {e}")))?
                 .connect_timeout(self.connect_timeout)
                 .tcp_nodelay(true);
             #[cfg(feature = "tls")]
-            if let Some(tls) = &self.tls {
-                channel = channel.tls_config(tls.clone())?;
+            {
+                // `from_shared` sets up no TLS of its own, even for https.
+                let tls = match &self.tls {
+                    Some(tls) => Some(tls.clone()),
+                    None if https => {
+                        Some(tonic::transport::ClientTlsConfig::new().with_enabled_roots())
+                    }
+                    None => None,
+                };
+                if let Some(tls) = tls {
+                    channel = channel.tls_config(tls)?;
+                }
             }
             channels.push(channel.connect_lazy());
         }
@@ -359,23 +380,31 @@ impl Connection {
     {
         let started = Instant::now();
         let mut backoff = Backoff::default();
+        let mut first = true;
         loop {
             let index = self.inner.current.load(Ordering::Relaxed) % self.inner.channels.len();
-            let client = self.client_at(index, options.attempt_timeout);
+            let timeout = if first || !options.bounded {
+                options.attempt_timeout
+            } else {
+                let left = options.budget.saturating_sub(started.elapsed());
+                options
+                    .attempt_timeout
+                    .min(left)
+                    .max(Duration::from_millis(1))
+            };
+            first = false;
+            let client = self.client_at(index, timeout);
             attempts.begin(index);
             let sent = Instant::now();
             // tonic enforces the grpc-timeout it sends; this is the backstop for an answer
             // whose headers came but whose body never does.
-            let backstop = options.attempt_timeout + Duration::from_secs(1);
+            let backstop = timeout + Duration::from_secs(1);
             let answer = tokio::time::timeout(backstop, attempt(client)).await;
             attempts.last_took = sent.elapsed();
             let status = match answer {
                 Ok(Ok(response)) => return Ok(response.into_inner()),
-                Ok(Err(status)) => local_deadline(status, options.attempt_timeout),
-                Err(_) => Status::deadline_exceeded(format!(
-                    "no answer within {:?}",
-                    options.attempt_timeout
-                )),
+                Ok(Err(status)) => local_deadline(status, timeout),
+                Err(_) => Status::deadline_exceeded(format!("no answer within {timeout:?}")),
             };
             if !options.retry.allows(&status) {
                 return Err(status.into());

@@ -359,6 +359,7 @@ impl Outbox {
         };
         let options = CallOptions::new(self.timeout)
             .budget(self.timeout)
+            .bounded()
             .retry(retry);
         let request = proto::EnqueueRequest { intents, txn_token };
         let answer = self

@@ -12,7 +12,8 @@ export interface ConnectionOptions {
   /**
    * outboxd replicas: `host:port` (plaintext), `http://host:port` or `https://host:port`
    * (TLS; CA and client certificate through `transportOptions.nodeOptions`). Calls go to
-   * the first and move to the next when one answers UNAVAILABLE (or the connection breaks).
+   * the first and move to the next when one answers UNAVAILABLE (or the connection breaks),
+   * whether or not the failed call is tried again.
    */
   endpoints: readonly string[];
   /** `obx_…` key from `outboxd keys create`, sent as `authorization: Bearer …`. */
@@ -34,6 +35,8 @@ export interface RetryPolicy {
   budgetMs: number;
   /** Deadline of each try (sent as `grpc-timeout`). */
   tryTimeoutMs: number;
+  /** A retry's deadline ends with the budget too, so the budget bounds the whole call (not for long polls). */
+  bounded?: boolean;
   /** Cancels the call and its retries. */
   signal?: AbortSignal | undefined;
   /** Which failures are worth another try; default: UNAVAILABLE and DEADLINE_EXCEEDED. */
@@ -96,12 +99,19 @@ export class Connection {
     for (let attempt = 0; ; attempt++) {
       const client = this.clients[this.current % this.clients.length];
       if (client === undefined) throw new Error("unreachable: no client");
+      const left = policy.budgetMs - (Date.now() - started);
+      const timeoutMs = attempt === 0 || policy.bounded !== true ? policy.tryTimeoutMs : Math.max(1, Math.min(policy.tryTimeoutMs, left));
       try {
-        return await call(client, { timeoutMs: policy.tryTimeoutMs, signal: policy.signal });
+        return await call(client, { timeoutMs, signal: policy.signal });
       } catch (thrown) {
         const error = OutboxError.from(thrown);
         if (policy.signal?.aborted === true) throw error;
-        if (!retryable(error)) throw error;
+        if (!retryable(error)) {
+          // Not tried again (it may not be safe to), but the next call goes to the next
+          // endpoint when this one looks down.
+          if (transient(error)) this.current = (this.current + 1) % this.clients.length;
+          throw error;
+        }
         this.current = (this.current + 1) % this.clients.length;
         const delay = Math.random() * Math.min(BACKOFF_CAP_MS, BACKOFF_BASE_MS * 2 ** attempt);
         if (Date.now() - started + delay >= policy.budgetMs) throw error;

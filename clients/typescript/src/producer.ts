@@ -245,6 +245,7 @@ export class Outbox {
       const reply = await this.connection.call((client, options) => client.enqueue({ txnToken: token, intents }, options), {
         budgetMs: keyed ? this.callTimeoutMs : 0,
         tryTimeoutMs: this.callTimeoutMs,
+        bounded: true,
         retryable: (error) => keyed && transient(error),
       });
       return reply.results.map(enqueued);

@@ -147,6 +147,18 @@ describe("node-postgres", () => {
     assert.equal(second?.deduplicated, true);
   });
 
+  test("an unkeyed enqueue is not retried, but the next call goes to the next endpoint", async () => {
+    // 127.0.0.1:1 refuses connections: the first call fails there; the next one is served.
+    const failover = new Outbox({ endpoints: ["127.0.0.1:1", ...fx.endpoints], apiKey: fx.apiKey });
+    try {
+      await assert.rejects(failover.enqueueDirect({ kind: "failover.kind", payload: "x" }), OutboxError);
+      const [served] = await failover.enqueueDirect({ kind: "failover.kind", payload: "y" });
+      assert.equal(served?.state, "PENDING");
+    } finally {
+      failover.close();
+    }
+  });
+
   test("intents of one ordering key are claimable one at a time, in request order", async () => {
     const kind = "ordered.kind";
     const [first, second] = await outbox.enqueueDirect([

@@ -51,6 +51,13 @@ def transient(code: grpc.StatusCode, reason: str) -> bool:
     return code == grpc.StatusCode.ABORTED and reason == "CONFLICT"
 
 
+def _try_timeout(timeout: float, deadline: float, whole: bool) -> float:
+    """A retry's deadline, ended with the call's budget unless `whole`."""
+    if whole:
+        return timeout
+    return max(0.001, min(timeout, deadline - time.monotonic()))
+
+
 @dataclass
 class Backoff:
     """Full-jitter exponential backoff: uniform(0, min(cap, base * 2^n))."""
@@ -141,19 +148,28 @@ class AsyncClient:
         budget: float,
         retry: Callable[[grpc.StatusCode, str], bool] = transient,
         on_retry: Optional[Callable[[str], None]] = None,
+        bounded: bool = False,
     ) -> Resp:
-        """Calls `name`, retrying what `retry` calls transient until `budget` (s) is spent."""
+        """Calls `name`, retrying what `retry` calls transient until `budget` (s) is spent;
+        `bounded`: each retry's deadline ends with the budget too (not a long poll's)."""
         deadline = time.monotonic() + budget
         backoff = Backoff()
+        first = True
         while True:
             index = self.index
+            try_timeout = _try_timeout(timeout, deadline, first or not bounded)
             try:
-                answer = await self._method(index, name)(request, timeout=timeout, metadata=self.config.metadata)
+                answer = await self._method(index, name)(request, timeout=try_timeout, metadata=self.config.metadata)
                 assert isinstance(answer, response)
                 return answer
             except grpc.RpcError as error:
+                first = False
                 code, reason, message = describe(error)
                 if not retry(code, reason):
+                    if transient(code, reason):
+                        # Not tried again (it may not be safe), but the next call goes to
+                        # the next replica.
+                        self.index = (index + 1) % len(self._channels)
                     raise OutboxError(code, reason, message) from None
                 # Another replica may answer while this one recovers: the next try, or the
                 # caller's next call once the budget is spent (a hung replica times out
@@ -207,19 +223,28 @@ class SyncClient:
         timeout: float,
         budget: float,
         retry: Callable[[grpc.StatusCode, str], bool] = transient,
+        bounded: bool = False,
     ) -> Resp:
-        """Calls `name`, retrying what `retry` calls transient until `budget` (s) is spent."""
+        """Calls `name`, retrying what `retry` calls transient until `budget` (s) is spent;
+        `bounded`: each retry's deadline ends with the budget too (not a long poll's)."""
         deadline = time.monotonic() + budget
         backoff = Backoff()
+        first = True
         while True:
             index = self.index
+            try_timeout = _try_timeout(timeout, deadline, first or not bounded)
             try:
-                answer = self._method(index, name)(request, timeout=timeout, metadata=self.config.metadata)
+                answer = self._method(index, name)(request, timeout=try_timeout, metadata=self.config.metadata)
                 assert isinstance(answer, response)
                 return answer
             except grpc.RpcError as error:
+                first = False
                 code, reason, message = describe(error)
                 if not retry(code, reason):
+                    if transient(code, reason):
+                        # Not tried again (it may not be safe), but the next call goes to
+                        # the next replica.
+                        self.index = (index + 1) % len(self._channels)
                     raise OutboxError(code, reason, message) from None
                 # The next try, or the caller's next call, goes to another replica.
                 self.index = (index + 1) % len(self._channels)

@@ -327,6 +327,7 @@ class Outbox(_Base):
             pb.EnqueueResponse,
             timeout=self.timeout,
             budget=self.timeout,
+            bounded=True,
             retry=_enqueue_retry(request.intents),
         )
         return [EnqueueResult.from_pb(r) for r in answer.results]
@@ -339,6 +340,7 @@ class Outbox(_Base):
             pb.GetIntentResponse,
             timeout=self.timeout,
             budget=self.timeout,
+            bounded=True,
         )
 
 
@@ -487,6 +489,7 @@ class AsyncOutbox(_Base):
             pb.EnqueueResponse,
             timeout=self.timeout,
             budget=self.timeout,
+            bounded=True,
             retry=_enqueue_retry(request.intents),
         )
         return [EnqueueResult.from_pb(r) for r in answer.results]

@@ -601,9 +601,9 @@ class Worker:
         except Retry as e:
             return _Settle(lease, pb.FAIL_OUTCOME_RETRY, str(e), e.after)
         except Permanent as e:
-            return _Settle(lease, pb.FAIL_OUTCOME_PERMANENT, _describe(e))
+            return _Settle(lease, pb.FAIL_OUTCOME_PERMANENT, str(e) or _describe(e))
         except Unknown as e:
-            return _Settle(lease, pb.FAIL_OUTCOME_UNKNOWN, _describe(e))
+            return _Settle(lease, pb.FAIL_OUTCOME_UNKNOWN, str(e) or _describe(e))
         except Exception as e:
             outcome = pb.FAIL_OUTCOME_UNKNOWN if lease.submitted else pb.FAIL_OUTCOME_RETRY
             log.warning(

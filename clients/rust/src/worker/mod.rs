@@ -366,9 +366,10 @@ impl WorkerBuilder {
 ///   [`WorkerBuilder::replay_claims`] turned it off).
 /// - **Heartbeats**: every third of the lease, live leases are extended in one
 ///   `ExtendLease` call. A lease answered `LEASE_LOST`, or whose local expiry (counted
-///   from when the Claim was sent) passes without an extension, is lost: its handler is
-///   cancelled ([`Job::cancellation_token`] fires, then its task is aborted) and nothing
-///   is reported for it.
+///   from the Claim's answer less 1 s, a retried Claim's from its first send) passes
+///   without an extension, is lost: its handler is cancelled
+///   ([`Job::cancellation_token`] fires, then its task is aborted) and nothing is
+///   reported for it.
 /// - **Batched settles**: Acks and Fails go out in one call each; each item's result is
 ///   applied on its own; a call that gets no answer is retried with the same items.
 /// - **Failover**: transient failures move to the next endpoint (see [`Connection`]).

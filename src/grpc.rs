@@ -79,9 +79,11 @@ impl OutboxHandler {
                 intent
                     .headers
                     .insert(TRACEPARENT.to_owned(), tc.traceparent.clone());
-                if let Some(ts) = &tc.tracestate {
-                    intent.headers.insert(TRACESTATE.to_owned(), ts.clone());
-                }
+                match &tc.tracestate {
+                    Some(ts) => intent.headers.insert(TRACESTATE.to_owned(), ts.clone()),
+                    // The producer's own tracestate, without its traceparent, is no one's.
+                    None => intent.headers.remove(TRACESTATE),
+                };
             }
         }
         let direct = token.is_none();

@@ -64,8 +64,13 @@ async fn the_workers_receive_and_settle_spans_link_back_to_the_producers_trace()
     let app = TestApp::spawn().await;
     let trace_id = uuid::Uuid::new_v4().simple().to_string();
     let producer_span = "00f067aa0ba902b7";
+    // A producer's tracestate without its traceparent: not paired with outboxd's.
+    let mut lone_state = intent("email.send", "{}");
+    lone_state
+        .headers
+        .insert("tracestate".to_owned(), "vendor=stale".to_owned());
     let mut request = tonic::Request::new(v1::EnqueueRequest {
-        intents: vec![intent("email.send", "{}"), intent("email.send", "{}")],
+        intents: vec![intent("email.send", "{}"), lone_state],
         txn_token: String::new(),
     });
     let traceparent = format!("00-{trace_id}-{producer_span}-01");
@@ -76,8 +81,9 @@ async fn the_workers_receive_and_settle_spans_link_back_to_the_producers_trace()
 
     let leases = app.claim_n("w", 2).await;
     for lease in &leases {
-        let carried = &lease.intent.as_ref().unwrap().headers["traceparent"];
-        assert!(carried.contains(&trace_id), "{carried}");
+        let headers = &lease.intent.as_ref().unwrap().headers;
+        assert!(headers["traceparent"].contains(&trace_id), "{headers:?}");
+        assert!(!headers.contains_key("tracestate"), "{headers:?}");
     }
     app.ack(&[&leases[0]]).await;
     app.fail(&leases[1], FailOutcome::Retry).await;

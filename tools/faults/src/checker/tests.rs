@@ -754,8 +754,8 @@ fn windows_are_measured_from_each_distinct_lease_time() {
 
 // Tenant fairness, from the database's flow log (`fairness.rs`).
 
-/// A backlog of 100 intents of the other tenant first leased one every 100 ms from 0 to
-/// 9.9 s, and an intent of the run's tenant claimable every 200 ms from 0, each leased
+/// A backlog of 100 intents of the other tenant first leased one every 200 ms from 0 to
+/// 19.8 s, and an intent of the run's tenant claimable every 400 ms from 0, each leased
 /// 30 ms later.
 fn fair_run() -> (FlowWorld, Vec<Uuid>) {
     let mut w = FlowWorld::new();
@@ -764,7 +764,7 @@ fn fair_run() -> (FlowWorld, Vec<Uuid>) {
             &mut w,
             crate::cluster::BACKLOG_TENANT,
             -SECOND,
-            Some(i * 100),
+            Some(i * 200),
         );
     }
     let ours = (0..50)
@@ -772,8 +772,8 @@ fn fair_run() -> (FlowWorld, Vec<Uuid>) {
             fairness_intent(
                 &mut w,
                 crate::cluster::TENANT,
-                i * 200 * MS,
-                Some(i * 200 + 30),
+                i * 400 * MS,
+                Some(i * 400 + 30),
             )
         })
         .collect();
@@ -825,19 +825,19 @@ fn intents_leased_while_another_tenants_backlog_lasts_are_fair() {
     let v = w.check();
     assert!(fairness_only(&v).is_empty(), "{:?}", v.violations);
     let f = v.counts.fairness.unwrap();
-    // Claimable at 0, 0.2 … 4.8 s: at least 5 s before the backlog's end at 9.9 s.
+    // Claimable at 0, 0.4 … 9.6 s: more than 10 s before the backlog's end at 19.8 s.
     assert_eq!((f.backlog, f.checked), (100, 25));
     assert_eq!((f.p50_us, f.max_us), (30 * MS, 30 * MS));
-    assert_eq!(f.backlog_span_us, 9_900 * MS);
+    assert_eq!(f.backlog_span_us, 19_800 * MS);
 }
 
 #[test]
 fn an_intent_served_after_the_whole_backlog_is_unfair() {
     let (mut w, _) = fair_run();
-    let late = fairness_intent(&mut w, crate::cluster::TENANT, 2 * SECOND, Some(10_000));
-    let never = fairness_intent(&mut w, crate::cluster::TENANT, 3 * SECOND, None);
-    // Claimable 4 s before the end and leased after it: within the slack, not checked.
-    fairness_intent(&mut w, crate::cluster::TENANT, 6 * SECOND, Some(10_000));
+    let late = fairness_intent(&mut w, crate::cluster::TENANT, 4 * SECOND, Some(20_000));
+    let never = fairness_intent(&mut w, crate::cluster::TENANT, 6 * SECOND, None);
+    // Claimable 7.8 s before the end and leased after it: within the slack, not checked.
+    fairness_intent(&mut w, crate::cluster::TENANT, 12 * SECOND, Some(20_000));
     let v = w.check();
     let mut flagged: Vec<_> = fairness_only(&v).iter().map(|x| x.intent).collect();
     flagged.sort();
@@ -849,14 +849,14 @@ fn an_intent_served_after_the_whole_backlog_is_unfair() {
 #[test]
 fn time_postgresql_was_down_does_not_count_towards_the_slack() {
     let (mut w, _) = fair_run();
-    // Claimable 5.3 s before the end, PostgreSQL down for 0.5 s of them, leased after the
-    // end: 4.8 s of service, not checked.
-    fairness_intent(&mut w, crate::cluster::TENANT, 4_600 * MS, Some(10_000));
+    // Claimable 10.2 s before the end, PostgreSQL down for 0.5 s of them, leased after the
+    // end: 9.7 s of service, not checked.
+    fairness_intent(&mut w, crate::cluster::TENANT, 9_600 * MS, Some(20_000));
     let crash = FaultRecord {
         kind: FaultKind::PostgresCrash,
         target: "postgres".into(),
-        start: 9 * SECOND,
-        end: 9_500 * MS,
+        start: 15 * SECOND,
+        end: 15_500 * MS,
         detail: String::new(),
     };
     let v = check(&w.snapshot, &w.observations, &[crash], &[]);
@@ -872,15 +872,15 @@ fn a_backlog_too_short_to_show_fairness_fails_the_check() {
             &mut w,
             crate::cluster::BACKLOG_TENANT,
             -SECOND,
-            Some(i * 100),
+            Some(i * 200),
         );
     }
     for i in 0..50 {
         fairness_intent(
             &mut w,
             crate::cluster::TENANT,
-            i * 200 * MS,
-            Some(i * 200 + 30),
+            i * 400 * MS,
+            Some(i * 400 + 30),
         );
     }
     let v = w.check();

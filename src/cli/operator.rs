@@ -231,6 +231,7 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                     break;
                 }
             }
+            let after_token = !page_token.is_empty();
             let request = v1::ListIntentsRequest {
                 states: vec![v1::IntentState::Waiting as i32],
                 ordering_key: key,
@@ -258,8 +259,12 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                     given_up.insert(intent.id.clone());
                 }
             }
-            let more = !waiting.next_page_token.is_empty();
-            let summary = why_key_waits(&heads, waiting.intents.len(), more, &given_up);
+            let listed = Listed {
+                count: waiting.intents.len(),
+                more: !waiting.next_page_token.is_empty(),
+                after_token,
+            };
+            let summary = why_key_waits(&heads, &listed, &given_up);
             let response = v1::ListIntentsResponse {
                 intents: heads.into_iter().chain(waiting.intents).collect(),
                 next_page_token: waiting.next_page_token,
@@ -489,25 +494,37 @@ fn print_list(
     )
 }
 
-/// Why an ordering key's later intents wait, from its live intents that are not WAITING
-/// (`heads`) and how many WAITING ones were listed (`more`: the list went on): what its
-/// first intent is doing. The intents of `given_up` (DEAD_LETTERED, given up by an
-/// operator's DEAD) no longer hold the key.
-fn why_key_waits(
-    heads: &[v1::Intent],
-    waiting: usize,
+/// The WAITING intents of a key that one page listed.
+struct Listed {
+    count: usize,
+    /// The list goes on past this page.
     more: bool,
-    given_up: &HashSet<String>,
-) -> String {
+    /// This page came after a page token (earlier pages are not counted).
+    after_token: bool,
+}
+
+/// Why an ordering key's later intents wait, from its live intents that are not WAITING
+/// (`heads`) and the WAITING ones listed: what its first intent is doing. The intents of
+/// `given_up` (DEAD_LETTERED, given up by an operator's DEAD) no longer hold the key; a
+/// STAGED one is first only if no other is (an open transaction's intent, whatever its id,
+/// comes after a committed one).
+fn why_key_waits(heads: &[v1::Intent], listed: &Listed, given_up: &HashSet<String>) -> String {
     use v1::IntentState as S;
     let state = |i: &v1::Intent| S::try_from(i.state).unwrap_or(S::Unspecified);
-    let waiting = if more {
-        format!("more than {waiting}")
+    let mut waiting = if listed.more {
+        format!("more than {}", listed.count)
     } else {
-        waiting.to_string()
+        listed.count.to_string()
     };
-    let Some(head) = heads.iter().find(|i| !given_up.contains(&i.id)) else {
-        return if waiting == "0" {
+    if listed.after_token {
+        waiting.push_str(" (after the page token)");
+    }
+    let holding = || heads.iter().filter(|i| !given_up.contains(&i.id));
+    let head = holding()
+        .find(|i| state(i) != S::Staged)
+        .or_else(|| holding().next());
+    let Some(head) = head else {
+        return if listed.count == 0 && !listed.more {
             "nothing live under this key".to_owned()
         } else {
             format!(
@@ -564,5 +581,39 @@ fn duration(d: Duration) -> prost_types::Duration {
     prost_types::Duration {
         seconds: d.as_secs() as i64,
         nanos: d.subsec_nanos() as i32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn intent(id: &str, state: v1::IntentState) -> v1::Intent {
+        v1::Intent {
+            id: id.to_owned(),
+            state: state as i32,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_keys_first_intent_is_a_committed_one_before_an_open_transactions() {
+        let heads = [
+            intent("a", v1::IntentState::Staged),
+            intent("b", v1::IntentState::Pending),
+        ];
+        let listed = Listed {
+            count: 2,
+            more: false,
+            after_token: false,
+        };
+        let why = why_key_waits(&heads, &listed, &HashSet::new());
+        assert!(why.starts_with("first: b PENDING: claimable"), "{why}");
+        let why = why_key_waits(&heads[..1], &listed, &HashSet::new());
+        assert!(
+            why.contains("a STAGED: its producer transaction is still open"),
+            "{why}"
+        );
+        assert!(why.ends_with("2 waiting behind it"), "{why}");
     }
 }

@@ -550,7 +550,10 @@ async fn the_cli_names_a_keys_first_intent_behind_pages_of_waiting_ones() {
     let args = ["intents", "key", "k", "--limit", "1", "--page-token", token];
     let out = cli(&app, &key, &args).await;
     assert!(out.contains(&first), "{out}");
-    assert!(out.contains("1 waiting behind it"), "{out}");
+    assert!(
+        out.contains("1 (after the page token) waiting behind it"),
+        "{out}"
+    );
     assert!(out.contains(&ids[2]) && !out.contains(&ids[1]), "{out}");
 }
 

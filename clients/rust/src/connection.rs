@@ -406,20 +406,23 @@ impl Connection {
                 Ok(Err(status)) => local_deadline(status, timeout),
                 Err(_) => Status::deadline_exceeded(format!("no answer within {timeout:?}")),
             };
+            // Another replica may answer while this one recovers: the next try, or the
+            // caller's next call once the budget is spent or when this failure is not
+            // tried again (a hung replica times out every try, and must not keep every
+            // later call). Only the caller that saw the failure moves on: concurrent
+            // failures on one endpoint move once.
+            if Retry::Transient.allows(&status) {
+                let next = (index + 1) % self.inner.channels.len();
+                let _ = self.inner.current.compare_exchange(
+                    index,
+                    next,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                );
+            }
             if !options.retry.allows(&status) {
                 return Err(status.into());
             }
-            // Another replica may answer while this one recovers: the next try, or the
-            // caller's next call once the budget is spent (a hung replica times out every
-            // try, and must not keep every later call). Only the caller that saw the
-            // failure moves on: concurrent failures on one endpoint move once.
-            let next = (index + 1) % self.inner.channels.len();
-            let _ = self.inner.current.compare_exchange(
-                index,
-                next,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            );
             let pause = backoff.next();
             if started.elapsed() + pause >= options.budget {
                 return Err(status.into());

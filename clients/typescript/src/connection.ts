@@ -97,7 +97,8 @@ export class Connection {
     const started = Date.now();
     const retryable = policy.retryable ?? transient;
     for (let attempt = 0; ; attempt++) {
-      const client = this.clients[this.current % this.clients.length];
+      const index = this.current % this.clients.length;
+      const client = this.clients[index];
       if (client === undefined) throw new Error("unreachable: no client");
       const left = policy.budgetMs - (Date.now() - started);
       const timeoutMs = attempt === 0 || policy.bounded !== true ? policy.tryTimeoutMs : Math.max(1, Math.min(policy.tryTimeoutMs, left));
@@ -106,13 +107,12 @@ export class Connection {
       } catch (thrown) {
         const error = OutboxError.from(thrown);
         if (policy.signal?.aborted === true) throw error;
-        if (!retryable(error)) {
-          // Not tried again (it may not be safe to), but the next call goes to the next
-          // endpoint when this one looks down.
-          if (transient(error)) this.current = (this.current + 1) % this.clients.length;
-          throw error;
-        }
-        this.current = (this.current + 1) % this.clients.length;
+        // The next try, or the next call when this one is not tried again (it may not be
+        // safe to), goes to the next endpoint. Only from the one that failed: concurrent
+        // failures on one endpoint move once.
+        const again = retryable(error);
+        if ((again || transient(error)) && this.current === index) this.current = (index + 1) % this.clients.length;
+        if (!again) throw error;
         const delay = Math.random() * Math.min(BACKOFF_CAP_MS, BACKOFF_BASE_MS * 2 ** attempt);
         if (Date.now() - started + delay >= policy.budgetMs) throw error;
         await sleep(delay, policy.signal);

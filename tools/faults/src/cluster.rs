@@ -27,9 +27,10 @@ const FLEET_ROLE: &str = "outboxd_fleet_service";
 /// Tenant of every intent the producers enqueue.
 pub const TENANT: &str = "faults";
 
-/// Tenant of the backlog enqueued before the run (`run::seed_backlog`): its intents are
-/// older than every intent of [`TENANT`], which must not wait for them (`checker::fairness`).
-pub const BACKLOG_TENANT: &str = "faults-backlog";
+/// Tenant of the backlog enqueued before the run (`run::backlog`): its intents are older
+/// than every intent of [`TENANT`], which must not wait for them (`checker::fairness`). Its
+/// name sorts before [`TENANT`]'s, so a claim that served tenants by name would be caught.
+pub const BACKLOG_TENANT: &str = "backlog";
 
 /// API keys of the run, one per actor.
 #[derive(Debug, Clone)]
@@ -138,9 +139,9 @@ pub const QUEUE_LIMITS: QueueLimits = QueueLimits {
     burst: 10,
 };
 
-/// One row of `faults.flow_log`: a change of an intent of a limited kind into or out of
-/// LEASED/SUBMITTED, or a lease minted, as the database wrote it in the changing
-/// transaction (a rolled-back claim leaves none).
+/// One row of `faults.flow_log`: a change of an intent of a limited kind (or of the
+/// unlimited kind, for fairness) into or out of LEASED/SUBMITTED, or a lease minted, as the
+/// database wrote it in the changing transaction (a rolled-back claim leaves none).
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct FlowChange {
     /// Order of the writes (an identity: claims of one limited queue take it under the

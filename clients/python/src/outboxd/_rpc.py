@@ -60,7 +60,7 @@ def _try_timeout(timeout: float, deadline: float, whole: bool) -> float:
 
 @dataclass
 class Backoff:
-    """Full-jitter exponential backoff: uniform(0, min(cap, base * 2^n))."""
+    """Jittered exponential backoff: uniform(c / 4, c), c = min(cap, base * 2^n)."""
 
     base: float = 0.05
     cap: float = 2.0

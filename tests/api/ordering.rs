@@ -527,15 +527,7 @@ async fn the_cli_enqueues_with_an_ordering_key_and_shows_why_a_key_waits() {
 async fn the_cli_names_a_keys_first_intent_behind_pages_of_waiting_ones() {
     let app = TestApp::spawn().await;
     let key = app.key(&[TENANT], &["admin"], &[]).await;
-    let ids = app
-        .enqueue_ids(vec![
-            ordered("k", "1"),
-            ordered("k", "2"),
-            ordered("k", "3"),
-        ])
-        .await;
-    let leases = app.claim_n("w", 10).await;
-    app.fail(&leases[0], FailOutcome::Permanent).await;
+    let ids = three_behind_a_dead_lettered_head(&app, FailOutcome::Permanent).await;
 
     let out = cli(&app, &key, &["intents", "key", "k", "--limit", "1"]).await;
     let first = format!("first: {} DEAD_LETTERED: blocks the key", ids[0]);

@@ -276,7 +276,6 @@ impl Cluster {
             r#"
             CREATE TABLE faults.flow_log (
                 seq bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-                tenant_id text NOT NULL,
                 intent_id uuid NOT NULL,
                 kind text NOT NULL,
                 at timestamptz NOT NULL,
@@ -290,7 +289,6 @@ impl Cluster {
             LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $$
             DECLARE
                 k text := CASE WHEN TG_OP = 'DELETE' THEN OLD.kind ELSE NEW.kind END;
-                tenant text := CASE WHEN TG_OP = 'DELETE' THEN OLD.tenant_id ELSE NEW.tenant_id END;
                 intent uuid := CASE WHEN TG_OP = 'DELETE' THEN OLD.id ELSE NEW.id END;
                 before int := CASE WHEN TG_OP <> 'INSERT'
                                     AND OLD.state IN ('leased', 'submitted') THEN 1 ELSE 0 END;
@@ -302,8 +300,8 @@ impl Cluster {
             BEGIN
                 IF k IN ('{c}', '{r}', '{u}') AND (after <> before OR minted) THEN
                     INSERT INTO faults.flow_log
-                        (tenant_id, intent_id, kind, at, txn_at, txid, delta, minted, lease_id)
-                    VALUES (tenant, intent, k, clock_timestamp(), now(),
+                        (intent_id, kind, at, txn_at, txid, delta, minted, lease_id)
+                    VALUES (intent, k, clock_timestamp(), now(),
                             pg_current_xact_id()::text::bigint,
                             after - before, minted, CASE WHEN minted THEN NEW.lease_id END);
                 END IF;

@@ -754,12 +754,12 @@ fn windows_are_measured_from_each_distinct_lease_time() {
 
 // Tenant fairness, from the database's flow log (`fairness.rs`).
 
-/// A backlog of 100 intents of the other tenant first leased one every 200 ms from 0 to
-/// 19.8 s, and an intent of the run's tenant claimable every 400 ms from 0, each leased
-/// 30 ms later.
-fn fair_run() -> (FlowWorld, Vec<Uuid>) {
+/// A backlog of `backlog` intents of the other tenant first leased one every 200 ms from
+/// 0, and 50 intents of the run's tenant claimable every 400 ms from 0, each leased 30 ms
+/// later.
+fn beside_a_backlog(backlog: i64) -> FlowWorld {
     let mut w = FlowWorld::new();
-    for i in 0..100 {
+    for i in 0..backlog {
         fairness_intent(
             &mut w,
             crate::cluster::BACKLOG_TENANT,
@@ -767,17 +767,20 @@ fn fair_run() -> (FlowWorld, Vec<Uuid>) {
             Some(i * 200),
         );
     }
-    let ours = (0..50)
-        .map(|i| {
-            fairness_intent(
-                &mut w,
-                crate::cluster::TENANT,
-                i * 400 * MS,
-                Some(i * 400 + 30),
-            )
-        })
-        .collect();
-    (w, ours)
+    for i in 0..50 {
+        fairness_intent(
+            &mut w,
+            crate::cluster::TENANT,
+            i * 400 * MS,
+            Some(i * 400 + 30),
+        );
+    }
+    w
+}
+
+/// [`beside_a_backlog`] of 100: it lasts 19.8 s.
+fn fair_run() -> FlowWorld {
+    beside_a_backlog(100)
 }
 
 /// An unlimited-kind intent of `tenant`, directly enqueued at `created_us` and first
@@ -821,7 +824,7 @@ fn fairness_only(v: &Verdict) -> Vec<&Violation> {
 
 #[test]
 fn intents_leased_while_another_tenants_backlog_lasts_are_fair() {
-    let (w, _) = fair_run();
+    let w = fair_run();
     let v = w.check();
     assert!(fairness_only(&v).is_empty(), "{:?}", v.violations);
     let f = v.counts.fairness.unwrap();
@@ -833,7 +836,7 @@ fn intents_leased_while_another_tenants_backlog_lasts_are_fair() {
 
 #[test]
 fn an_intent_served_after_the_whole_backlog_is_unfair() {
-    let (mut w, _) = fair_run();
+    let mut w = fair_run();
     let late = fairness_intent(&mut w, crate::cluster::TENANT, 4 * SECOND, Some(20_000));
     let never = fairness_intent(&mut w, crate::cluster::TENANT, 6 * SECOND, None);
     // Claimable 7.8 s before the end and leased after it: within the slack, not checked.
@@ -848,7 +851,7 @@ fn an_intent_served_after_the_whole_backlog_is_unfair() {
 
 #[test]
 fn time_postgresql_was_down_does_not_count_towards_the_slack() {
-    let (mut w, _) = fair_run();
+    let mut w = fair_run();
     // Claimable 10.2 s before the end, PostgreSQL down for 0.5 s of them, leased after the
     // end: 9.7 s of service, not checked.
     fairness_intent(&mut w, crate::cluster::TENANT, 9_600 * MS, Some(20_000));
@@ -866,24 +869,8 @@ fn time_postgresql_was_down_does_not_count_towards_the_slack() {
 
 #[test]
 fn a_backlog_too_short_to_show_fairness_fails_the_check() {
-    let mut w = FlowWorld::new();
-    for i in 0..10 {
-        fairness_intent(
-            &mut w,
-            crate::cluster::BACKLOG_TENANT,
-            -SECOND,
-            Some(i * 200),
-        );
-    }
-    for i in 0..50 {
-        fairness_intent(
-            &mut w,
-            crate::cluster::TENANT,
-            i * 400 * MS,
-            Some(i * 400 + 30),
-        );
-    }
-    let v = w.check();
+    // It lasts 1.8 s: nothing of the run's tenant is claimable 10 s before its end.
+    let v = beside_a_backlog(10).check();
     assert!(fairness_only(&v).is_empty(), "{:?}", v.violations);
     let too_few: Vec<_> = v
         .violations

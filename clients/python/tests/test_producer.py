@@ -263,15 +263,22 @@ def test_higher_priorities_are_claimed_first_and_handlers_see_the_priority(
     assert "intents[0].priority" in invalid.value.message
 
 
-def test_an_unkeyed_enqueue_is_not_retried_but_the_next_call_goes_to_the_next_endpoint(
-    stack: Stack, kind: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+def test_an_unkeyed_enqueue_whose_connection_was_refused_is_sent_to_the_next_endpoint(
+    stack: Stack, outbox: Outbox, kind: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     k = kind("failover")
-    # Start on the first endpoint (normally a random one), where nothing listens.
+    # Start on the first endpoint (normally a random one), where nothing listens: the
+    # request never left, so even without an idempotency key it is sent again, once.
     monkeypatch.setattr("outboxd._rpc.random.randrange", lambda n: 0)
-    with Outbox([f"127.0.0.1:{free_port()}", stack.endpoints[0]], stack.api_key) as failover:
-        with pytest.raises(outboxd.OutboxError) as refused:
-            failover.enqueue_direct(k, b"x")
-        assert refused.value.code.name == "UNAVAILABLE"
-        served = failover.enqueue_direct(k, b"y")
+    dead = f"127.0.0.1:{free_port()}"
+    with Outbox([dead, stack.endpoints[0]], stack.api_key) as failover:
+        served = failover.enqueue_direct(k, b"sync")
     assert served.state == "PENDING"
+
+    async def enqueue_async() -> outboxd.EnqueueResult:
+        async with AsyncOutbox([dead, stack.endpoints[0]], stack.api_key) as failover:
+            return await failover.enqueue_direct(k, b"async")
+
+    served_async = asyncio.run(enqueue_async())
+    assert served_async.state == "PENDING"
+    assert list_intents(outbox, k).keys() == {served.id, served_async.id}

@@ -55,6 +55,30 @@ export function transient(error: OutboxError): boolean {
   return !error.fromServer && (error.code === Code.Internal || error.code === Code.Unknown || error.code === Code.Canceled);
 }
 
+/**
+ * True when the request never reached a server (the connection was refused, or the name
+ * did not resolve), so sending it again cannot act twice, whatever it asks.
+ */
+export function neverSent(error: OutboxError): boolean {
+  if (error.fromServer || error.code !== Code.Unavailable) return false;
+  for (let cause: unknown = error.cause; cause instanceof Error; cause = cause.cause) {
+    const syscall = (cause as { syscall?: unknown }).syscall;
+    if (syscall === "connect" || syscall === "getaddrinfo") return true;
+  }
+  return false;
+}
+
+/**
+ * Failures after which the server cannot have acted: the request never left, or outboxd
+ * said nothing was written (`UNAVAILABLE`/`UNAVAILABLE`, `ABORTED`/`CONFLICT`). For calls
+ * whose repeat could act twice (an Enqueue of intents without idempotency keys).
+ */
+export function notApplied(error: OutboxError): boolean {
+  if (neverSent(error)) return true;
+  if (error.code === Code.Unavailable) return error.reason === "UNAVAILABLE";
+  return error.code === Code.Aborted && error.reason === "CONFLICT";
+}
+
 export class Connection {
   private readonly clients: OutboxServiceClient[];
   private readonly sessions: Http2SessionManager[] = [];

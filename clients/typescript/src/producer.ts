@@ -3,7 +3,7 @@
 import { create } from "@bufbuild/protobuf";
 import { durationFromMs, timestampFromDate } from "@bufbuild/protobuf/wkt";
 import { IntentState, NewIntentSchema, type EnqueueResult, type NewIntent } from "./gen/outbox/v1/outbox_pb.js";
-import { Connection, transient, type ConnectionOptions } from "./connection.js";
+import { Connection, notApplied, transient, type ConnectionOptions } from "./connection.js";
 import { OutboxError } from "./errors.js";
 import { loadTracing } from "./tracing.js";
 
@@ -238,15 +238,15 @@ export class Outbox {
     if (list.length === 0) return [];
     const traceparent = await activeTraceparent();
     const intents = list.map((intent) => toWire(intent, traceparent));
-    // Retried only when every intent has an idempotency key: otherwise a retry after a
-    // lost answer could record an intent twice.
+    // A lost answer is retried only when every intent has an idempotency key: otherwise
+    // the retry could record an intent twice.
     const keyed = intents.every((intent) => intent.idempotencyKey !== "");
     try {
       const reply = await this.connection.call((client, options) => client.enqueue({ txnToken: token, intents }, options), {
-        budgetMs: keyed ? this.callTimeoutMs : 0,
+        budgetMs: this.callTimeoutMs,
         tryTimeoutMs: this.callTimeoutMs,
         bounded: true,
-        retryable: (error) => keyed && transient(error),
+        retryable: keyed ? transient : notApplied,
       });
       return reply.results.map(enqueued);
     } catch (error) {

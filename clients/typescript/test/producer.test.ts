@@ -147,13 +147,19 @@ describe("node-postgres", () => {
     assert.equal(second?.deduplicated, true);
   });
 
-  test("an unkeyed enqueue is not retried, but the next call goes to the next endpoint", async () => {
-    // 127.0.0.1:1 refuses connections: the first call fails there; the next one is served.
+  test("an unkeyed enqueue whose connection was refused is sent to the next endpoint", async () => {
+    // 127.0.0.1:1 refuses connections: the request never left, so even without an
+    // idempotency key it is sent again, once, to the next endpoint.
+    const kind = "failover.kind";
     const failover = new Outbox({ endpoints: ["127.0.0.1:1", ...fx.endpoints], apiKey: fx.apiKey });
     try {
-      await assert.rejects(failover.enqueueDirect({ kind: "failover.kind", payload: "x" }), OutboxError);
-      const [served] = await failover.enqueueDirect({ kind: "failover.kind", payload: "y" });
+      const [served] = await failover.enqueueDirect({ kind, payload: "x" });
       assert.equal(served?.state, "PENDING");
+      const page = await fx.ops.call((c, o) => c.listIntents({ kind, pageSize: 10 }, o), { budgetMs: 10_000, tryTimeoutMs: 10_000 });
+      assert.deepEqual(
+        page.intents.map((i) => i.id),
+        [served?.id],
+      );
     } finally {
       failover.close();
     }

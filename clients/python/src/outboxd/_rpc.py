@@ -51,6 +51,17 @@ def transient(code: grpc.StatusCode, reason: str) -> bool:
     return code == grpc.StatusCode.ABORTED and reason == "CONFLICT"
 
 
+# What gRPC's own client says when no connection could be made (refused, unresolvable):
+# the call failed before its request left the process.
+_CONNECT_FAILURES = ("failed to connect to all addresses", "errors resolving", "DNS resolution failed")
+
+
+def never_sent(code: grpc.StatusCode, reason: str, message: str) -> bool:
+    """True when the request never reached a server, so that sending it again cannot act
+    twice, whatever it asks (an Enqueue without idempotency keys too)."""
+    return code == grpc.StatusCode.UNAVAILABLE and not reason and message.startswith(_CONNECT_FAILURES)
+
+
 def _try_timeout(timeout: float, deadline: float, whole: bool) -> float:
     """A retry's deadline, ended with the call's budget unless `whole`."""
     if whole:
@@ -165,7 +176,7 @@ class AsyncClient:
             except grpc.RpcError as error:
                 first = False
                 code, reason, message = describe(error)
-                if not retry(code, reason):
+                if not (retry(code, reason) or never_sent(code, reason, message)):
                     if transient(code, reason):
                         # Not tried again (it may not be safe), but the next call goes to
                         # the next replica.
@@ -240,7 +251,7 @@ class SyncClient:
             except grpc.RpcError as error:
                 first = False
                 code, reason, message = describe(error)
-                if not retry(code, reason):
+                if not (retry(code, reason) or never_sent(code, reason, message)):
                     if transient(code, reason):
                         # Not tried again (it may not be safe), but the next call goes to
                         # the next replica.

@@ -480,7 +480,7 @@ impl OutboxHandler {
         let (caller, scope) = self.access(&request, Permission::Consume).await?;
         let leases = validate::leases(&request.get_ref().leases, &self.limits)?;
         record_settling(leases.iter().map(|l| l.intent_id));
-        let results = store::ack_intents(
+        let store::Settled { results, released } = store::ack_intents(
             &self.pools,
             caller.settling(&scope),
             &leases,
@@ -488,6 +488,10 @@ impl OutboxHandler {
             self.clock.now(),
         )
         .await?;
+        if released > 0 {
+            // The next intents of the ordering keys it finished (committed already).
+            self.pending.announce();
+        }
         link_settled(&results);
         let acked = results.iter().filter(|r| r.applied).count();
         self.metrics.acked.inc_by(acked as u64);

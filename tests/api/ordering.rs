@@ -565,3 +565,22 @@ async fn a_long_polling_claim_gets_the_next_intent_of_a_key_as_soon_as_its_head_
     let leases = woken(claim).await.leases;
     assert_eq!(leases.iter().map(id_of).collect::<Vec<_>>(), [&ids[1]]);
 }
+
+#[tokio::test]
+async fn a_long_polling_claim_on_another_replica_gets_the_next_intent_when_the_head_is_acked() {
+    let app = TestApp::spawn().await;
+    let other = TestApp::spawn_on(app.url.clone(), |_| {}).await;
+    let ids = app
+        .enqueue_ids(vec![ordered("k", "1"), ordered("k", "2")])
+        .await;
+    let head = app.claim_n("w", 10).await;
+    let mut waiting = claim_request("w2", 10);
+    waiting.wait = Some(crate::helpers::duration(Duration::from_secs(60)));
+    let mut client = other.client();
+    let claim = tokio::spawn(async move { client.claim(waiting).await.unwrap().into_inner() });
+    wait_until_claims_are_waiting(&other, 1, 2).await;
+    // The Ack sends no NOTIFY of its own: its server announces the released intent.
+    app.ack(&[&head[0]]).await;
+    let leases = woken(claim).await.leases;
+    assert_eq!(leases.iter().map(id_of).collect::<Vec<_>>(), [&ids[1]]);
+}

@@ -52,7 +52,7 @@ pub use ordering::{advance_keys, lock_ordering_keys};
 pub use policy::{PolicyParams, QueuePolicy, list_queue_policies, set_queue_policy};
 pub use reconcile::{ReconcileParams, ReconcileTarget, resolve_intents};
 pub use settle::{
-    ACK_AND_DELETE_CALL, ACK_CALL, DeliveredRows, SettleScope, ack_intents, extend_leases,
+    ACK_AND_DELETE_CALL, ACK_CALL, DeliveredRows, SettleScope, Settled, ack_intents, extend_leases,
     fail_intents, mark_intents_submitted,
 };
 pub use staged::{

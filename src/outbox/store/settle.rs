@@ -157,8 +157,10 @@ pub async fn extend_leases(
         "SELECT * FROM outbox.extend_leases($1, $2, $3, $4, $5, $6)",
         |call| call.bind(lease_ms).bind(now),
         |_, _| false,
+        None,
     )
     .await
+    .map(|settled| settled.results)
 }
 
 /// Moves LEASED intents to SUBMITTED: from now on a lost outcome needs an operator.
@@ -180,8 +182,10 @@ pub async fn mark_intents_submitted(
         "SELECT * FROM outbox.mark_submitted($1, $2, $3, $4, $5)",
         |call| call.bind(now),
         |_, found| found.state == IntentState::Submitted,
+        None,
     )
     .await
+    .map(|settled| settled.results)
 }
 
 /// A settle function's call as a query, with its first four arguments bound.
@@ -192,7 +196,8 @@ type SettleCall<'q> = QueryAs<'q, Postgres, SettleRow, PgArguments>;
 /// the pool: one round trip, retried on a dead pooled connection (a settle that committed
 /// unseen is then answered as a replay). The function returns the intents it changed;
 /// the items it did not change are read afresh ([`current_of_missed`]), a round trip paid
-/// only when there are some.
+/// only when there are some. Rows in `released` (the next intents of ordering keys an Ack
+/// let move on) are counted, not taken as items.
 async fn settle_in_one_call(
     pools: &Pools,
     scope: SettleScope<'_>,
@@ -200,7 +205,8 @@ async fn settle_in_one_call(
     call: &'static str,
     bind_rest: impl for<'q> Fn(SettleCall<'q>) -> SettleCall<'q>,
     is_replay: impl Fn(usize, &Current) -> bool,
-) -> Result<Vec<ItemResult>> {
+    released: Option<IntentState>,
+) -> Result<Settled> {
     let pool = pools.for_scope(scope.tenants);
     let pairs = pairs(leases.iter().copied());
     let settings = pools.scope_settings(scope.tenants);
@@ -219,6 +225,9 @@ async fn settle_in_one_call(
         .fetch_all(pool)
     })
     .await?;
+    let (released, changed): (Vec<SettleRow>, Vec<SettleRow>) = changed
+        .into_iter()
+        .partition(|r| released.is_some() && r.state == released);
     let changed: HashMap<Uuid, SettleRow> = changed.into_iter().map(|r| (r.id, r)).collect();
     let rows: Vec<SettleRow> = pairs
         .iter()
@@ -230,7 +239,20 @@ async fn settle_in_one_call(
         })
         .collect();
     let current = current_of_missed(pools, scope.tenants, scope.key_regions, &rows).await?;
-    Ok(item_results(&pairs, rows, &current, is_replay))
+    Ok(Settled {
+        results: item_results(&pairs, rows, &current, is_replay),
+        released: released.len(),
+    })
+}
+
+/// What a settle call did.
+#[derive(Debug)]
+pub struct Settled {
+    /// One per item, in request order.
+    pub results: Vec<ItemResult>,
+    /// Intents it made claimable besides its items: the next intent of each ordering key
+    /// an Ack let move on. The caller wakes claimers for them (the Ack did not NOTIFY).
+    pub released: usize,
 }
 
 /// Replaces the presented lease of each item that is not an intent of the caller's
@@ -327,7 +349,7 @@ pub async fn ack_intents(
     leases: &[LeaseRef],
     rows: DeliveredRows,
     now: Option<DateTime<Utc>>,
-) -> Result<Vec<ItemResult>> {
+) -> Result<Settled> {
     let call = match rows {
         DeliveredRows::Batched => ACK,
         DeliveredRows::Deleted => ACK_AND_DELETE,
@@ -339,6 +361,8 @@ pub async fn ack_intents(
         call,
         |call| call.bind(now),
         |_, found| found.state == IntentState::Delivered,
+        // The Ack's own items are DELIVERED; its PENDING rows are the intents it released.
+        Some(IntentState::Pending),
     )
     .await
 }
@@ -391,8 +415,10 @@ pub async fn fail_intents(
             FailOutcome::Permanent => found.state == IntentState::DeadLettered,
             FailOutcome::Unknown => found.state == IntentState::NeedsReconcile,
         },
+        None,
     )
     .await
+    .map(|settled| settled.results)
 }
 
 #[cfg(test)]

@@ -1,8 +1,8 @@
 //! Wakes long-polling claimers and the staged-intent promoter. One LISTEN connection per
 //! server turns committed NOTIFYs into wake-ups: on the pending channel (sent by
-//! promotion, rescue, requeue, and other replicas' enqueues and retries) a watch counter that claimers
-//! wait on instead of polling; on the txn channel (sent by `outbox.txn_token()`, delivered
-//! only if the producer commits) a kick to the promoter.
+//! promotion, rescue, requeue, and other replicas' enqueues, retries and ordered Acks) a
+//! watch counter that claimers wait on instead of polling; on the txn channel (sent by
+//! `outbox.txn_token()`, delivered only if the producer commits) a kick to the promoter.
 //!
 //! An enqueue does not NOTIFY in its own transaction: PostgreSQL commits notifying
 //! transactions one at a time (the notify queue lock is held across the commit), which cost

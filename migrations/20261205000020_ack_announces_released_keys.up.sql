@@ -13,6 +13,10 @@
 -- Enqueue of 1,000 keys, ~7 ms of every ordered Ack of 100 in the burn-down.
 -- advance_keys, for the callers that still notify in their transaction (promotion,
 -- operator decisions, Enqueue), calls it.
+--
+-- During a rolling upgrade, an Ack served by a replica of the previous build wakes no
+-- claimer when it releases a key (that build neither notifies nor announces): they look
+-- again at their recheck, within 2 s.
 
 CREATE FUNCTION outbox.release_keys(tenants text[], ordering_keys text[], as_of timestamptz)
 RETURNS SETOF uuid
@@ -83,7 +87,9 @@ BEGIN
                   AND w.txn_xid IS DISTINCT FROM own
                 OFFSET 0
             ) w
-        );
+        )
+          AND i.state = 'waiting'
+          AND i.order_ts IS NULL;
     END IF;
 
     -- Claimable from now on, as a promoted STAGED intent is (outbox::claim::floor).

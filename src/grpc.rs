@@ -487,9 +487,12 @@ impl OutboxHandler {
             self.delivered_rows,
             self.clock.now(),
         )
-        .await?;
-        if released > 0 {
-            // The next intents of the ordering keys it finished (committed already).
+        .await
+        // It may have committed, releasing the next intents of ordering keys.
+        .inspect_err(|_| self.pending.announce())?;
+        // The next intents of the ordering keys it finished (committed already); a replay
+        // cannot tell whether the attempt that applied it announced them.
+        if released > 0 || results.iter().any(|r| !r.applied && r.error.is_none()) {
             self.pending.announce();
         }
         link_settled(&results);

@@ -62,10 +62,19 @@ export function transient(error: OutboxError): boolean {
 export function neverSent(error: OutboxError): boolean {
   if (error.fromServer || error.code !== Code.Unavailable) return false;
   for (let cause: unknown = error.cause; cause instanceof Error; cause = cause.cause) {
-    const syscall = (cause as { syscall?: unknown }).syscall;
-    if (syscall === "connect" || syscall === "getaddrinfo") return true;
+    if (failedToConnect(cause)) return true;
   }
   return false;
+}
+
+/**
+ * A socket that never connected: its connect or lookup failed (for each address, when
+ * Node tried several addresses of one name).
+ */
+function failedToConnect(error: Error): boolean {
+  const syscall = (error as { syscall?: unknown }).syscall;
+  if (syscall === "connect" || syscall === "getaddrinfo") return true;
+  return error instanceof AggregateError && error.errors.length > 0 && error.errors.every((e) => e instanceof Error && failedToConnect(e));
 }
 
 /**

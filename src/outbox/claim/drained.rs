@@ -10,7 +10,8 @@
 //! could find nothing a waiting claimer would not be woken for: the group's last look
 //! leased fewer than it asked (so nothing else was claimable for its tenants and filters
 //! then), no wake-up has come since (no bump, no turn: nothing was enqueued, promoted,
-//! rescued, requeued or retried through this server, or announced by another), and its
+//! rescued, requeued, retried or released by an ordered Ack through this server, or
+//! announced by another), and its
 //! next delayed intent is not yet due. The skipping claim then waits as if it had looked
 //! at that moment: until a wake-up, that due time, or the group's recheck after the look,
 //! whichever is first, so a claimer of the group still looks at least once per recheck.

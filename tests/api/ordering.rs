@@ -312,6 +312,74 @@ async fn a_head_needing_reconcile_holds_its_key_until_it_is_decided_delivered() 
 }
 
 #[tokio::test]
+async fn an_ack_of_a_head_and_a_cancel_of_the_next_intent_meeting_on_their_key_both_apply() {
+    ack_and_cancel_meet_on_their_key(|ids| decide(&ids[1], Decision::Cancel)).await;
+}
+
+#[tokio::test]
+async fn an_ack_of_a_head_and_a_cancel_by_filter_meeting_on_their_key_both_apply() {
+    ack_and_cancel_meet_on_their_key(|_| v1::ReconcileRequest {
+        target: Some(v1::reconcile_request::Target::Filter(v1::ReconcileFilter {
+            states: vec![IntentState::Waiting as i32],
+            ..Default::default()
+        })),
+        limit: 1,
+        ..decide("", Decision::Cancel)
+    })
+    .await;
+}
+
+/// Key "k" of three intents, the head leased: its Ack and a CANCEL of one behind it (the
+/// `cancel` request, given the ids) reach the key's lock in that order, the order in which
+/// they deadlocked; both must apply, and the intent left is delivered next.
+async fn ack_and_cancel_meet_on_their_key(cancel: impl FnOnce(&[String]) -> v1::ReconcileRequest) {
+    let app = TestApp::spawn().await;
+    let ids = app
+        .enqueue_ids(vec![
+            ordered("k", "head"),
+            ordered("k", "next"),
+            ordered("k", "last"),
+        ])
+        .await;
+    let leases = app.claim_n("w", 10).await;
+    // The key's lock held from outside until both wait for it.
+    let mut holder = PgConnection::connect(&app.url).await.unwrap();
+    let mut held = holder.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(outbox.ordering_lock($1, 'k'))")
+        .bind(TENANT)
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    let ack = {
+        let mut client = app.client();
+        let leases = vec![crate::helpers::lease_ref(&leases[0])];
+        tokio::spawn(async move { client.ack(v1::AckRequest { leases }).await })
+    };
+    app.wait_for_lock_waiters(1).await;
+    let cancel = {
+        let mut client = app.client();
+        let request = cancel(&ids);
+        tokio::spawn(async move { client.reconcile(request).await })
+    };
+    app.wait_for_lock_waiters(2).await;
+    held.rollback().await.unwrap();
+
+    let acked = ack.await.unwrap().unwrap().into_inner().results;
+    crate::helpers::assert_item_ok(&acked[0], IntentState::Delivered);
+    let cancelled = cancel.await.unwrap().unwrap().into_inner().results;
+    assert!(cancelled[0].error.is_none(), "{:?}", cancelled[0].error);
+    assert_eq!(cancelled[0].state(), IntentState::Cancelled);
+    // By filter, the one WAITING when the CANCEL ran: the Ack had made the next PENDING.
+    let rest: Vec<String> = ids[1..]
+        .iter()
+        .filter(|id| **id != cancelled[0].intent_id)
+        .cloned()
+        .collect();
+    assert_eq!(rest.len(), 1);
+    assert_eq!(drain_one_by_one(&app).await, rest);
+}
+
+#[tokio::test]
 async fn a_key_never_has_two_live_leases_across_replicas_and_concurrent_claimers() {
     const KEYS: usize = 12;
     const PER_KEY: usize = 10;

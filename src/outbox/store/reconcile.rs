@@ -18,7 +18,7 @@ pub enum ReconcileTarget {
     Ids(Vec<IntentId>, Vec<DateTime<Utc>>),
     /// Every intent matching, oldest first, up to `limit`.
     Filter {
-        /// States to match (subset of NEEDS_RECONCILE, DEAD_LETTERED).
+        /// States to match (of those the decision applies to).
         states: Vec<IntentState>,
         /// Only this kind.
         kind: Option<String>,
@@ -93,6 +93,9 @@ pub async fn resolve_intents(
     params: ReconcileParams<'_>,
 ) -> Result<Vec<ItemResult>> {
     let allowed = from_states(params.decision);
+    if params.decision == Decision::Cancel {
+        lock_keys_of_waiting_targets(conn, &params.target, params.key_regions).await?;
+    }
     // When the caller said when it read each intent: the instant, by id.
     let seen: std::collections::HashMap<Uuid, DateTime<Utc>> = match &params.target {
         ReconcileTarget::Ids(ids, seen) => ids
@@ -192,6 +195,71 @@ pub async fn resolve_intents(
             }
         })
         .collect())
+}
+
+/// The ordering keys' locks of the WAITING intents a CANCEL may take, in lock order,
+/// before any of their rows: an Ack that delivered a key's head holds the key's lock and
+/// then makes its next WAITING intent PENDING, so a CANCEL that locked that row first and
+/// then asked for the key (`advance_keys`) deadlocked with it. By filter, the keys of the
+/// WAITING intents among the first `limit` that match (a superset of those it takes).
+async fn lock_keys_of_waiting_targets(
+    conn: &mut PgConnection,
+    target: &ReconcileTarget,
+    key_regions: &[String],
+) -> Result<()> {
+    let query = match target {
+        ReconcileTarget::Ids(ids, _) => sqlx::query(
+            r#"
+            SELECT pg_advisory_xact_lock(k.lock_id)
+            FROM (
+                SELECT DISTINCT outbox.ordering_lock(i.tenant_id, i.ordering_key) AS lock_id
+                FROM outbox.intent i
+                WHERE i.id = ANY($1) AND i.state = 'waiting'
+            ) k
+            ORDER BY k.lock_id
+            "#,
+        )
+        .bind(ids.iter().map(|id| id.0).collect::<Vec<_>>()),
+        ReconcileTarget::Filter {
+            states,
+            kind,
+            region,
+            created_before,
+            limit,
+        } => {
+            if !states.contains(&IntentState::Waiting) {
+                return Ok(());
+            }
+            sqlx::query(
+                r#"
+                SELECT pg_advisory_xact_lock(k.lock_id)
+                FROM (
+                    SELECT DISTINCT outbox.ordering_lock(w.tenant_id, w.ordering_key) AS lock_id
+                    FROM (
+                        SELECT i.tenant_id, i.ordering_key
+                        FROM outbox.intent i
+                        WHERE i.state = 'waiting'
+                          AND ($1::text IS NULL OR i.kind = $1)
+                          AND ($2::text IS NULL OR i.region = $2)
+                          AND ($3::timestamptz IS NULL OR i.created_at < $3)
+                          AND (cardinality($4::text[]) = 0 OR i.region = ''
+                               OR i.region = ANY($4::text[]))
+                        ORDER BY i.id
+                        LIMIT $5
+                    ) w
+                ) k
+                ORDER BY k.lock_id
+                "#,
+            )
+            .bind(kind.as_deref())
+            .bind(region.as_deref())
+            .bind(*created_before)
+            .bind(key_regions)
+            .bind(*limit)
+        }
+    };
+    query.execute(conn).await?;
+    Ok(())
 }
 
 fn describe(states: &[IntentState]) -> String {

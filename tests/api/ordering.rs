@@ -9,7 +9,9 @@ use outboxd::proto::v1::{self, Decision, FailOutcome, IntentState};
 use sqlx::{Connection, PgConnection};
 use tonic::Code;
 
-use crate::helpers::{TENANT, TestApp, assert_status, claim_request, id_of, intent};
+use crate::helpers::{
+    TENANT, TestApp, assert_item_ok, assert_status, claim_request, id_of, intent, lease_ref,
+};
 use crate::long_poll::{wait_until_claims_are_waiting, woken};
 use crate::two_phase::{app_on_own_cluster_with, enqueue_in, stop_own_cluster, token_of};
 
@@ -329,6 +331,58 @@ async fn an_ack_of_a_head_and_a_cancel_by_filter_meeting_on_their_key_both_apply
     .await;
 }
 
+#[tokio::test]
+async fn a_cancel_of_intents_of_two_keys_takes_both_keys_before_either_row() {
+    let app = TestApp::spawn().await;
+    // Two keys: the WAITING target's comes after the PENDING target's in lock order.
+    let lock_of = |key: &'static str| {
+        sqlx::query_scalar::<_, i64>("SELECT outbox.ordering_lock($1, $2)")
+            .bind(TENANT)
+            .bind(key)
+            .fetch_one(&app.pool)
+    };
+    let (waiting_key, pending_key) = if lock_of("x").await.unwrap() > lock_of("y").await.unwrap() {
+        ("x", "y")
+    } else {
+        ("y", "x")
+    };
+    let ids = app
+        .enqueue_ids(vec![
+            ordered(waiting_key, "head"),
+            ordered(waiting_key, "next"),
+            ordered(pending_key, "only"),
+        ])
+        .await;
+    // A transaction that takes the two keys in lock order, as an Enqueue of both does.
+    let mut holder = PgConnection::connect(&app.url).await.unwrap();
+    let mut held = holder.begin().await.unwrap();
+    let take = |key: &'static str| {
+        sqlx::query("SELECT pg_advisory_xact_lock(outbox.ordering_lock($1, $2))")
+            .bind(TENANT)
+            .bind(key)
+    };
+    take(pending_key).execute(&mut *held).await.unwrap();
+    let cancel = {
+        let mut client = app.client();
+        let mut request = decide(&ids[1], Decision::Cancel);
+        if let Some(v1::reconcile_request::Target::Ids(target)) = &mut request.target {
+            target.ids.push(ids[2].clone());
+        }
+        tokio::spawn(async move { client.reconcile(request).await })
+    };
+    app.wait_for_lock_waiters(1).await;
+    // Had the CANCEL taken the WAITING target's key first, this would deadlock with it.
+    take(waiting_key).execute(&mut *held).await.unwrap();
+    held.rollback().await.unwrap();
+
+    let results = cancel.await.unwrap().unwrap().into_inner().results;
+    for r in &results {
+        assert!(r.error.is_none(), "{:?}", r.error);
+        assert_eq!(r.state(), IntentState::Cancelled);
+    }
+    assert_eq!(drain_one_by_one(&app).await, [ids[0].clone()]);
+}
+
 /// Key "k" of three intents, the head leased: its Ack and a CANCEL of one behind it (the
 /// `cancel` request, given the ids) reach the key's lock in that order, the order in which
 /// they deadlocked; both must apply, and the intent left is delivered next.
@@ -352,7 +406,7 @@ async fn ack_and_cancel_meet_on_their_key(cancel: impl FnOnce(&[String]) -> v1::
         .unwrap();
     let ack = {
         let mut client = app.client();
-        let leases = vec![crate::helpers::lease_ref(&leases[0])];
+        let leases = vec![lease_ref(&leases[0])];
         tokio::spawn(async move { client.ack(v1::AckRequest { leases }).await })
     };
     app.wait_for_lock_waiters(1).await;
@@ -365,7 +419,7 @@ async fn ack_and_cancel_meet_on_their_key(cancel: impl FnOnce(&[String]) -> v1::
     held.rollback().await.unwrap();
 
     let acked = ack.await.unwrap().unwrap().into_inner().results;
-    crate::helpers::assert_item_ok(&acked[0], IntentState::Delivered);
+    assert_item_ok(&acked[0], IntentState::Delivered);
     let cancelled = cancel.await.unwrap().unwrap().into_inner().results;
     assert!(cancelled[0].error.is_none(), "{:?}", cancelled[0].error);
     assert_eq!(cancelled[0].state(), IntentState::Cancelled);

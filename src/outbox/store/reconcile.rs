@@ -94,7 +94,7 @@ pub async fn resolve_intents(
 ) -> Result<Vec<ItemResult>> {
     let allowed = from_states(params.decision);
     if params.decision == Decision::Cancel {
-        lock_keys_of_waiting_targets(conn, &params.target, params.key_regions).await?;
+        lock_keys_of_cancel_targets(conn, &params.target, allowed, params.key_regions).await?;
     }
     // When the caller said when it read each intent: the instant, by id.
     let seen: std::collections::HashMap<Uuid, DateTime<Utc>> = match &params.target {
@@ -197,14 +197,16 @@ pub async fn resolve_intents(
         .collect())
 }
 
-/// The ordering keys' locks of the WAITING intents a CANCEL may take, in lock order,
-/// before any of their rows: an Ack that delivered a key's head holds the key's lock and
-/// then makes its next WAITING intent PENDING, so a CANCEL that locked that row first and
-/// then asked for the key (`advance_keys`) deadlocked with it. By filter, the keys of the
-/// WAITING intents among the first `limit` that match (a superset of those it takes).
-async fn lock_keys_of_waiting_targets(
+/// The locks of the ordering keys of every intent a CANCEL may take, in lock order, in one
+/// round, before it locks any of their rows. An Ack that delivered a key's head holds the
+/// key's lock and then makes its next WAITING intent PENDING, so a CANCEL that locked that
+/// row first and then asked for the key (`advance_keys`) deadlocked with it; and a CANCEL
+/// that took some keys here and others after would take them out of order. By filter, the
+/// keys of the first `limit` ordered intents that match.
+async fn lock_keys_of_cancel_targets(
     conn: &mut PgConnection,
     target: &ReconcileTarget,
+    allowed: &[IntentState],
     key_regions: &[String],
 ) -> Result<()> {
     let query = match target {
@@ -214,49 +216,53 @@ async fn lock_keys_of_waiting_targets(
             FROM (
                 SELECT DISTINCT outbox.ordering_lock(i.tenant_id, i.ordering_key) AS lock_id
                 FROM outbox.intent i
-                WHERE i.id = ANY($1) AND i.state = 'waiting'
+                WHERE i.id = ANY($1)
+                  AND i.ordering_key IS NOT NULL
+                  AND i.state = ANY($2)
+                  AND (cardinality($3::text[]) = 0 OR i.region = '' OR i.region = ANY($3::text[]))
             ) k
             ORDER BY k.lock_id
             "#,
         )
-        .bind(ids.iter().map(|id| id.0).collect::<Vec<_>>()),
+        .bind(ids.iter().map(|id| id.0).collect::<Vec<_>>())
+        .bind(allowed)
+        .bind(key_regions),
         ReconcileTarget::Filter {
             states,
             kind,
             region,
             created_before,
             limit,
-        } => {
-            if !states.contains(&IntentState::Waiting) {
-                return Ok(());
-            }
-            sqlx::query(
-                r#"
-                SELECT pg_advisory_xact_lock(k.lock_id)
+        } => sqlx::query(
+            r#"
+            SELECT pg_advisory_xact_lock(k.lock_id)
+            FROM (
+                SELECT DISTINCT outbox.ordering_lock(t.tenant_id, t.ordering_key) AS lock_id
                 FROM (
-                    SELECT DISTINCT outbox.ordering_lock(w.tenant_id, w.ordering_key) AS lock_id
-                    FROM (
-                        SELECT i.tenant_id, i.ordering_key
-                        FROM outbox.intent i
-                        WHERE i.state = 'waiting'
-                          AND ($1::text IS NULL OR i.kind = $1)
-                          AND ($2::text IS NULL OR i.region = $2)
-                          AND ($3::timestamptz IS NULL OR i.created_at < $3)
-                          AND (cardinality($4::text[]) = 0 OR i.region = ''
-                               OR i.region = ANY($4::text[]))
-                        ORDER BY i.id
-                        LIMIT $5
-                    ) w
-                ) k
-                ORDER BY k.lock_id
-                "#,
-            )
-            .bind(kind.as_deref())
-            .bind(region.as_deref())
-            .bind(*created_before)
-            .bind(key_regions)
-            .bind(*limit)
-        }
+                    SELECT i.tenant_id, i.ordering_key
+                    FROM outbox.intent i
+                    WHERE i.ordering_key IS NOT NULL
+                      AND i.state = ANY($1)
+                      AND i.state = ANY($2)
+                      AND ($3::text IS NULL OR i.kind = $3)
+                      AND ($4::text IS NULL OR i.region = $4)
+                      AND ($5::timestamptz IS NULL OR i.created_at < $5)
+                      AND (cardinality($6::text[]) = 0 OR i.region = ''
+                           OR i.region = ANY($6::text[]))
+                    ORDER BY i.id
+                    LIMIT $7
+                ) t
+            ) k
+            ORDER BY k.lock_id
+            "#,
+        )
+        .bind(allowed)
+        .bind(states)
+        .bind(kind.as_deref())
+        .bind(region.as_deref())
+        .bind(*created_before)
+        .bind(key_regions)
+        .bind(*limit),
     };
     query.execute(conn).await?;
     Ok(())

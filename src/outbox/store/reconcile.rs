@@ -69,6 +69,9 @@ fn from_states(decision: Decision) -> &'static [IntentState] {
 /// A decision on the intents of a list of ids.
 const RESOLVE_BY_IDS: &str = include_str!("sql/resolve_by_ids.sql");
 
+/// A CANCEL by filter's ordering keys, locked before its rows ([`lock_keys_of`]).
+const FILTER_KEY_LOCKS: &str = include_str!("sql/filter_key_locks.sql");
+
 /// A decision on the intents a filter matches.
 const RESOLVE_BY_FILTER: &str = include_str!("sql/resolve_by_filter.sql");
 
@@ -93,9 +96,6 @@ pub async fn resolve_intents(
     params: ReconcileParams<'_>,
 ) -> Result<Vec<ItemResult>> {
     let allowed = from_states(params.decision);
-    if params.decision == Decision::Cancel {
-        lock_keys_of_cancel_targets(conn, &params.target, allowed, params.key_regions).await?;
-    }
     // When the caller said when it read each intent: the instant, by id.
     let seen: std::collections::HashMap<Uuid, DateTime<Utc>> = match &params.target {
         ReconcileTarget::Ids(ids, seen) => ids
@@ -105,34 +105,47 @@ pub async fn resolve_intents(
             .collect(),
         ReconcileTarget::Filter { .. } => std::collections::HashMap::new(),
     };
-    let sql = match params.target {
-        ReconcileTarget::Ids(..) => RESOLVE_BY_IDS,
-        ReconcileTarget::Filter { .. } => RESOLVE_BY_FILTER,
-    };
-    let query = sqlx::query_as::<_, ResolveRow>(sql)
-        .bind(allowed)
-        .bind(params.decision.as_str())
-        .bind(params.actor)
-        .bind(params.reason)
-        .bind(params.now)
-        .bind(PENDING_CHANNEL)
-        .bind(params.key_regions);
-    let query = match params.target {
-        ReconcileTarget::Ids(ids, seen) => query
-            .bind(ids.into_iter().map(|id| id.0).collect::<Vec<_>>())
-            .bind(seen),
+    let query = match params.target.clone() {
+        ReconcileTarget::Ids(ids, seen) => {
+            let ids: Vec<Uuid> = ids.into_iter().map(|id| id.0).collect();
+            if params.decision == Decision::Cancel {
+                lock_keys_of(conn, &ids).await?;
+            }
+            decision_statement(RESOLVE_BY_IDS, allowed, &params)
+                .bind(ids)
+                .bind(seen)
+        }
         ReconcileTarget::Filter {
             states,
             kind,
             region,
             created_before,
             limit,
-        } => query
-            .bind(states)
-            .bind(kind)
-            .bind(region)
-            .bind(created_before)
-            .bind(limit),
+        } => {
+            let locked: Option<Vec<i64>> = if params.decision == Decision::Cancel {
+                Some(
+                    sqlx::query_scalar(FILTER_KEY_LOCKS)
+                        .bind(allowed)
+                        .bind(&states)
+                        .bind(kind.as_deref())
+                        .bind(region.as_deref())
+                        .bind(created_before)
+                        .bind(params.key_regions)
+                        .bind(limit)
+                        .fetch_all(&mut *conn)
+                        .await?,
+                )
+            } else {
+                None
+            };
+            decision_statement(RESOLVE_BY_FILTER, allowed, &params)
+                .bind(states)
+                .bind(kind)
+                .bind(region)
+                .bind(created_before)
+                .bind(limit)
+                .bind(locked)
+        }
     };
     let rows = query.fetch_all(&mut *conn).await?;
     // A decided ordered intent lets its key move on (DELIVERED, DEAD), or takes its place
@@ -197,74 +210,45 @@ pub async fn resolve_intents(
         .collect())
 }
 
-/// The locks of the ordering keys of every intent a CANCEL may take, in lock order, in one
-/// round, before it locks any of their rows. An Ack that delivered a key's head holds the
-/// key's lock and then makes its next WAITING intent PENDING, so a CANCEL that locked that
-/// row first and then asked for the key (`advance_keys`) deadlocked with it; and a CANCEL
-/// that took some keys here and others after would take them out of order. By filter, the
-/// keys of the first `limit` ordered intents that match.
-async fn lock_keys_of_cancel_targets(
-    conn: &mut PgConnection,
-    target: &ReconcileTarget,
-    allowed: &[IntentState],
-    key_regions: &[String],
-) -> Result<()> {
-    let query = match target {
-        ReconcileTarget::Ids(ids, _) => sqlx::query(
-            r#"
-            SELECT pg_advisory_xact_lock(k.lock_id)
-            FROM (
-                SELECT DISTINCT outbox.ordering_lock(i.tenant_id, i.ordering_key) AS lock_id
-                FROM outbox.intent i
-                WHERE i.id = ANY($1)
-                  AND i.ordering_key IS NOT NULL
-                  AND i.state = ANY($2)
-                  AND (cardinality($3::text[]) = 0 OR i.region = '' OR i.region = ANY($3::text[]))
-            ) k
-            ORDER BY k.lock_id
-            "#,
-        )
-        .bind(ids.iter().map(|id| id.0).collect::<Vec<_>>())
+/// The first arguments of a decision statement, `$1`–`$7` (resolve_by_ids.sql).
+fn decision_statement<'q>(
+    sql: &'q str,
+    allowed: &'static [IntentState],
+    params: &ReconcileParams<'q>,
+) -> sqlx::query::QueryAs<'q, sqlx::Postgres, ResolveRow, sqlx::postgres::PgArguments> {
+    sqlx::query_as::<_, ResolveRow>(sql)
         .bind(allowed)
-        .bind(key_regions),
-        ReconcileTarget::Filter {
-            states,
-            kind,
-            region,
-            created_before,
-            limit,
-        } => sqlx::query(
-            r#"
-            SELECT pg_advisory_xact_lock(k.lock_id)
-            FROM (
-                SELECT DISTINCT outbox.ordering_lock(t.tenant_id, t.ordering_key) AS lock_id
-                FROM (
-                    SELECT i.tenant_id, i.ordering_key
-                    FROM outbox.intent i
-                    WHERE i.ordering_key IS NOT NULL
-                      AND i.state = ANY($1)
-                      AND i.state = ANY($2)
-                      AND ($3::text IS NULL OR i.kind = $3)
-                      AND ($4::text IS NULL OR i.region = $4)
-                      AND ($5::timestamptz IS NULL OR i.created_at < $5)
-                      AND (cardinality($6::text[]) = 0 OR i.region = ''
-                           OR i.region = ANY($6::text[]))
-                    ORDER BY i.id
-                    LIMIT $7
-                ) t
-            ) k
-            ORDER BY k.lock_id
-            "#,
-        )
-        .bind(allowed)
-        .bind(states)
-        .bind(kind.as_deref())
-        .bind(region.as_deref())
-        .bind(*created_before)
-        .bind(key_regions)
-        .bind(*limit),
-    };
-    query.execute(conn).await?;
+        .bind(params.decision.as_str())
+        .bind(params.actor)
+        .bind(params.reason)
+        .bind(params.now)
+        .bind(PENDING_CHANNEL)
+        .bind(params.key_regions)
+}
+
+/// The locks of the ordering keys of these intents, sorted and in one round, taken by a
+/// CANCEL before it locks any of their rows: an Ack that delivered a key's head holds the
+/// key's lock and then makes the key's next WAITING intent PENDING, so a CANCEL that locked
+/// that intent first and then asked for the key (`advance_keys`) deadlocked with it. Of
+/// every state (an intent may move into one the CANCEL takes meanwhile); a key's tenant
+/// and name never change. By filter, filter_key_locks.sql takes them.
+async fn lock_keys_of(conn: &mut PgConnection, ids: &[Uuid]) -> Result<()> {
+    // Sorted, then locked: PostgreSQL evaluates a volatile select-list function after the
+    // sort below it.
+    sqlx::query(
+        r#"
+        SELECT pg_advisory_xact_lock(k.lock_id)
+        FROM (
+            SELECT DISTINCT outbox.ordering_lock(i.tenant_id, i.ordering_key) AS lock_id
+            FROM outbox.intent i
+            WHERE i.id = ANY($1) AND i.ordering_key IS NOT NULL
+        ) k
+        ORDER BY k.lock_id
+        "#,
+    )
+    .bind(ids)
+    .execute(conn)
+    .await?;
     Ok(())
 }
 

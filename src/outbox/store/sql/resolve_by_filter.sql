@@ -1,7 +1,9 @@
 -- An operator's decision on every intent matching a filter, oldest first
 -- (store::resolve_intents), each recorded in outbox.resolution in the same statement.
 -- $1-$7 as in resolve_by_ids.sql; $8 states to match, $9 kind (or NULL), $10 region (or
--- NULL), $11 enqueued before (or NULL), $12 most intents. One row per intent resolved.
+-- NULL), $11 enqueued before (or NULL), $12 most intents, $13 for a CANCEL the locks of
+-- ordering keys filter_key_locks.sql took (an ordered intent of another key is left for
+-- the next call), otherwise NULL. One row per intent resolved.
 WITH target AS (
     SELECT i.id, i.state
     FROM outbox.intent i
@@ -17,6 +19,8 @@ WITH target AS (
       AND ($10::text IS NULL OR i.region = $10)
       AND ($11::timestamptz IS NULL OR i.created_at < $11)
       AND (cardinality($7::text[]) = 0 OR i.region = '' OR i.region = ANY($7::text[]))
+      AND ($13::bigint[] IS NULL OR i.ordering_key IS NULL
+           OR outbox.ordering_lock(i.tenant_id, i.ordering_key) = ANY($13::bigint[]))
     ORDER BY i.id
     LIMIT $12
     FOR UPDATE SKIP LOCKED

@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use outboxd::outbox::store::Flusher;
 use outboxd::proto::v1;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
@@ -275,4 +276,23 @@ async fn the_server_stops_within_its_grace_with_the_database_gone() {
     for call in calls {
         call.abort();
     }
+}
+
+#[tokio::test]
+async fn a_flush_on_a_server_started_after_the_commit_it_is_for_is_an_outage() {
+    let app = TestApp::spawn().await;
+    let started: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT pg_postmaster_start_time()")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    let flusher = Flusher::default();
+    flusher.flush(&app.pool, started).await.unwrap();
+    // A commit that did not wait for its flush, made on a server that has restarted (or
+    // failed over) since: a crash may have lost it, whatever the new server flushes.
+    let before = started - chrono::Duration::seconds(1);
+    let error = flusher.flush(&app.pool, before).await.unwrap_err();
+    assert!(matches!(error, sqlx::Error::Io(_)), "{error:?}");
+    // The flushes of this server's commits still count.
+    flusher.flush(&app.pool, started).await.unwrap();
 }

@@ -144,14 +144,15 @@ pub async fn claim_intents(
         refused_by_limit: 0,
     };
     // After the intent's columns: next_due_in, replayed, ran_out, tenant_id,
-    // refused_by_limit, unflushed.
-    let (next_due_in, replayed, ran_out, tenant, refused, unflushed) = (
+    // refused_by_limit, unflushed, incarnation.
+    let (next_due_in, replayed, ran_out, tenant, refused, unflushed, incarnation) = (
         INTENT_COLUMNS,
         INTENT_COLUMNS + 1,
         INTENT_COLUMNS + 2,
         INTENT_COLUMNS + 3,
         INTENT_COLUMNS + 4,
         INTENT_COLUMNS + 5,
+        INTENT_COLUMNS + 6,
     );
     if let Some(row) = rows.first() {
         let leased = !row.try_get_raw(0)?.is_null();
@@ -159,7 +160,10 @@ pub async fn claim_intents(
         // …17), and a replay may read such a claim's leases before that flush: no lease is
         // answered before it is durable.
         if leased && (row.try_get(unflushed)? || row.try_get(replayed)?) {
-            pools.flusher().flush(pool).await?;
+            pools
+                .flusher()
+                .flush(pool, row.try_get(incarnation)?)
+                .await?;
         }
         if let Some(seconds) = row.try_get::<Option<f64>, _>(next_due_in)? {
             // Beyond what a Duration holds: as good as never (the recheck comes first).

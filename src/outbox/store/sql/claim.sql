@@ -7,8 +7,9 @@
 -- single row of NULLs; each with next_due_in when fewer than asked were leased within the
 -- budget (the queue ran out), ran_out, replayed (a claim that leased has written, so its
 -- transaction has an id, and a replay only reads), the intent's tenant, and the leases
--- limits refused (set by outbox.claim for the statement's transaction), and whether the
--- transaction commits without waiting for its flush (a limited queue's). The select list
+-- limits refused (set by outbox.claim for the statement's transaction), whether the
+-- transaction commits without waiting for its flush (a limited queue's), and when the
+-- server it ran on started (store::flush: a flush on another cannot make it durable). The select list
 -- is computed once the function has returned (PL/pgSQL returns its rows all at once).
 WITH leased AS MATERIALIZED (
     SELECT * FROM outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
@@ -31,7 +32,8 @@ SELECT i.id, i.state, i.kind, i.payload, i.content_type, i.region, i.idempotency
        i.tenant_id,
        coalesce(nullif(current_setting('outbox.refused_by_limit', true), ''), '0')::int
            AS refused_by_limit,
-       current_setting('synchronous_commit') = 'off' AS unflushed
+       current_setting('synchronous_commit') = 'off' AS unflushed,
+       pg_postmaster_start_time() AS incarnation
 FROM (VALUES (1)) AS one (x)
 LEFT JOIN leased i ON true
 LEFT JOIN LATERAL (

@@ -6,15 +6,15 @@
 //! returns from its Ack; the claimer already waiting took what arrived meanwhile): half
 //! the claim statements at 1,000 intents/s. At 100/s skipping them saves a quarter of the
 //! commits; at 1,000/s something new has usually been enqueued since the group's last
-//! look, and little is skipped. Such a look can be skipped exactly when it
-//! could find nothing a waiting claimer would not be woken for: the group's last look
-//! leased fewer than it asked (so nothing else was claimable for its tenants and filters
-//! then), no wake-up has come since (no bump, no turn: nothing was enqueued, promoted,
-//! rescued, requeued, retried or released by an ordered Ack through this server, or
-//! announced by another), and its
-//! next delayed intent is not yet due. The skipping claim then waits as if it had looked
-//! at that moment: until a wake-up, that due time, or the group's recheck after the look,
-//! whichever is first, so a claimer of the group still looks at least once per recheck.
+//! look, and little is skipped. Such a look can be skipped exactly when it could find
+//! nothing a waiting claimer would not be woken for: the group's last look leased fewer
+//! than it asked (so nothing else was claimable for its tenants and filters then), no
+//! wake-up has come since (no bump, no turn: nothing was enqueued, promoted, rescued,
+//! requeued, retried or released by an ordered Ack through this server, or announced by
+//! another), and its next delayed intent is not yet due. The skipping claim then waits as
+//! if it had looked at that moment: until a wake-up, that due time, or the group's recheck
+//! after the look, whichever is first, so a claimer of the group still looks at least once
+//! per recheck.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};

@@ -79,7 +79,8 @@ pub struct SweepReport {
     pub purged: u64,
 }
 
-/// Rescues every expired lease, batch by batch.
+/// Rescues every expired lease, batch by batch, and forgets the replay records of the
+/// claims whose lease duration has passed.
 ///
 /// # Errors
 /// [`super::Error::Database`].
@@ -95,6 +96,8 @@ pub async fn rescue_all(
         let states =
             store::rescue_expired_leases(&mut *tx, config.backoff, config.batch_size, clock.now())
                 .await?;
+        let forgotten =
+            store::forget_claim_requests(&mut *tx, config.batch_size, clock.now()).await?;
         tx.commit().await?;
         for state in &states {
             match state {
@@ -103,7 +106,7 @@ pub async fn rescue_all(
                 _ => report.needs_reconcile += 1,
             }
         }
-        if (states.len() as i64) < config.batch_size {
+        if (states.len() as i64) < config.batch_size && (forgotten as i64) < config.batch_size {
             break;
         }
     }

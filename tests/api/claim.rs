@@ -199,6 +199,47 @@ async fn retrying_a_claim_with_the_same_request_id_returns_the_same_leases() {
 }
 
 #[tokio::test]
+async fn a_claims_replay_record_is_kept_for_its_lease_duration_then_forgotten() {
+    let app = TestApp::spawn().await;
+    app.enqueue_n("job", 2).await;
+    let mut request = claim_request("w", 2);
+    request.request_id = "req-1".into();
+    request.lease_duration = Some(duration(Duration::from_secs(30)));
+    let first = app.claim(request.clone()).await.unwrap();
+    let mut fleet = app.fleet_connection().await;
+    let records = "SELECT count(*) FROM outbox.claim_request";
+    let kept: i64 = sqlx::query_scalar(records)
+        .fetch_one(&mut fleet)
+        .await
+        .unwrap();
+    assert_eq!(kept, 1, "one record for the claim, not one per intent");
+
+    app.advance(Duration::from_secs(29));
+    app.rescue().await;
+    let replay = app.claim(request.clone()).await.unwrap();
+    assert_eq!(
+        replay.iter().map(|l| &l.lease_id).collect::<Vec<_>>(),
+        first.iter().map(|l| &l.lease_id).collect::<Vec<_>>(),
+        "replayed within the lease duration"
+    );
+
+    app.advance(Duration::from_secs(2));
+    app.rescue().await;
+    let kept: i64 = sqlx::query_scalar(records)
+        .fetch_one(&mut fleet)
+        .await
+        .unwrap();
+    assert_eq!(kept, 0, "forgotten with the expired leases");
+    app.advance(Duration::from_secs(2)); // past the rescued intents' backoff
+    let anew = app.claim(request).await.unwrap();
+    assert_eq!(anew.len(), 2, "a retry after it leases anew");
+    assert!(
+        anew.iter()
+            .all(|l| !first.iter().any(|f| f.lease_id == l.lease_id))
+    );
+}
+
+#[tokio::test]
 async fn invalid_claims_are_rejected_with_the_fields_named() {
     let app = TestApp::spawn().await;
     let status = app

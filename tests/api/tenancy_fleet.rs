@@ -57,15 +57,17 @@ async fn attempts(app: &TestApp) -> Vec<String> {
 }
 
 /// Globex's rows in every table: a pending, a leased and a NEEDS_RECONCILE intent (through
-/// the API), a row of the delivered history (holding no items) and an operator's
-/// resolution (as the superuser). Returns globex's tenant rows and its live lease.
+/// the API), a row of the delivered history (holding no items), an operator's resolution
+/// and a claim's replay record (as the superuser). Returns globex's tenant rows and its live lease.
 async fn globex_everywhere(app: &TestApp) -> (Vec<Uuid>, v1::Lease) {
     let b = populate_globex(app).await;
     sqlx::raw_sql(
         "INSERT INTO outbox.delivered_batch (bucket, tenant_id, region, finished_at, ids, items)
          VALUES (0, 'globex', '', now(), '{}', '{}');
          INSERT INTO outbox.resolution (tenant_id, intent_id, from_state, decision, actor, reason, resolved_at)
-         VALUES ('globex', gen_random_uuid(), 'needs_reconcile', 'dead', 'op', 'test', now());",
+         VALUES ('globex', gen_random_uuid(), 'needs_reconcile', 'dead', 'op', 'test', now());
+         INSERT INTO outbox.claim_request (digest, scope_tenants, intent_ids, expires_at)
+         VALUES ('globex-claim', '{globex}', '{}', now() + interval '1 hour');",
     )
     .execute(&app.pool)
     .await
@@ -89,6 +91,14 @@ async fn globex_rows_seen(conn: &mut PgConnection, ids: &[Uuid]) -> Vec<(String,
         .unwrap();
         seen.push(((*relation).to_owned(), n));
     }
+    // A claim's replay record names its scope's tenants.
+    let n: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox.claim_request WHERE 'globex' = ANY (scope_tenants)",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .unwrap();
+    seen.push(("outbox.claim_request".to_owned(), n));
     let n: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.intents_by_id($1)")
         .bind(ids)
         .fetch_one(&mut *conn)
@@ -193,6 +203,7 @@ async fn the_fleet_role_sees_every_tenant_without_setting_anything() {
         ("outbox.resolution", 1),
         // The batch row holds no items.
         ("outbox.all_intents", 3),
+        ("outbox.claim_request", 1),
         ("outbox.intents_by_id", 3),
     ]
     .iter()
@@ -235,6 +246,7 @@ async fn every_table_under_row_level_security_opens_to_the_fleet_grant_and_no_se
     assert_eq!(
         names,
         [
+            "claim_request",
             "claim_tally",
             "delivered_batch",
             "intent",

@@ -1,4 +1,5 @@
-//! Background sweeps: rescue of expired leases and purge of finished history. Both take
+//! Background sweeps: rescue of expired leases (and their claims' replay records) and
+//! purge of finished history. Both take
 //! their rows with `SKIP LOCKED`, so any number of replicas may run them at once.
 
 use std::time::Duration;
@@ -97,6 +98,36 @@ pub async fn rescue_expired_leases(
     .fetch_all(db)
     .await?;
     Ok(states.into_iter().map(|(s,)| s).collect())
+}
+
+/// Deletes up to `limit` replay records of claims (`outbox.claim_request`) whose lease
+/// duration has passed; a retry of such a claim leases anew. Returns how many it deleted.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn forget_claim_requests(
+    db: impl PgExecutor<'_>,
+    limit: i64,
+    now: Option<DateTime<Utc>>,
+) -> Result<u64> {
+    let done = sqlx::query(
+        r#"
+        DELETE FROM outbox.claim_request
+        WHERE digest IN (
+            SELECT digest
+            FROM outbox.claim_request
+            WHERE expires_at < (SELECT coalesce($2::timestamptz, now()))
+            ORDER BY expires_at
+            LIMIT $1
+            FOR UPDATE SKIP LOCKED
+        )
+        "#,
+    )
+    .bind(limit)
+    .bind(now)
+    .execute(db)
+    .await?;
+    Ok(done.rows_affected())
 }
 
 /// Deletes up to `limit` DELIVERED, DISCARDED and CANCELLED intents (and as many ordered

@@ -48,7 +48,9 @@ pub use inspect::{
     queue_depth, queue_stats,
 };
 pub use listeners::{hold_listener_lock, others_listen};
-pub use maintenance::{BackoffParams, purge_finished_intents, rescue_expired_leases};
+pub use maintenance::{
+    BackoffParams, forget_claim_requests, purge_finished_intents, rescue_expired_leases,
+};
 pub use ordering::{advance_keys, lock_ordering_keys};
 pub use policy::{PolicyParams, QueuePolicy, list_queue_policies, set_queue_policy};
 pub use reconcile::{ReconcileParams, ReconcileTarget, resolve_intents};

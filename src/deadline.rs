@@ -15,7 +15,11 @@ const MARGIN_MAX: Duration = Duration::from_secs(1);
 /// most 8 digits, then the unit), read as tonic reads it to enforce it: a malformed header
 /// counts as none.
 pub fn caller_timeout(metadata: &MetadataMap) -> Option<Duration> {
-    let value = metadata.get("grpc-timeout")?.to_str().ok()?;
+    grpc_timeout(metadata.get("grpc-timeout")?.to_str().ok()?)
+}
+
+/// A `grpc-timeout` header's value as [`caller_timeout`] reads it.
+pub fn grpc_timeout(value: &str) -> Option<Duration> {
     let digits = value.get(..value.len().checked_sub(1)?)?;
     if digits.len() > 8 {
         return None;

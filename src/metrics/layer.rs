@@ -8,6 +8,7 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use super::{CLAIM_METHOD, MethodLabels, Metrics, RpcLabels};
+use crate::deadline::grpc_timeout;
 
 /// Tower layer counting and timing every gRPC request by method and status code.
 #[derive(Debug, Clone)]
@@ -54,12 +55,23 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let method = method_label(request.uri().path()).to_owned();
-        let metrics = self.metrics.clone();
         let started = Instant::now();
+        let deadline = request
+            .headers()
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok())
+            .and_then(grpc_timeout)
+            .and_then(|timeout| started.checked_add(timeout));
+        let mut call = CallRecord {
+            metrics: self.metrics.clone(),
+            method: method_label(request.uri().path()),
+            started,
+            deadline,
+            recorded: false,
+        };
         let response = self.inner.call(request);
         Box::pin(async move {
-            let response = response.await?;
+            let response = response.await.inspect_err(|_| call.recorded = true)?;
             // Unary errors travel as trailers-only responses: the status is in the headers.
             // Without one, the call succeeded (its OK arrives in the trailers).
             let code = response
@@ -68,19 +80,51 @@ where
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.parse::<i32>().ok())
                 .map_or(tonic::Code::Ok, tonic::Code::from_i32);
-            metrics
-                .rpc_requests
-                .get_or_create(&RpcLabels {
-                    method: method.clone(),
-                    code: code_name(code).to_owned(),
-                })
-                .inc();
-            metrics
-                .rpc_duration
-                .get_or_create(&MethodLabels { method })
-                .observe(started.elapsed().as_secs_f64());
+            call.record(code);
             Ok(response)
         })
+    }
+}
+
+/// One call's count and time, recorded when it is answered, or when its future is dropped
+/// unanswered: tonic's enforcement of `grpc-timeout` (outside this layer) and a caller that
+/// went away both drop it, and those calls count as `DEADLINE_EXCEEDED` and `CANCELLED`.
+struct CallRecord {
+    metrics: Arc<Metrics>,
+    method: &'static str,
+    started: Instant,
+    deadline: Option<Instant>,
+    recorded: bool,
+}
+
+impl CallRecord {
+    fn record(&mut self, code: tonic::Code) {
+        self.recorded = true;
+        let method = self.method.to_owned();
+        self.metrics
+            .rpc_requests
+            .get_or_create(&RpcLabels {
+                method: method.clone(),
+                code: code_name(code).to_owned(),
+            })
+            .inc();
+        self.metrics
+            .rpc_duration
+            .get_or_create(&MethodLabels { method })
+            .observe(self.started.elapsed().as_secs_f64());
+    }
+}
+
+impl Drop for CallRecord {
+    fn drop(&mut self) {
+        if !self.recorded {
+            let past_deadline = self.deadline.is_some_and(|d| Instant::now() >= d);
+            self.record(if past_deadline {
+                tonic::Code::DeadlineExceeded
+            } else {
+                tonic::Code::Cancelled
+            });
+        }
     }
 }
 

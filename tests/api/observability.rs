@@ -96,6 +96,39 @@ async fn metrics_show_the_queue_and_the_traffic_of_a_known_workload() {
 }
 
 #[tokio::test]
+async fn calls_cut_by_their_deadline_or_by_their_caller_are_counted_with_that_code() {
+    let app = TestApp::spawn().await;
+    app.enqueue_n("job", 2).await;
+    // Claims wait on the lock, past their caller's patience.
+    let locker = app.lock_intent_table().await;
+
+    let mut request = tonic::Request::new(claim_request("w", 1));
+    request.set_timeout(Duration::from_millis(300));
+    let status = app.client().claim(request).await.unwrap_err();
+    // tonic answers a call it cut at its grpc-timeout CANCELLED (a client enforcing its
+    // own deadline reports DEADLINE_EXCEEDED); the metric names what happened.
+    assert_eq!(status.code(), tonic::Code::Cancelled, "{status:?}");
+    app.wait_for_metric(
+        r#"outbox_rpc_requests_total{method="/outbox.v1.OutboxService/Claim",code="DEADLINE_EXCEEDED"} 1"#,
+    )
+    .await;
+
+    let mut client = app.client();
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(300),
+        client.claim(claim_request("w", 1)),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the claim waited on the lock");
+    drop(client);
+    app.wait_for_metric(
+        r#"outbox_rpc_requests_total{method="/outbox.v1.OutboxService/Claim",code="CANCELLED"} 1"#,
+    )
+    .await;
+    drop(locker);
+}
+
+#[tokio::test]
 async fn health_turns_not_serving_while_the_server_drains() {
     let mut app = TestApp::spawn_with(|s| s.shutdown.drain_delay = Duration::from_secs(3)).await;
     let mut health = HealthClient::new(app.client_channel().await);

@@ -65,7 +65,18 @@ impl Cluster {
             "outboxd-bench: starting an embedded PostgreSQL in {}",
             dir.display()
         );
-        let postgres = EmbeddedPostgres::start(EmbeddedConfig::new(dir.join("pgdata")))?;
+        let mut cfg = EmbeddedConfig::new(dir.join("pgdata"));
+        // For profiling: statement times of every scenario, nested statements included,
+        // read from the cluster while the run goes on (docs/performance.md).
+        if std::env::var_os("OUTBOXD_BENCH_PG_STAT_STATEMENTS").is_some() {
+            cfg.settings.push((
+                "shared_preload_libraries".into(),
+                "pg_stat_statements".into(),
+            ));
+            cfg.settings
+                .push(("pg_stat_statements.track".into(), "all".into()));
+        }
+        let postgres = EmbeddedPostgres::start(cfg)?;
         Ok(Self::Embedded {
             postgres: Some(postgres),
             dir,

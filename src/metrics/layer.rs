@@ -71,6 +71,7 @@ where
         };
         let response = self.inner.call(request);
         Box::pin(async move {
+            // An error here is a broken transport, not an answered call: not counted.
             let response = response.await.inspect_err(|_| call.recorded = true)?;
             // Unary errors travel as trailers-only responses: the status is in the headers.
             // Without one, the call succeeded (its OK arrives in the trailers).

@@ -1,6 +1,6 @@
 //! Background sweeps: rescue of expired leases (and their claims' replay records) and
-//! purge of finished history. Both take
-//! their rows with `SKIP LOCKED`, so any number of replicas may run them at once.
+//! purge of finished history. They take their rows with `SKIP LOCKED`, so any number of
+//! replicas may run them at once.
 
 use std::time::Duration;
 

@@ -24,6 +24,7 @@ mod harness;
 mod meter;
 mod ordered;
 mod peers;
+mod plain_workers;
 mod report;
 mod server;
 mod suite;

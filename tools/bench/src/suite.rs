@@ -30,6 +30,7 @@ use crate::harness::{
 use crate::meter::{Cost, Meter};
 use crate::ordered::{self, OrderedSizes};
 use crate::peers;
+use crate::plain_workers;
 use crate::report::{Hist, Outcome, Row, print_rows};
 use crate::server::ServerProcess;
 use crate::txn_latency::{self, Producer, Scenario, WARMUP};
@@ -134,6 +135,11 @@ pub struct AllArgs {
     /// Skip graphile-worker, pg-boss and pgbench.
     #[arg(long)]
     pub no_peers: bool,
+    /// outboxd's burn-down workers are plain Claim(batch) → Ack(batch) loops without
+    /// `request_id` instead of the SDK's managed workers: the load the benchmark offered
+    /// before the SDK, for A/B runs of a server build against an older one.
+    #[arg(long)]
+    pub plain_workers: bool,
     /// Run only these sections (comma-separated; default all): `throughput` (enqueue and
     /// burn-down), `rates` (enqueue → claim at fixed rates), `history` (1M rows, pinned
     /// xmin), `token` (commit → claimable), `peers`; the ordering keys' `ordered-burn-down`,
@@ -205,6 +211,7 @@ pub struct Sizes {
     pub rates: Vec<u32>,
     search: bool,
     pub analyze: bool,
+    plain_workers: bool,
     pub(crate) ordered: OrderedSizes,
     pub fairness_backlog: u64,
     pub console_intents: u64,
@@ -234,6 +241,7 @@ impl Sizes {
             },
             search: !s && a.rates.is_empty(),
             analyze: !a.no_analyze,
+            plain_workers: a.plain_workers,
             ordered: OrderedSizes {
                 intents: a.ordered.unwrap_or(if s { 4_000 } else { 220_000 }),
                 keys: a
@@ -717,14 +725,26 @@ pub(crate) async fn outboxd_burn_down(
     eprintln!("outboxd-bench: outboxd {scenario}");
     let section = Section::start(meter, target, env).await?;
     let t0 = Instant::now();
-    let (drained, hist) = burn_down(
-        section.endpoint(),
-        &target.worker_key,
-        total,
-        sizes.workers,
-        sizes.claim_batch,
-    )
-    .await?;
+    let (endpoint, worker_key) = (section.endpoint(), &target.worker_key);
+    let (drained, hist) = if sizes.plain_workers {
+        let (workers, batch) = (sizes.workers, sizes.claim_batch);
+        plain_workers::burn_down(endpoint, worker_key, THROUGHPUT_KIND, total, workers, batch)
+            .await?
+    } else {
+        burn_down(
+            endpoint,
+            worker_key,
+            total,
+            sizes.workers,
+            sizes.claim_batch,
+        )
+        .await?
+    };
+    let scenario = if sizes.plain_workers {
+        format!("{scenario}, plain Claim → Ack workers")
+    } else {
+        scenario
+    };
     let seconds = t0.elapsed().as_secs_f64();
     let cost = section.finish().await?;
     ensure!(

@@ -2,14 +2,15 @@
 -- index entry per intent: 0.3-0.5 ms of a claim of 100 (PostgreSQL 15, pgbench, the
 -- update alone). Now a claim with a request id writes one row here: the ids it leased,
 -- kept for its lease duration. A replay reads them by primary key and answers those
--- still leased to the same worker under the same digest (kept on the row, unindexed).
+-- still leased to the same worker under the same digest (kept on the row, unindexed; it
+-- now covers the claim's scope too).
 -- The sweep of expired leases deletes the expired rows (store::forget_claim_requests).
 -- A lease extended past its claim's duration is replayed only until the sweep: a worker
 -- that never had the answer cannot have extended it.
 
 CREATE TABLE outbox.claim_request (
     digest text PRIMARY KEY,
-    -- The claiming scope's tenants: a replay is read under the same scope.
+    -- The claiming scope's tenants (none: a fleet claim's, which only the fleet sees).
     scope_tenants text[] NOT NULL,
     intent_ids uuid[] NOT NULL,
     expires_at timestamptz NOT NULL
@@ -20,8 +21,10 @@ CREATE INDEX claim_request_expires_at_idx ON outbox.claim_request (expires_at);
 ALTER TABLE outbox.claim_request ENABLE ROW LEVEL SECURITY;
 ALTER TABLE outbox.claim_request FORCE ROW LEVEL SECURITY;
 CREATE POLICY claim_request_of_current_tenants ON outbox.claim_request
-    USING (scope_tenants <@ (SELECT v.tenants FROM outbox.verified_tenants v)::text[])
-    WITH CHECK (scope_tenants <@ (SELECT v.tenants FROM outbox.verified_tenants v)::text[]);
+    USING (cardinality(scope_tenants) > 0
+           AND scope_tenants <@ (SELECT v.tenants FROM outbox.verified_tenants v)::text[])
+    WITH CHECK (cardinality(scope_tenants) > 0
+                AND scope_tenants <@ (SELECT v.tenants FROM outbox.verified_tenants v)::text[]);
 CREATE POLICY claim_request_fleet ON outbox.claim_request TO outboxd_fleet
     USING (true) WITH CHECK (true);
 
@@ -52,7 +55,10 @@ DECLARE
     claim_at timestamptz := coalesce(as_of, now());
     budget bigint := greatest(coalesce(max_bytes, 9223372036854775807), 1);
     salt text := random()::text;
-    request_key text := outbox.claim_request_digest(worker, request_id);
+    -- The scope is part of the digest: a retry under another scope (a narrower tenant
+    -- header, a key's tenants changed) is a claim of its own, never a row its scope
+    -- may not see.
+    request_key text := outbox.claim_request_digest(worker, tenants || '/' || request_id);
     remaining int := max_intents;
     spent bigint := 0;
     cut boolean := false;

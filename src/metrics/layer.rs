@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::{CLAIM_METHOD, MethodLabels, Metrics, RpcLabels};
 use crate::deadline::grpc_timeout;
@@ -61,7 +61,13 @@ where
             .get("grpc-timeout")
             .and_then(|v| v.to_str().ok())
             .and_then(grpc_timeout)
-            .and_then(|timeout| started.checked_add(timeout));
+            // tonic's timer starts a little before this clock, and a client enforcing the
+            // same deadline resets the call at about the same moment: a drop within a
+            // twentieth of the timeout (at least 1 ms) of its end is the deadline's.
+            .and_then(|timeout| {
+                let slack = (timeout / 20).max(Duration::from_millis(1));
+                started.checked_add(timeout.saturating_sub(slack))
+            });
         let mut call = CallRecord {
             metrics: self.metrics.clone(),
             method: method_label(request.uri().path()),

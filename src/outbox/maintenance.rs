@@ -96,8 +96,6 @@ pub async fn rescue_all(
         let states =
             store::rescue_expired_leases(&mut *tx, config.backoff, config.batch_size, clock.now())
                 .await?;
-        let forgotten =
-            store::forget_claim_requests(&mut *tx, config.batch_size, clock.now()).await?;
         tx.commit().await?;
         for state in &states {
             match state {
@@ -106,9 +104,13 @@ pub async fn rescue_all(
                 _ => report.needs_reconcile += 1,
             }
         }
-        if (states.len() as i64) < config.batch_size && (forgotten as i64) < config.batch_size {
+        if (states.len() as i64) < config.batch_size {
             break;
         }
+    }
+    // Apart from the rescue, so that a failure here never holds up leases' rescue.
+    if let Err(e) = forget_claim_requests(pools, config, clock).await {
+        tracing::warn!(error.message = %e, "forgetting expired claim records failed; will retry");
     }
     if report.needs_reconcile > 0 || report.dead_lettered > 0 {
         tracing::warn!(
@@ -118,6 +120,23 @@ pub async fn rescue_all(
         );
     }
     Ok(report)
+}
+
+/// Deletes the replay records of claims whose lease duration has passed, batch by batch.
+async fn forget_claim_requests(
+    pools: &Pools,
+    config: &MaintenanceConfig,
+    clock: &Clock,
+) -> Result<()> {
+    loop {
+        let mut tx =
+            store::begin_with(pools, &TenantScope::All, &[AlsoAtBegin::IndexPlans]).await?;
+        let n = store::forget_claim_requests(&mut *tx, config.batch_size, clock.now()).await?;
+        tx.commit().await?;
+        if (n as i64) < config.batch_size {
+            return Ok(());
+        }
+    }
 }
 
 /// Purges every finished intent past retention, batch by batch.

@@ -240,6 +240,42 @@ async fn a_claims_replay_record_is_kept_for_its_lease_duration_then_forgotten() 
 }
 
 #[tokio::test]
+async fn a_claim_retried_under_a_narrower_tenant_scope_is_a_claim_of_its_own() {
+    let app = TestApp::spawn().await;
+    let key = app.key(&["a", "b"], &["produce", "consume"], &[]).await;
+    for tenant in ["a", "b"] {
+        let mut producer = app.client_with(Some(&key), Some(tenant)).await;
+        producer
+            .enqueue(v1::EnqueueRequest {
+                intents: (0..2).map(|_| intent("job", "{}")).collect(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    let mut request = claim_request("w", 2);
+    request.request_id = "req-1".into();
+    let mut both = app.client_with(Some(&key), None).await;
+    let first = both
+        .claim(request.clone())
+        .await
+        .unwrap()
+        .into_inner()
+        .leases;
+    assert_eq!(first.len(), 2);
+
+    // Its first attempt's record names both tenants, which this scope may not see.
+    let mut only_a = app.client_with(Some(&key), Some("a")).await;
+    let retried = only_a.claim(request).await.unwrap().into_inner().leases;
+    assert!(
+        retried
+            .iter()
+            .all(|l| !first.iter().any(|f| f.lease_id == l.lease_id)),
+        "a claim of its own, not a replay"
+    );
+}
+
+#[tokio::test]
 async fn invalid_claims_are_rejected_with_the_fields_named() {
     let app = TestApp::spawn().await;
     let status = app

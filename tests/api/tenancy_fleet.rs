@@ -41,11 +41,14 @@ const ATTEMPTS: &[&str] = &[
     "SELECT outbox.enter_scope('globex', repeat('0', 64))",
 ];
 
-/// The attempts, and acme's own proof (which a session may have seen) borrowed for globex,
-/// for a list that adds globex, and for a longer list that starts with acme's.
+/// The attempts, acme's own proven scope, and acme's proof (which a session may have seen)
+/// borrowed for globex, for a list that adds globex, and for a longer list that starts with
+/// acme's.
 async fn attempts(app: &TestApp) -> Vec<String> {
     let proof = app.scope_proof("acme").await;
     let mut all: Vec<String> = ATTEMPTS.iter().map(|a| (*a).to_owned()).collect();
+    // acme's own scope, proven: it shows acme's rows only.
+    all.push(app.scope_statement("acme").await);
     for tenants in ["globex", "acme,globex", "globex,acme", "acme,"] {
         all.push(format!("SELECT outbox.enter_scope('{tenants}', '{proof}')"));
         all.push(format!(
@@ -58,7 +61,7 @@ async fn attempts(app: &TestApp) -> Vec<String> {
 
 /// Globex's rows in every table: a pending, a leased and a NEEDS_RECONCILE intent (through
 /// the API), a row of the delivered history (holding no items), an operator's resolution
-/// and a claim's replay record (as the superuser). Returns globex's tenant rows and its live lease.
+/// and claims' replay records, globex's and a fleet claim's (as the superuser). Returns globex's tenant rows and its live lease.
 async fn globex_everywhere(app: &TestApp) -> (Vec<Uuid>, v1::Lease) {
     let b = populate_globex(app).await;
     sqlx::raw_sql(
@@ -67,7 +70,8 @@ async fn globex_everywhere(app: &TestApp) -> (Vec<Uuid>, v1::Lease) {
          INSERT INTO outbox.resolution (tenant_id, intent_id, from_state, decision, actor, reason, resolved_at)
          VALUES ('globex', gen_random_uuid(), 'needs_reconcile', 'dead', 'op', 'test', now());
          INSERT INTO outbox.claim_request (digest, scope_tenants, intent_ids, expires_at)
-         VALUES ('globex-claim', '{globex}', '{}', now() + interval '1 hour');",
+         VALUES ('globex-claim', '{globex}', '{}', now() + interval '1 hour'),
+                ('fleet-claim', '{}', '{}', now() + interval '1 hour');",
     )
     .execute(&app.pool)
     .await
@@ -91,9 +95,10 @@ async fn globex_rows_seen(conn: &mut PgConnection, ids: &[Uuid]) -> Vec<(String,
         .unwrap();
         seen.push(((*relation).to_owned(), n));
     }
-    // A claim's replay record names its scope's tenants.
+    // A claim's replay record names its scope's tenants; a fleet claim's names none.
     let n: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM outbox.claim_request WHERE 'globex' = ANY (scope_tenants)",
+        "SELECT count(*) FROM outbox.claim_request
+         WHERE 'globex' = ANY (scope_tenants) OR cardinality(scope_tenants) = 0",
     )
     .fetch_one(&mut *conn)
     .await
@@ -203,7 +208,7 @@ async fn the_fleet_role_sees_every_tenant_without_setting_anything() {
         ("outbox.resolution", 1),
         // The batch row holds no items.
         ("outbox.all_intents", 3),
-        ("outbox.claim_request", 1),
+        ("outbox.claim_request", 2),
         ("outbox.intents_by_id", 3),
     ]
     .iter()

@@ -257,10 +257,11 @@ BEGIN
         INSERT INTO outbox.claim_request AS r (digest, scope_tenants, intent_ids, expires_at)
         VALUES (request_key, coalesce(string_to_array(nullif(tenants, ''), ','), '{}'),
                 leased_ids, claim_at + lease_ms * interval '1 ms')
+        -- A retry that leased anew (its kinds or region took none of the first attempt's
+        -- leases) keeps the first attempt's ids too: a later retry may still want them.
         ON CONFLICT (digest) DO UPDATE
-        SET scope_tenants = excluded.scope_tenants,
-            intent_ids = excluded.intent_ids,
-            expires_at = excluded.expires_at;
+        SET intent_ids = r.intent_ids || excluded.intent_ids,
+            expires_at = greatest(r.expires_at, excluded.expires_at);
     END IF;
     IF refused > 0 THEN
         PERFORM set_config('outbox.refused_by_limit', refused::text, true);

@@ -276,6 +276,34 @@ async fn a_claim_retried_under_a_narrower_tenant_scope_is_a_claim_of_its_own() {
 }
 
 #[tokio::test]
+async fn a_retry_with_other_kinds_leases_anew_and_the_first_kinds_still_replay() {
+    let app = TestApp::spawn().await;
+    app.enqueue_n("sms", 2).await;
+    app.enqueue_n("push", 2).await;
+    let mut sms = claim_request("w", 2);
+    sms.request_id = "req-1".into();
+    sms.kinds = vec!["sms".into()];
+    let first = app.claim(sms.clone()).await.unwrap();
+    assert_eq!(first.len(), 2);
+
+    let mut push = sms.clone();
+    push.kinds = vec!["push".into()];
+    let other = app.claim(push).await.unwrap();
+    assert_eq!(
+        other.len(),
+        2,
+        "none of the first leases is a push: it leases anew"
+    );
+
+    let replay = app.claim(sms).await.unwrap();
+    assert_eq!(
+        replay.iter().map(|l| &l.lease_id).collect::<Vec<_>>(),
+        first.iter().map(|l| &l.lease_id).collect::<Vec<_>>(),
+        "the first attempt's leases are still its replay"
+    );
+}
+
+#[tokio::test]
 async fn invalid_claims_are_rejected_with_the_fields_named() {
     let app = TestApp::spawn().await;
     let status = app

@@ -7,8 +7,9 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use outboxd::outbox::store::Flusher;
+use outboxd::outbox::store::{Unflushed, flush};
 use outboxd::proto::v1;
+use sqlx::{Connection, PgConnection};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
@@ -17,6 +18,7 @@ use crate::helpers::{
     TestApp, assert_status, claim_request, duration, failure, fresh_database, id_of, intent,
     lease_ref,
 };
+use crate::two_phase::{app_on_own_cluster_with, stop_own_cluster};
 
 /// What the proxy does with a connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -278,21 +280,79 @@ async fn the_server_stops_within_its_grace_with_the_database_gone() {
     }
 }
 
+/// A commit that did not wait for its flush, as its statement on `conn` would see it.
+async fn unflushed_commit_on(conn: &mut PgConnection) -> Unflushed {
+    let (incarnation, began) = sqlx::query_as("SELECT pg_postmaster_start_time(), now()")
+        .fetch_one(conn)
+        .await
+        .unwrap();
+    Unflushed { incarnation, began }
+}
+
 #[tokio::test]
-async fn a_flush_on_a_server_started_after_the_commit_it_is_for_is_an_outage() {
+async fn a_flush_proves_a_commit_only_from_a_backend_older_than_it_on_its_server() {
     let app = TestApp::spawn().await;
-    let started: chrono::DateTime<chrono::Utc> =
+    let mut older = PgConnection::connect(&app.url).await.unwrap();
+    let commit = unflushed_commit_on(&mut older).await;
+    flush(&mut older, commit).await.unwrap();
+    // Made on a server that has restarted (or failed over) since: a crash may have lost
+    // it, whatever the new server flushes.
+    let elsewhere = Unflushed {
+        incarnation: commit.incarnation - chrono::Duration::seconds(1),
+        ..commit
+    };
+    let error = flush(&mut older, elsewhere).await.unwrap_err();
+    assert!(matches!(error, sqlx::Error::Io(_)), "{error:?}");
+    // A backend that started after the commit may have started after a crash that lost it.
+    let mut younger = PgConnection::connect(&app.url).await.unwrap();
+    let error = flush(&mut younger, commit).await.unwrap_err();
+    assert!(matches!(error, sqlx::Error::Io(_)), "{error:?}");
+    // Its own later commits it proves.
+    let later = unflushed_commit_on(&mut younger).await;
+    flush(&mut younger, later).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_commit_before_a_backend_crash_is_not_proven_by_a_flush_after_it() {
+    let (app, cluster) = app_on_own_cluster_with(Vec::new()).await;
+    let url = cluster.url("postgres");
+    let mut before = PgConnection::connect(&url).await.unwrap();
+    let commit = unflushed_commit_on(&mut before).await;
+    // A backend killed: PostgreSQL ends every session and recovers from its WAL, keeping
+    // its start time. A commit not flushed by then is lost.
+    let mut victim = PgConnection::connect(&url).await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut victim)
+        .await
+        .unwrap();
+    let killed = std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut after = loop {
+        // The sessions of before the crash end as the server reinitializes.
+        if let Ok(mut conn) = PgConnection::connect(&url).await
+            && sqlx::query("SELECT 1").execute(&mut conn).await.is_ok()
+            && before.ping().await.is_err()
+        {
+            break conn;
+        }
+        assert!(Instant::now() < deadline, "PostgreSQL did not come back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let restarted: chrono::DateTime<chrono::Utc> =
         sqlx::query_scalar("SELECT pg_postmaster_start_time()")
-            .fetch_one(&app.pool)
+            .fetch_one(&mut after)
             .await
             .unwrap();
-    let flusher = Flusher::default();
-    flusher.flush(&app.pool, started).await.unwrap();
-    // A commit that did not wait for its flush, made on a server that has restarted (or
-    // failed over) since: a crash may have lost it, whatever the new server flushes.
-    let before = started - chrono::Duration::seconds(1);
-    let error = flusher.flush(&app.pool, before).await.unwrap_err();
+    assert_eq!(
+        restarted, commit.incarnation,
+        "a reinit keeps the start time"
+    );
+    let error = flush(&mut after, commit).await.unwrap_err();
     assert!(matches!(error, sqlx::Error::Io(_)), "{error:?}");
-    // The flushes of this server's commits still count.
-    flusher.flush(&app.pool, started).await.unwrap();
+    drop(before);
+    stop_own_cluster(app, cluster).await;
 }

@@ -15,7 +15,6 @@ use sha2::{Digest, Sha256};
 use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres, Transaction};
 
-use super::flush::Flusher;
 use crate::outbox::Result;
 
 /// The tenants a transaction may see and write.
@@ -56,8 +55,6 @@ pub struct Pools {
     scope_key: ScopeKey,
     /// What the tenant and the fleet pool's acquires count, when the caller hands counters.
     acquires: Option<Arc<[AcquireCounters; 2]>>,
-    /// Flushes the commits that did not wait for theirs.
-    flusher: Arc<Flusher>,
 }
 
 /// What acquiring a connection for a transaction counts: how long it took, and how many
@@ -83,7 +80,6 @@ impl Pools {
             fleet,
             scope_key,
             acquires: None,
-            flusher: Arc::default(),
         })
     }
 
@@ -129,11 +125,6 @@ impl Pools {
     /// The fleet role's pool, which sees every tenant.
     pub fn fleet(&self) -> &PgPool {
         &self.fleet
-    }
-
-    /// What makes commits that did not wait for their flush durable.
-    pub(super) fn flusher(&self) -> &Flusher {
-        &self.flusher
     }
 
     /// The pool whose role may act for `scope`: the one place that chooses.

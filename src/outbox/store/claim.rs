@@ -9,6 +9,7 @@ use sqlx::{Row, ValueRef};
 use uuid::Uuid;
 
 use super::access::{Pools, TenantScope, begin, on_live_connection};
+use super::flush::{Unflushed, flush};
 use super::{INTENT_COLUMNS, intent_at, millis};
 use crate::outbox::{Intent, IntentId, LeaseId, Result};
 
@@ -116,8 +117,10 @@ pub async fn claim_intents(
     // Run again when the connection turns out dead. Had the lost call run after all, its
     // leases, never handed to anyone, expire back to PENDING like a crashed worker's (as
     // when the reply to a COMMIT is lost), and a retry with the same request id gets them.
-    let rows: Vec<PgRow> = on_live_connection(pool, || {
-        sqlx::query(CLAIM)
+    // The connection is kept for the flush (store::flush): it outlives no crash.
+    let (rows, mut conn) = on_live_connection(pool, || async {
+        let mut conn = pool.acquire().await?;
+        let rows: Vec<PgRow> = sqlx::query(CLAIM)
             .bind(&scope.tenants)
             .bind(&scope.proof)
             .bind(params.worker_id)
@@ -132,7 +135,9 @@ pub async fn claim_intents(
             .bind(&floor_priorities)
             .bind(&floor_ats)
             .bind(i64::try_from(params.max_bytes).unwrap_or(i64::MAX))
-            .fetch_all(pool)
+            .fetch_all(&mut *conn)
+            .await?;
+        Ok((rows, conn))
     })
     .await?;
     let mut claimed = Claimed {
@@ -144,8 +149,8 @@ pub async fn claim_intents(
         refused_by_limit: 0,
     };
     // After the intent's columns: next_due_in, replayed, ran_out, tenant_id,
-    // refused_by_limit, unflushed, incarnation.
-    let (next_due_in, replayed, ran_out, tenant, refused, unflushed, incarnation) = (
+    // refused_by_limit, unflushed, incarnation, began.
+    let (next_due_in, replayed, ran_out, tenant, refused, unflushed, incarnation, began) = (
         INTENT_COLUMNS,
         INTENT_COLUMNS + 1,
         INTENT_COLUMNS + 2,
@@ -153,6 +158,7 @@ pub async fn claim_intents(
         INTENT_COLUMNS + 4,
         INTENT_COLUMNS + 5,
         INTENT_COLUMNS + 6,
+        INTENT_COLUMNS + 7,
     );
     if let Some(row) = rows.first() {
         let leased = !row.try_get_raw(0)?.is_null();
@@ -160,11 +166,13 @@ pub async fn claim_intents(
         // …17), and a replay may read such a claim's leases before that flush: no lease is
         // answered before it is durable.
         if leased && (row.try_get(unflushed)? || row.try_get(replayed)?) {
-            pools
-                .flusher()
-                .flush(pool, row.try_get(incarnation)?)
-                .await?;
+            let commit = Unflushed {
+                incarnation: row.try_get(incarnation)?,
+                began: row.try_get(began)?,
+            };
+            flush(&mut conn, commit).await?;
         }
+        drop(conn);
         if let Some(seconds) = row.try_get::<Option<f64>, _>(next_due_in)? {
             // Beyond what a Duration holds: as good as never (the recheck comes first).
             claimed.next_due_in =

@@ -42,7 +42,7 @@ pub use console::{
     overview_minutes, revoke_api_key_by_id,
 };
 pub use enqueue::{EnqueueParams, Inserted, insert_intents};
-pub use flush::Flusher;
+pub use flush::{Unflushed, flush};
 pub use inspect::{
     ListParams, Listed, QueueDepth, QueueStats, StateCount, get_intent, list_intents, probe,
     queue_depth, queue_stats,

@@ -282,11 +282,16 @@ async fn the_server_stops_within_its_grace_with_the_database_gone() {
 
 /// A commit that did not wait for its flush, as its statement on `conn` would see it.
 async fn unflushed_commit_on(conn: &mut PgConnection) -> Unflushed {
-    let (incarnation, began) = sqlx::query_as("SELECT pg_postmaster_start_time(), now()")
-        .fetch_one(conn)
-        .await
-        .unwrap();
-    Unflushed { incarnation, began }
+    let (incarnation, backend, began) =
+        sqlx::query_as("SELECT pg_postmaster_start_time(), pg_backend_pid(), now()")
+            .fetch_one(conn)
+            .await
+            .unwrap();
+    Unflushed {
+        incarnation,
+        backend,
+        began,
+    }
 }
 
 #[tokio::test]
@@ -307,6 +312,11 @@ async fn a_flush_proves_a_commit_only_from_a_backend_older_than_it_on_its_server
     let mut younger = PgConnection::connect(&app.url).await.unwrap();
     let error = flush(&mut younger, commit).await.unwrap_err();
     assert!(matches!(error, sqlx::Error::Io(_)), "{error:?}");
+    // Behind a pooler, another backend that was there before the commit proves it.
+    let mut oldest = PgConnection::connect(&app.url).await.unwrap();
+    let mut newer = PgConnection::connect(&app.url).await.unwrap();
+    let commit_elsewhere = unflushed_commit_on(&mut newer).await;
+    flush(&mut oldest, commit_elsewhere).await.unwrap();
     // Its own later commits it proves.
     let later = unflushed_commit_on(&mut younger).await;
     flush(&mut younger, later).await.unwrap();
@@ -331,11 +341,15 @@ async fn a_commit_before_a_backend_crash_is_not_proven_by_a_flush_after_it() {
         .unwrap();
     assert!(killed.success());
     let deadline = Instant::now() + Duration::from_secs(60);
+    // The sessions of before the crash end as the server reinitializes; sessions are
+    // refused until its recovery is done.
+    while before.ping().await.is_ok() {
+        assert!(Instant::now() < deadline, "the session outlived the crash");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let mut after = loop {
-        // The sessions of before the crash end as the server reinitializes.
         if let Ok(mut conn) = PgConnection::connect(&url).await
             && sqlx::query("SELECT 1").execute(&mut conn).await.is_ok()
-            && before.ping().await.is_err()
         {
             break conn;
         }

@@ -149,16 +149,19 @@ pub async fn claim_intents(
         refused_by_limit: 0,
     };
     // After the intent's columns: next_due_in, replayed, ran_out, tenant_id,
-    // refused_by_limit, unflushed, incarnation, began.
-    let (next_due_in, replayed, ran_out, tenant, refused, unflushed, incarnation, began) = (
+    // refused_by_limit, unflushed, incarnation, backend, began.
+    let (next_due_in, replayed, ran_out, tenant, refused) = (
         INTENT_COLUMNS,
         INTENT_COLUMNS + 1,
         INTENT_COLUMNS + 2,
         INTENT_COLUMNS + 3,
         INTENT_COLUMNS + 4,
+    );
+    let (unflushed, incarnation, backend, began) = (
         INTENT_COLUMNS + 5,
         INTENT_COLUMNS + 6,
         INTENT_COLUMNS + 7,
+        INTENT_COLUMNS + 8,
     );
     if let Some(row) = rows.first() {
         let leased = !row.try_get_raw(0)?.is_null();
@@ -168,6 +171,7 @@ pub async fn claim_intents(
         if leased && (row.try_get(unflushed)? || row.try_get(replayed)?) {
             let commit = Unflushed {
                 incarnation: row.try_get(incarnation)?,
+                backend: row.try_get(backend)?,
                 began: row.try_get(began)?,
             };
             flush(&mut conn, commit).await?;

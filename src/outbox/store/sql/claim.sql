@@ -9,8 +9,8 @@
 -- transaction has an id, and a replay only reads), the intent's tenant, and the leases
 -- limits refused (set by outbox.claim for the statement's transaction), whether the
 -- transaction commits without waiting for its flush (a limited queue's), and when the
--- server it ran on started and when its statement began (store::flush: a flush on another
--- server, or on a backend younger than the claim, cannot prove it durable). The select list
+-- server it ran on started, its backend and when its statement began (store::flush: a
+-- flush on another server, or on a backend younger than the claim, cannot prove it durable). The select list
 -- is computed once the function has returned (PL/pgSQL returns its rows all at once).
 WITH leased AS MATERIALIZED (
     SELECT * FROM outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
@@ -35,6 +35,7 @@ SELECT i.id, i.state, i.kind, i.payload, i.content_type, i.region, i.idempotency
            AS refused_by_limit,
        current_setting('synchronous_commit') = 'off' AS unflushed,
        pg_postmaster_start_time() AS incarnation,
+       pg_backend_pid() AS backend,
        now() AS began
 FROM (VALUES (1)) AS one (x)
 LEFT JOIN leased i ON true

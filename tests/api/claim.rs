@@ -240,6 +240,34 @@ async fn a_claims_replay_record_is_kept_for_its_lease_duration_then_forgotten() 
 }
 
 #[tokio::test]
+async fn a_replay_answers_only_the_leases_not_yet_expired() {
+    let app = TestApp::spawn().await;
+    app.enqueue_n("job", 2).await;
+    let mut request = claim_request("w", 2);
+    request.request_id = "req-1".into();
+    request.lease_duration = Some(duration(Duration::from_secs(30)));
+    let first = app.claim(request.clone()).await.unwrap();
+    assert_eq!(first.len(), 2);
+    // One lease extended, the other left to expire; the rescue has not come yet, so both
+    // are still LEASED in the table.
+    let extended = app.extend(&[&first[0]], Duration::from_secs(60)).await;
+    assert!(extended[0].error.is_none(), "{extended:?}");
+    app.advance(Duration::from_secs(31));
+    let replay = app.claim(request.clone()).await.unwrap();
+    assert_eq!(
+        replay.iter().map(|l| &l.lease_id).collect::<Vec<_>>(),
+        [&first[0].lease_id],
+        "the expired lease may be rescued and leased again at any moment"
+    );
+    // The rescue takes the expired one back: claimable again, once.
+    app.rescue().await;
+    app.advance(Duration::from_secs(2)); // past its backoff
+    let other = app.claim_n("other", 2).await;
+    assert_eq!(other.len(), 1);
+    assert_eq!(id_of(&other[0]), id_of(&first[1]));
+}
+
+#[tokio::test]
 async fn a_claim_retried_under_a_narrower_tenant_scope_is_a_claim_of_its_own() {
     let app = TestApp::spawn().await;
     let key = app.key(&["a", "b"], &["produce", "consume"], &[]).await;

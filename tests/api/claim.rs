@@ -268,6 +268,26 @@ async fn a_replay_answers_only_the_leases_not_yet_expired() {
 }
 
 #[tokio::test]
+async fn a_replay_whose_leases_all_expired_is_a_claim_of_its_own() {
+    let app = TestApp::spawn().await;
+    let taken = app.enqueue_n("job", 2).await;
+    let mut request = claim_request("w", 2);
+    request.request_id = "req-1".into();
+    request.lease_duration = Some(duration(Duration::from_secs(30)));
+    let first = app.claim(request.clone()).await.unwrap();
+    assert_eq!(first.len(), 2);
+    let later = app.enqueue_n("job", 1).await;
+    // Both leases expired; the rescue has not come yet.
+    app.advance(Duration::from_secs(31));
+    let retry = app.claim(request).await.unwrap();
+    assert_eq!(
+        retry.iter().map(id_of).collect::<Vec<_>>(),
+        [later[0].as_str()],
+        "the retry leases anew, never the expired leases of {taken:?}"
+    );
+}
+
+#[tokio::test]
 async fn a_claim_retried_under_a_narrower_tenant_scope_is_a_claim_of_its_own() {
     let app = TestApp::spawn().await;
     let key = app.key(&["a", "b"], &["produce", "consume"], &[]).await;

@@ -227,7 +227,9 @@ impl Model {
     }
 
     /// The live leases a repeated Claim returns: those its first attempt took that are
-    /// still LEASED or SUBMITTED (Ack, Fail and rescue forget the request id).
+    /// still LEASED or SUBMITTED (Ack, Fail and rescue forget the request id) and not past
+    /// their expiry (the rescue, which takes leases that expired before now, may not
+    /// have come yet).
     fn earlier_leases(&self, worker: u8) -> Vec<usize> {
         let Some(request) = self.last_request[worker as usize] else {
             return Vec::new();
@@ -237,6 +239,7 @@ impl Model {
                 let i = &self.intents[s];
                 i.claim_request == Some((worker, request))
                     && matches!(i.state, St::Leased | St::Submitted)
+                    && i.lease_expires_at.is_some_and(|t| t >= self.now)
             })
             .collect()
     }

@@ -196,13 +196,6 @@ pub async fn claim_intents(
         }
         leased.push((intent_at(row, n == 0)?, row.try_get::<String, _>(tenant)?));
     }
-    if claimed.replayed {
-        // Only the leases still held: one past its expiry may be rescued and leased to
-        // another worker at any moment (the rescue had not come yet).
-        let statement_at: DateTime<Utc> = rows[0].try_get(began)?;
-        let at = params.now.unwrap_or(statement_at);
-        leased.retain(|(i, _)| i.lease_expires_at.is_some_and(|expiry| expiry > at));
-    }
     leased.sort_by_key(|(i, _)| i.claim_order());
     (claimed.intents, claimed.tenants) = leased.into_iter().unzip();
     Ok(claimed)

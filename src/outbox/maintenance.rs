@@ -122,17 +122,15 @@ pub async fn rescue_all(
     Ok(report)
 }
 
-/// Deletes the replay records of claims whose lease duration has passed, batch by batch.
+/// Deletes the replay records of claims whose lease duration has passed, batch by batch:
+/// each batch one statement of the fleet role (its grant is its scope), committed alone.
 async fn forget_claim_requests(
     pools: &Pools,
     config: &MaintenanceConfig,
     clock: &Clock,
 ) -> Result<()> {
     loop {
-        let mut tx =
-            store::begin_with(pools, &TenantScope::All, &[AlsoAtBegin::IndexPlans]).await?;
-        let n = store::forget_claim_requests(&mut *tx, config.batch_size, clock.now()).await?;
-        tx.commit().await?;
+        let n = store::forget_claim_requests(pools.fleet(), config.batch_size, clock.now()).await?;
         if (n as i64) < config.batch_size {
             return Ok(());
         }

@@ -10,8 +10,9 @@
 -- limits refused (set by outbox.claim for the statement's transaction), whether the
 -- transaction commits without waiting for its flush (a limited queue's), and when the
 -- server it ran on started, its backend and when its statement began (store::flush: a
--- flush on another server, or on a backend younger than the claim, cannot prove it durable). The select list
--- is computed once the function has returned (PL/pgSQL returns its rows all at once).
+-- flush on another server, or on a backend younger than the claim, cannot prove it
+-- durable). The select list is computed once the function has returned (PL/pgSQL
+-- returns its rows all at once).
 WITH leased AS MATERIALIZED (
     SELECT * FROM outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
 ),

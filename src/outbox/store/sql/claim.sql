@@ -11,36 +11,36 @@
 -- transaction commits without waiting for its flush (a limited queue's), and when the
 -- server it ran on started, its backend and when its statement began (store::flush: a
 -- flush on another server, or on a backend younger than the claim, cannot prove it
--- durable). The select list is computed once the function has returned (PL/pgSQL
--- returns its rows all at once).
+-- durable).
 WITH leased AS MATERIALIZED (
     SELECT * FROM outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
 ),
-ran_out AS MATERIALIZED (
-    -- The weights are summed only when fewer than asked were leased (a full batch, the
-    -- busy queue's case, did not run out).
-    SELECT CASE WHEN (SELECT count(*) FROM leased) >= $6 THEN false
-        ELSE (SELECT coalesce(sum(outbox.reply_weight(l.payload, l.headers,
-                                                      l.last_error)), 0) < $14
-              FROM leased l)
-    END AS ran_out
+outcome AS MATERIALIZED (
+    -- Once a statement, not once a row; after the function has run (this reads leased).
+    SELECT CASE WHEN leased.n >= $6 THEN false
+               -- The weights are summed only when fewer than asked were leased (a full
+               -- batch, the busy queue's case, did not run out).
+               ELSE (SELECT coalesce(sum(outbox.reply_weight(l.payload, l.headers,
+                                                             l.last_error)), 0) < $14
+                     FROM leased l)
+           END AS ran_out,
+           pg_current_xact_id_if_assigned() IS NULL AS replayed,
+           coalesce(nullif(current_setting('outbox.refused_by_limit', true), ''), '0')::int
+               AS refused_by_limit,
+           current_setting('synchronous_commit') = 'off' AS unflushed,
+           pg_postmaster_start_time() AS incarnation,
+           pg_backend_pid() AS backend,
+           now() AS began
+    FROM (SELECT count(*) AS n FROM leased) leased
 )
 SELECT i.id, i.state, i.kind, i.payload, i.content_type, i.region, i.idempotency_key,
        i.headers, i.attempts, i.max_attempts, i.available_at, i.created_at, i.updated_at,
        i.lease_id, i.lease_expires_at, i.worker_id, i.last_error, i.ordering_key, i.priority,
-       due.seconds AS next_due_in,
-       pg_current_xact_id_if_assigned() IS NULL AS replayed,
-       (SELECT ran_out FROM ran_out) AS ran_out,
-       i.tenant_id,
-       coalesce(nullif(current_setting('outbox.refused_by_limit', true), ''), '0')::int
-           AS refused_by_limit,
-       current_setting('synchronous_commit') = 'off' AS unflushed,
-       pg_postmaster_start_time() AS incarnation,
-       pg_backend_pid() AS backend,
-       now() AS began
-FROM (VALUES (1)) AS one (x)
+       due.seconds AS next_due_in, s.replayed, s.ran_out, i.tenant_id, s.refused_by_limit,
+       s.unflushed, s.incarnation, s.backend, s.began
+FROM outcome s
 LEFT JOIN leased i ON true
 LEFT JOIN LATERAL (
     SELECT outbox.next_due_in($1, $2, $4, $5, $9) AS seconds
-    WHERE (SELECT ran_out FROM ran_out)
+    WHERE s.ran_out
 ) due ON true

@@ -383,6 +383,44 @@ async fn a_cancel_of_intents_of_two_keys_takes_both_keys_before_either_row() {
     assert_eq!(drain_one_by_one(&app).await, [ids[0].clone()]);
 }
 
+/// A CANCEL takes an ordered intent's key before its row. The promotion of a STAGED one
+/// took the row first and then waited for the key: with a CANCEL of it in between, each
+/// waited for the other (a deadlock, the CANCEL answered ABORTED). While the key is held,
+/// the promotion now leaves the intent unlocked, and promotes it once the key is free.
+#[tokio::test]
+async fn the_promotion_takes_a_staged_intents_key_before_its_row() {
+    let app = TestApp::spawn().await;
+    let mut producer = app.producer().await;
+    let mut tx = producer.begin().await.unwrap();
+    let token = token_of(&mut tx).await;
+    let staged = enqueue_in(&app, &token, vec![ordered("k", "staged")])
+        .await
+        .unwrap();
+    let id = staged[0].id.clone();
+    // The key held as a CANCEL of the intent holds it before it locks the row.
+    let mut holder = PgConnection::connect(&app.url).await.unwrap();
+    let mut held = holder.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(outbox.ordering_lock($1, 'k'))")
+        .bind(TENANT)
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    let report = tokio::time::timeout(Duration::from_secs(10), app.promote())
+        .await
+        .expect("the promotion does not wait for a key held elsewhere");
+    assert_eq!(report.promoted, 0, "its key is held");
+    // The CANCEL's next step: neither this promotion nor the one the commit kicked holds it.
+    sqlx::query("SELECT 1 FROM outbox.intent WHERE id = $1::uuid FOR UPDATE NOWAIT")
+        .bind(&id)
+        .execute(&mut *held)
+        .await
+        .expect("no promotion holds the row of a key it does not hold");
+    held.rollback().await.unwrap();
+    app.wait_for_state(&id, IntentState::Pending).await;
+}
+
 /// Key "k" of three intents, the head leased: its Ack and a CANCEL of one behind it (the
 /// `cancel` request, given the ids) reach the key's lock in that order, the order in which
 /// they deadlocked; both must apply, and the intent left is delivered next.

@@ -176,6 +176,13 @@ pub async fn promote_staged_intents(
             FROM outbox.intent i
             JOIN finished_xids f ON f.txn_xid = i.txn_xid
             WHERE i.state = 'staged'
+              -- An ordered intent's key before its row, in the order a CANCEL takes them
+              -- (else the two deadlock); a key held now is left for the next sweep. The
+              -- condition names f so that it runs after the join, for finished ones only.
+              AND (i.ordering_key IS NULL
+                   OR (f.status IS NOT NULL
+                       AND pg_try_advisory_xact_lock(
+                           outbox.ordering_lock(i.tenant_id, i.ordering_key))))
             LIMIT $1
             FOR UPDATE OF i SKIP LOCKED
         ),

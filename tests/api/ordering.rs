@@ -385,10 +385,10 @@ async fn a_cancel_of_intents_of_two_keys_takes_both_keys_before_either_row() {
 
 /// A CANCEL takes an ordered intent's key before its row. The promotion of a STAGED one
 /// took the row first and then waited for the key: with a CANCEL of it in between, each
-/// waited for the other (a deadlock, the CANCEL answered ABORTED). While the key is held,
-/// the promotion now leaves the intent unlocked, and promotes it once the key is free.
+/// waited for the other (a deadlock, the CANCEL answered ABORTED). It now waits for the key
+/// holding no row, and promotes the intent once it has the key.
 #[tokio::test]
-async fn the_promotion_takes_a_staged_intents_key_before_its_row() {
+async fn the_promotion_waits_for_a_staged_intents_key_before_locking_its_row() {
     let app = TestApp::spawn().await;
     let mut producer = app.producer().await;
     let mut tx = producer.begin().await.unwrap();
@@ -406,18 +406,18 @@ async fn the_promotion_takes_a_staged_intents_key_before_its_row() {
         .await
         .unwrap();
     tx.commit().await.unwrap();
-
-    let report = tokio::time::timeout(Duration::from_secs(10), app.promote())
-        .await
-        .expect("the promotion does not wait for a key held elsewhere");
-    assert_eq!(report.promoted, 0, "its key is held");
-    // The CANCEL's next step: neither this promotion nor the one the commit kicked holds it.
-    sqlx::query("SELECT 1 FROM outbox.intent WHERE id = $1::uuid FOR UPDATE NOWAIT")
-        .bind(&id)
-        .execute(&mut *held)
-        .await
-        .expect("no promotion holds the row of a key it does not hold");
-    held.rollback().await.unwrap();
+    let cancel = async {
+        // This promotion, or the one the commit kicked, waits for the key…
+        app.wait_for_lock_waiters(1).await;
+        // …holding no row: the CANCEL's next step gets it.
+        sqlx::query("SELECT 1 FROM outbox.intent WHERE id = $1::uuid FOR UPDATE NOWAIT")
+            .bind(&id)
+            .execute(&mut *held)
+            .await
+            .expect("no promotion holds the row while it waits for the key");
+        held.rollback().await.unwrap();
+    };
+    tokio::join!(app.promote(), cancel);
     app.wait_for_state(&id, IntentState::Pending).await;
 }
 

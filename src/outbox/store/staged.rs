@@ -138,6 +138,24 @@ pub struct PromotionReport {
     pub forgotten: u64,
 }
 
+/// The locks of the keys of finished STAGED ordered intents (at most `$1` keys), sorted and
+/// in one round before the promotion locks any row, as a CANCEL takes them: waiting for a
+/// key then holds nothing the key's holder may want, and the promotion has its turn in the
+/// key's queue (a try alone could find a busy key taken at every sweep). PostgreSQL
+/// evaluates a volatile select-list function after the sort below it.
+const STAGED_KEY_LOCKS: &str = r#"
+    SELECT k.lock_id, pg_advisory_xact_lock(k.lock_id)
+    FROM (
+        SELECT DISTINCT outbox.ordering_lock(i.tenant_id, i.ordering_key) AS lock_id
+        FROM outbox.intent i
+        WHERE i.state = 'staged'
+          AND i.ordering_key IS NOT NULL
+          AND outbox.xact_status(i.txn_xid) <> 'in progress'
+        LIMIT $1
+    ) k
+    ORDER BY k.lock_id
+"#;
+
 /// Resolves up to `limit` STAGED intents whose producer transaction has finished, across
 /// tenants: committed → PENDING (and claimers are notified), or WAITING for an ordered one
 /// (with its transaction's commit time), whose key then advances; aborted → DISCARDED.
@@ -151,6 +169,10 @@ pub async fn promote_staged_intents(
     limit: i64,
     now: Option<DateTime<Utc>>,
 ) -> Result<PromotionReport> {
+    sqlx::query(STAGED_KEY_LOCKS)
+        .bind(limit)
+        .execute(&mut *conn)
+        .await?;
     let rows: Vec<(IntentState, String, Option<String>)> = sqlx::query_as(
         r#"
         WITH staged_xids AS (
@@ -177,8 +199,9 @@ pub async fn promote_staged_intents(
             JOIN finished_xids f ON f.txn_xid = i.txn_xid
             WHERE i.state = 'staged'
               -- An ordered intent's key before its row, in the order a CANCEL takes them
-              -- (else the two deadlock); a key held now is left for the next sweep. The
-              -- condition names f so that it runs after the join, for finished ones only.
+              -- (else the two deadlock): held already (STAGED_KEY_LOCKS), or, for one
+              -- that finished since, taken now or left to the next sweep. The condition
+              -- names f so that it runs after the join, for finished ones only.
               AND (i.ordering_key IS NULL
                    OR (f.status IS NOT NULL
                        AND pg_try_advisory_xact_lock(

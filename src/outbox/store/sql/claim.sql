@@ -16,8 +16,9 @@ WITH leased AS MATERIALIZED (
     SELECT * FROM outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
 ),
 outcome AS MATERIALIZED (
-    -- Once a statement, not once a row; after the function has run (this reads leased).
-    SELECT CASE WHEN leased.n >= $6 THEN false
+    -- Once a statement, not once a row (so is due); after the function has run (this
+    -- reads leased).
+    SELECT CASE WHEN counted.n >= $6 THEN false
                -- The weights are summed only when fewer than asked were leased (a full
                -- batch, the busy queue's case, did not run out).
                ELSE (SELECT coalesce(sum(outbox.reply_weight(l.payload, l.headers,
@@ -31,7 +32,12 @@ outcome AS MATERIALIZED (
            pg_postmaster_start_time() AS incarnation,
            pg_backend_pid() AS backend,
            now() AS began
-    FROM (SELECT count(*) AS n FROM leased) leased
+    FROM (SELECT count(*) AS n FROM leased) counted
+),
+due AS MATERIALIZED (
+    SELECT outbox.next_due_in($1, $2, $4, $5, $9) AS seconds
+    FROM outcome
+    WHERE ran_out
 )
 SELECT i.id, i.state, i.kind, i.payload, i.content_type, i.region, i.idempotency_key,
        i.headers, i.attempts, i.max_attempts, i.available_at, i.created_at, i.updated_at,
@@ -40,7 +46,4 @@ SELECT i.id, i.state, i.kind, i.payload, i.content_type, i.region, i.idempotency
        s.unflushed, s.incarnation, s.backend, s.began
 FROM outcome s
 LEFT JOIN leased i ON true
-LEFT JOIN LATERAL (
-    SELECT outbox.next_due_in($1, $2, $4, $5, $9) AS seconds
-    WHERE s.ran_out
-) due ON true
+LEFT JOIN due ON true

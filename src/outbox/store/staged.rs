@@ -147,10 +147,18 @@ const STAGED_KEY_LOCKS: &str = r#"
     SELECT k.lock_id, pg_advisory_xact_lock(k.lock_id)
     FROM (
         SELECT DISTINCT outbox.ordering_lock(i.tenant_id, i.ordering_key) AS lock_id
-        FROM outbox.intent i
-        WHERE i.state = 'staged'
-          AND i.ordering_key IS NOT NULL
-          AND outbox.xact_status(i.txn_xid) <> 'in progress'
+        FROM (
+            -- Each transaction's status once, as the promotion below reads it.
+            SELECT x.txn_xid
+            FROM (
+                SELECT DISTINCT txn_xid
+                FROM outbox.intent
+                WHERE state = 'staged' AND ordering_key IS NOT NULL
+            ) x
+            WHERE outbox.xact_status(x.txn_xid) <> 'in progress'
+        ) f
+        JOIN outbox.intent i ON i.txn_xid = f.txn_xid
+        WHERE i.state = 'staged' AND i.ordering_key IS NOT NULL
         LIMIT $1
     ) k
     ORDER BY k.lock_id

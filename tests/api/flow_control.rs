@@ -375,6 +375,28 @@ async fn a_claim_waits_its_turn_at_a_limited_queue_instead_of_leaving_empty() {
     assert_eq!(leased, ids.into_iter().collect::<HashSet<_>>());
 }
 
+/// A limited queue's claim commits without waiting for its flush, and is flushed before
+/// its answer on the connection that claimed: a pooled one might be a backend younger than
+/// the claim, whose flush proves nothing (store::flush). Seen from PostgreSQL: the backend
+/// that ran the claim ran something after it, and no other claim ran.
+#[tokio::test]
+async fn a_limited_claim_is_flushed_on_the_connection_that_claimed() {
+    let app = app_with_a_limited_queue("pay").await;
+    app.enqueue_ids(vec![intent("pay", "{}")]).await;
+    assert_eq!(app.claim_n("w", 10).await.len(), 1);
+    let last_claims: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE datname = current_database() AND query LIKE '-- One look of a claim%'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        last_claims, 0,
+        "the claim's backend ended on the claim: its flush ran elsewhere"
+    );
+}
+
 /// A server whose queue `kind` has a concurrency limit (100) no test here reaches.
 async fn app_with_a_limited_queue(kind: &str) -> TestApp {
     let app = TestApp::spawn().await;

@@ -113,6 +113,39 @@ async fn at_zero_retention_an_ack_deletes_an_intent_without_a_key() {
     assert!(rows().await.is_empty());
 }
 
+/// An ordered intent is deleted by its Ack too, and its key moves on to the next one.
+#[tokio::test]
+async fn at_zero_retention_an_ack_deletes_an_ordered_intent_and_its_key_moves_on() {
+    let app = TestApp::spawn_with(|s| s.maintenance.retention = Duration::ZERO).await;
+    let ordered = |payload: &str| v1::NewIntent {
+        ordering_key: "k".into(),
+        priority: 2,
+        ..intent("job", payload)
+    };
+    let ids: Vec<String> = app
+        .enqueue(vec![ordered("1"), ordered("2")])
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.id)
+        .collect();
+    let head = app.claim_n("w", 10).await;
+    assert_eq!(head.iter().map(id_of).collect::<Vec<_>>(), [&ids[0]]);
+    assert_item_ok(&app.ack(&[&head[0]]).await[0], IntentState::Delivered);
+    let status = app
+        .client()
+        .get_intent(v1::GetIntentRequest { id: ids[0].clone() })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        status.code(),
+        Code::NotFound,
+        "the delivered head went with its Ack"
+    );
+    let next = app.claim_n("w", 10).await;
+    assert_eq!(next.iter().map(id_of).collect::<Vec<_>>(), [&ids[1]]);
+}
+
 /// A producer that lost the answer to its Enqueue retries it with the same key: at
 /// retention zero the intent may already be delivered, and must not be recorded again.
 #[tokio::test]

@@ -331,21 +331,36 @@ async fn an_ack_of_a_head_and_a_cancel_by_filter_meeting_on_their_key_both_apply
     .await;
 }
 
-#[tokio::test]
-async fn a_cancel_of_intents_of_two_keys_takes_both_keys_before_either_row() {
-    let app = TestApp::spawn().await;
-    // Two keys: the WAITING target's comes after the PENDING target's in lock order.
+/// Keys `x` and `y`, the one whose advisory lock comes first in lock order first.
+async fn x_and_y_in_lock_order(app: &TestApp) -> (&'static str, &'static str) {
     let lock_of = |key: &'static str| {
         sqlx::query_scalar::<_, i64>("SELECT outbox.ordering_lock($1, $2)")
             .bind(TENANT)
             .bind(key)
             .fetch_one(&app.pool)
     };
-    let (waiting_key, pending_key) = if lock_of("x").await.unwrap() > lock_of("y").await.unwrap() {
+    if lock_of("x").await.unwrap() < lock_of("y").await.unwrap() {
         ("x", "y")
     } else {
         ("y", "x")
-    };
+    }
+}
+
+/// Takes `key`'s advisory lock in `tx`, as an Enqueue of the key does.
+async fn take_key(tx: &mut PgConnection, key: &str) {
+    sqlx::query("SELECT pg_advisory_xact_lock(outbox.ordering_lock($1, $2))")
+        .bind(TENANT)
+        .bind(key)
+        .execute(tx)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_cancel_of_intents_of_two_keys_takes_both_keys_before_either_row() {
+    let app = TestApp::spawn().await;
+    // Two keys: the WAITING target's comes after the PENDING target's in lock order.
+    let (pending_key, waiting_key) = x_and_y_in_lock_order(&app).await;
     let ids = app
         .enqueue_ids(vec![
             ordered(waiting_key, "head"),
@@ -356,12 +371,7 @@ async fn a_cancel_of_intents_of_two_keys_takes_both_keys_before_either_row() {
     // A transaction that takes the two keys in lock order, as an Enqueue of both does.
     let mut holder = PgConnection::connect(&app.url).await.unwrap();
     let mut held = holder.begin().await.unwrap();
-    let take = |key: &'static str| {
-        sqlx::query("SELECT pg_advisory_xact_lock(outbox.ordering_lock($1, $2))")
-            .bind(TENANT)
-            .bind(key)
-    };
-    take(pending_key).execute(&mut *held).await.unwrap();
+    take_key(&mut held, pending_key).await;
     let cancel = {
         let mut client = app.client();
         let mut request = decide(&ids[1], Decision::Cancel);
@@ -372,7 +382,7 @@ async fn a_cancel_of_intents_of_two_keys_takes_both_keys_before_either_row() {
     };
     app.wait_for_lock_waiters(1).await;
     // Had the CANCEL taken the WAITING target's key first, this would deadlock with it.
-    take(waiting_key).execute(&mut *held).await.unwrap();
+    take_key(&mut held, waiting_key).await;
     held.rollback().await.unwrap();
 
     let results = cancel.await.unwrap().unwrap().into_inner().results;
@@ -381,6 +391,52 @@ async fn a_cancel_of_intents_of_two_keys_takes_both_keys_before_either_row() {
         assert_eq!(r.state(), IntentState::Cancelled);
     }
     assert_eq!(drain_one_by_one(&app).await, [ids[0].clone()]);
+}
+
+/// An Ack takes the keys of all its heads in one round, in lock order, whether a head
+/// leaves the live table (to the history) or stays (an idempotency key keeps it in place):
+/// taken a round each, an Enqueue of both keys could hold one and wait for the other.
+#[tokio::test]
+async fn an_ack_of_heads_of_two_keys_takes_both_keys_in_one_round() {
+    let app = TestApp::spawn().await;
+    let (first, second) = x_and_y_in_lock_order(&app).await;
+    let ids = app
+        .enqueue_ids(vec![
+            v1::NewIntent {
+                idempotency_key: "stays-in-place".into(),
+                ..ordered(first, "head")
+            },
+            ordered(second, "head"),
+            ordered(first, "next"),
+            ordered(second, "next"),
+        ])
+        .await;
+    let leases = app.claim_n("w", 10).await;
+    assert_eq!(leases.len(), 2);
+    // A transaction that takes the two keys in lock order, as an Enqueue of both does.
+    let mut holder = PgConnection::connect(&app.url).await.unwrap();
+    let mut held = holder.begin().await.unwrap();
+    take_key(&mut held, first).await;
+    let ack = {
+        let mut client = app.client();
+        let leases = leases.iter().map(lease_ref).collect();
+        tokio::spawn(async move { client.ack(v1::AckRequest { leases }).await })
+    };
+    app.wait_for_lock_waiters(1).await;
+    // Had the Ack taken the second key first, this would deadlock with it.
+    take_key(&mut held, second).await;
+    held.rollback().await.unwrap();
+
+    let results = ack.await.unwrap().unwrap().into_inner().results;
+    assert_eq!(results.len(), 2);
+    for r in &results {
+        assert_item_ok(r, IntentState::Delivered);
+    }
+    let mut next = app.claim_ids("w", 10).await;
+    next.sort();
+    let mut expected = vec![ids[2].clone(), ids[3].clone()];
+    expected.sort();
+    assert_eq!(next, expected);
 }
 
 /// A CANCEL takes an ordered intent's key before its row. The promotion of a STAGED one
@@ -582,6 +638,75 @@ async fn intents_of_a_key_are_listed_by_their_ordering_key() {
     assert_eq!(listed, [&ids[0], &ids[2]]);
     assert_eq!(page.intents[1].state(), IntentState::Waiting);
     assert_eq!(app.stat(IntentState::Waiting, None).await, 1);
+}
+
+/// An Ack moves delivered ordered intents out of the live table into the batch history,
+/// with their keys: read back by id, by key, or by a replayed Ack, they are as before.
+#[tokio::test]
+async fn an_acked_ordered_intent_keeps_its_key_in_the_history() {
+    let app = TestApp::spawn().await;
+    let ids = app
+        .enqueue_ids(vec![
+            ordered("a", "1"),
+            ordered("b", "1"),
+            ordered("a", "2"),
+            intent("plain", "1"),
+        ])
+        .await;
+    let leases = app.claim_n("w", 10).await;
+    let leased: Vec<&str> = leases.iter().map(id_of).collect();
+    assert_eq!(leased, [&ids[0], &ids[1], &ids[3]]);
+    let refs: Vec<&v1::Lease> = leases.iter().collect();
+    for (pass, results) in [app.ack(&refs).await, app.ack(&refs).await]
+        .iter()
+        .enumerate()
+    {
+        assert_eq!(results.len(), 3, "pass {pass}: {results:?}");
+        for result in results {
+            assert_item_ok(result, IntentState::Delivered);
+        }
+    }
+    let mut conn = PgConnection::connect(&app.url).await.unwrap();
+    let live: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox.intent WHERE id = ANY ($1::uuid[])")
+            .bind(&leased)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    assert_eq!(live, 0, "delivered intents left the live table");
+    let first = app.intent(&ids[0]).await;
+    assert_eq!(
+        (
+            first.state(),
+            first.ordering_key.as_str(),
+            first.payload.as_slice()
+        ),
+        (IntentState::Delivered, "a", b"1".as_slice())
+    );
+    assert_eq!(app.intent(&ids[3]).await.ordering_key, "");
+    for (key, expected) in [("a", vec![&ids[0], &ids[2]]), ("b", vec![&ids[1]])] {
+        let page = app
+            .client()
+            .list_intents(v1::ListIntentsRequest {
+                ordering_key: key.into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let listed: Vec<(&str, IntentState, &str)> = page
+            .intents
+            .iter()
+            .map(|i| (i.id.as_str(), i.state(), i.ordering_key.as_str()))
+            .collect();
+        let states = [IntentState::Delivered, IntentState::Pending];
+        let wanted: Vec<(&str, IntentState, &str)> = expected
+            .iter()
+            .zip(states)
+            .map(|(id, state)| (id.as_str(), state, key))
+            .collect();
+        assert_eq!(listed, wanted);
+    }
 }
 
 #[tokio::test]

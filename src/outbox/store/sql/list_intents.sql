@@ -1,7 +1,7 @@
 -- A page of ListIntents (store::list_intents). $1 states (empty: any), $2 kind (or NULL),
 -- $3 region (or NULL), $4 the cursor (ids above it; the nil UUID for none), $5 page size,
 -- $6 the API key's regions (empty: any), $7 the byte budget, $8 include payloads, $9
--- ordering key (or NULL: any; the history holds no ordered intents).
+-- ordering key (or NULL: any).
 --
 -- Each part is read in id order up to the page's size, then the parts are merged: the live
 -- table by its primary key, the batch history by its bucket index (ids are ordered as
@@ -44,11 +44,12 @@ FROM (
         )
         UNION ALL
         (
-            SELECT i.*, NULL::text, NULL::timestamptz, NULL::bigint, 0::smallint, NULL::bigint
+            -- i.unnest: the item's ordering key (outbox.intents_by_id in migration …25).
+            SELECT i.*, NULL::timestamptz, NULL::bigint, 0::smallint, NULL::bigint
             FROM outbox.delivered_batch b
-            CROSS JOIN LATERAL unnest(b.items) i
+            CROSS JOIN LATERAL unnest(b.items, b.ordering_keys) i
             WHERE (cardinality($1::outbox.intent_state[]) = 0 OR 'delivered' = ANY($1))
-              AND $9::text IS NULL
+              AND ($9::text IS NULL OR $9 = ANY (b.ordering_keys))
               AND b.bucket >= (SELECT outbox.history_bucket($4))
               AND ($3::text IS NULL OR b.region = $3)
               AND (cardinality($6::text[]) = 0 OR b.region = '' OR b.region = ANY($6::text[]))
@@ -56,6 +57,7 @@ FROM (
               AND ($2::text IS NULL OR i.kind = $2)
               AND ($3::text IS NULL OR i.region = $3)
               AND (cardinality($6::text[]) = 0 OR i.region = '' OR i.region = ANY($6::text[]))
+              AND ($9::text IS NULL OR i.unnest = $9)
               AND i.id > $4
             ORDER BY b.bucket, i.id
             LIMIT $5

@@ -22,8 +22,8 @@
 //!   lease living until the Ack that delivered its intent, else at least until its expiry,
 //!   its holder's Fail or its holder's Ack, whichever was first.
 //!
-//! Delivered ordered intents stay in `outbox.intent` (never moved to the delivered
-//! history) until the retention purges them, 24 h in the suite: the snapshot has them all.
+//! Delivered ordered intents are kept, in the delivered history with their keys, until the
+//! retention purges them, 24 h in the suite: the snapshot (`outbox.all_intents`) has them all.
 
 use std::collections::{BTreeMap, HashMap};
 

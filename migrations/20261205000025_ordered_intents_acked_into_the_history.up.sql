@@ -13,13 +13,15 @@ ALTER TABLE outbox.delivered_batch ADD CONSTRAINT delivered_batch_keys_match_ite
     CHECK (ordering_keys IS NULL OR cardinality(ordering_keys) = cardinality(ids)) NOT VALID;
 
 -- What an Ack's first statement left after it took `done` intents (those without an
--- idempotency or ordering key): the ordered ones without an idempotency key leave the live
--- table, into the history with their keys (into_history; at priority 0: a history item has
--- no priority) or deleted (retention zero); what is still left is marked DELIVERED in
--- place (idempotency keys, priorities, lost leases and replays match nothing). Then, all
--- their rows locked, the keys of both move on in one round (outbox.release_keys: an Ack
--- locks its heads, then their keys, then the next intents), returned as PENDING rows of
--- their own so that the server wakes claimers after the commit. Runs in the Ack's scope.
+-- idempotency or ordering key): first what stays is marked DELIVERED in place (idempotency
+-- keys; priorities other than 0 above retention zero, a history item having none), as
+-- before this migration, so that their Acks cost no more; then, if some are left, the
+-- ordered ones without an idempotency key leave the live table, into the history with
+-- their keys (into_history) or deleted (retention zero). Lost leases and replays match
+-- neither. Then, all their rows locked, the keys of both move on in one round
+-- (outbox.release_keys: an Ack locks its heads, then their keys, then the next intents),
+-- returned as PENDING rows of their own so that the server wakes claimers after the
+-- commit. Runs in the Ack's scope.
 CREATE FUNCTION outbox.ack_the_rest(
     intent_ids uuid[],
     lease_ids uuid[],
@@ -41,61 +43,61 @@ DECLARE
     key_tenants text[];
     key_names text[];
 BEGIN
-    WITH moved AS (
-        DELETE FROM outbox.intent i
-        USING unnest(intent_ids, lease_ids) AS input(id, lease_id)
+    WITH marked AS (
+        UPDATE outbox.intent i
+        SET state = 'delivered',
+            lease_expires_at = NULL,
+            claim_request_id = NULL,
+            finished_at = delivered_at,
+            updated_at = delivered_at
+        FROM unnest(intent_ids, lease_ids) AS input(id, lease_id)
         WHERE i.id = ANY (intent_ids)
           AND i.id = input.id
           AND i.lease_id = input.lease_id
           AND i.state IN ('leased', 'submitted', 'needs_reconcile')
-          AND i.ordering_key IS NOT NULL
-          AND i.idempotency_key IS NULL
-          AND (i.priority = 0 OR NOT into_history)
-        RETURNING i.*
-    ),
-    stored AS (
-        -- As outbox.ack_into_batches stores the unordered ones, with the keys (one Agg
-        -- node: the arrays in the same order).
-        INSERT INTO outbox.delivered_batch (bucket, tenant_id, region, finished_at, ids, items,
-                                            ordering_keys)
-        SELECT outbox.history_bucket(d.id), d.tenant_id, d.region, delivered_at,
-               array_agg(d.id),
-               array_agg(ROW(
-                   d.id, d.tenant_id, d.kind, d.region, d.payload, d.content_type,
-                   d.headers, NULL, 'delivered', d.attempts, d.max_attempts,
-                   d.available_at, d.created_at, delivered_at, d.lease_id, NULL,
-                   d.worker_id, NULL, d.last_error, delivered_at, d.txn_xid
-               )::outbox.delivered_intent_v1),
-               array_agg(d.ordering_key)
-        FROM moved d
-        WHERE into_history
-        GROUP BY outbox.history_bucket(d.id), d.tenant_id, d.region
+          AND (i.ordering_key IS NULL OR i.idempotency_key IS NOT NULL
+               OR (i.priority <> 0 AND into_history))
+        RETURNING i.id, i.headers->>'traceparent' AS traceparent, i.tenant_id, i.ordering_key
     )
-    SELECT array_agg(d.id), array_agg(d.headers->>'traceparent'), array_agg(d.tenant_id),
-           array_agg(d.ordering_key)
+    SELECT array_agg(m.id), array_agg(m.traceparent),
+           array_agg(m.tenant_id) FILTER (WHERE m.ordering_key IS NOT NULL),
+           array_agg(m.ordering_key) FILTER (WHERE m.ordering_key IS NOT NULL)
     INTO done_ids, done_traceparents, key_tenants, key_names
-    FROM moved d;
+    FROM marked m;
     IF done + coalesce(cardinality(done_ids), 0) < cardinality(intent_ids) THEN
-        WITH marked AS (
-            UPDATE outbox.intent i
-            SET state = 'delivered',
-                lease_expires_at = NULL,
-                claim_request_id = NULL,
-                finished_at = delivered_at,
-                updated_at = delivered_at
-            FROM unnest(intent_ids, lease_ids) AS input(id, lease_id)
+        -- What the update left: its rows are DELIVERED now, outside the state test.
+        WITH moved AS (
+            DELETE FROM outbox.intent i
+            USING unnest(intent_ids, lease_ids) AS input(id, lease_id)
             WHERE i.id = ANY (intent_ids)
               AND i.id = input.id
               AND i.lease_id = input.lease_id
               AND i.state IN ('leased', 'submitted', 'needs_reconcile')
-            RETURNING i.id, i.headers->>'traceparent' AS traceparent, i.tenant_id,
-                      i.ordering_key
+            RETURNING i.*
+        ),
+        stored AS (
+            -- As outbox.ack_into_batches stores the unordered ones, with the keys (one Agg
+            -- node: the arrays in the same order).
+            INSERT INTO outbox.delivered_batch (bucket, tenant_id, region, finished_at, ids,
+                                                items, ordering_keys)
+            SELECT outbox.history_bucket(d.id), d.tenant_id, d.region, delivered_at,
+                   array_agg(d.id),
+                   array_agg(ROW(
+                       d.id, d.tenant_id, d.kind, d.region, d.payload, d.content_type,
+                       d.headers, NULL, 'delivered', d.attempts, d.max_attempts,
+                       d.available_at, d.created_at, delivered_at, d.lease_id, NULL,
+                       d.worker_id, NULL, d.last_error, delivered_at, d.txn_xid
+                   )::outbox.delivered_intent_v1),
+                   array_agg(d.ordering_key)
+            FROM moved d
+            WHERE into_history
+            GROUP BY outbox.history_bucket(d.id), d.tenant_id, d.region
         )
-        SELECT done_ids || array_agg(m.id), done_traceparents || array_agg(m.traceparent),
-               key_tenants || array_agg(m.tenant_id) FILTER (WHERE m.ordering_key IS NOT NULL),
-               key_names || array_agg(m.ordering_key) FILTER (WHERE m.ordering_key IS NOT NULL)
+        SELECT done_ids || array_agg(d.id),
+               done_traceparents || array_agg(d.headers->>'traceparent'),
+               key_tenants || array_agg(d.tenant_id), key_names || array_agg(d.ordering_key)
         INTO done_ids, done_traceparents, key_tenants, key_names
-        FROM marked m;
+        FROM moved d;
     END IF;
     RETURN QUERY
         SELECT u.id, 'delivered'::outbox.intent_state, NULL::timestamptz, u.traceparent

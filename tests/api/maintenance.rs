@@ -113,7 +113,8 @@ async fn at_zero_retention_an_ack_deletes_an_intent_without_a_key() {
     assert!(rows().await.is_empty());
 }
 
-/// An ordered intent is deleted by its Ack too, and its key moves on to the next one.
+/// An ordered intent is deleted by its Ack too (with a priority other than 0 as well, which
+/// above retention zero stays in place), and its key moves on to the next one.
 #[tokio::test]
 async fn at_zero_retention_an_ack_deletes_an_ordered_intent_and_its_key_moves_on() {
     let app = TestApp::spawn_with(|s| s.maintenance.retention = Duration::ZERO).await;

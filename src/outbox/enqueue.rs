@@ -108,7 +108,7 @@ fn commit_outcome_unknown(e: &Error) -> Option<Error> {
 }
 
 /// A transaction for `tenant_id`'s enqueue: its statements are planned once per
-/// connection (see `AlsoAtBegin::GenericPlans`).
+/// connection (see `AlsoAtBegin::GenericPlans`) and register their levels themselves.
 async fn begin_enqueue(
     pools: &Pools,
     tenant_id: &str,
@@ -117,7 +117,11 @@ async fn begin_enqueue(
     store::begin_with(
         pools,
         &scope,
-        &[AlsoAtBegin::IndexPlans, AlsoAtBegin::GenericPlans],
+        &[
+            AlsoAtBegin::IndexPlans,
+            AlsoAtBegin::GenericPlans,
+            AlsoAtBegin::LevelsRegistered,
+        ],
     )
     .await
 }

@@ -9,7 +9,7 @@ use tokio::time::Instant;
 use tonic::Code;
 
 use crate::helpers::{
-    Client, TENANT, TestApp, assert_status, claim_request, duration, id_of, intent, lease_ref,
+    Client, TestApp, assert_status, claim_request, duration, id_of, intent, lease_ref,
 };
 use crate::long_poll::{wait_until_claims_are_waiting, woken};
 use crate::ordering::{cli, drain_one_by_one};
@@ -112,18 +112,7 @@ async fn a_priority_out_of_range_is_refused_and_nothing_is_enqueued() {
 #[tokio::test]
 async fn an_intent_inserted_by_sql_of_a_new_kind_is_claimed() {
     let app = TestApp::spawn().await;
-    let id: String = sqlx::query_scalar(
-        "INSERT INTO outbox.intent (id, tenant_id, kind, payload, state, max_attempts, \
-                                    available_at, created_at, updated_at, level_key) \
-         VALUES (gen_random_uuid(), $1, 'by-sql', '', 'pending', 5, $2, $2, $2, \
-                 hashtextextended($1 || '/by-sql', 0)) \
-         RETURNING id::text",
-    )
-    .bind(TENANT)
-    .bind(app.clock.now())
-    .fetch_one(&app.pool)
-    .await
-    .unwrap();
+    let id = app.insert_by_sql("by-sql").await;
     assert_eq!(app.claim_ids("w", 10).await, [id]);
 }
 

@@ -422,6 +422,24 @@ impl TestApp {
         })
     }
 
+    /// A PENDING intent of `kind`, due now, inserted by SQL behind the server's back:
+    /// nothing announces it. Its id.
+    pub async fn insert_by_sql(&self, kind: &str) -> String {
+        sqlx::query_scalar(
+            "INSERT INTO outbox.intent (id, tenant_id, kind, payload, state, max_attempts, \
+                                        available_at, created_at, updated_at, level_key) \
+             VALUES (gen_random_uuid(), $1, $2, '', 'pending', 5, $3, $3, $3, \
+                     hashtextextended($1 || '/' || $2, 0)) \
+             RETURNING id::text",
+        )
+        .bind(TENANT)
+        .bind(kind)
+        .bind(self.clock.now())
+        .fetch_one(&self.pool)
+        .await
+        .unwrap()
+    }
+
     /// A session holding a SHARE lock on `outbox.intent` in an open transaction: every
     /// insert waits behind it until `COMMIT` on that session.
     pub async fn lock_intent_table(&self) -> PgConnection {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use outboxd::proto::v1;
 
-use crate::helpers::{TENANT, TestApp, claim_request, delayed_intent, duration, failure, id_of};
+use crate::helpers::{TestApp, claim_request, delayed_intent, duration, failure, id_of};
 
 #[tokio::test]
 async fn a_waiting_claim_is_woken_by_an_enqueue() {
@@ -273,18 +273,7 @@ async fn a_long_poll_woken_by_shutdown_answers_without_leasing_more() {
     let waiter = tokio::spawn(async move { client.claim(request).await });
     wait_until_claims_are_waiting(&app, 1, 1).await;
     // Claimable, but behind the server's back: nothing announces it.
-    let id: String = sqlx::query_scalar(
-        "INSERT INTO outbox.intent (id, tenant_id, kind, payload, state, max_attempts, \
-                                    available_at, created_at, updated_at, level_key) \
-         VALUES (gen_random_uuid(), $1, 'job', '', 'pending', 5, $2, $2, $2, \
-                 hashtextextended($1 || '/job', 0)) \
-         RETURNING id::text",
-    )
-    .bind(TENANT)
-    .bind(app.clock.now())
-    .fetch_one(&pool)
-    .await
-    .unwrap();
+    let id = app.insert_by_sql("job").await;
     app.stop().await;
     let leases = waiter.await.unwrap().unwrap().into_inner().leases;
     assert!(leases.is_empty(), "leased while shutting down: {leases:?}");

@@ -391,9 +391,11 @@ pub async fn all(cluster: &Cluster, settings: Settings, args: &AllArgs) -> anyho
         for db in [
             target.database.clone(),
             format!("{base}_zero"),
+            format!("{base}_limited"),
             format!("{base}_ordered"),
             format!("{base}_hot"),
             format!("{base}_blocked"),
+            format!("{base}_fairness"),
             format!("{base}_console"),
             format!("{base}_raw"),
             format!("{base}_graphile_worker"),

@@ -116,6 +116,29 @@ async fn an_intent_inserted_by_sql_of_a_new_kind_is_claimed() {
     assert_eq!(app.claim_ids("w", 10).await, [id]);
 }
 
+/// A server skips the levels it saw registered (`store::KnownLevels`): only once their
+/// Enqueue committed, so one refused does not strand the next intents of its level.
+#[tokio::test]
+async fn an_intent_of_a_level_whose_first_enqueue_was_refused_is_claimed() {
+    let app = TestApp::spawn().await;
+    let mut held = intent("charge", r#"{"cents":100}"#);
+    held.idempotency_key = "order-1".into();
+    app.enqueue(vec![held.clone()]).await.unwrap();
+    let mut conflicting = held;
+    conflicting.payload = br#"{"cents":999}"#.to_vec();
+    let refused = app
+        .enqueue(vec![prioritised("refund", 3), conflicting])
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::AlreadyExists, "{refused:?}");
+
+    let id = app.enqueue(vec![prioritised("refund", 3)]).await.unwrap()[0]
+        .id
+        .clone();
+    let claimed = app.claim_ids("w", 10).await;
+    assert!(claimed.contains(&id), "{claimed:?} lacks {id}");
+}
+
 #[tokio::test]
 async fn a_claim_shares_its_batch_among_tenants_with_claimable_work() {
     let app = TestApp::spawn().await;

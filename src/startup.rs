@@ -54,12 +54,6 @@ pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<PgPool> 
         // part of a call's cost under load. A connection that broke anyway is found by the
         // BEGIN every call starts with, which store::begin retries on another connection.
         .test_before_acquire(false)
-        .after_connect(|_, _| {
-            Box::pin(async {
-                store::connection_opened();
-                Ok(())
-            })
-        })
         .before_acquire(|conn, meta| {
             Box::pin(async move {
                 if meta.idle_for > Duration::from_secs(1) {

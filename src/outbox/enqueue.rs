@@ -11,7 +11,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use super::claim::handoff::{Handoffs, Release};
 use super::claim::tally::ClaimTally;
 use super::group_commit::GroupCommit;
-use super::store::{self, AlsoAtBegin, EnqueueParams, KnownLevels, Pools, TenantScope, TxnStatus};
+use super::store::{self, AlsoAtBegin, EnqueueParams, Pools, TenantScope, TxnStatus};
 use super::token::TxnToken;
 use super::{Enqueued, Error, FieldViolation, NewIntent, Result};
 
@@ -41,7 +41,6 @@ struct DirectInserts {
     transactions: Counter,
     handoffs: Arc<Handoffs>,
     tally: Option<Arc<ClaimTally>>,
-    levels: Arc<KnownLevels>,
 }
 
 /// What direct enqueues count: calls waiting for a shared transaction, and transactions.
@@ -69,7 +68,6 @@ impl DirectEnqueues {
                 transactions: counters.transactions,
                 handoffs: Arc::new(Handoffs::new(release)),
                 tally,
-                levels: Arc::default(),
             },
         }
     }
@@ -154,7 +152,6 @@ async fn insert_direct(
     // from now on, which should not include the wait for a connection.
     let taken = direct.handoffs.take(tenant_id, intents);
     let leases: Vec<_> = taken.iter().flat_map(|t| t.leases()).collect();
-    let levels = direct.levels.unknown(tenant_id, intents);
     let inserted = store::insert_intents(
         &mut tx,
         EnqueueParams {
@@ -163,7 +160,6 @@ async fn insert_direct(
             txn_xid: None,
             now,
             leases: &leases,
-            levels: &levels,
         },
     )
     .await?;
@@ -175,7 +171,6 @@ async fn insert_direct(
             .release(&TenantScope::one(tenant_id), inserted.leased);
         return Err(e);
     }
-    direct.levels.registered(levels);
     direct.transactions.inc();
     if let Some(taken) = taken {
         if let Some(tally) = &direct.tally {
@@ -298,7 +293,6 @@ pub async fn enqueue(
                 });
         }
     }
-    let levels = direct.inserts.levels.unknown(tenant_id, &intents);
     let results = store::insert_intents(
         &mut tx,
         EnqueueParams {
@@ -307,12 +301,10 @@ pub async fn enqueue(
             txn_xid: Some(token.xid),
             now,
             leases: &[],
-            levels: &levels,
         },
     )
     .await?;
     commit(tx).await?;
-    direct.inserts.levels.registered(levels);
     Ok(results.enqueued)
 }
 

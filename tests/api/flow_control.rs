@@ -116,8 +116,8 @@ async fn an_intent_inserted_by_sql_of_a_new_kind_is_claimed() {
     assert_eq!(app.claim_ids("w", 10).await, [id]);
 }
 
-/// A server skips the levels it saw registered (`store::KnownLevels`): only once their
-/// Enqueue committed, so one refused does not strand the next intents of its level.
+/// A level is registered with its intents: an Enqueue refused registers nothing, and the
+/// next intents of its level are registered and claimed all the same.
 #[tokio::test]
 async fn an_intent_of_a_level_whose_first_enqueue_was_refused_is_claimed() {
     let app = TestApp::spawn().await;

@@ -8,7 +8,6 @@ use sqlx::types::Json;
 use sqlx::{Arguments, FromRow, PgConnection};
 use uuid::Uuid;
 
-use super::levels::NewLevels;
 use super::millis;
 use super::ordering::{advance_keys, lock_ordering_keys};
 use crate::outbox::{Enqueued, Error, Intent, IntentId, IntentState, NewIntent, Result, Schedule};
@@ -29,8 +28,6 @@ pub struct EnqueueParams<'a> {
     /// worker and lease length of each intent, in order (`None`: PENDING or STAGED as
     /// above). Empty: none. Only for a batch without idempotency keys.
     pub leases: &'a [Option<(&'a str, std::time::Duration)>],
-    /// The intents' levels to register: those this server does not know registered.
-    pub levels: &'a NewLevels,
 }
 
 /// What [`insert_intents`] recorded.
@@ -138,9 +135,7 @@ pub async fn insert_intents(
         (None, None)
     };
 
-    let (level_kinds, level_priorities) = params.levels.kinds_and_priorities();
-
-    // `$1`–`$19` of every statement (only one of them runs).
+    // `$1`–`$17` of every statement (only one of them runs).
     let mut args = PgArguments::default();
     (|| {
         args.add(params.tenant_id)?;
@@ -159,9 +154,7 @@ pub async fn insert_intents(
         args.add(&lease_workers)?;
         args.add(&lease_ms)?;
         args.add(ordered.then_some(&ordering_keys))?;
-        args.add(prioritised.then_some(&priorities))?;
-        args.add(&level_kinds)?;
-        args.add(&level_priorities)
+        args.add(prioritised.then_some(&priorities))
     })()
     .map_err(sqlx::Error::Encode)?;
     let state = if params.txn_xid.is_some() {

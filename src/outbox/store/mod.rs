@@ -21,7 +21,6 @@ mod current;
 mod enqueue;
 mod flush;
 mod inspect;
-mod levels;
 mod listeners;
 mod maintenance;
 mod ordering;
@@ -48,7 +47,6 @@ pub use inspect::{
     ListParams, Listed, QueueDepth, QueueStats, StateCount, get_intent, list_intents, probe,
     queue_depth, queue_stats,
 };
-pub use levels::{KnownLevels, NewLevels, connection_opened};
 pub use listeners::{hold_listener_lock, others_listen};
 pub use maintenance::{
     BackoffParams, forget_claim_requests, purge_finished_intents, rescue_expired_leases,

@@ -4,8 +4,7 @@
 -- key (all NULL here), $8 headers, $9 max attempts, $10 delay ms, $11 due instant; $12 now
 -- (or NULL), $13 the producer transaction (STAGED) or NULL (PENDING); per intent, $14 and
 -- $15 the worker and lease ms of a handed-off intent (NULL arrays here), $16 the ordering
--- key (a NULL array: none), $17 the priority (a NULL array: all 0); $18 and $19 the kinds
--- and priorities of the levels to register (store::KnownLevels). A direct ordered
+-- key (a NULL array: none), $17 the priority (a NULL array: all 0). A direct ordered
 -- intent is WAITING, its transaction (this one) its txn_xid, until outbox.advance_keys
 -- makes it its key's head; order_seq is taken in request order (the select list is
 -- computed after the ORDER BY).
@@ -20,12 +19,13 @@ WITH input AS (
              priority, ord)
 ),
 levels AS (
-    -- The levels of these intents this server did not know registered, for claims to
-    -- walk (flow-control.md); the insert trigger skips this transaction
-    -- (AlsoAtBegin::LevelsRegistered).
+    -- The levels of these intents, for claims to walk (flow-control.md): a probe of the
+    -- key when the level is known; the insert trigger skips this transaction
+    -- (AlsoAtBegin::LevelsRegistered). From the arrays, not `input`, which a second
+    -- reference would materialize, payloads and all.
     INSERT INTO outbox.queue_level (tenant_id, kind, priority)
-    SELECT $1, l.kind, l.priority
-    FROM unnest($18::text[], $19::smallint[]) AS l (kind, priority)
+    SELECT DISTINCT $1, l.kind, coalesce(l.priority, 0)
+    FROM unnest($3::text[], $17::smallint[]) AS l (kind, priority)
     ON CONFLICT DO NOTHING
 ),
 clock AS (

@@ -19,10 +19,12 @@ WITH input AS (
              priority, ord)
 ),
 levels AS (
-    -- As in enqueue.sql.
+    -- The levels of these intents, for claims to walk (flow-control.md): a probe of the
+    -- key when the level is known; the insert trigger skips this transaction
+    -- (AlsoAtBegin::LevelsRegistered).
     INSERT INTO outbox.queue_level (tenant_id, kind, priority)
-    SELECT $1, l.kind, l.priority
-    FROM unnest($18::text[], $19::smallint[]) AS l (kind, priority)
+    SELECT DISTINCT $1, l.kind, coalesce(l.priority, 0)
+    FROM unnest($3::text[], $17::smallint[]) AS l (kind, priority)
     ON CONFLICT DO NOTHING
 ),
 clock AS (

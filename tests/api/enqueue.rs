@@ -78,13 +78,9 @@ async fn repeating_an_idempotency_key_returns_the_existing_intent_as_deduplicate
 #[tokio::test]
 async fn reusing_an_idempotency_key_with_another_payload_is_already_exists_and_stores_nothing() {
     let app = TestApp::spawn().await;
-    let mut keyed = intent("charge", r#"{"cents":100}"#);
-    keyed.idempotency_key = "order-42".into();
-    app.enqueue(vec![keyed.clone()]).await.unwrap();
+    let changed = app.conflicting_with_a_held_key("order-42").await;
     let before = app.snapshot().await;
 
-    let mut changed = keyed.clone();
-    changed.payload = br#"{"cents":999}"#.to_vec();
     let status = app
         .enqueue(vec![intent("innocent", "{}"), changed])
         .await

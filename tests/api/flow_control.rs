@@ -121,11 +121,7 @@ async fn an_intent_inserted_by_sql_of_a_new_kind_is_claimed() {
 #[tokio::test]
 async fn an_intent_of_a_level_whose_first_enqueue_was_refused_is_claimed() {
     let app = TestApp::spawn().await;
-    let mut held = intent("charge", r#"{"cents":100}"#);
-    held.idempotency_key = "order-1".into();
-    app.enqueue(vec![held.clone()]).await.unwrap();
-    let mut conflicting = held;
-    conflicting.payload = br#"{"cents":999}"#.to_vec();
+    let conflicting = app.conflicting_with_a_held_key("order-1").await;
     let refused = app
         .enqueue(vec![prioritised("refund", 3), conflicting])
         .await

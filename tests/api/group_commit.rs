@@ -83,11 +83,7 @@ async fn enqueues_arriving_while_one_commits_share_the_next_transaction_and_each
 #[tokio::test]
 async fn an_idempotency_conflict_in_a_shared_transaction_fails_only_its_own_call() {
     let app = TestApp::spawn().await;
-    let mut held = intent("charge", r#"{"cents":100}"#);
-    held.idempotency_key = "order-1".into();
-    app.enqueue(vec![held.clone()]).await.unwrap();
-    let mut conflicting = held;
-    conflicting.payload = br#"{"cents":999}"#.to_vec();
+    let conflicting = app.conflicting_with_a_held_key("order-1").await;
     let later = vec![
         vec![intent("ok", "{}")],
         vec![conflicting, intent("same-call", "{}")],

@@ -422,6 +422,18 @@ impl TestApp {
         })
     }
 
+    /// Enqueues a `charge` of 100 cents under idempotency key `key`; the same intent with
+    /// another payload, which an Enqueue must refuse (`IDEMPOTENCY_CONFLICT`).
+    pub async fn conflicting_with_a_held_key(&self, key: &str) -> v1::NewIntent {
+        let mut held = intent("charge", r#"{"cents":100}"#);
+        held.idempotency_key = key.into();
+        self.enqueue(vec![held.clone()]).await.unwrap();
+        v1::NewIntent {
+            payload: br#"{"cents":999}"#.to_vec(),
+            ..held
+        }
+    }
+
     /// A PENDING intent of `kind`, due now, inserted by SQL behind the server's back:
     /// nothing announces it. Its id.
     pub async fn insert_by_sql(&self, kind: &str) -> String {

@@ -126,7 +126,13 @@ async fn an_intent_of_a_level_whose_first_enqueue_was_refused_is_claimed() {
         .enqueue(vec![prioritised("refund", 3), conflicting])
         .await
         .unwrap_err();
-    assert_eq!(refused.code(), Code::AlreadyExists, "{refused:?}");
+    assert_status(&refused, Code::AlreadyExists, "IDEMPOTENCY_CONFLICT", &[]);
+    let levels: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox.queue_level WHERE kind = 'refund'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(levels, 0, "the refused Enqueue registered its level");
 
     let id = app.enqueue(vec![prioritised("refund", 3)]).await.unwrap()[0]
         .id

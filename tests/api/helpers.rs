@@ -422,8 +422,8 @@ impl TestApp {
         })
     }
 
-    /// Enqueues a `charge` of 100 cents under idempotency key `key`; the same intent with
-    /// another payload, which an Enqueue must refuse (`IDEMPOTENCY_CONFLICT`).
+    /// Enqueues a `charge` of 100 cents under idempotency key `key`; returns the same
+    /// intent with another payload, which an Enqueue must refuse (`IDEMPOTENCY_CONFLICT`).
     pub async fn conflicting_with_a_held_key(&self, key: &str) -> v1::NewIntent {
         let mut held = intent("charge", r#"{"cents":100}"#);
         held.idempotency_key = key.into();

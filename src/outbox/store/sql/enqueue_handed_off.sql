@@ -15,10 +15,7 @@ WITH input AS (
              priority, ord)
 ),
 levels AS (
-    -- The levels of these intents, for claims to walk (flow-control.md): a probe of the
-    -- key when the level is known; the insert trigger skips this transaction
-    -- (AlsoAtBegin::LevelsRegistered). From the arrays, not `input`, which a second
-    -- reference would materialize, payloads and all.
+    -- As in enqueue.sql.
     INSERT INTO outbox.queue_level (tenant_id, kind, priority)
     SELECT DISTINCT $1, l.kind, coalesce(l.priority, 0)
     FROM unnest($3::text[], $17::smallint[]) AS l (kind, priority)

@@ -39,7 +39,7 @@ pub struct Cli {
 /// Client options shared by the operator commands.
 #[derive(Debug, Args, Clone)]
 pub struct ClientArgs {
-    /// Server address.
+    /// Server address: a URL, or `host:port` (`https` with `--ca-file`, else `http`).
     #[arg(
         long,
         env = "OUTBOX_SERVER",

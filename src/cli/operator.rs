@@ -439,9 +439,21 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
     }
 }
 
+/// `--server` as a URL: `host:port`, as the SDKs and examples take it, gets the scheme of
+/// its transport (`https` when a CA file is given).
+fn server_url(args: &ClientArgs) -> String {
+    if args.server.contains("://") {
+        args.server.clone()
+    } else if args.ca_file.is_some() {
+        format!("https://{}", args.server)
+    } else {
+        format!("http://{}", args.server)
+    }
+}
+
 pub(super) async fn connect(args: &ClientArgs) -> anyhow::Result<Client> {
-    let mut endpoint = Channel::from_shared(args.server.clone())
-        .with_context(|| format!("{:?} is not a server URL", args.server))?;
+    let mut endpoint = Channel::from_shared(server_url(args))
+        .with_context(|| format!("{:?} is not a server address", args.server))?;
     if let Some(ca) = &args.ca_file {
         let pem = std::fs::read(ca).with_context(|| format!("cannot read {}", ca.display()))?;
         endpoint = endpoint
@@ -615,5 +627,28 @@ mod tests {
             "{why}"
         );
         assert!(why.ends_with("2 waiting behind it"), "{why}");
+    }
+
+    #[test]
+    fn a_server_given_as_host_and_port_gets_its_transports_scheme() {
+        let args = |server: &str, ca: Option<&str>| ClientArgs {
+            server: server.to_owned(),
+            json: false,
+            api_key: None,
+            tenant: None,
+            ca_file: ca.map(Into::into),
+        };
+        assert_eq!(
+            server_url(&args("127.0.0.1:50051", None)),
+            "http://127.0.0.1:50051"
+        );
+        assert_eq!(
+            server_url(&args("outboxd:50051", Some("ca.pem"))),
+            "https://outboxd:50051"
+        );
+        assert_eq!(
+            server_url(&args("https://outboxd:50051", None)),
+            "https://outboxd:50051"
+        );
     }
 }

@@ -29,8 +29,15 @@ const CLIENT_ONLY: [&str; 4] = [
     "OUTBOX_CA_FILE",
 ];
 
-/// Read by the test suite (docs/development.md): a developer's shell may still export it.
-const TEST_ONLY: &str = "OUTBOX_TEST_DATABASE_URL";
+/// Read by the test suites and the examples (docs/development.md), never by the server: a
+/// developer's shell may still export them.
+const TESTS_AND_EXAMPLES: [&str; 5] = [
+    "OUTBOX_TEST_DATABASE_URL",
+    "OUTBOX_SCREENSHOTS_DIR",
+    "OUTBOX_ENDPOINTS",
+    "OUTBOX_PRODUCER_DATABASE_URL",
+    "OUTBOX_WORKER_STOP_AFTER",
+];
 
 /// Variables whose field is in another section, as (variable's key, field's key): requests
 /// are checked against one [`Limits`](super::Limits) and the sweeps take one
@@ -68,7 +75,9 @@ impl Settings {
         let given: BTreeMap<String, String> = vars
             .into_iter()
             .filter(|(name, _)| {
-                name.starts_with("OUTBOX_") && !CLIENT_ONLY.contains(&&**name) && name != TEST_ONLY
+                name.starts_with("OUTBOX_")
+                    && !CLIENT_ONLY.contains(&&**name)
+                    && !TESTS_AND_EXAMPLES.contains(&&**name)
             })
             .map(|(name, value)| (name, value.trim().to_owned()))
             .collect();
@@ -492,7 +501,7 @@ mod tests {
     }
 
     #[test]
-    fn the_operator_commands_and_test_suites_variables_are_left_to_them() {
+    fn the_operator_commands_test_suites_and_examples_variables_are_left_to_them() {
         let s = Settings::from_vars(vars(&[
             ("OUTBOX_SERVER", "http://elsewhere:50051"),
             ("OUTBOX_API_KEY", "obx_secret"),
@@ -500,6 +509,13 @@ mod tests {
                 "OUTBOX_TEST_DATABASE_URL",
                 "postgres://postgres@localhost/postgres",
             ),
+            ("OUTBOX_SCREENSHOTS_DIR", "docs/console"),
+            ("OUTBOX_ENDPOINTS", "127.0.0.1:50051,127.0.0.1:50052"),
+            (
+                "OUTBOX_PRODUCER_DATABASE_URL",
+                "postgres://postgres@localhost/shop",
+            ),
+            ("OUTBOX_WORKER_STOP_AFTER", "2"),
         ]));
         assert_eq!(s.unwrap(), Settings::default());
     }

@@ -2,7 +2,7 @@
 //! sends the email, then drains and exits.
 //!
 //! ```sh
-//! OUTBOX_ENDPOINT=127.0.0.1:50051 OUTBOX_API_KEY=obx_… \
+//! OUTBOX_SERVER=127.0.0.1:50051 OUTBOX_API_KEY=obx_… \
 //!   DATABASE_URL=postgres://…/app cargo run -p outboxd-client --example orders
 //! ```
 //!
@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let endpoint = std::env::var("OUTBOX_ENDPOINT").unwrap_or_else(|_| "127.0.0.1:50051".into());
+    let endpoint = std::env::var("OUTBOX_SERVER").unwrap_or_else(|_| "127.0.0.1:50051".into());
     let connection = Connection::builder([endpoint])
         .api_key(std::env::var("OUTBOX_API_KEY")?)
         .build()?;

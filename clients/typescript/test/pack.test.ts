@@ -43,7 +43,7 @@ test("npm pack installs into an empty project, whose README example runs against
     timeout: 60_000,
     env: {
       ...process.env,
-      OUTBOX_ENDPOINT: fx.endpoints[0] ?? "",
+      OUTBOX_SERVER: fx.endpoints[0] ?? "",
       OUTBOX_API_KEY: fx.apiKey,
       DATABASE_URL: fx.postgres.url("app"),
     },

@@ -321,7 +321,8 @@ pub enum IntentsCommand {
 /// Reconcile commands.
 #[derive(Debug, Subcommand)]
 pub enum ReconcileCommand {
-    /// List intents awaiting a decision.
+    /// List NEEDS_RECONCILE and DEAD_LETTERED intents (an ordered one already given up
+    /// with DEAD stays listed, its decisions refused, until the retention purges it).
     List {
         /// Most intents.
         #[arg(long, default_value_t = 50)]

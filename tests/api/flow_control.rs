@@ -2,9 +2,12 @@
 //! rate limits) set over gRPC, held across replicas.
 
 use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use outboxd::proto::v1;
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tonic::Code;
 
@@ -384,6 +387,96 @@ async fn a_concurrency_limit_holds_across_two_replicas_and_eight_claimers() {
         i64::from(LIMIT),
         "the limit was reached, never passed"
     );
+}
+
+/// A pause holds on every replica from its answer: a claim sent after it, on either
+/// replica, leases nothing of the queue; and by the database's own log no lease of it
+/// began more than a second after the answer.
+#[tokio::test]
+async fn a_pause_stops_leasing_on_two_replicas_with_eight_claimers_from_its_answer() {
+    const LEASED_BEFORE_THE_PAUSE: usize = 100;
+    let app = TestApp::spawn().await;
+    let other = TestApp::spawn_on(app.url.clone(), |_| {}).await;
+    log_in_flight_changes(&app, "mail").await;
+    for _ in 0..10 {
+        app.enqueue((0..100).map(|_| intent("mail", "{}")).collect())
+            .await
+            .unwrap();
+    }
+    let paused = Arc::new(AtomicBool::new(false));
+    let (leased, mut leased_so_far) = watch::channel(0_usize);
+    let leased = Arc::new(leased);
+    let mut claimers = Vec::new();
+    for c in 0..8 {
+        let mut client = if c % 2 == 0 {
+            app.client()
+        } else {
+            other.client()
+        };
+        let (paused, leased) = (paused.clone(), leased.clone());
+        claimers.push(tokio::spawn(async move {
+            let mut claims_after_the_pause = 0;
+            while claims_after_the_pause < 20 {
+                let after_the_pause = paused.load(Ordering::SeqCst);
+                let leases = client
+                    .claim(v1::ClaimRequest {
+                        kinds: vec!["mail".to_owned()],
+                        ..claim_request(&format!("w{c}"), 5)
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner()
+                    .leases;
+                if after_the_pause {
+                    assert!(leases.is_empty(), "leased after the pause: {leases:?}");
+                    claims_after_the_pause += 1;
+                    continue;
+                }
+                leased.send_modify(|n| *n += leases.len());
+                if !leases.is_empty() {
+                    let refs = leases.iter().map(lease_ref).collect();
+                    client.ack(v1::AckRequest { leases: refs }).await.unwrap();
+                }
+                tokio::task::yield_now().await;
+            }
+        }));
+    }
+    leased_so_far
+        .wait_for(|n| *n >= LEASED_BEFORE_THE_PAUSE)
+        .await
+        .unwrap();
+    set(
+        &mut other.client(),
+        v1::SetQueuePolicyRequest {
+            paused: true,
+            ..policy("mail")
+        },
+    )
+    .await;
+    paused.store(true, Ordering::SeqCst);
+    let answered: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    for claimer in claimers {
+        claimer.await.unwrap();
+    }
+    let late: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM public.in_flight_log
+         WHERE delta > 0 AND at > $1 + interval '1 second'",
+    )
+    .bind(answered)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(late, 0, "leases began over a second after the pause");
+    let pending: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox.intent WHERE kind = 'mail' AND state = 'pending'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert!(pending > 0, "the queue still had intents to lease");
 }
 
 #[tokio::test]

@@ -548,9 +548,7 @@ async fn a_key_never_has_two_live_leases_across_replicas_and_concurrent_claimers
         }
     }
 
-    // Live leases per key, counted up when a claim answers and down before the Ack is
-    // sent: two leases of one key alive at once would count 2.
-    let live: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    log_key_leases(&app).await;
     let delivered: Arc<Mutex<HashMap<String, Vec<String>>>> = Arc::default();
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut claimers = Vec::new();
@@ -560,7 +558,7 @@ async fn a_key_never_has_two_live_leases_across_replicas_and_concurrent_claimers
         } else {
             other.client()
         };
-        let (live, delivered) = (live.clone(), delivered.clone());
+        let delivered = delivered.clone();
         claimers.push(tokio::spawn(async move {
             let mut client = server;
             let mut idle = 0;
@@ -577,30 +575,16 @@ async fn a_key_never_has_two_live_leases_across_replicas_and_concurrent_claimers
                     continue;
                 }
                 idle = 0;
-                let keys: Vec<String> = leases
-                    .iter()
-                    .map(|l| l.intent.as_ref().unwrap().ordering_key.clone())
-                    .collect();
                 {
-                    let mut live = live.lock().unwrap();
                     let mut delivered = delivered.lock().unwrap();
-                    for (lease, key) in leases.iter().zip(&keys) {
-                        if key.is_empty() {
-                            continue;
+                    for lease in &leases {
+                        let key = &lease.intent.as_ref().unwrap().ordering_key;
+                        if !key.is_empty() {
+                            delivered
+                                .entry(key.clone())
+                                .or_default()
+                                .push(id_of(lease).to_owned());
                         }
-                        let n = live.entry(key.clone()).or_default();
-                        *n += 1;
-                        assert_eq!(*n, 1, "two live leases of {key}");
-                        delivered
-                            .entry(key.clone())
-                            .or_default()
-                            .push(id_of(lease).to_owned());
-                    }
-                }
-                {
-                    let mut live = live.lock().unwrap();
-                    for key in keys.iter().filter(|k| !k.is_empty()) {
-                        *live.get_mut(key).unwrap() -= 1;
                     }
                 }
                 let refs = leases.iter().map(crate::helpers::lease_ref).collect();
@@ -612,7 +596,54 @@ async fn a_key_never_has_two_live_leases_across_replicas_and_concurrent_claimers
         c.await.unwrap();
     }
     assert_eq!(*delivered.lock().unwrap(), expected);
+    let (most, leases): (i64, i64) = sqlx::query_as(
+        "SELECT coalesce(max(running), 0)::int8, count(*) FILTER (WHERE delta > 0)
+         FROM (SELECT delta,
+                      sum(delta) OVER (PARTITION BY ordering_key ORDER BY at, seq) AS running
+               FROM public.key_lease_log) l",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        leases,
+        (KEYS * PER_KEY) as i64,
+        "every ordered intent leased once"
+    );
+    assert_eq!(most, 1, "two live leases of one key at once");
     other.stop().await;
+}
+
+/// Logs every ordered intent's change into or out of LEASED/SUBMITTED, per key, in the
+/// database, at the time the statement made it (before its commit): a lease of a key taken
+/// while another is live shows as a running count of 2.
+async fn log_key_leases(app: &TestApp) {
+    for statement in [
+        "CREATE TABLE public.key_lease_log (
+             seq bigint GENERATED ALWAYS AS IDENTITY, at timestamptz NOT NULL,
+             ordering_key text NOT NULL, delta int NOT NULL)",
+        "CREATE FUNCTION public.log_key_lease() RETURNS trigger LANGUAGE plpgsql
+         SECURITY DEFINER SET search_path = pg_catalog AS $$
+         DECLARE
+             before int := CASE WHEN TG_OP <> 'INSERT' AND OLD.ordering_key IS NOT NULL
+                                 AND OLD.state IN ('leased', 'submitted') THEN 1 ELSE 0 END;
+             after int := CASE WHEN TG_OP <> 'DELETE' AND NEW.ordering_key IS NOT NULL
+                                AND NEW.state IN ('leased', 'submitted') THEN 1 ELSE 0 END;
+         BEGIN
+             IF after <> before THEN
+                 INSERT INTO public.key_lease_log (at, ordering_key, delta)
+                 VALUES (clock_timestamp(),
+                         CASE WHEN TG_OP = 'DELETE' THEN OLD.ordering_key
+                              ELSE NEW.ordering_key END,
+                         after - before);
+             END IF;
+             RETURN NULL;
+         END $$",
+        "CREATE TRIGGER log_key_lease AFTER INSERT OR UPDATE OR DELETE ON outbox.intent
+             FOR EACH ROW EXECUTE FUNCTION public.log_key_lease()",
+    ] {
+        sqlx::query(statement).execute(&app.pool).await.unwrap();
+    }
 }
 
 #[tokio::test]

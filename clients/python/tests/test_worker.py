@@ -16,7 +16,9 @@ from proxy import Cuts, FaultProxy
 
 import outboxd
 from outboxd import Intent, NewIntent, Permanent, Retry, Worker, pb
+from outboxd.worker import _MAX_CALL_BYTES
 from outboxd.worker import _fail_text as fail_text
+from outboxd.worker import _split_by_size as split_by_size
 
 
 def enqueue(outbox: outboxd.Outbox, kind: str, n: int, size: int = 0) -> list[str]:
@@ -251,6 +253,22 @@ def test_fail_text_turns_control_characters_into_spaces_and_cuts_on_characters()
     assert fail_text("line one\nline\ttwo\r\n\x7f\x85end") == "line one line two    end"
     assert fail_text("d\u00e9j\u00e0 vu \U0001f600") == "d\u00e9j\u00e0 vu \U0001f600"
     assert fail_text("\U0001f600" * 5000) == "\U0001f600" * 4096
+
+
+def test_fails_with_long_texts_are_split_into_calls_the_server_accepts() -> None:
+    failure = pb.Failure(
+        lease=pb.LeaseRef(intent_id="0" * 36, lease_id="1" * 36),
+        error=fail_text("\U0001f600" * 5000),
+        outcome=pb.FAIL_OUTCOME_RETRY,
+    )
+    sizes = [failure.ByteSize()] * 1000
+    parts = split_by_size(sizes, _MAX_CALL_BYTES)
+    assert len(parts) > 1
+    assert [i for part in parts for i in part] == list(range(1000))
+    for part in parts:
+        request = pb.FailRequest(failures=[failure] * len(part))
+        assert request.ByteSize() <= _MAX_CALL_BYTES
+    assert split_by_size([_MAX_CALL_BYTES * 2, 1], _MAX_CALL_BYTES) == [range(0, 1), range(1, 2)]
 
 
 def test_lost_claim_answers_are_replayed_and_strand_no_lease(

@@ -37,6 +37,9 @@ H = TypeVar("H", bound=Callable[..., Any])
 
 # Most leases per Claim and items per settle or heartbeat call (the server's default limit).
 _MAX_BATCH = 1000
+# Most bytes of one Fail call: half the server's default request limit
+# (OUTBOX_LIMITS__MAX_MESSAGE_BYTES, 8 MiB); a thousand long non-ASCII error texts pass it.
+_MAX_CALL_BYTES = 4 * 1024 * 1024
 
 # Longest `error` sent with a Fail, in characters: the server's default
 # OUTBOX_LIMITS__MAX_TEXT_LENGTH (the Rust and TypeScript SDKs cut at the same).
@@ -760,6 +763,12 @@ class Worker:
             if s.outcome == pb.FAIL_OUTCOME_RETRY and s.retry_after is not None:
                 f.retry_after.CopyFrom(duration(max(s.retry_after, 0.001)))
             failures.append(f)
+        calls = []
+        for part in _split_by_size([f.ByteSize() for f in failures], _MAX_CALL_BYTES):
+            calls.append(self._send_fail_call([fails[i] for i in part], [failures[i] for i in part]))
+        await asyncio.gather(*calls)
+
+    async def _send_fail_call(self, fails: list[_Settle], failures: list[pb.Failure]) -> None:
         try:
             answer = await self._client.call(
                 "Fail",
@@ -831,6 +840,21 @@ class Worker:
         self._all_settled.clear()
         if self._unsettled:
             await self._all_settled.wait()
+
+
+def _split_by_size(sizes: list[int], limit: int) -> list[range]:
+    """Consecutive parts of items of `sizes` whose sum (with a few bytes of framing each)
+    stays within `limit`; an item larger than `limit` alone."""
+    parts: list[range] = []
+    start, total = 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and total + size + 8 > limit:
+            parts.append(range(start, i))
+            start, total = i, 0
+        total += size + 8
+    if start < len(sizes):
+        parts.append(range(start, len(sizes)))
+    return parts
 
 
 def _fail_text(text: str) -> str:

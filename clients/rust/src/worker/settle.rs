@@ -24,6 +24,10 @@ const FLUSHES_IN_FLIGHT: usize = 4;
 /// `OUTBOX_LIMITS__MAX_TEXT_LENGTH` (the Python and TypeScript SDKs cut at the same).
 const MAX_ERROR_CHARS: usize = 4096;
 
+/// Most bytes of one settle call: half the server's default request limit for `Fail`
+/// (`OUTBOX_LIMITS__MAX_MESSAGE_BYTES`, 8 MiB).
+const MAX_CALL_BYTES: usize = 4 * 1024 * 1024;
+
 /// What to report for one lease.
 #[derive(Debug)]
 pub(crate) enum Outcome {
@@ -50,6 +54,18 @@ impl Outcome {
 pub(crate) struct Settle {
     pub(crate) lease: Arc<LeaseState>,
     pub(crate) outcome: Outcome,
+}
+
+impl Settle {
+    /// About what it adds to its call on the wire: the ids, the error text (at most four
+    /// bytes a character) and the framing.
+    fn bytes(&self) -> usize {
+        let text = match &self.outcome {
+            Outcome::Ack => 0,
+            Outcome::Fail { error, .. } => error.chars().take(MAX_ERROR_CHARS).count() * 4,
+        };
+        self.lease.intent_id.len() + self.lease.lease_id.len() + text + 64
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -293,23 +309,26 @@ fn fail_text(error: &str) -> String {
         .collect()
 }
 
-/// Splits settles into calls of at most `MAX_BATCH` that never name one intent twice (a
-/// batch naming an intent twice is refused whole).
+/// Splits settles into calls of at most `MAX_BATCH` items and [`MAX_CALL_BYTES`] that never
+/// name one intent twice (a batch naming an intent twice is refused whole, and so is one
+/// over the server's request limit: a thousand Fails with long non-ASCII texts would be).
 fn distinct_intents(items: Vec<Settle>) -> Vec<Vec<Settle>> {
-    let mut batches: Vec<(HashSet<String>, Vec<Settle>)> = Vec::new();
+    let mut batches: Vec<(HashSet<String>, usize, Vec<Settle>)> = Vec::new();
     for item in items {
         let id = item.lease.intent_id.clone();
-        let slot = batches
-            .iter()
-            .position(|(ids, batch)| batch.len() < MAX_BATCH && !ids.contains(&id));
+        let bytes = item.bytes();
+        let slot = batches.iter().position(|(ids, size, batch)| {
+            batch.len() < MAX_BATCH && size + bytes <= MAX_CALL_BYTES && !ids.contains(&id)
+        });
         let index = slot.unwrap_or_else(|| {
-            batches.push((HashSet::new(), Vec::new()));
+            batches.push((HashSet::new(), 0, Vec::new()));
             batches.len() - 1
         });
         batches[index].0.insert(id);
-        batches[index].1.push(item);
+        batches[index].1 += bytes;
+        batches[index].2.push(item);
     }
-    batches.into_iter().map(|(_, batch)| batch).collect()
+    batches.into_iter().map(|(_, _, batch)| batch).collect()
 }
 
 #[cfg(test)]
@@ -324,6 +343,30 @@ mod tests {
                 tokio::time::Instant::now(),
             )),
             outcome: Outcome::Ack,
+        }
+    }
+
+    #[test]
+    fn fails_with_long_texts_are_split_into_calls_the_server_accepts() {
+        let long: String = "é".repeat(MAX_ERROR_CHARS * 2);
+        let fails: Vec<Settle> = (0..MAX_BATCH)
+            .map(|n| Settle {
+                outcome: Outcome::Fail {
+                    outcome: FailOutcome::Retry,
+                    error: long.clone(),
+                    retry_after: None,
+                },
+                ..settle(&n.to_string(), &n.to_string())
+            })
+            .collect();
+        let batches = distinct_intents(fails);
+        assert!(batches.len() > 1);
+        assert_eq!(batches.iter().map(Vec::len).sum::<usize>(), MAX_BATCH);
+        for batch in &batches {
+            let request = proto::FailRequest {
+                failures: batch.iter().map(failure).collect(),
+            };
+            assert!(prost::Message::encoded_len(&request) <= MAX_CALL_BYTES);
         }
     }
 

@@ -296,11 +296,14 @@ pub struct Authenticator {
     /// Permits to look a key up in the database: every distinct unknown key costs a
     /// lookup, so a flood of made-up keys could otherwise hold every pooled connection.
     lookups: tokio::sync::Semaphore,
+    /// Permits to look up again a key that was valid when last looked up (its entry is
+    /// stale): its refresh never queues behind a flood of made-up keys on `lookups`.
+    refreshes: tokio::sync::Semaphore,
 }
 
 /// Most key lookups in the database at once (each [`Authenticator`] holds a semaphore of
-/// them): they take a millisecond, and known keys are cached, so a few are enough for a
-/// cold start.
+/// them, and as many again for refreshing keys that were valid): they take a millisecond,
+/// and known keys are cached, so a few are enough for a cold start.
 pub const CONCURRENT_LOOKUPS: usize = 2;
 
 /// Key hash → the caller it resolved to (or none) and when it was looked up.
@@ -319,6 +322,7 @@ impl Authenticator {
             ttl,
             cache: Mutex::new(HashMap::new()),
             lookups: tokio::sync::Semaphore::new(CONCURRENT_LOOKUPS),
+            refreshes: tokio::sync::Semaphore::new(CONCURRENT_LOOKUPS),
         }
     }
 
@@ -357,18 +361,23 @@ impl Authenticator {
 
     async fn lookup(&self, secret: &str, cached: bool) -> Result<Caller> {
         let hash = hash_key(secret);
-        let cached = cached
-            .then(|| {
-                self.lock()
-                    .get(&hash)
-                    .and_then(|(caller, at)| (at.elapsed() < self.ttl).then(|| caller.clone()))
-            })
-            .flatten();
-        let caller = match cached {
+        let (fresh, was_valid) = match self.lock().get(&hash) {
+            Some((caller, at)) => (
+                (cached && at.elapsed() < self.ttl).then(|| caller.clone()),
+                caller.is_some(),
+            ),
+            None => (None, false),
+        };
+        let caller = match fresh {
             Some(caller) => caller,
             None => {
+                let permits = if was_valid {
+                    &self.refreshes
+                } else {
+                    &self.lookups
+                };
                 // Never closed, so acquiring only waits.
-                let _permit = self.lookups.acquire().await.ok();
+                let _permit = permits.acquire().await.ok();
                 let caller = store::lookup_api_key(&self.pool, &hash)
                     .await?
                     .map(Caller::from_record);

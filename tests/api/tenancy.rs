@@ -835,6 +835,48 @@ async fn a_key_whose_tenant_name_has_a_comma_cannot_be_stored() {
     app.key(&["acme", "globex"], &["consume"], &[]).await;
 }
 
+/// A key that was valid is looked up again once its cache entry is stale (here at every
+/// call); that refresh has permits of its own, so it does not queue behind a flood of
+/// made-up keys holding the lookups' permits: it reaches the database beside them.
+#[tokio::test]
+async fn a_known_keys_refresh_does_not_queue_behind_a_flood_of_unknown_keys() {
+    let app = TestApp::spawn_with(|s| s.auth.cache_ttl = Duration::ZERO).await;
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let mut operator = app.client_with(Some(&key), None).await;
+    operator
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .unwrap();
+
+    let mut lock = app.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE outbox.api_key IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let channel = app.client_channel().await;
+    let flood: Vec<_> = (0..20)
+        .map(|n| {
+            let mut client = v1::outbox_service_client::OutboxServiceClient::new(channel.clone());
+            tokio::spawn(async move {
+                let mut request = tonic::Request::new(v1::GetQueueStatsRequest {});
+                let bearer = format!("Bearer obx_made_up_{n}").parse().unwrap();
+                request.metadata_mut().insert("authorization", bearer);
+                client.get_queue_stats(request).await.unwrap_err().code()
+            })
+        })
+        .collect();
+    let flooding = outboxd::auth::CONCURRENT_LOOKUPS as i64;
+    app.wait_for_lock_waiters(flooding).await;
+    let known =
+        tokio::spawn(async move { operator.get_queue_stats(v1::GetQueueStatsRequest {}).await });
+    app.wait_for_lock_waiters(flooding + 1).await;
+    lock.rollback().await.unwrap();
+    known.await.unwrap().expect("the known key answers");
+    for call in flood {
+        assert_eq!(call.await.unwrap(), Code::Unauthenticated);
+    }
+}
+
 #[tokio::test]
 async fn lookups_of_unknown_keys_hold_at_most_a_few_connections() {
     let app = TestApp::spawn_with(|s| s.auth.cache_ttl = Duration::from_secs(3600)).await;

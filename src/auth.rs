@@ -309,9 +309,9 @@ pub const CONCURRENT_LOOKUPS: usize = 2;
 /// Key hash → the caller it resolved to (or none) and when it was looked up.
 type KeyCache = HashMap<[u8; 32], (Option<Caller>, Instant)>;
 
-/// Most cached lookups; beyond it unknown keys and stale lookups are dropped, and the whole
-/// cache only if real keys alone fill it (bad keys must not grow memory, nor evict real
-/// keys: a flood of made-up keys would otherwise send every caller to the database).
+/// Most cached lookups; beyond it unknown keys are dropped, and the whole cache only if real
+/// keys alone fill it (bad keys must not grow memory, nor evict real keys: a flood of
+/// made-up keys would otherwise send every caller to the database, behind the flood).
 const CACHE_LIMIT: usize = 10_000;
 
 impl Authenticator {
@@ -383,8 +383,8 @@ impl Authenticator {
                     .map(Caller::from_record);
                 let mut cache = self.lock();
                 if cache.len() >= CACHE_LIMIT {
-                    let ttl = self.ttl;
-                    cache.retain(|_, (caller, at)| caller.is_some() && at.elapsed() < ttl);
+                    // Real keys stay, stale or not: a stale one refreshes on `refreshes`.
+                    cache.retain(|_, (caller, _)| caller.is_some());
                     if cache.len() >= CACHE_LIMIT {
                         cache.clear();
                     }

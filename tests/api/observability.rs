@@ -449,6 +449,28 @@ async fn process_build_and_connection_pool_metrics_are_exported() {
     assert!(tenant.is_some_and(|(_, n)| *n >= 1.0), "{text}");
 }
 
+/// The pools' acquire figures count the calls that are one statement (a Claim, an Ack), not
+/// only transactions: a pool too small for a load of workers alone shows there too.
+#[tokio::test]
+async fn a_claim_and_an_ack_are_counted_in_the_pools_acquires() {
+    let app = TestApp::spawn().await;
+    app.enqueue(vec![intent("job", "{}")]).await.unwrap();
+    let acquires = |text: &str| {
+        samples(text, "outbox_db_pool_acquire_seconds_count")
+            .into_iter()
+            .find(|(l, _)| *l == r#"{pool="tenant"}"#)
+            .map_or(0.0, |(_, n)| n)
+    };
+    let before = acquires(&app.scrape().await);
+    let leases = app.claim_n("w", 10).await;
+    let claimed = acquires(&app.scrape().await);
+    assert!(claimed > before, "{before} → {claimed}");
+    let results = app.ack(&leases.iter().collect::<Vec<_>>()).await;
+    assert!(results.iter().all(|r| r.error.is_none()), "{results:?}");
+    let acked = acquires(&app.scrape().await);
+    assert!(acked > claimed, "{claimed} → {acked}");
+}
+
 #[tokio::test]
 async fn every_method_label_is_the_full_grpc_method_name() {
     let app = TestApp::spawn().await;

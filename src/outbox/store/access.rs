@@ -324,6 +324,19 @@ where
     }
 }
 
+/// A connection of the pool that acts for `scope`, its wait counted as a transaction's is
+/// (`outbox_db_pool_acquire_seconds`): for the calls that are one statement, no BEGIN.
+pub(super) async fn acquire(
+    pools: &Pools,
+    scope: &TenantScope,
+) -> sqlx::Result<PoolConnection<Postgres>> {
+    acquire_counted(
+        pools.for_scope(scope),
+        pools.acquire_counters(scope).as_ref(),
+    )
+    .await
+}
+
 /// A connection from `pool`, the wait counted into `counters`.
 async fn acquire_counted(
     pool: &PgPool,

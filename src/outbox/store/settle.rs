@@ -7,12 +7,12 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use sqlx::Postgres;
 use sqlx::postgres::PgArguments;
 use sqlx::query::QueryAs;
-use sqlx::{PgPool, Postgres};
 use uuid::Uuid;
 
-use super::access::{Pools, ScopeSettings, TenantScope, begin, on_live_connection};
+use super::access::{Pools, ScopeSettings, TenantScope, acquire, begin, on_live_connection};
 use super::current::{Current, current_intents};
 use super::{BackoffParams, millis};
 use crate::outbox::{
@@ -212,9 +212,19 @@ async fn settle_in_one_call(
     let settings = pools.scope_settings(scope.tenants);
     let (ids, mut lease_ids) = split(&pairs);
     if !scope.key_regions.is_empty() {
-        keep_to_key_regions(pool, &settings, scope.key_regions, &ids, &mut lease_ids).await?;
+        let (regions, ids) = (scope.key_regions, &ids);
+        keep_to_key_regions(
+            pools,
+            scope.tenants,
+            &settings,
+            regions,
+            ids,
+            &mut lease_ids,
+        )
+        .await?;
     }
-    let changed: Vec<SettleRow> = on_live_connection(pool, || {
+    let changed: Vec<SettleRow> = on_live_connection(pool, || async {
+        let mut conn = acquire(pools, scope.tenants).await?;
         bind_rest(
             sqlx::query_as(call)
                 .bind(&settings.tenants)
@@ -222,7 +232,8 @@ async fn settle_in_one_call(
                 .bind(&ids)
                 .bind(&lease_ids),
         )
-        .fetch_all(pool)
+        .fetch_all(&mut *conn)
+        .await
     })
     .await?;
     let (released, changed): (Vec<SettleRow>, Vec<SettleRow>) = changed
@@ -263,19 +274,22 @@ pub struct Settled {
 /// One round trip (`outbox.settleable_in_regions`); a region never changes after Enqueue,
 /// so the answer holds until the settle runs.
 async fn keep_to_key_regions(
-    pool: &PgPool,
+    pools: &Pools,
+    tenants: &TenantScope,
     scope: &ScopeSettings,
     key_regions: &[String],
     ids: &[Uuid],
     lease_ids: &mut [Uuid],
 ) -> Result<()> {
-    let settleable: Vec<Uuid> = on_live_connection(pool, || {
+    let settleable: Vec<Uuid> = on_live_connection(pools.for_scope(tenants), || async {
+        let mut conn = acquire(pools, tenants).await?;
         sqlx::query_scalar("SELECT * FROM outbox.settleable_in_regions($1, $2, $3, $4)")
             .bind(&scope.tenants)
             .bind(&scope.proof)
             .bind(ids)
             .bind(key_regions)
-            .fetch_all(pool)
+            .fetch_all(&mut *conn)
+            .await
     })
     .await?;
     let settleable: std::collections::HashSet<Uuid> = settleable.into_iter().collect();

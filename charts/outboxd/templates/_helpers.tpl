@@ -134,6 +134,9 @@ only as an ImagePullBackOff.
 {{- if and .Values.tls.enabled (not .Values.tls.existingSecret) }}
 {{- fail "tls.enabled needs tls.existingSecret (a kubernetes.io/tls Secret, e.g. from cert-manager)" }}
 {{- end }}
+{{- if and (not .Values.database.migration.enabled) (ne .Values.migrations.mode "none") }}
+{{- fail "migrations.mode hook or initContainer needs database.migration.enabled (they run as the schema owner); to migrate out of band, set migrations.mode: none with database.migration.enabled: false" }}
+{{- end }}
 {{- if and .Values.tls.clientCA.enabled (not .Values.tls.enabled) }}
 {{- fail "tls.clientCA.enabled needs tls.enabled" }}
 {{- end }}

@@ -249,6 +249,28 @@ def test_an_error_with_a_newline_and_a_tab_is_failed_at_once_with_spaces_in_thei
     assert worker.stats.failed == 2 and worker.stats.settle_errors == 0, worker.stats
 
 
+def test_a_fail_the_server_refuses_does_not_hold_back_the_others_of_its_call(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    k = kind("refused")
+    bad = outbox.enqueue_direct(k, b"bad").id
+    good = outbox.enqueue_direct(k, b"good").id
+    # Both Fails wait for each other (settle_delay) and go out in one call; leases far
+    # longer than the wait, so only the Fail itself can finish the good one in time.
+    worker = Worker(stack.endpoints, stack.api_key, concurrency=2, lease=120, settle_delay=0.5)
+
+    @worker.handler(k)
+    def fail(intent: Intent) -> None:
+        if intent.payload == b"bad":
+            raise Retry("later", after=400 * 24 * 3600)  # past the server's 366 days: refused
+        raise Permanent("bad address")
+
+    with Running(worker):
+        assert wait_state(outbox, good, "DEAD_LETTERED").last_error == "bad address"
+    assert outbox.get_intent(bad).intent.state == pb.INTENT_STATE_LEASED
+    assert worker.stats.failed == 1 and worker.stats.settle_errors == 1, worker.stats
+
+
 def test_fail_text_turns_control_characters_into_spaces_and_cuts_on_characters() -> None:
     assert fail_text("line one\nline\ttwo\r\n\x7f\x85end") == "line one line two    end"
     assert fail_text("d\u00e9j\u00e0 vu \U0001f600") == "d\u00e9j\u00e0 vu \U0001f600"

@@ -150,7 +150,8 @@ export class Outbox {
    * (NotInTransactionError) when the client is not in a transaction.
    */
   async enqueue(client: PgClientLike, intents: IntentInput | readonly IntentInput[]): Promise<Enqueued[]> {
-    const status = client.getTransactionStatus?.();
+    // null where the client does not track it (pg-native): probed as when it is missing.
+    const status = client.getTransactionStatus?.() ?? undefined;
     if (status !== undefined) {
       if (status === "E") throw new NotInTransactionError("outboxd: the transaction has failed; roll it back");
       if (status !== "T") throw new NotInTransactionError("outboxd: enqueue needs an open transaction (BEGIN first); use enqueueDirect otherwise");

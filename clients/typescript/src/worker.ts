@@ -62,7 +62,7 @@ export interface WorkerStats {
   acked: number;
   /** Fails the server applied (any outcome). */
   failed: number;
-  /** Leases found lost (heartbeat or settle refused with LEASE_LOST, or expired locally). */
+  /** Leases found lost (heartbeat or settle refused with LEASE_LOST). */
   leaseLost: number;
   /** ExtendLease calls that failed as a whole. */
   heartbeatFailures: number;
@@ -263,9 +263,10 @@ export class Worker {
       process.on("SIGTERM", onSignal);
       process.on("SIGINT", onSignal);
     }
+    // Often enough that a lease expiring locally fires its signal within 250 ms.
     const heartbeat = setInterval(() => {
       this.heartbeat();
-    }, Math.max(20, Math.floor(this.heartbeatMs / 2)));
+    }, Math.max(20, Math.min(250, Math.floor(this.heartbeatMs / 2))));
     try {
       await this.claimLoop(kinds, tracing);
       await this.drain();
@@ -504,7 +505,7 @@ export class Worker {
               lease: { intentId: intent.id, leaseId: live.leaseId },
               outcome: outcome.outcome,
               error: failText(outcome.error),
-              ...(outcome.retryAfterMs !== undefined ? { retryAfter: durationFromMs(outcome.retryAfterMs) } : {}),
+              ...(outcome.retryAfterMs !== undefined ? { retryAfter: durationFromMs(Math.max(1, Math.round(outcome.retryAfterMs))) } : {}),
             })
           : undefined,
     };
@@ -601,6 +602,8 @@ export class Worker {
       reply.results.forEach((result, i) => {
         const live = leases[i];
         if (live === undefined || live.done) return;
+        // Settled meanwhile: the settle's answer counts, not this one.
+        if (result.error && live.settled !== undefined) return;
         if (result.error) {
           if (!live.lost) {
             live.lost = true;

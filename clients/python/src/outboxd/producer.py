@@ -78,14 +78,20 @@ def _intents(
     ]
 
 
+def _driver_of(conn: Any) -> str:
+    return str(type(conn).__module__).split(".")[0]
+
+
 def _is_psycopg(conn: Any) -> bool:
-    return type(conn).__module__.startswith("psycopg") and hasattr(conn, "info")
+    return _driver_of(conn) == "psycopg" and hasattr(conn, "info")
+
+
+# libpq's PQTRANS_INERROR, as psycopg 3 and psycopg2 report a connection's transaction status.
+_INERROR = 3
 
 
 def _refuse_failed(conn: Any) -> None:
-    from psycopg.pq import TransactionStatus
-
-    if conn.info.transaction_status == TransactionStatus.INERROR:
+    if int(conn.info.transaction_status) == _INERROR:
         raise TransactionRequired("the transaction on this connection has failed: roll it back")
 
 
@@ -113,12 +119,19 @@ def _check_sqlalchemy(conn: Any) -> None:
             "enqueue(session, ...) needs an open transaction (with session.begin(): ...); "
             "use enqueue_direct(...) to enqueue without one"
         )
-    # SQLAlchemy still reports a transaction whose statement failed: ask psycopg (whose
+    # SQLAlchemy still reports a transaction whose statement failed: ask the driver (whose
     # transaction may not have begun yet: SQLAlchemy sends BEGIN with the first statement).
-    connection = conn.connection() if callable(getattr(conn, "connection", None)) else conn
+    try:
+        connection = conn.connection() if callable(getattr(conn, "connection", None)) else conn
+    except Exception as error:
+        # An AsyncSession that has no connection yet cannot open one here, outside its
+        # greenlet; with none, nothing ran in its transaction, so nothing failed.
+        if type(error).__name__ == "MissingGreenlet":
+            return
+        raise
     # The driver's own connection (under an async engine, dbapi_connection is an adapter).
     dbapi = getattr(getattr(connection, "connection", None), "driver_connection", None)
-    if dbapi is not None and _is_psycopg(dbapi):
+    if dbapi is not None and _driver_of(dbapi) in ("psycopg", "psycopg2") and hasattr(dbapi, "info"):
         _refuse_failed(dbapi)
 
 

@@ -670,7 +670,8 @@ class Worker:
             await asyncio.sleep(tick)
             now = time.monotonic()
             for lease in list(self._active.values()):
-                if now >= lease.expires and not lease.lost:
+                # A lease whose settle is queued or in flight is left to that call's answer.
+                if now >= lease.expires and not lease.lost and not lease.settling:
                     self._mark_lost(lease)
             if now - last >= self.heartbeat_interval:
                 last = now
@@ -696,6 +697,8 @@ class Worker:
             for lease, item in zip(chunk, answer.results):
                 if not item.HasField("error"):
                     lease.expires = sent + self.lease
+                elif lease.settling:
+                    pass  # settled meanwhile: the settle's answer counts, not this one
                 elif item.error.reason in _LOST_REASONS:
                     self._mark_lost(lease)
                 else:
@@ -778,6 +781,11 @@ class Worker:
                 budget=max(self.lease, self.call_timeout),
             )
         except OutboxError as error:
+            if error.code == grpc.StatusCode.INVALID_ARGUMENT and len(fails) > 1:
+                # One bad item refuses the whole call: each alone, so the others apply.
+                for settle, failure in zip(fails, failures):
+                    await self._send_fail_call([settle], [failure])
+                return
             self._settle_failed(fails, error)
             return
         self._apply(fails, answer.results, "failed")

@@ -403,8 +403,9 @@ export type ClaimRequest = Message<"outbox.v1.ClaimRequest"> & {
   wait?: Duration | undefined;
 
   /**
-   * Client-chosen id of this claim. Retrying with the same id (and worker) returns the
-   * leases the first attempt took instead of leasing more.
+   * Client-chosen id of this claim. Retrying with the same id, worker, API key and tenant
+   * scope returns the leases the first attempt took that are still held instead of leasing
+   * more.
    *
    * @generated from field: string request_id = 7;
    */

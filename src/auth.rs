@@ -309,9 +309,10 @@ pub const CONCURRENT_LOOKUPS: usize = 2;
 /// Key hash → the caller it resolved to (or none) and when it was looked up.
 type KeyCache = HashMap<[u8; 32], (Option<Caller>, Instant)>;
 
-/// Most cached lookups; beyond it unknown keys are dropped, and the whole cache only if real
-/// keys alone fill it (bad keys must not grow memory, nor evict real keys: a flood of
-/// made-up keys would otherwise send every caller to the database, behind the flood).
+/// Most cached lookups; beyond it unknown keys are dropped, then real keys unused for ten
+/// TTLs, and the whole cache only if real keys alone still fill it (bad keys must not grow
+/// memory, nor evict real keys: a flood of made-up keys would otherwise send every caller
+/// to the database, behind the flood).
 const CACHE_LIMIT: usize = 10_000;
 
 impl Authenticator {
@@ -361,14 +362,8 @@ impl Authenticator {
 
     async fn lookup(&self, secret: &str, cached: bool) -> Result<Caller> {
         let hash = hash_key(secret);
-        let (fresh, was_valid) = match self.lock().get(&hash) {
-            Some((caller, at)) => (
-                (cached && at.elapsed() < self.ttl).then(|| caller.clone()),
-                caller.is_some(),
-            ),
-            None => (None, false),
-        };
-        let caller = match fresh {
+        let (fresh, was_valid) = self.cached(&hash);
+        let caller = match fresh.filter(|_| cached) {
             Some(caller) => caller,
             None => {
                 let permits = if was_valid {
@@ -378,22 +373,45 @@ impl Authenticator {
                 };
                 // Never closed, so acquiring only waits.
                 let _permit = permits.acquire().await.ok();
-                let caller = store::lookup_api_key(&self.pool, &hash)
-                    .await?
-                    .map(Caller::from_record);
-                let mut cache = self.lock();
-                if cache.len() >= CACHE_LIMIT {
-                    // Real keys stay, stale or not: a stale one refreshes on `refreshes`.
-                    cache.retain(|_, (caller, _)| caller.is_some());
-                    if cache.len() >= CACHE_LIMIT {
-                        cache.clear();
-                    }
+                // A call that held a permit before this one may have looked it up.
+                match self.cached(&hash).0.filter(|_| cached) {
+                    Some(caller) => caller,
+                    None => self.look_up_now(hash).await?,
                 }
-                cache.insert(hash, (caller.clone(), Instant::now()));
-                caller
             }
         };
         caller.ok_or_else(|| Error::Unauthenticated("unknown or revoked API key".to_owned()))
+    }
+
+    /// The lookup of `hash` in the cache, if younger than the TTL, and whether the last
+    /// lookup of it found a valid key.
+    fn cached(&self, hash: &[u8; 32]) -> (Option<Option<Caller>>, bool) {
+        match self.lock().get(hash) {
+            Some((caller, at)) => (
+                (at.elapsed() < self.ttl).then(|| caller.clone()),
+                caller.is_some(),
+            ),
+            None => (None, false),
+        }
+    }
+
+    /// Reads the key of `hash` from the database and caches what it found.
+    async fn look_up_now(&self, hash: [u8; 32]) -> Result<Option<Caller>> {
+        let caller = store::lookup_api_key(&self.pool, &hash)
+            .await?
+            .map(Caller::from_record);
+        let mut cache = self.lock();
+        if cache.len() >= CACHE_LIMIT {
+            // Unknown keys go first, then real keys unused for ten TTLs (rotated, revoked):
+            // a stale real key that is still used refreshes on `refreshes`.
+            let horizon = self.ttl * 10;
+            cache.retain(|_, (caller, at)| caller.is_some() && at.elapsed() < horizon);
+            if cache.len() >= CACHE_LIMIT {
+                cache.clear();
+            }
+        }
+        cache.insert(hash, (caller.clone(), Instant::now()));
+        Ok(caller)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, KeyCache> {

@@ -159,7 +159,7 @@ pub struct Metrics {
     pub blocked_keys: Gauge,
     /// Time to get a connection from each pool.
     pub pool_acquire: HistogramFamily<PoolLabels>,
-    /// Transactions waiting for a connection from each pool.
+    /// Calls waiting for a connection from each pool.
     pub pool_acquires_waiting: Family<PoolLabels, Gauge>,
 }
 
@@ -385,12 +385,12 @@ impl Metrics {
         );
         r.register(
             "db_pool_acquire_seconds",
-            "Time a transaction waited for a connection from the pool",
+            "Time a call (a transaction, a Claim, a settle) waited for a connection from the pool",
             m.pool_acquire.clone(),
         );
         r.register(
             "db_pool_acquires_waiting",
-            "Transactions waiting for a connection from the pool now",
+            "Calls waiting for a connection from the pool now",
             m.pool_acquires_waiting.clone(),
         );
         m

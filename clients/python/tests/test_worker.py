@@ -255,12 +255,15 @@ def test_a_fail_the_server_refuses_does_not_hold_back_the_others_of_its_call(
     k = kind("refused")
     bad = outbox.enqueue_direct(k, b"bad").id
     good = outbox.enqueue_direct(k, b"good").id
-    # Both Fails wait for each other (settle_delay) and go out in one call; leases far
-    # longer than the wait, so only the Fail itself can finish the good one in time.
+    # Both handlers run at once (threads) and fail together; their Fails wait for company
+    # (settle_delay) and go out in one call. Leases far longer than the wait, so only the
+    # Fail itself can finish the good one in time.
     worker = Worker(stack.endpoints, stack.api_key, concurrency=2, lease=120, settle_delay=0.5)
+    together = threading.Barrier(2, timeout=10)
 
     @worker.handler(k)
     def fail(intent: Intent) -> None:
+        together.wait()
         if intent.payload == b"bad":
             raise Retry("later", after=400 * 24 * 3600)  # past the server's 366 days: refused
         raise Permanent("bad address")

@@ -812,16 +812,31 @@ export class Worker {
  * worker may hold an expired lease and a new one on the same intent; a batch naming an
  * intent twice is refused whole).
  */
-function batches(items: PendingSettle[], size: number): PendingSettle[][] {
-  const out: { ids: Set<string>; items: PendingSettle[] }[] = [];
+/**
+ * Most bytes of one settle call: half the server's default request limit for `Fail`
+ * (`OUTBOX_LIMITS__MAX_MESSAGE_BYTES`, 8 MiB), which long non-ASCII error texts could pass.
+ */
+const MAX_CALL_BYTES = 4 * 1024 * 1024;
+
+/** About what a settle adds to its call on the wire: the ids, the error text, the framing. */
+function settleBytes(item: PendingSettle): number {
+  const text = item.failure === undefined ? 0 : Buffer.byteLength(item.failure.error, "utf8");
+  return item.live.intent.id.length + item.live.leaseId.length + text + 64;
+}
+
+/** Calls of at most `size` items and `MAX_CALL_BYTES` that never name one intent twice. */
+export function batches(items: PendingSettle[], size: number): PendingSettle[][] {
+  const out: { ids: Set<string>; bytes: number; items: PendingSettle[] }[] = [];
   for (const item of items) {
     const id = item.live.intent.id;
-    let batch = out.find((b) => b.items.length < size && !b.ids.has(id));
+    const bytes = settleBytes(item);
+    let batch = out.find((b) => b.items.length < size && b.bytes + bytes <= MAX_CALL_BYTES && !b.ids.has(id));
     if (batch === undefined) {
-      batch = { ids: new Set(), items: [] };
+      batch = { ids: new Set(), bytes: 0, items: [] };
       out.push(batch);
     }
     batch.ids.add(id);
+    batch.bytes += bytes;
     batch.items.push(item);
   }
   return out.map((b) => b.items);

@@ -5,7 +5,9 @@ import { ConnectError, type Interceptor } from "@connectrpc/connect";
 import { context, trace } from "@opentelemetry/api";
 import { AsyncLocalStorageContextManager } from "@opentelemetry/context-async-hooks";
 import { Code, LeaseLostError, Outbox, OutboxError, Permanent, Retry, ShutdownError, Worker, type WorkerEvent, type WorkerOptions } from "../src/index.js";
-import { failText } from "../src/worker.js";
+import { create, toBinary } from "@bufbuild/protobuf";
+import { FailRequestSchema, FailureSchema } from "../src/gen/outbox/v1/outbox_pb.js";
+import { batches, failText } from "../src/worker.js";
 import { Fixture, freePort, waitFor } from "./harness.js";
 
 let fx: Fixture;
@@ -238,6 +240,22 @@ describe("outcomes", () => {
     assert.equal(failText("déjà vu \u{1F600}"), "déjà vu \u{1F600}");
     assert.equal(failText("\u{1F600}".repeat(5_000)), "\u{1F600}".repeat(4_096));
     assert.equal(failText(`${"a".repeat(4_095)}\u{1F600}b`), `${"a".repeat(4_095)}\u{1F600}`);
+  });
+
+  test("fails with long texts are split into calls the server accepts", () => {
+    const error = failText("\u{1F600}".repeat(5_000));
+    const items = Array.from({ length: 1_000 }, (_, n) => {
+      const id = `00000000-0000-4000-8000-${String(n).padStart(12, "0")}`;
+      const failure = create(FailureSchema, { lease: { intentId: id, leaseId: id }, error });
+      return { live: { intent: { id }, leaseId: id }, failure };
+    }) as unknown as Parameters<typeof batches>[0];
+    const calls = batches(items, 1_000);
+    assert.ok(calls.length > 1);
+    assert.equal(calls.reduce((n, call) => n + call.length, 0), 1_000);
+    for (const call of calls) {
+      const failures = call.map((item) => item.failure).filter((f) => f !== undefined);
+      assert.ok(toBinary(FailRequestSchema, create(FailRequestSchema, { failures })).length <= 4 * 1024 * 1024);
+    }
   });
 
   test("an intent of a kind the worker claims but has no handler for is dead-lettered with a clear error", async () => {

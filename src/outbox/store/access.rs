@@ -103,6 +103,15 @@ impl Pools {
         })
     }
 
+    /// A connection of the pool that acts for `scope`, its wait counted as a transaction's
+    /// is (`outbox_db_pool_acquire_seconds`): for the calls that are one statement.
+    pub(super) async fn acquire(
+        &self,
+        scope: &TenantScope,
+    ) -> sqlx::Result<PoolConnection<Postgres>> {
+        acquire_counted(self.for_scope(scope), self.acquire_counters(scope).as_ref()).await
+    }
+
     /// The settings that scope a transaction to `scope`: the tenants and their proof
     /// (both empty for every tenant, which is the fleet role's grant).
     pub(super) fn scope_settings(&self, scope: &TenantScope) -> ScopeSettings {
@@ -322,19 +331,6 @@ where
             done => return done,
         }
     }
-}
-
-/// A connection of the pool that acts for `scope`, its wait counted as a transaction's is
-/// (`outbox_db_pool_acquire_seconds`): for the calls that are one statement, no BEGIN.
-pub(super) async fn acquire(
-    pools: &Pools,
-    scope: &TenantScope,
-) -> sqlx::Result<PoolConnection<Postgres>> {
-    acquire_counted(
-        pools.for_scope(scope),
-        pools.acquire_counters(scope).as_ref(),
-    )
-    .await
 }
 
 /// A connection from `pool`, the wait counted into `counters`.

@@ -8,7 +8,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{Row, ValueRef};
 use uuid::Uuid;
 
-use super::access::{Pools, TenantScope, acquire, begin, on_live_connection};
+use super::access::{Pools, TenantScope, begin, on_live_connection};
 use super::flush::{Unflushed, flush};
 use super::{INTENT_COLUMNS, intent_at, millis};
 use crate::outbox::{Intent, IntentId, LeaseId, Result};
@@ -105,8 +105,7 @@ pub async fn claim_intents(
     params: ClaimParams<'_>,
 ) -> Result<Claimed> {
     let pool = pools.for_scope(scope);
-    let tenants = scope;
-    let scope = pools.scope_settings(scope);
+    let settings = pools.scope_settings(scope);
     let floor_tenants: Vec<&str> = params
         .floors
         .iter()
@@ -120,10 +119,10 @@ pub async fn claim_intents(
     // when the reply to a COMMIT is lost), and a retry with the same request id gets them.
     // The connection is kept for the flush (store::flush): it outlives no crash.
     let (rows, mut conn) = on_live_connection(pool, || async {
-        let mut conn = acquire(pools, tenants).await?;
+        let mut conn = pools.acquire(scope).await?;
         let rows: Vec<PgRow> = sqlx::query(CLAIM)
-            .bind(&scope.tenants)
-            .bind(&scope.proof)
+            .bind(&settings.tenants)
+            .bind(&settings.proof)
             .bind(params.worker_id)
             .bind(params.region)
             .bind(params.kinds)

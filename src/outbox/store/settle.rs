@@ -12,7 +12,7 @@ use sqlx::postgres::PgArguments;
 use sqlx::query::QueryAs;
 use uuid::Uuid;
 
-use super::access::{Pools, ScopeSettings, TenantScope, acquire, begin, on_live_connection};
+use super::access::{Pools, ScopeSettings, TenantScope, begin, on_live_connection};
 use super::current::{Current, current_intents};
 use super::{BackoffParams, millis};
 use crate::outbox::{
@@ -212,19 +212,18 @@ async fn settle_in_one_call(
     let settings = pools.scope_settings(scope.tenants);
     let (ids, mut lease_ids) = split(&pairs);
     if !scope.key_regions.is_empty() {
-        let (regions, ids) = (scope.key_regions, &ids);
         keep_to_key_regions(
             pools,
             scope.tenants,
             &settings,
-            regions,
-            ids,
+            scope.key_regions,
+            &ids,
             &mut lease_ids,
         )
         .await?;
     }
     let changed: Vec<SettleRow> = on_live_connection(pool, || async {
-        let mut conn = acquire(pools, scope.tenants).await?;
+        let mut conn = pools.acquire(scope.tenants).await?;
         bind_rest(
             sqlx::query_as(call)
                 .bind(&settings.tenants)
@@ -282,7 +281,7 @@ async fn keep_to_key_regions(
     lease_ids: &mut [Uuid],
 ) -> Result<()> {
     let settleable: Vec<Uuid> = on_live_connection(pools.for_scope(tenants), || async {
-        let mut conn = acquire(pools, tenants).await?;
+        let mut conn = pools.acquire(tenants).await?;
         sqlx::query_scalar("SELECT * FROM outbox.settleable_in_regions($1, $2, $3, $4)")
             .bind(&scope.tenants)
             .bind(&scope.proof)

@@ -86,6 +86,11 @@ def _is_psycopg(conn: Any) -> bool:
     return _driver_of(conn) == "psycopg" and hasattr(conn, "info")
 
 
+def _reports_libpq_status(conn: Any) -> bool:
+    """psycopg 3 and psycopg2 connections both report libpq's transaction status."""
+    return _driver_of(conn) in ("psycopg", "psycopg2") and hasattr(conn, "info")
+
+
 # libpq's PQTRANS_INERROR, as psycopg 3 and psycopg2 report a connection's transaction status.
 _INERROR = 3
 
@@ -131,7 +136,7 @@ def _check_sqlalchemy(conn: Any) -> None:
         raise
     # The driver's own connection (under an async engine, dbapi_connection is an adapter).
     dbapi = getattr(getattr(connection, "connection", None), "driver_connection", None)
-    if dbapi is not None and _driver_of(dbapi) in ("psycopg", "psycopg2") and hasattr(dbapi, "info"):
+    if dbapi is not None and _reports_libpq_status(dbapi):
         _refuse_failed(dbapi)
 
 

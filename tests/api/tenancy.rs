@@ -835,6 +835,35 @@ async fn a_key_whose_tenant_name_has_a_comma_cannot_be_stored() {
     app.key(&["acme", "globex"], &["consume"], &[]).await;
 }
 
+/// `n` calls with made-up keys while a transaction holds the key table locked, so that their
+/// lookups wait on it: the lock (roll it back to let them go on) and the calls' codes.
+async fn made_up_keys_on_a_locked_key_table(
+    app: &TestApp,
+    n: usize,
+) -> (
+    sqlx::Transaction<'static, sqlx::Postgres>,
+    Vec<tokio::task::JoinHandle<Code>>,
+) {
+    let mut lock = app.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE outbox.api_key IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let channel = app.client_channel().await;
+    let flood = (0..n)
+        .map(|n| {
+            let mut client = v1::outbox_service_client::OutboxServiceClient::new(channel.clone());
+            tokio::spawn(async move {
+                let mut request = tonic::Request::new(v1::GetQueueStatsRequest {});
+                let bearer = format!("Bearer obx_made_up_{n}").parse().unwrap();
+                request.metadata_mut().insert("authorization", bearer);
+                client.get_queue_stats(request).await.unwrap_err().code()
+            })
+        })
+        .collect();
+    (lock, flood)
+}
+
 /// A key that was valid is looked up again once its cache entry is stale (here at every
 /// call); that refresh has permits of its own, so it does not queue behind a flood of
 /// made-up keys holding the lookups' permits: it reaches the database beside them.
@@ -848,23 +877,7 @@ async fn a_known_keys_refresh_does_not_queue_behind_a_flood_of_unknown_keys() {
         .await
         .unwrap();
 
-    let mut lock = app.pool.begin().await.unwrap();
-    sqlx::query("LOCK TABLE outbox.api_key IN ACCESS EXCLUSIVE MODE")
-        .execute(&mut *lock)
-        .await
-        .unwrap();
-    let channel = app.client_channel().await;
-    let flood: Vec<_> = (0..20)
-        .map(|n| {
-            let mut client = v1::outbox_service_client::OutboxServiceClient::new(channel.clone());
-            tokio::spawn(async move {
-                let mut request = tonic::Request::new(v1::GetQueueStatsRequest {});
-                let bearer = format!("Bearer obx_made_up_{n}").parse().unwrap();
-                request.metadata_mut().insert("authorization", bearer);
-                client.get_queue_stats(request).await.unwrap_err().code()
-            })
-        })
-        .collect();
+    let (lock, flood) = made_up_keys_on_a_locked_key_table(&app, 20).await;
     let flooding = outboxd::auth::CONCURRENT_LOOKUPS as i64;
     app.wait_for_lock_waiters(flooding).await;
     let known =
@@ -889,23 +902,7 @@ async fn lookups_of_unknown_keys_hold_at_most_a_few_connections() {
 
     // Lookups wait on the key table while 40 calls with made-up keys arrive: more than
     // the server's pool (20 connections).
-    let mut lock = app.pool.begin().await.unwrap();
-    sqlx::query("LOCK TABLE outbox.api_key IN ACCESS EXCLUSIVE MODE")
-        .execute(&mut *lock)
-        .await
-        .unwrap();
-    let channel = app.client_channel().await;
-    let flood: Vec<_> = (0..40)
-        .map(|n| {
-            let mut client = v1::outbox_service_client::OutboxServiceClient::new(channel.clone());
-            tokio::spawn(async move {
-                let mut request = tonic::Request::new(v1::GetQueueStatsRequest {});
-                let bearer = format!("Bearer obx_made_up_{n}").parse().unwrap();
-                request.metadata_mut().insert("authorization", bearer);
-                client.get_queue_stats(request).await.unwrap_err().code()
-            })
-        })
-        .collect();
+    let (lock, flood) = made_up_keys_on_a_locked_key_table(&app, 40).await;
     let waiting = outboxd::auth::CONCURRENT_LOOKUPS as i64;
     app.wait_for_lock_waiters(waiting).await;
     // The rest wait for a permit, not a connection: a known key's call still gets one.

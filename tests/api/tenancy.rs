@@ -9,8 +9,8 @@ use sqlx::Connection;
 use tonic::Code;
 
 use crate::helpers::{
-    TestApp, assert_item_error, assert_item_ok, assert_status, claim_request, duration, failure,
-    id_of, intent, lease_ref, populate_globex,
+    Client, TestApp, assert_item_error, assert_item_ok, assert_status, claim_request, duration,
+    failure, id_of, intent, lease_ref, populate_globex,
 };
 
 #[tokio::test]
@@ -768,18 +768,25 @@ async fn an_idempotency_key_held_by_another_regions_intent_is_a_conflict_not_a_r
     assert_status(&status, Code::AlreadyExists, "IDEMPOTENCY_CONFLICT", &[]);
 }
 
-/// The key cache holds at most 10,000 lookups. A flood of made-up keys fills it with
-/// unknown ones; making room drops those, not the real keys cached beside them. Probe: a
-/// revoked key still answers within the cache's TTL only while its lookup stays cached.
-#[tokio::test]
-async fn a_flood_of_unknown_keys_does_not_evict_the_real_ones_from_the_key_cache() {
-    let app = TestApp::spawn_with(|s| s.auth.cache_ttl = Duration::from_secs(3600)).await;
+/// A server whose key cache keeps lookups for `ttl`, and a client of an operate key of
+/// tenant `acme` that has made one call (its lookup is cached).
+async fn app_with_a_known_operator(ttl: Duration) -> (TestApp, Client) {
+    let app = TestApp::spawn_with(|s| s.auth.cache_ttl = ttl).await;
     let key = app.key(&["acme"], &["operate"], &[]).await;
     let mut operator = app.client_with(Some(&key), None).await;
     operator
         .get_queue_stats(v1::GetQueueStatsRequest {})
         .await
         .unwrap();
+    (app, operator)
+}
+
+/// The key cache holds at most 10,000 lookups. A flood of made-up keys fills it with
+/// unknown ones; making room drops those, not the real keys cached beside them. Probe: a
+/// revoked key still answers within the cache's TTL only while its lookup stays cached.
+#[tokio::test]
+async fn a_flood_of_unknown_keys_does_not_evict_the_real_ones_from_the_key_cache() {
+    let (app, mut operator) = app_with_a_known_operator(Duration::from_secs(3600)).await;
     outboxd::outbox::store::revoke_api_key(&app.pool, "test")
         .await
         .unwrap();
@@ -869,13 +876,7 @@ async fn made_up_keys_on_a_locked_key_table(
 /// made-up keys holding the lookups' permits: it reaches the database beside them.
 #[tokio::test]
 async fn a_known_keys_refresh_does_not_queue_behind_a_flood_of_unknown_keys() {
-    let app = TestApp::spawn_with(|s| s.auth.cache_ttl = Duration::ZERO).await;
-    let key = app.key(&["acme"], &["operate"], &[]).await;
-    let mut operator = app.client_with(Some(&key), None).await;
-    operator
-        .get_queue_stats(v1::GetQueueStatsRequest {})
-        .await
-        .unwrap();
+    let (app, mut operator) = app_with_a_known_operator(Duration::ZERO).await;
 
     let (lock, flood) = made_up_keys_on_a_locked_key_table(&app, 20).await;
     let flooding = outboxd::auth::CONCURRENT_LOOKUPS as i64;
@@ -892,13 +893,7 @@ async fn a_known_keys_refresh_does_not_queue_behind_a_flood_of_unknown_keys() {
 
 #[tokio::test]
 async fn lookups_of_unknown_keys_hold_at_most_a_few_connections() {
-    let app = TestApp::spawn_with(|s| s.auth.cache_ttl = Duration::from_secs(3600)).await;
-    let key = app.key(&["acme"], &["operate"], &[]).await;
-    let mut operator = app.client_with(Some(&key), None).await;
-    operator
-        .get_queue_stats(v1::GetQueueStatsRequest {})
-        .await
-        .unwrap();
+    let (app, mut operator) = app_with_a_known_operator(Duration::from_secs(3600)).await;
 
     // Lookups wait on the key table while 40 calls with made-up keys arrive: more than
     // the server's pool (20 connections).

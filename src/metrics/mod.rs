@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use self::format::Format;
 use self::format::text_004;
-pub use self::layer::{RpcMetrics, RpcMetricsLayer};
+pub use self::layer::RpcMetricsLayer;
 use self::pool::PoolCollector;
 use self::process::ProcessCollector;
 use crate::outbox::claim::ClaimCounters;
@@ -525,14 +525,6 @@ impl Metrics {
             self.kind_label(kind)
         });
         count_by_kind(&self.claimed, kinds);
-    }
-
-    /// Counts per-item results that ended in `state`.
-    pub fn count_states<'a>(
-        states: impl Iterator<Item = &'a Option<IntentState>>,
-        state: IntentState,
-    ) -> u64 {
-        states.filter(|s| **s == Some(state)).count() as u64
     }
 }
 

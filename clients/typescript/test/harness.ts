@@ -108,7 +108,7 @@ export class Postgres {
     await cluster.sql("postgres", "CREATE DATABASE outbox");
     await cluster.sql("postgres", "CREATE ROLE outboxd LOGIN");
     // Work across tenants (sweeps, promotion) runs as a member of outboxd_fleet, which the
-    // first migration creates and grants to the login OUTBOX_DATABASE__FLEET_URL names.
+    // migrations create and grant to the login OUTBOX_DATABASE__FLEET_URL names.
     await cluster.sql("postgres", "CREATE ROLE outboxd_fleet_login LOGIN");
     return cluster;
   }

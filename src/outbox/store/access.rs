@@ -219,8 +219,8 @@ pub enum AlsoAtBegin {
     IndexPlans,
     /// The transaction's Enqueue statements register their intents' levels themselves
     /// (their `levels` CTE), so the insert trigger that does it for every other insert
-    /// skips them: its transition table and call cost an Enqueue ~0.05 ms (migration
-    /// `…26`).
+    /// skips them: its transition table and call cost an Enqueue ~0.05 ms
+    /// (`outbox.register_queue_levels`, migration `…02_baseline_functions`).
     LevelsRegistered,
 }
 

@@ -95,7 +95,7 @@ pub struct Claimed {
 ///
 /// One round trip: `outbox.claim` (and `outbox.next_due_in`) run in the statement's own
 /// transaction, committed before this returns (the functions, and why they are shaped so:
-/// migration `20261205000002_baseline_functions`).
+/// migration `…02_baseline_functions`).
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
@@ -165,8 +165,8 @@ pub async fn claim_intents(
     );
     if let Some(row) = rows.first() {
         let leased = !row.try_get_raw(0)?.is_null();
-        // A limited queue's claim committed without waiting for its flush (migration
-        // …17), and a replay may read such a claim's leases before that flush: no lease is
+        // A limited queue's claim committed without waiting for its flush (`outbox.queue_allowance`,
+        // migration …02_baseline_functions), and a replay may read such a claim's leases before that flush: no lease is
         // answered before it is durable.
         if leased && (row.try_get(unflushed)? || row.try_get(replayed)?) {
             let commit = Unflushed {

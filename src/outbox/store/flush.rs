@@ -1,5 +1,5 @@
 //! Making commits that did not wait for their WAL flush durable before they are answered.
-//! A limited queue's claim commits so (migration `…17`): its queue's claims take turns on
+//! A limited queue's claim commits so (`outbox.queue_allowance`, migration `…02_baseline_functions`): its queue's claims take turns on
 //! the policy row, and a flush inside the turn made each wait for the last one's disk.
 //! Then one commit that does wait, and writes WAL so that it cannot skip the wait, flushes
 //! every commit record before its own (and waits for a synchronous standby, if any);

@@ -1,5 +1,5 @@
 //! Ordering keys' SQL: the keys' locks, and the advance of a key to its next intent
-//! (migration …06_ordering_keys and docs/ordering.md).
+//! (migration …02_baseline_functions and docs/ordering.md).
 
 use std::collections::HashSet;
 

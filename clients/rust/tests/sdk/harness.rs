@@ -287,7 +287,7 @@ impl Stack {
         };
         for sql in [
             "CREATE ROLE outboxd LOGIN",
-            // Work across tenants runs as a member of outboxd_fleet (the first migration
+            // Work across tenants runs as a member of outboxd_fleet (the migrations
             // creates it and grants it to the login of OUTBOX_DATABASE__FLEET_URL).
             "CREATE ROLE outboxd_fleet_login LOGIN",
             "CREATE DATABASE app",

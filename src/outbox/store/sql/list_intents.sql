@@ -44,7 +44,7 @@ FROM (
         )
         UNION ALL
         (
-            -- i.unnest: the item's ordering key (outbox.intents_by_id in migration …25).
+            -- i.unnest: the item's ordering key (outbox.intents_by_id in migration …02_baseline_functions).
             SELECT i.*, NULL::timestamptz, NULL::bigint, 0::smallint, NULL::bigint
             FROM outbox.delivered_batch b
             CROSS JOIN LATERAL unnest(b.items, b.ordering_keys) i

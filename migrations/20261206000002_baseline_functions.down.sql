@@ -1,0 +1,32 @@
+-- Undoes …02_baseline_functions.
+DROP FUNCTION outbox.open_console_session(text, bytea, text, float8);
+DROP FUNCTION outbox.few_intents(outbox.intent_state[], text, text, text[], text, uuid, bigint);
+DROP FUNCTION outbox.are_few(outbox.intent_state[]);
+DROP FUNCTION outbox.intents_by_id(uuid[]);
+DROP FUNCTION outbox.settleable_in_regions(text, text, uuid[], text[]);
+DROP FUNCTION outbox.fail(text, text, uuid[], uuid[], text[], text[], bigint[], float8, float8, timestamptz);
+DROP FUNCTION outbox.mark_submitted(text, text, uuid[], uuid[], timestamptz);
+DROP FUNCTION outbox.extend_leases(text, text, uuid[], uuid[], bigint, timestamptz);
+DROP FUNCTION outbox.ack_the_rest(uuid[], uuid[], timestamptz, bigint, boolean);
+DROP FUNCTION outbox.ack_and_delete(text, text, uuid[], uuid[], timestamptz);
+DROP FUNCTION outbox.ack_into_batches(text, text, uuid[], uuid[], timestamptz);
+DROP FUNCTION outbox.advance_keys(text[], text[], timestamptz);
+DROP FUNCTION outbox.release_keys(text[], text[], timestamptz);
+DROP FUNCTION outbox.lock_ordering_keys(text, text[]);
+DROP FUNCTION outbox.commit_time(xid8);
+DROP FUNCTION outbox.ordering_lock(text, text);
+DROP FUNCTION outbox.next_due_in(text, text, text, text[], timestamptz);
+DROP FUNCTION outbox.claim(text, text, text, text, text[], int, bigint, text, timestamptz,
+                           text[], text[], smallint[], timestamptz[], bigint);
+DROP FUNCTION outbox.oldest_pending(timestamptz, text[]);
+DROP FUNCTION outbox.queue_allowance(text, text, timestamptz, int);
+DROP FUNCTION outbox.bucket_tokens(outbox.queue_policy, timestamptz);
+DROP FUNCTION outbox.queue_in_flight(text, text);
+DROP TRIGGER intent_registers_queue_levels ON outbox.intent;
+DROP FUNCTION outbox.register_queue_levels();
+DROP FUNCTION outbox.claim_request_digest(text, text);
+DROP FUNCTION outbox.history_bucket(uuid);
+DROP FUNCTION outbox.reply_weight(bytea, jsonb, text);
+DROP FUNCTION outbox.xact_status(xid8);
+DROP FUNCTION outbox.txn_token();
+DROP FUNCTION outbox.server_incarnation();

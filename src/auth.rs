@@ -195,6 +195,20 @@ pub fn generate_key() -> std::result::Result<NewKey, getrandom::Error> {
     })
 }
 
+/// Why `name` cannot name a key, if it cannot: one the CLI and the console refuse alike.
+pub fn key_name_problem(name: &str) -> Option<&'static str> {
+    if name.is_empty() || name.len() > MAX_KEY_NAME_BYTES {
+        Some("a key needs a name of 1-200 bytes")
+    } else if name.chars().any(char::is_control) {
+        Some("a key's name has no control characters")
+    } else {
+        None
+    }
+}
+
+/// Longest key name.
+const MAX_KEY_NAME_BYTES: usize = 200;
+
 /// Mints a key named `name` for `tenants` (`None`: every tenant) with `scopes` and
 /// `regions` (empty: any), stores its hash through `owner` (the schema owner), and returns
 /// what was stored and the secret, which exists nowhere else.
@@ -358,6 +372,14 @@ impl Authenticator {
 
     async fn resolve(&self, secret: &str) -> Result<Caller> {
         self.lookup(secret, true).await
+    }
+
+    /// Waits for one of the unknown keys' lookup permits, for another credential read
+    /// from the database (a console session's cookie): a flood of made-up cookies then
+    /// holds no more pooled connections than a flood of made-up keys.
+    pub async fn lookup_permit(&self) -> Option<tokio::sync::SemaphorePermit<'_>> {
+        // Never closed, so acquiring only waits.
+        self.lookups.acquire().await.ok()
     }
 
     async fn lookup(&self, secret: &str, cached: bool) -> Result<Caller> {

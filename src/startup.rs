@@ -40,12 +40,7 @@ pub const EMBEDDED_DATABASE: &str = "outbox";
 /// # Errors
 /// A malformed URL or an unreachable database.
 pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
-    let options: PgConnectOptions = url
-        .parse()
-        .context("OUTBOX_DATABASE__URL is not a valid PostgreSQL URL")?;
-    let options = options
-        .options([("synchronous_commit", "on"), ("jit", "off")])
-        .application_name("outboxd");
+    let options = session_options(url, "OUTBOX_DATABASE__URL")?;
     PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(5))
@@ -419,6 +414,17 @@ pub async fn verify_fleet_role(pool: &PgPool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What every session outboxd opens is set to (see [`connect`]); `variable` names the
+/// setting a malformed `url` came from.
+fn session_options(url: &str, variable: &str) -> anyhow::Result<PgConnectOptions> {
+    let options: PgConnectOptions = url
+        .parse()
+        .with_context(|| format!("{variable} is not a valid PostgreSQL URL"))?;
+    Ok(options
+        .options([("synchronous_commit", "on"), ("jit", "off")])
+        .application_name("outboxd"))
+}
+
 /// The schema owner's connection the console mints and revokes keys through, when the
 /// server has one: `OUTBOX_DATABASE__MIGRATION_URL`, or the running embedded cluster's.
 /// Connected on first use, one connection.
@@ -430,10 +436,12 @@ fn console_owner(settings: &Settings) -> anyhow::Result<Option<PgPool>> {
             })?
         });
     url.map(|url| {
-        sqlx::postgres::PgPoolOptions::new()
+        // A key shown as minted or revoked must survive a crash: the same durable
+        // sessions as every other pool's.
+        let options = session_options(&url, "OUTBOX_DATABASE__MIGRATION_URL")?;
+        Ok(PgPoolOptions::new()
             .max_connections(1)
-            .connect_lazy(&url)
-            .context("OUTBOX_DATABASE__MIGRATION_URL is not a valid PostgreSQL URL")
+            .connect_lazy_with(options))
     })
     .transpose()
 }

@@ -52,6 +52,9 @@ async fn run_keys(pool: &sqlx::PgPool, command: KeysCommand) -> anyhow::Result<(
             secret_from_env,
             json,
         } => {
+            if let Some(why) = auth::key_name_problem(&name) {
+                anyhow::bail!("--name {name:?}: {why}");
+            }
             for tenant in &tenants {
                 anyhow::ensure!(
                     crate::outbox::is_name(tenant, 64),
@@ -134,9 +137,15 @@ async fn run_keys(pool: &sqlx::PgPool, command: KeysCommand) -> anyhow::Result<(
             Ok(())
         }
         KeysCommand::Revoke { key } => {
-            let n = store::revoke_api_key(pool, &key).await?;
-            anyhow::ensure!(n > 0, "no active key with id or name {key:?}");
-            println!("revoked {n} key(s); servers stop accepting it within OUTBOX_AUTH__CACHE_TTL");
+            match store::revoke_api_key(pool, &key).await? {
+                0 => anyhow::bail!("no active key with id or name {key:?}"),
+                1 => {}
+                n => anyhow::bail!(
+                    "{n} active keys are named {key:?}; none was revoked: revoke one by its id \
+                     (outboxd keys list)"
+                ),
+            }
+            println!("revoked 1 key; servers stop accepting it within OUTBOX_AUTH__CACHE_TTL");
             Ok(())
         }
     }

@@ -206,6 +206,12 @@ async fn find(console: &Shared, session: &Session, tenant: &str, q: &str) -> Res
             "an idempotency key is at most 1024 bytes",
         );
     }
+    if q.chars().any(char::is_control) {
+        return view::error_page(
+            StatusCode::BAD_REQUEST,
+            "an idempotency key has no control characters",
+        );
+    }
     let request = match session.request((), Some(tenant)) {
         Ok(r) => r,
         Err(e) => return e,

@@ -189,8 +189,8 @@ pub(super) async fn create(
         )
     };
     let name = form.name.trim();
-    if name.is_empty() || name.len() > 200 {
-        return bad("a key needs a name of at most 200 bytes");
+    if let Some(why) = crate::auth::key_name_problem(name) {
+        return bad(why);
     }
     let all_tenants = form.tenants.trim() == "*";
     let tenants = names(&form.tenants);

@@ -79,11 +79,18 @@ impl FromRequestParts<Shared> for Session {
 
     async fn from_request_parts(parts: &mut Parts, console: &Shared) -> Result<Self, Response> {
         let to_sign_in = || Redirect::to("/sign-in").into_response();
-        let Some(token) = session_cookie(&parts.headers) else {
+        // Only what `random_hex` mints is looked up.
+        let Some(token) = session_cookie(&parts.headers)
+            .filter(|t| t.len() == 64 && t.bytes().all(|b| b.is_ascii_hexdigit()))
+        else {
             return Err(to_sign_in());
         };
         let token_hash = hash_key(&token);
-        match store::find_console_session(console.pools.tenant(), &token_hash).await {
+        let found = {
+            let _permit = console.auth.lookup_permit().await;
+            store::find_console_session(console.pools.tenant(), &token_hash).await
+        };
+        match found {
             Ok(Some((record, csrf))) => Ok(Self {
                 caller: Caller::from_record(record),
                 csrf,

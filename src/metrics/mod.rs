@@ -9,7 +9,7 @@ mod layer;
 mod pool;
 mod process;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -103,6 +103,7 @@ pub struct Metrics {
     kinds: Vec<String>,
     /// Regions whose `outbox_intents` series exist: once seen, a region's states read 0
     /// rather than vanish when they empty (an alert on an absent series would misfire).
+    /// At most [`MAX_REGION_LABELS`]; later regions count as `other`.
     regions_seen: Mutex<BTreeSet<String>>,
     /// RPCs by method and code.
     pub rpc_requests: Family<RpcLabels, Counter>,
@@ -182,6 +183,13 @@ const LIVE_STATES: [IntentState; 7] = [
 
 /// The `kind` label of intents whose kind `OUTBOX_METRICS__KINDS` does not list.
 pub const OTHER_KIND: &str = "other";
+
+/// Most regions labelled on their own: regions are the producers' strings, and each costs
+/// a series per live state, kept for good.
+const MAX_REGION_LABELS: usize = 64;
+
+/// The `region` label of intents of regions past [`MAX_REGION_LABELS`].
+const OTHER_REGION: &str = "other";
 
 /// The commit this binary was built from (build.rs), or `unknown` outside a git checkout.
 pub const BUILD_COMMIT: &str = env!("OUTBOXD_BUILD_COMMIT");
@@ -457,7 +465,16 @@ impl Metrics {
                 .regions_seen
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            seen.extend(depth.counts.iter().map(|d| d.region.clone()));
+            for d in &depth.counts {
+                if !seen.contains(&d.region) {
+                    let label = if seen.len() < MAX_REGION_LABELS {
+                        d.region.clone()
+                    } else {
+                        OTHER_REGION.to_owned()
+                    };
+                    seen.insert(label);
+                }
+            }
             seen.clone()
         };
         let backlog = self.set_depth(&depth.counts, &regions);
@@ -475,14 +492,18 @@ impl Metrics {
     /// Sets `outbox_intents` of every live state in every region of `regions` to its count
     /// in `counts`, 0 where there is none; returns the intents awaiting a decision.
     fn set_depth(&self, counts: &[store::StateCount], regions: &BTreeSet<String>) -> i64 {
+        let mut by_label: HashMap<(IntentState, &str), i64> = HashMap::new();
+        for d in counts {
+            let region = regions.get(&d.region).map_or(OTHER_REGION, String::as_str);
+            *by_label.entry((d.state, region)).or_default() += d.count;
+        }
         let mut backlog = 0;
         for region in regions {
             for state in LIVE_STATES {
-                let count = counts
-                    .iter()
-                    .filter(|d| d.state == state && d.region == *region)
-                    .map(|d| d.count)
-                    .sum();
+                let count = by_label
+                    .get(&(state, region.as_str()))
+                    .copied()
+                    .unwrap_or(0);
                 self.intents
                     .get_or_create(&DepthLabels {
                         state: state.as_str().to_owned(),

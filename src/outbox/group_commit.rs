@@ -137,15 +137,44 @@ async fn drive<K, I, O, E, F, Fut>(
     F: Fn(Vec<Arc<I>>) -> Fut,
     Fut: Future<Output = Result<Vec<O>, E>>,
 {
+    let mut group = Driving {
+        groups,
+        key,
+        waiting_gauge,
+        armed: true,
+    };
     loop {
         run_batch(batch, may_have_committed, &run).await;
-        let mut groups = lock(&groups);
-        let Some(waiting) = groups.get_mut(&key).filter(|w| !w.is_empty()) else {
-            groups.remove(&key);
+        let mut groups = lock(&group.groups);
+        let Some(waiting) = groups.get_mut(&group.key).filter(|w| !w.is_empty()) else {
+            groups.remove(&group.key);
+            drop(groups);
+            group.armed = false;
             return;
         };
         batch = take_batch(waiting, fits);
-        waiting_gauge.dec_by(batch.len() as i64);
+        group.waiting_gauge.dec_by(batch.len() as i64);
+    }
+}
+
+/// The group a driver serves. Dropped before the driver emptied it (it panicked), it
+/// removes the group: its waiting calls are answered `WorkerCrashed` as their channels
+/// close, and the next call starts the group afresh instead of waiting behind a driver
+/// that is gone.
+struct Driving<K: Hash + Eq, I, O, E> {
+    groups: Groups<K, I, O, E>,
+    key: K,
+    waiting_gauge: Gauge,
+    armed: bool,
+}
+
+impl<K: Hash + Eq, I, O, E> Drop for Driving<K, I, O, E> {
+    fn drop(&mut self) {
+        if self.armed
+            && let Some(waiting) = lock(&self.groups).remove(&self.key)
+        {
+            self.waiting_gauge.dec_by(waiting.len() as i64);
+        }
     }
 }
 
@@ -196,7 +225,18 @@ async fn run_batch<I, O, E, F, Fut>(
                     return;
                 }
             }
-            Ok(_) => {}
+            // Committed, but the answers cannot be matched to the calls: running them
+            // again would record them twice.
+            Ok(outputs) => {
+                let (calls, answers) = (batch.len(), outputs.len());
+                for waiter in batch {
+                    let _ = waiter.answer.send(Err(sqlx::Error::Protocol(format!(
+                        "a batch of {calls} calls committed with {answers} answers"
+                    ))
+                    .into()));
+                }
+                return;
+            }
         }
     }
     for waiter in batch {

@@ -375,6 +375,21 @@ impl TestApp {
         create_key(&self.pool, "test", tenants, scopes, regions).await
     }
 
+    /// Revokes the key whose secret is `key`, by its id (every key of [`Self::key`] is
+    /// named "test").
+    pub async fn revoke(&self, key: &str) {
+        let id: uuid::Uuid =
+            sqlx::query_scalar("SELECT id FROM outbox.api_key WHERE key_hash = $1")
+                .bind(&outboxd::auth::hash_key(key)[..])
+                .fetch_one(&self.pool)
+                .await
+                .unwrap();
+        let matched = outboxd::outbox::store::revoke_api_key(&self.pool, &id.to_string())
+            .await
+            .unwrap();
+        assert_eq!(matched, 1);
+    }
+
     /// A raw channel to the server, for the non-outbox services (health).
     pub async fn client_channel(&self) -> Channel {
         Channel::from_shared(format!("http://{}", self.addr))

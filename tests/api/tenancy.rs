@@ -9,8 +9,8 @@ use sqlx::Connection;
 use tonic::Code;
 
 use crate::helpers::{
-    Client, TestApp, assert_item_error, assert_item_ok, assert_status, claim_request, duration,
-    failure, id_of, intent, lease_ref, populate_globex,
+    Client, TestApp, assert_item_error, assert_item_ok, assert_status, claim_request, create_key,
+    duration, failure, id_of, intent, lease_ref, populate_globex,
 };
 
 #[tokio::test]
@@ -333,10 +333,7 @@ async fn calls_without_a_valid_key_are_unauthenticated_and_health_needs_none() {
         .get_queue_stats(v1::GetQueueStatsRequest {})
         .await
         .unwrap();
-    let revoked = outboxd::outbox::store::revoke_api_key(&app.pool, "test")
-        .await
-        .unwrap();
-    assert!(revoked >= 1);
+    app.revoke(&key).await;
     let status = operator
         .get_queue_stats(v1::GetQueueStatsRequest {})
         .await
@@ -779,6 +776,38 @@ async fn app_with_a_known_operator(ttl: Duration) -> (TestApp, Client) {
         .await
         .unwrap();
     (app, operator)
+}
+
+/// Names are labels, not unique: a rotation stores the new key under the old one's name.
+/// Revoking by a name two active keys share revokes neither; by id, the one named.
+#[tokio::test]
+async fn a_name_two_active_keys_share_revokes_neither_and_an_id_revokes_one() {
+    let app = TestApp::spawn().await;
+    let old = create_key(&app.pool, "rotated", &["acme"], &["operate"], &[]).await;
+    let new = create_key(&app.pool, "rotated", &["acme"], &["operate"], &[]).await;
+
+    let matched = outboxd::outbox::store::revoke_api_key(&app.pool, "rotated")
+        .await
+        .unwrap();
+    assert_eq!(matched, 2);
+    for key in [&old, &new] {
+        let mut operator = app.client_with(Some(key), None).await;
+        operator
+            .get_queue_stats(v1::GetQueueStatsRequest {})
+            .await
+            .expect("neither key was revoked");
+    }
+
+    app.revoke(&old).await;
+    for (key, active) in [(&old, false), (&new, true)] {
+        let found: bool =
+            sqlx::query_scalar("SELECT revoked_at IS NULL FROM outbox.api_key WHERE key_hash = $1")
+                .bind(&outboxd::auth::hash_key(key)[..])
+                .fetch_one(&app.pool)
+                .await
+                .unwrap();
+        assert_eq!(found, active);
+    }
 }
 
 /// The key cache holds at most 10,000 lookups. A flood of made-up keys fills it with

@@ -150,21 +150,33 @@ pub async fn list_api_keys(db: impl PgExecutor<'_>) -> Result<Vec<ApiKeyRecord>>
     Ok(records)
 }
 
-/// Revokes a key by id or name; returns how many keys it revoked.
+/// Revokes the one active key of this id or name; returns how many active keys matched
+/// (several: none was revoked).
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn revoke_api_key(db: impl PgExecutor<'_>, id_or_name: &str) -> Result<u64> {
-    let done = sqlx::query(
+    // Names are not unique (a rotation stores the new key under the old one's name): a
+    // name that matches several active keys revokes none of them.
+    let matched: i64 = sqlx::query_scalar(
         r#"
-        UPDATE outbox.api_key
-        SET revoked_at = now()
-        WHERE (id::text = $1 OR name = $1)
-          AND revoked_at IS NULL
+        WITH target AS (
+            SELECT id FROM outbox.api_key
+            WHERE (id::text = $1 OR name = $1)
+              AND revoked_at IS NULL
+            FOR UPDATE
+        ), revoked AS (
+            UPDATE outbox.api_key k
+            SET revoked_at = now()
+            FROM target
+            WHERE k.id = target.id
+              AND (SELECT count(*) FROM target) = 1
+        )
+        SELECT count(*) FROM target
         "#,
     )
     .bind(id_or_name)
-    .execute(db)
+    .fetch_one(db)
     .await?;
-    Ok(done.rows_affected())
+    Ok(u64::try_from(matched).unwrap_or(0))
 }

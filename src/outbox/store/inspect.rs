@@ -37,8 +37,15 @@ pub async fn get_intent(
     let rows: Vec<(String, IntentState, String, String, DateTime<Utc>)> = sqlx::query_as(
         r#"
         SELECT decision, from_state, actor, reason, resolved_at
-        FROM outbox.resolution
-        WHERE intent_id = $1
+        FROM (
+            -- The last ones: a reply of every decision (of reasons of up to 16 KiB) could
+            -- pass what a client may receive.
+            SELECT id, decision, from_state, actor, reason, resolved_at
+            FROM outbox.resolution
+            WHERE intent_id = $1
+            ORDER BY id DESC
+            LIMIT 100
+        ) r
         ORDER BY id
         "#,
     )

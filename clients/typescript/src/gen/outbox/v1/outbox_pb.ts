@@ -21,7 +21,9 @@ export const file_outbox_v1_outbox: GenFile = /*@__PURE__*/
  */
 export type NewIntent = Message<"outbox.v1.NewIntent"> & {
   /**
-   * Routing key that workers filter on, e.g. "email.send". Required.
+   * Routing key that workers filter on, e.g. "email.send". Required: ASCII letters, digits
+   * and . _ - : / only, at most 200 characters (OUTBOX_LIMITS__MAX_NAME_LENGTH); anything
+   * else is INVALID_ARGUMENT naming the field.
    *
    * @generated from field: string kind = 1;
    */
@@ -35,14 +37,18 @@ export type NewIntent = Message<"outbox.v1.NewIntent"> & {
   payload: Uint8Array;
 
   /**
-   * Media type of the payload, e.g. "application/json". Optional.
+   * Media type of the payload, e.g. "application/json". Optional: at most 200 characters
+   * (the name limit), no control characters (tab and newline included); INVALID_ARGUMENT
+   * otherwise.
    *
    * @generated from field: string content_type = 3;
    */
   contentType: string;
 
   /**
-   * Region whose workers may claim it. Empty: any worker.
+   * Region whose workers may claim it. Empty: any worker. ASCII letters, digits and
+   * . _ - : / only, at most 64 characters (OUTBOX_LIMITS__MAX_REGION_LENGTH);
+   * INVALID_ARGUMENT otherwise.
    *
    * @generated from field: string region = 4;
    */
@@ -51,7 +57,9 @@ export type NewIntent = Message<"outbox.v1.NewIntent"> & {
   /**
    * Per-tenant deduplication key. Repeating it returns the existing intent; repeating it
    * with another kind, payload or region fails with ALREADY_EXISTS. Remembered for as long as
-   * the intent is retained. Unique within one Enqueue (a repeat is INVALID_ARGUMENT).
+   * the intent is retained. Unique within one Enqueue (a repeat is INVALID_ARGUMENT). At
+   * most 200 characters (the name limit), no control characters (tab and newline
+   * included); INVALID_ARGUMENT otherwise.
    *
    * @generated from field: string idempotency_key = 5;
    */
@@ -59,15 +67,17 @@ export type NewIntent = Message<"outbox.v1.NewIntent"> & {
 
   /**
    * Headers carried to the worker; a W3C `traceparent` is carried through. Names: ASCII
-   * letters, digits and . _ - : / (128 bytes at most); values: no control characters (4,096
-   * characters at most); 64 headers at most (the server's default limits).
+   * letters, digits and . _ - : / (128 bytes at most); values: no control characters, tab
+   * and newline included (4,096 characters at most); 64 headers at most (the server's
+   * default limits). Anything else is INVALID_ARGUMENT.
    *
    * @generated from field: map<string, string> headers = 6;
    */
   headers: { [key: string]: string };
 
   /**
-   * Claims allowed before the intent is dead-lettered. 0: the server default (5).
+   * Claims allowed before the intent is dead-lettered, from 1 to 1000. 0: the server default
+   * (5, OUTBOX_RETRY__MAX_ATTEMPTS). Anything else is INVALID_ARGUMENT.
    *
    * @generated from field: int32 max_attempts = 7;
    */
@@ -102,7 +112,8 @@ export type NewIntent = Message<"outbox.v1.NewIntent"> & {
    * never leased while an earlier one of its key is not finished, and a retrying,
    * dead-lettered or NEEDS_RECONCILE one holds the later ones back until it is delivered or
    * an operator decides. Empty: unordered. At most the name limit (200 characters by
-   * default). Needs the database's track_commit_timestamp (FAILED_PRECONDITION otherwise).
+   * default), no control characters (tab and newline included); INVALID_ARGUMENT otherwise.
+   * Needs the database's track_commit_timestamp (FAILED_PRECONDITION otherwise).
    *
    * @generated from field: string ordering_key = 10;
    */
@@ -271,7 +282,10 @@ export const IntentSchema: GenMessage<Intent> = /*@__PURE__*/
  */
 export type EnqueueRequest = Message<"outbox.v1.EnqueueRequest"> & {
   /**
-   * Intents to record, at least one.
+   * Intents to record, at least one, at most 1,000 (OUTBOX_LIMITS__MAX_BATCH;
+   * RESOURCE_EXHAUSTED, BATCH_TOO_LARGE, past it). A message over 8 MiB
+   * (OUTBOX_LIMITS__MAX_MESSAGE_BYTES) is refused before decoding: RESOURCE_EXHAUSTED,
+   * PAYLOAD_TOO_LARGE.
    *
    * @generated from field: repeated outbox.v1.NewIntent intents = 1;
    */
@@ -359,7 +373,9 @@ export const EnqueueResponseSchema: GenMessage<EnqueueResponse> = /*@__PURE__*/
  */
 export type ClaimRequest = Message<"outbox.v1.ClaimRequest"> & {
   /**
-   * Identifies the worker in listings and for request_id replays. Required.
+   * Identifies the worker in listings and for request_id replays. Required: at most 200
+   * characters (the name limit), no control characters (tab and newline included);
+   * INVALID_ARGUMENT otherwise.
    *
    * @generated from field: string worker_id = 1;
    */
@@ -367,13 +383,18 @@ export type ClaimRequest = Message<"outbox.v1.ClaimRequest"> & {
 
   /**
    * The worker's region: it gets intents of this region and of no region. Empty: any.
+   * ASCII letters, digits and . _ - : / only, at most 64 characters; INVALID_ARGUMENT
+   * otherwise.
    *
    * @generated from field: string region = 2;
    */
   region: string;
 
   /**
-   * Only intents of these kinds. Empty: every kind.
+   * Only intents of these kinds. Empty: every kind. At most 100 (OUTBOX_LIMITS__MAX_KINDS),
+   * each non-empty with NewIntent.kind's characters and length; INVALID_ARGUMENT
+   * otherwise. A message over Claim's size limit (82,894 bytes by default, docs/api.md) is
+   * refused before decoding, RESOURCE_EXHAUSTED (PAYLOAD_TOO_LARGE), whatever it holds.
    *
    * @generated from field: repeated string kinds = 3;
    */
@@ -405,7 +426,8 @@ export type ClaimRequest = Message<"outbox.v1.ClaimRequest"> & {
   /**
    * Client-chosen id of this claim. Retrying with the same id, worker, API key and tenant
    * scope returns the leases the first attempt took that are still held instead of leasing
-   * more.
+   * more. At most 200 characters (the name limit), no control characters (tab and newline
+   * included); INVALID_ARGUMENT otherwise.
    *
    * @generated from field: string request_id = 7;
    */
@@ -595,7 +617,10 @@ export const LeaseResultSchema: GenMessage<LeaseResult> = /*@__PURE__*/
  */
 export type ExtendLeaseRequest = Message<"outbox.v1.ExtendLeaseRequest"> & {
   /**
-   * Leases to extend, at least one.
+   * Leases to extend, at least one, at most 1,000 (OUTBOX_LIMITS__MAX_BATCH;
+   * RESOURCE_EXHAUSTED, BATCH_TOO_LARGE, past it). A message over 97,024 bytes (by default,
+   * docs/api.md: ~1,240 references) is refused before decoding: RESOURCE_EXHAUSTED,
+   * PAYLOAD_TOO_LARGE.
    *
    * @generated from field: repeated outbox.v1.LeaseRef leases = 1;
    */
@@ -646,7 +671,10 @@ export const ExtendLeaseResponseSchema: GenMessage<ExtendLeaseResponse> = /*@__P
  */
 export type MarkSubmittedRequest = Message<"outbox.v1.MarkSubmittedRequest"> & {
   /**
-   * Leases whose external call is starting, at least one.
+   * Leases whose external call is starting, at least one, at most 1,000
+   * (OUTBOX_LIMITS__MAX_BATCH; RESOURCE_EXHAUSTED, BATCH_TOO_LARGE, past it). A message
+   * over 97,024 bytes (by default, docs/api.md: ~1,240 references) is refused before
+   * decoding: RESOURCE_EXHAUSTED, PAYLOAD_TOO_LARGE.
    *
    * @generated from field: repeated outbox.v1.LeaseRef leases = 1;
    */
@@ -688,7 +716,10 @@ export const MarkSubmittedResponseSchema: GenMessage<MarkSubmittedResponse> = /*
  */
 export type AckRequest = Message<"outbox.v1.AckRequest"> & {
   /**
-   * Leases whose side effect happened, at least one.
+   * Leases whose side effect happened, at least one, at most 1,000
+   * (OUTBOX_LIMITS__MAX_BATCH; RESOURCE_EXHAUSTED, BATCH_TOO_LARGE, past it). A message
+   * over 97,024 bytes (by default, docs/api.md: ~1,240 references) is refused before
+   * decoding: RESOURCE_EXHAUSTED, PAYLOAD_TOO_LARGE.
    *
    * @generated from field: repeated outbox.v1.LeaseRef leases = 1;
    */
@@ -737,7 +768,9 @@ export type Failure = Message<"outbox.v1.Failure"> & {
   lease?: LeaseRef | undefined;
 
   /**
-   * What went wrong, kept as the intent's last_error.
+   * What went wrong, kept as the intent's last_error. Optional: at most 4,096 characters
+   * (OUTBOX_LIMITS__MAX_TEXT_LENGTH), no control characters (tab and newline included);
+   * INVALID_ARGUMENT otherwise.
    *
    * @generated from field: string error = 2;
    */
@@ -772,7 +805,9 @@ export const FailureSchema: GenMessage<Failure> = /*@__PURE__*/
  */
 export type FailRequest = Message<"outbox.v1.FailRequest"> & {
   /**
-   * Failures, at least one.
+   * Failures, at least one, at most 1,000 (OUTBOX_LIMITS__MAX_BATCH; RESOURCE_EXHAUSTED,
+   * BATCH_TOO_LARGE, past it). A message over 8 MiB (OUTBOX_LIMITS__MAX_MESSAGE_BYTES) is
+   * refused before decoding: RESOURCE_EXHAUSTED, PAYLOAD_TOO_LARGE.
    *
    * @generated from field: repeated outbox.v1.Failure failures = 1;
    */
@@ -815,21 +850,25 @@ export const FailResponseSchema: GenMessage<FailResponse> = /*@__PURE__*/
 export type ReconcileFilter = Message<"outbox.v1.ReconcileFilter"> & {
   /**
    * States to match. Required: NEEDS_RECONCILE and/or DEAD_LETTERED; for CANCEL, any of
-   * STAGED, WAITING and PENDING.
+   * STAGED, WAITING and PENDING. At most 20 values (repeats allowed); INVALID_ARGUMENT
+   * otherwise, but a message over Reconcile's size limit (85,080 bytes by default,
+   * docs/api.md) is refused before decoding, RESOURCE_EXHAUSTED (PAYLOAD_TOO_LARGE).
    *
    * @generated from field: repeated outbox.v1.IntentState states = 1;
    */
   states: IntentState[];
 
   /**
-   * Only this kind. Empty: any.
+   * Only this kind. Empty: any. ASCII letters, digits and . _ - : / only, at most 200
+   * characters; INVALID_ARGUMENT otherwise.
    *
    * @generated from field: string kind = 2;
    */
   kind: string;
 
   /**
-   * Only this region. Empty: any.
+   * Only this region. Empty: any. ASCII letters, digits and . _ - : / only, at most 64
+   * characters; INVALID_ARGUMENT otherwise.
    *
    * @generated from field: string region = 3;
    */
@@ -888,14 +927,16 @@ export type ReconcileRequest = Message<"outbox.v1.ReconcileRequest"> & {
   decision: Decision;
 
   /**
-   * Who decided (person or tool). Required, recorded.
+   * Who decided (person or tool). Required, recorded. At most 200 characters (the name
+   * limit), no control characters (tab and newline included); INVALID_ARGUMENT otherwise.
    *
    * @generated from field: string actor = 4;
    */
   actor: string;
 
   /**
-   * Why. Required, recorded.
+   * Why. Required, recorded. At most 4,096 characters (OUTBOX_LIMITS__MAX_TEXT_LENGTH), no
+   * control characters (tab and newline included); INVALID_ARGUMENT otherwise.
    *
    * @generated from field: string reason = 5;
    */
@@ -923,7 +964,9 @@ export const ReconcileRequestSchema: GenMessage<ReconcileRequest> = /*@__PURE__*
  */
 export type ReconcileIds = Message<"outbox.v1.ReconcileIds"> & {
   /**
-   * Intent ids, at least one.
+   * Intent ids, at least one, at most 1,000 (OUTBOX_LIMITS__MAX_BATCH; RESOURCE_EXHAUSTED,
+   * BATCH_TOO_LARGE, past it). A message over Reconcile's size limit (85,080 bytes by
+   * default, docs/api.md) is refused before decoding: RESOURCE_EXHAUSTED, PAYLOAD_TOO_LARGE.
    *
    * @generated from field: repeated string ids = 1;
    */
@@ -1086,7 +1129,7 @@ export type GetIntentResponse = Message<"outbox.v1.GetIntentResponse"> & {
   intent?: Intent | undefined;
 
   /**
-   * Operator decisions on it, oldest first.
+   * Operator decisions on it, oldest first: the last 100.
    *
    * @generated from field: repeated outbox.v1.Resolution resolutions = 2;
    */
@@ -1107,21 +1150,25 @@ export const GetIntentResponseSchema: GenMessage<GetIntentResponse> = /*@__PURE_
  */
 export type ListIntentsRequest = Message<"outbox.v1.ListIntentsRequest"> & {
   /**
-   * Only these states. Empty: all.
+   * Only these states. Empty: all. At most 20 values (repeats allowed); INVALID_ARGUMENT
+   * otherwise, but a message over ListIntents' size limit (1,939 bytes by default,
+   * docs/api.md) is refused before decoding, RESOURCE_EXHAUSTED (PAYLOAD_TOO_LARGE).
    *
    * @generated from field: repeated outbox.v1.IntentState states = 1;
    */
   states: IntentState[];
 
   /**
-   * Only this kind. Empty: any.
+   * Only this kind. Empty: any. ASCII letters, digits and . _ - : / only, at most 200
+   * characters; INVALID_ARGUMENT otherwise.
    *
    * @generated from field: string kind = 2;
    */
   kind: string;
 
   /**
-   * Only this region. Empty: any.
+   * Only this region. Empty: any. ASCII letters, digits and . _ - : / only, at most 64
+   * characters; INVALID_ARGUMENT otherwise.
    *
    * @generated from field: string region = 3;
    */
@@ -1150,7 +1197,8 @@ export type ListIntentsRequest = Message<"outbox.v1.ListIntentsRequest"> & {
   includePayload: boolean;
 
   /**
-   * Only intents of this ordering key. Empty: any.
+   * Only intents of this ordering key. Empty: any. At most 200 characters (the name limit),
+   * no control characters (tab and newline included); INVALID_ARGUMENT otherwise.
    *
    * @generated from field: string ordering_key = 7;
    */
@@ -1378,7 +1426,8 @@ export type QueuePolicy = Message<"outbox.v1.QueuePolicy"> & {
   updatedAt?: Timestamp | undefined;
 
   /**
-   * Intents of the queue LEASED or SUBMITTED now.
+   * Intents of the queue LEASED or SUBMITTED now, in every region (as the limit counts
+   * them), whatever regions the caller's key is bound to.
    *
    * @generated from field: int64 in_flight = 10;
    */
@@ -1407,7 +1456,8 @@ export const QueuePolicySchema: GenMessage<QueuePolicy> = /*@__PURE__*/
  */
 export type SetQueuePolicyRequest = Message<"outbox.v1.SetQueuePolicyRequest"> & {
   /**
-   * The queue's kind. Required.
+   * The queue's kind. Required: ASCII letters, digits and . _ - : / only, at most 200
+   * characters; INVALID_ARGUMENT otherwise.
    *
    * @generated from field: string kind = 1;
    */
@@ -1440,14 +1490,16 @@ export type SetQueuePolicyRequest = Message<"outbox.v1.SetQueuePolicyRequest"> &
   burst: number;
 
   /**
-   * Who decides. Required.
+   * Who decides. Required: at most 200 characters (the name limit), no control characters
+   * (tab and newline included); INVALID_ARGUMENT otherwise.
    *
    * @generated from field: string actor = 6;
    */
   actor: string;
 
   /**
-   * Why. Required.
+   * Why. Required: at most 4,096 characters (OUTBOX_LIMITS__MAX_TEXT_LENGTH), no control
+   * characters (tab and newline included); INVALID_ARGUMENT otherwise.
    *
    * @generated from field: string reason = 7;
    */
@@ -1487,7 +1539,8 @@ export const SetQueuePolicyResponseSchema: GenMessage<SetQueuePolicyResponse> = 
  */
 export type ListQueuePoliciesRequest = Message<"outbox.v1.ListQueuePoliciesRequest"> & {
   /**
-   * Only this kind. Empty: any.
+   * Only this kind. Empty: any. ASCII letters, digits and . _ - : / only, at most 200
+   * characters; INVALID_ARGUMENT otherwise.
    *
    * @generated from field: string kind = 1;
    */

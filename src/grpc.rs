@@ -542,6 +542,21 @@ impl OutboxHandler {
         }))
     }
 
+    /// An operator call's transaction: its statements end at the operator timeout.
+    pub(crate) async fn begin_operator(
+        &self,
+        scope: &TenantScope,
+    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, Error> {
+        store::begin_with(
+            &self.pools,
+            scope,
+            &[store::AlsoAtBegin::StatementTimeout(
+                self.limits.operator_timeout,
+            )],
+        )
+        .await
+    }
+
     async fn reconcile_work(
         self,
         request: Request<v1::ReconcileRequest>,
@@ -555,7 +570,7 @@ impl OutboxHandler {
         {
             caller.require_region("filter.region", region)?;
         }
-        let mut tx = store::begin(&self.pools, &scope).await?;
+        let mut tx = self.begin_operator(&scope).await?;
         let results = store::resolve_intents(
             &mut tx,
             store::ReconcileParams {
@@ -589,7 +604,7 @@ impl OutboxHandler {
     ) -> RpcResult<v1::GetIntentResponse> {
         let (caller, scope) = self.access(&request, Permission::Operate).await?;
         let id = validate::intent_id("id", &request.get_ref().id)?;
-        let mut tx = store::begin(&self.pools, &scope).await?;
+        let mut tx = self.begin_operator(&scope).await?;
         let found = store::get_intent(&mut tx, id, &caller.regions).await?;
         tx.commit().await.map_err(Error::from)?;
         let (intent, resolutions) = found.ok_or(Error::NotFound(id))?;
@@ -608,7 +623,7 @@ impl OutboxHandler {
         if let Some(region) = &list.region {
             caller.require_region("region", region)?;
         }
-        let mut tx = store::begin(&self.pools, &scope).await?;
+        let mut tx = self.begin_operator(&scope).await?;
         let listed = store::list_intents(
             &mut tx,
             store::ListParams {
@@ -647,7 +662,7 @@ impl OutboxHandler {
         request: Request<v1::GetQueueStatsRequest>,
     ) -> RpcResult<v1::GetQueueStatsResponse> {
         let (caller, scope) = self.access(&request, Permission::Operate).await?;
-        let mut tx = store::begin(&self.pools, &scope).await?;
+        let mut tx = self.begin_operator(&scope).await?;
         let stats = store::queue_stats(&mut tx, &caller.regions, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(stats.into()))
@@ -673,7 +688,7 @@ impl OutboxHandler {
             .into());
         }
         let change = validate::queue_policy(request.into_inner(), &self.limits)?;
-        let mut tx = store::begin(&self.pools, &scope).await?;
+        let mut tx = self.begin_operator(&scope).await?;
         let policy = store::set_queue_policy(
             &mut tx,
             store::PolicyParams {
@@ -714,7 +729,7 @@ impl OutboxHandler {
     ) -> RpcResult<v1::ListQueuePoliciesResponse> {
         let (_, scope) = self.access(&request, Permission::Operate).await?;
         let kind = validate::queue_policies(request.into_inner(), &self.limits)?;
-        let mut tx = store::begin(&self.pools, &scope).await?;
+        let mut tx = self.begin_operator(&scope).await?;
         let policies =
             store::list_queue_policies(&mut tx, kind.as_deref(), self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;

@@ -20,7 +20,9 @@ pub fn code_of(reason: Reason) -> Code {
         Reason::MissingScope | Reason::TenantNotAllowed | Reason::RegionNotAllowed => {
             Code::PermissionDenied
         }
-        Reason::PayloadTooLarge | Reason::BatchTooLarge => Code::ResourceExhausted,
+        Reason::PayloadTooLarge | Reason::BatchTooLarge | Reason::StatementTimeout => {
+            Code::ResourceExhausted
+        }
         Reason::NotFound => Code::NotFound,
         Reason::LeaseLost | Reason::InvalidState => Code::FailedPrecondition,
         Reason::IdempotencyConflict => Code::AlreadyExists,
@@ -123,6 +125,10 @@ impl From<Error> for Status {
                 let message = match reason {
                     Reason::Unavailable => "the database is unavailable; retry with backoff",
                     Reason::Conflict => "a concurrent change conflicted; retry",
+                    Reason::StatementTimeout => {
+                        "the call ran past OUTBOX_LIMITS__OPERATOR_TIMEOUT (or was cancelled) and \
+                         changed nothing; narrow its filter"
+                    }
                     _ => "internal error; see the server log",
                 };
                 return refusal(reason, message);
@@ -141,6 +147,10 @@ fn database_reason(e: &sqlx::Error) -> Reason {
     match e {
         sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("40001" | "40P01")) => {
             Reason::Conflict
+        }
+        // query_canceled: statement_timeout, or pg_cancel_backend.
+        sqlx::Error::Database(db) if db.code().as_deref() == Some("57014") => {
+            Reason::StatementTimeout
         }
         _ => Reason::Internal,
     }

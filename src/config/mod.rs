@@ -154,6 +154,12 @@ pub struct Limits {
     /// `max_attempts` when an intent does not say (`OUTBOX_RETRY__MAX_ATTEMPTS`).
     #[default(5)]
     pub default_max_attempts: i32,
+    /// Longest statement of an operator call (Reconcile, GetIntent, ListIntents,
+    /// GetQueueStats, the policy calls): their filters may match nothing in a large table,
+    /// and a call keeps running after its caller gave up.
+    #[serde(with = "humantime_serde")]
+    #[default(Duration::from_secs(30))]
+    pub operator_timeout: Duration,
 }
 
 impl Limits {
@@ -398,6 +404,7 @@ impl Settings {
                 "OUTBOX_METRICS__REFRESH_INTERVAL",
             ),
             (self.console.session_ttl, "OUTBOX_CONSOLE__SESSION_TTL"),
+            (l.operator_timeout, "OUTBOX_LIMITS__OPERATOR_TIMEOUT"),
         ];
         for (_, name) in positive.into_iter().filter(|(d, _)| d.is_zero()) {
             problems.push(format!("{name} must be positive"));

@@ -221,7 +221,7 @@ async fn find(console: &Shared, session: &Session, tenant: &str, q: &str) -> Res
         Err(e) => return view::failure(&e.into()),
     };
     let read = async {
-        let mut tx = store::begin(&console.pools, &scope).await?;
+        let mut tx = console.handler.begin_operator(&scope).await?;
         let ids = store::ids_by_idempotency_key(&mut tx, q, &session.caller.regions).await?;
         tx.commit().await?;
         Ok::<_, crate::outbox::Error>(ids)

@@ -110,13 +110,13 @@ pub(super) async fn page(State(console): State<Shared>, session: Session) -> Res
     // Two transactions at once: the counts and the chart each take tens of milliseconds
     // at 1M intents.
     let counts = async {
-        let mut tx = store::begin(&console.pools, &caller.tenants).await?;
+        let mut tx = console.handler.begin_operator(&caller.tenants).await?;
         let overview = store::overview(&mut tx, &caller.regions, now).await?;
         tx.commit().await?;
         Ok::<_, crate::outbox::Error>(overview)
     };
     let chart = async {
-        let mut tx = store::begin(&console.pools, &caller.tenants).await?;
+        let mut tx = console.handler.begin_operator(&caller.tenants).await?;
         let minutes = store::overview_minutes(&mut tx, &caller.regions, now).await?;
         tx.commit().await?;
         Ok::<_, crate::outbox::Error>(minutes)

@@ -63,7 +63,7 @@ async fn render(console: &Shared, session: &Session, saved: Option<String>) -> R
     };
     let caller = &session.caller;
     let read = async {
-        let mut tx = store::begin(&console.pools, &caller.tenants).await?;
+        let mut tx = console.handler.begin_operator(&caller.tenants).await?;
         let keys =
             store::blocked_keys(&mut tx, &caller.regions, console.clock.now(), BLOCKED_SHOWN)
                 .await?;

@@ -391,6 +391,9 @@ pub enum Reason {
     CommitOutcomeUnknown,
     /// A transient conflict (serialization, deadlock); retry.
     Conflict,
+    /// An operator call's statement ran past `OUTBOX_LIMITS__OPERATOR_TIMEOUT` (or was
+    /// cancelled by an administrator): it changed nothing.
+    StatementTimeout,
     /// A bug or an unexpected database error.
     Internal,
 }
@@ -417,6 +420,7 @@ impl Reason {
             Self::Unavailable => "UNAVAILABLE",
             Self::CommitOutcomeUnknown => "COMMIT_OUTCOME_UNKNOWN",
             Self::Conflict => "CONFLICT",
+            Self::StatementTimeout => "STATEMENT_TIMEOUT",
             Self::Internal => "INTERNAL",
         }
     }

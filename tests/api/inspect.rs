@@ -206,3 +206,43 @@ async fn a_listing_with_payloads_too_large_for_one_page_goes_on_to_the_next() {
             .all(|i| i.payload == vec![b'x'; LARGEST_PAYLOAD])
     );
 }
+
+/// An operator call's statement runs at most `OUTBOX_LIMITS__OPERATOR_TIMEOUT`: a filter
+/// that matches nothing of a large table is cancelled by PostgreSQL and answered
+/// `STATEMENT_TIMEOUT`, rather than scanning on after its caller gave up; other calls go
+/// on as before.
+#[tokio::test]
+async fn an_operator_call_past_its_statement_timeout_is_refused_and_the_server_goes_on() {
+    let app = TestApp::spawn_with(|s| {
+        s.limits.operator_timeout = std::time::Duration::from_millis(1);
+    })
+    .await;
+    app.enqueue_n("charge", 1).await;
+    // 50,000 copies of it: more than a millisecond to scan.
+    sqlx::query(
+        "INSERT INTO outbox.intent
+         SELECT (jsonb_populate_record(i, jsonb_build_object('id', gen_random_uuid()))).*
+         FROM outbox.intent i, generate_series(1, 50000)",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let mut client = app.client();
+
+    let status = client
+        .list_intents(v1::ListIntentsRequest {
+            kind: "no.such.kind".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::ResourceExhausted, "STATEMENT_TIMEOUT", &[]);
+    let status = client
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::ResourceExhausted, "STATEMENT_TIMEOUT", &[]);
+
+    let ids = app.enqueue_n("charge", 1).await;
+    assert_eq!(ids.len(), 1, "Enqueue is not an operator call");
+}

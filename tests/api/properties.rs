@@ -33,6 +33,7 @@ fn tiny() -> Limits {
         max_lease: Duration::from_secs(2),
         max_wait: Duration::from_secs(1),
         default_max_attempts: 1,
+        operator_timeout: Duration::from_secs(1),
     }
 }
 

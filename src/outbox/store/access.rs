@@ -222,17 +222,26 @@ pub enum AlsoAtBegin {
     /// skips them: its transition table and call cost an Enqueue ~0.05 ms
     /// (`outbox.register_queue_levels`, migration `…02_baseline_functions`).
     LevelsRegistered,
+    /// PostgreSQL cancels a statement that runs longer (an operator call's filter that
+    /// matches little of a large table): the transaction changes nothing, and the call is
+    /// answered `STATEMENT_TIMEOUT`.
+    StatementTimeout(std::time::Duration),
 }
 
 impl AlsoAtBegin {
-    fn statements(self) -> &'static [&'static str] {
+    /// Appends the statements to a simple-protocol query.
+    fn append_to(self, sql: &mut String) {
         match self {
-            Self::GenericPlans => &["SET LOCAL plan_cache_mode = force_generic_plan"],
-            Self::IndexPlans => &[
-                "SET LOCAL enable_seqscan = off",
-                "SET LOCAL enable_bitmapscan = off",
-            ],
-            Self::LevelsRegistered => &["SET LOCAL outbox.levels_registered = on"],
+            Self::GenericPlans => sql.push_str("; SET LOCAL plan_cache_mode = force_generic_plan"),
+            Self::IndexPlans => {
+                sql.push_str("; SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off");
+            }
+            Self::LevelsRegistered => sql.push_str("; SET LOCAL outbox.levels_registered = on"),
+            Self::StatementTimeout(limit) => {
+                // 0 would mean none.
+                let ms = limit.as_millis().max(1);
+                sql.push_str(&format!("; SET LOCAL statement_timeout = {ms}"));
+            }
         }
     }
 }
@@ -263,9 +272,8 @@ pub async fn begin_with(
 ) -> Result<Transaction<'static, Postgres>> {
     let pool = pools.for_scope(scope);
     let mut begin = String::from("BEGIN");
-    for statement in also.iter().flat_map(|a| a.statements()) {
-        begin.push_str("; ");
-        begin.push_str(statement);
+    for a in also {
+        a.append_to(&mut begin);
     }
     let counters = pools.acquire_counters(scope);
     let mut tx = begin_on_live_connection(pool, begin, counters).await?;

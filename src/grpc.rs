@@ -542,6 +542,12 @@ impl OutboxHandler {
         }))
     }
 
+    /// Most items a request may carry (`OUTBOX_LIMITS__MAX_BATCH`): the console's pages
+    /// and selections stay within it.
+    pub(crate) fn max_batch(&self) -> usize {
+        self.limits.max_batch
+    }
+
     /// An operator call's transaction: its statements end at the operator timeout.
     pub(crate) async fn begin_operator(
         &self,

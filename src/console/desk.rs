@@ -44,7 +44,7 @@ pub(super) async fn page(
             v1::IntentState::NeedsReconcile as i32,
             v1::IntentState::DeadLettered as i32,
         ],
-        page_size: DESK_PAGE,
+        page_size: DESK_PAGE.min(i32::try_from(console.handler.max_batch()).unwrap_or(DESK_PAGE)),
         page_token: page.after,
         ..Default::default()
     };
@@ -136,10 +136,11 @@ pub(super) async fn resolve(
             "select at least one intent; nothing was changed",
         );
     }
-    if ids.len() > MAX_SELECTED {
+    let most = MAX_SELECTED.min(console.handler.max_batch());
+    if ids.len() > most {
         return view::error_page(
             StatusCode::BAD_REQUEST,
-            &format!("at most {MAX_SELECTED} intents at once; nothing was changed"),
+            &format!("at most {most} intents at once; nothing was changed"),
         );
     }
     let Some(decision) = v1::Decision::from_str_name(&format!("DECISION_{}", field("decision")))
@@ -151,7 +152,7 @@ pub(super) async fn resolve(
         );
     };
     let actor = session.caller.key_name.clone();
-    let reason = field("reason").trim().to_owned();
+    let reason = super::one_line(field("reason"));
     let request = v1::ReconcileRequest {
         target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
             ids: ids.clone(),
@@ -174,7 +175,12 @@ pub(super) async fn resolve(
         .into_iter()
         .map(|r| Outcome {
             applied: r.error.is_none(),
-            state: view::state(r.state),
+            // None for an intent not found.
+            state: if r.state == v1::IntentState::Unspecified as i32 {
+                String::new()
+            } else {
+                view::state(r.state)
+            },
             message: r.error.map(|e| e.message).unwrap_or_default(),
             id: r.intent_id,
         })

@@ -146,7 +146,7 @@ pub(super) async fn list(
         states,
         kind: filter.kind.clone(),
         region: filter.region.clone(),
-        page_size: PAGE_SIZE,
+        page_size: PAGE_SIZE.min(i32::try_from(console.handler.max_batch()).unwrap_or(PAGE_SIZE)),
         page_token,
         include_payload: false,
         ordering_key: String::new(),

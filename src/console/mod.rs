@@ -143,7 +143,7 @@ async fn hardened(request: Request, next: Next) -> Response {
     );
     headers.insert(
         header::REFERRER_POLICY,
-        HeaderValue::from_static("no-referrer"),
+        HeaderValue::from_static("same-origin"),
     );
     headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
     headers
@@ -152,12 +152,24 @@ async fn hardened(request: Request, next: Next) -> Response {
     response
 }
 
+/// A reason typed in a form's text area, as one line: the API refuses control characters,
+/// and a browser sends the area's line breaks as CR LF.
+fn one_line(text: &str) -> String {
+    text.trim()
+        .split(['\r', '\n', '\t'])
+        .filter(|part| !part.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// A change (any method but GET and HEAD) that a page of another origin sent: a forged
 /// form. The CSRF token guards a session's changes; this guards the sign-in form too, which
 /// has no session yet (a forged sign-in would put the operator in the forger's session).
-/// Browsers say where a request comes from in `Sec-Fetch-Site`, else in `Origin` (`null`
-/// under this console's `Referrer-Policy: no-referrer`, so it cannot clear a request);
-/// a client that sends neither is no browser, and no page can make it send anything.
+/// Browsers say where a request comes from in `Sec-Fetch-Site` (only to secure origins:
+/// HTTPS, localhost), else in `Origin`: this console's own forms send its origin
+/// (`Referrer-Policy: same-origin`), while `null` is what a sandboxed frame or a page that
+/// hides its referrer sends, refused. A client that sends neither is no browser, and no
+/// page can make it send anything.
 fn from_another_site(request: &Request) -> bool {
     use axum::http::Method;
     if matches!(*request.method(), Method::GET | Method::HEAD) {
@@ -171,7 +183,7 @@ fn from_another_site(request: &Request) -> bool {
         return false;
     };
     if origin.as_bytes() == b"null" {
-        return false;
+        return true;
     }
     let host = headers
         .get(header::HOST)

@@ -171,7 +171,7 @@ pub(super) async fn set(
         rate_per_second,
         burst,
         actor: session.caller.key_name.clone(),
-        reason: form.reason.trim().to_owned(),
+        reason: super::one_line(&form.reason),
     };
     let request = match session.request(request, Some(form.tenant.trim())) {
         Ok(r) => r,

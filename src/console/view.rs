@@ -137,12 +137,12 @@ impl Payload {
     pub fn of(bytes: &[u8]) -> Self {
         let size = bytes.len();
         if size <= PAYLOAD_SHOWN
-            && let Ok(value) = serde_json::from_slice::<serde_json::Value>(bytes)
-            && let Ok(text) = serde_json::to_string_pretty(&value)
+            && serde_json::from_slice::<serde::de::IgnoredAny>(bytes).is_ok()
+            && let Ok(json) = std::str::from_utf8(bytes)
         {
             return Self {
                 format: "JSON",
-                text,
+                text: indent_json(json),
                 size,
                 truncated: false,
             };
@@ -195,9 +195,94 @@ pub(super) fn trace_id(headers: &std::collections::HashMap<String, String>) -> S
         .to_owned()
 }
 
+/// `json` (valid JSON) indented by two spaces, its tokens as they are: keys in their order,
+/// repeated ones kept, numbers as written (a parsed value would sort its keys and round
+/// large numbers).
+fn indent_json(json: &str) -> String {
+    let mut out = String::with_capacity(json.len() * 2);
+    let mut depth = 0usize;
+    let (mut in_string, mut escaped) = (false, false);
+    let mut chars = json.chars().peekable();
+    let newline = |out: &mut String, depth: usize| {
+        out.push('\n');
+        out.extend(std::iter::repeat_n(' ', 2 * depth));
+    };
+    while let Some(c) = chars.next() {
+        if in_string {
+            out.push(c);
+            if escaped {
+                escaped = false;
+            } else if c == '\\' {
+                escaped = true;
+            } else if c == '"' {
+                in_string = false;
+            }
+            continue;
+        }
+        match c {
+            '"' => {
+                in_string = true;
+                out.push(c);
+            }
+            '{' | '[' => {
+                out.push(c);
+                while chars.next_if(char::is_ascii_whitespace).is_some() {}
+                if let Some(close) = chars.next_if(|c| matches!(c, '}' | ']')) {
+                    out.push(close);
+                } else {
+                    depth += 1;
+                    newline(&mut out, depth);
+                }
+            }
+            '}' | ']' => {
+                depth = depth.saturating_sub(1);
+                newline(&mut out, depth);
+                out.push(c);
+            }
+            ',' => {
+                out.push(c);
+                newline(&mut out, depth);
+            }
+            ':' => out.push_str(": "),
+            c if c.is_ascii_whitespace() => {}
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::{PAYLOAD_SHOWN, Payload};
+
+    #[test]
+    fn json_is_indented_with_its_keys_numbers_and_strings_as_stored() {
+        let stored = r#"{"z":1,"a":[ ],"n":12345678901234567890123,"s":"a \"{,:}\" b","z":{}, "l":[1,{"k":null}]}"#;
+        let payload = Payload::of(stored.as_bytes());
+        assert_eq!(payload.format, "JSON");
+        let expected = r#"{
+  "z": 1,
+  "a": [],
+  "n": 12345678901234567890123,
+  "s": "a \"{,:}\" b",
+  "z": {},
+  "l": [
+    1,
+    {
+      "k": null
+    }
+  ]
+}"#;
+        assert_eq!(payload.text, expected);
+        let plain: serde_json::Value = serde_json::from_str(r#"{"b":[1,2],"a":"x"}"#).unwrap();
+        assert_eq!(
+            Payload::of(br#"{"b":[1,2],"a":"x"}"#).text,
+            serde_json::to_string_pretty(&plain).unwrap().replace(
+                "\"a\": \"x\",\n  \"b\": [\n    1,\n    2\n  ]",
+                "\"b\": [\n    1,\n    2\n  ],\n  \"a\": \"x\""
+            )
+        );
+    }
 
     #[test]
     fn a_long_text_cut_inside_a_character_is_shown_as_text_up_to_it() {

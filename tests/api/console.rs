@@ -230,6 +230,8 @@ async fn a_sign_in_sent_from_another_sites_page_is_refused_and_opens_no_session(
         "Sec-Fetch-Site: cross-site\r\nOrigin: https://attacker.example\r\n",
         "Sec-Fetch-Site: same-site\r\nOrigin: null\r\n",
         "Origin: https://attacker.example\r\n",
+        // Plain HTTP to a non-local address: no Sec-Fetch-Site; a sandboxed frame's form.
+        "Origin: null\r\n",
     ] {
         let (status, headers, body) = http_exchange(addr, &sign_in(forged)).await;
         assert_eq!(status, 403, "{forged}: {body}");
@@ -242,15 +244,20 @@ async fn a_sign_in_sent_from_another_sites_page_is_refused_and_opens_no_session(
         .unwrap();
     assert_eq!(sessions, 0);
 
-    // The console's own form, as chromium sends it (`Origin: null` under no-referrer).
-    let own = sign_in("Sec-Fetch-Site: same-origin\r\nOrigin: null\r\n");
-    let (status, headers, body) = http_exchange(addr, &own).await;
-    assert_eq!(status, 303, "{body}");
-    assert!(
-        headers
-            .iter()
-            .any(|(name, value)| name == "set-cookie" && value.starts_with("outboxd_session="))
-    );
+    // The console's own form, as chromium sends it to a secure origin, and to a plain-HTTP
+    // one, where it sends no Sec-Fetch-Site (its origin, under `same-origin`).
+    for own in [
+        "Sec-Fetch-Site: same-origin\r\nOrigin: null\r\n".to_owned(),
+        format!("Origin: http://{addr}\r\n"),
+    ] {
+        let (status, headers, body) = http_exchange(addr, &sign_in(&own)).await;
+        assert_eq!(status, 303, "{body}");
+        assert!(
+            headers
+                .iter()
+                .any(|(name, value)| name == "set-cookie" && value.starts_with("outboxd_session="))
+        );
+    }
 }
 
 #[tokio::test]

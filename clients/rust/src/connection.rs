@@ -180,8 +180,9 @@ impl ConnectionBuilder {
         self
     }
 
-    /// TLS for every endpoint (CA, client identity for mTLS, domain name). `https://`
-    /// endpoints without it use the roots tonic was built with.
+    /// TLS for every endpoint (CA, client identity for mTLS, domain name): `host:port`
+    /// endpoints are dialled as `https://`, and `http://` ones are refused by `build`.
+    /// `https://` endpoints without it use the roots tonic was built with.
     #[cfg(feature = "tls")]
     pub fn tls(mut self, tls: tonic::transport::ClientTlsConfig) -> Self {
         self.tls = Some(tls);
@@ -216,13 +217,25 @@ impl ConnectionBuilder {
                 .transpose()?,
             timeout: None,
         };
+        // A bare `host:port` is https when TLS is configured: tonic dials TLS only for it.
+        #[cfg(feature = "tls")]
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        #[cfg(not(feature = "tls"))]
+        let scheme = "http";
         let mut channels = Vec::with_capacity(self.endpoints.len());
         for endpoint in &self.endpoints {
             let uri = if endpoint.contains("://") {
                 endpoint.clone()
             } else {
-                format!("http://{endpoint}")
+                format!("{scheme}://{endpoint}")
             };
+            #[cfg(feature = "tls")]
+            if self.tls.is_some() && uri.starts_with("http://") {
+                return Err(Error::Invalid(format!(
+                    "outboxd: endpoint {endpoint} is plaintext, and TLS is configured: use \
+                     https:// (or host:port)"
+                )));
+            }
             #[cfg(not(feature = "tls"))]
             if uri.starts_with("https://") {
                 return Err(Error::Invalid(format!(

@@ -65,6 +65,10 @@ pub use producer::{
     EnqueueResult, FUNCTION_TOKEN_SQL, NewIntent, Outbox, PLAIN_TOKEN_SQL, TokenSource,
 };
 pub use proto::IntentState;
+// Types of the API that come from these crates (`ClientTlsConfig`, `Status`,
+// `CancellationToken`), at the versions this crate is built with.
+pub use tokio_util::sync::CancellationToken;
+pub use tonic;
 pub use worker::{
     Answer, ClaimEvent, Failure, Job, LeaseCall, LeaseId, Worker, WorkerBuilder, WorkerObserver,
     WorkerStats,

@@ -392,8 +392,10 @@ export class Worker {
       }
       // When the leases began, on this clock: not before the Claim was sent, and for a long
       // poll about when its answer came (the server answers as it leases); for a replay, the
-      // first send (an earlier try may have taken them).
-      const leasedAt = tries > 1 ? sentAt : Math.max(sentAt, Date.now() - 1_000);
+      // first send (an earlier try may have taken them). A little earlier for the answer's
+      // way back: a second, or a quarter of a short lease.
+      const margin = Math.min(1_000, this.leaseMs / 4);
+      const leasedAt = tries > 1 ? sentAt : Math.max(sentAt, Date.now() - margin);
       for (const lease of leases) this.start(lease, leasedAt, tracing);
       // A full reply lets the other claimers claim; a short one ends another claimer's
       // wait for company (the queue is short).

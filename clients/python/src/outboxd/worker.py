@@ -523,8 +523,10 @@ class Worker:
                 # A replay returns leases the first try took: counted from its send. A
                 # first answer's leases began about when it was made (a long poll answers
                 # as it leases), so not from the send: the poll may have waited longer
-                # than a lease lasts.
-                leased_at = sent if retried else max(sent, time.monotonic() - 1.0)
+                # than a lease lasts. Counted a little earlier for the answer's way back:
+                # a second, or a quarter of a short lease.
+                margin = min(1.0, self.lease / 4)
+                leased_at = sent if retried else max(sent, time.monotonic() - margin)
                 return answer.leases, leased_at
             except OutboxError as error:
                 if not transient(error.code, error.reason):

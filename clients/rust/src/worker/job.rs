@@ -191,8 +191,9 @@ pub struct Failure {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum FailureKind {
-    /// An error the handler did not classify.
-    Error,
+    /// An error the handler did not classify, and the retry delay it was given: a retry,
+    /// or `UNKNOWN` once submitted.
+    Error(Option<Duration>),
     Retry(Option<Duration>),
     Permanent,
     Unknown,
@@ -217,11 +218,14 @@ impl Failure {
     }
 
     /// A retry no sooner than `delay` from now, instead of the server's backoff (only
-    /// for [`Failure::retry`] and plain errors, which become retries).
+    /// for [`Failure::retry`] and plain errors; a plain error after [`Job::submitting`]
+    /// still goes to `NEEDS_RECONCILE`, its delay unused).
     pub fn after(mut self, delay: Duration) -> Self {
-        if matches!(self.kind, FailureKind::Retry(_) | FailureKind::Error) {
-            self.kind = FailureKind::Retry(Some(delay));
-        }
+        self.kind = match self.kind {
+            FailureKind::Retry(_) => FailureKind::Retry(Some(delay)),
+            FailureKind::Error(_) => FailureKind::Error(Some(delay)),
+            kind => kind,
+        };
         self
     }
 
@@ -265,7 +269,7 @@ where
             message.push_str(&cause.to_string());
             source = cause.source();
         }
-        Self::new(FailureKind::Error, message)
+        Self::new(FailureKind::Error(None), message)
     }
 }
 
@@ -281,7 +285,7 @@ impl fmt::Debug for Failure {
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let kind = match self.kind {
-            FailureKind::Error => "error",
+            FailureKind::Error(_) => "error",
             FailureKind::Retry(_) => "retry",
             FailureKind::Permanent => "permanent",
             FailureKind::Unknown => "unknown",
@@ -301,11 +305,16 @@ mod tests {
         #[error("charge failed")]
         struct Charge(#[source] std::io::Error);
         let failure = Failure::from(Charge(std::io::Error::other("timed out")));
-        assert_eq!(failure.kind(), FailureKind::Error);
+        assert_eq!(failure.kind(), FailureKind::Error(None));
         assert_eq!(failure.message(), "charge failed: timed out");
         let later = Failure::from("busy").after(Duration::from_secs(3));
         assert_eq!(
             later.kind(),
+            FailureKind::Error(Some(Duration::from_secs(3)))
+        );
+        let retry = Failure::retry("busy").after(Duration::from_secs(3));
+        assert_eq!(
+            retry.kind(),
             FailureKind::Retry(Some(Duration::from_secs(3)))
         );
         // Only retries get a delay.

@@ -81,6 +81,16 @@ impl Counter {
     }
 }
 
+/// A handler counted as running while it lives, also when its task is aborted (a dropped
+/// `run` future drops its jobs).
+struct Running(Arc<Shared>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.stats.running.sub(1);
+    }
+}
+
 #[derive(Debug, Default)]
 struct Counters {
     claimed: Counter,
@@ -615,13 +625,14 @@ impl Shared {
                     });
                     // A replay returns leases the first attempt took: count from its
                     // send. A first answer's leases began about when it was made (a long
-                    // poll answers as it leases).
+                    // poll answers as it leases), counted a little earlier for the
+                    // answer's way back: a second, or a quarter of a short lease.
                     let answered = Instant::now();
                     let leased_at = if attempts.count > 1 {
                         first_sent
                     } else {
                         answered
-                            .checked_sub(Duration::from_secs(1))
+                            .checked_sub(Duration::from_secs(1).min(config.lease / 4))
                             .map_or(first_sent, |t| t.max(first_sent))
                     };
                     return Ok((answer.leases, leased_at));
@@ -684,9 +695,10 @@ impl Shared {
         let shared = self.clone();
         let settles = settles.clone();
         self.stats.running.add(1);
+        let running = Running(shared.clone());
         jobs.spawn(async move {
             let outcome = shared.run_handler(job, &state).await;
-            shared.stats.running.sub(1);
+            drop(running);
             // The slot is free once the handler is done; its settle does not hold one.
             drop(permit);
             match outcome {
@@ -738,11 +750,12 @@ impl Shared {
                     FailureKind::Permanent => FailOutcome::Permanent,
                     FailureKind::Unknown => FailOutcome::Unknown,
                     // Once submitted, nobody knows whether the external call happened.
-                    FailureKind::Error if submitted => FailOutcome::Unknown,
-                    FailureKind::Error => FailOutcome::Retry,
+                    FailureKind::Error(_) if submitted => FailOutcome::Unknown,
+                    FailureKind::Error(_) => FailOutcome::Retry,
                 };
                 let retry_after = match failure.kind() {
                     FailureKind::Retry(after) => after,
+                    FailureKind::Error(after) if !submitted => after,
                     _ => None,
                 };
                 tracing::warn!(

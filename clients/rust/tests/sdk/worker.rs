@@ -83,6 +83,36 @@ async fn two_workers_handle_1500_intents_exactly_once_across_two_replicas() {
     );
 }
 
+/// A long poll answers as it leases: a short lease that arrives at the end of a long wait
+/// is still the worker's, not counted from a second before the answer (a 1 s lease was
+/// then lost on arrival, its handler never run, again at every claim).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_lease_answered_after_a_long_poll_runs_its_handler() {
+    let stack = stack();
+    let connection = connection();
+    let k = kind("short");
+    let worker = Worker::builder(connect(&stack.endpoints[..1]))
+        .concurrency(1)
+        .lease(Duration::from_secs(1))
+        .claim_wait(Duration::from_secs(5))
+        .handler(&k, |_job: Job| async { Ok::<_, Failure>(()) })
+        .build()
+        .unwrap();
+    let worker = Running::start(worker);
+    // Due 1.5 s from now: the worker's Claim, already waiting, is answered then.
+    let intent = NewIntent::new(&k, "{}").delay(Duration::from_millis(1500));
+    let id = Outbox::new(connection.clone())
+        .enqueue_direct(intent)
+        .await
+        .unwrap()
+        .id;
+    let delivered = wait_state(&connection, &id, IntentState::Delivered).await;
+    let stats = worker.worker.stats();
+    worker.stop().await.unwrap();
+    assert_eq!(delivered.attempts, 1);
+    assert_eq!(stats.lease_lost, 0, "{stats:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heartbeats_keep_a_lease_alive_for_three_times_its_duration() {
     let stack = stack();

@@ -1,6 +1,6 @@
 -- Undoes …02_baseline_functions.
 DROP FUNCTION outbox.open_console_session(text, bytea, text, float8);
-DROP FUNCTION outbox.few_intents(outbox.intent_state[], text, text, text[], text, uuid, bigint);
+DROP FUNCTION outbox.few_intents(outbox.intent_state[], text, text, text[], text, boolean, uuid, bigint);
 DROP FUNCTION outbox.are_few(outbox.intent_state[]);
 DROP FUNCTION outbox.intents_by_id(uuid[]);
 DROP FUNCTION outbox.settleable_in_regions(text, text, uuid[], text[]);

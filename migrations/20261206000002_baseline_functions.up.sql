@@ -1302,7 +1302,7 @@ $$;
 -- trigger) only the bitmap scans of the partial indexes remain.
 CREATE FUNCTION outbox.few_intents(
     states outbox.intent_state[], kind_is text, region_is text, key_regions text[],
-    ordering_key_is text, after uuid, page bigint
+    ordering_key_is text, undecided_only boolean, after uuid, page bigint
 ) RETURNS SETOF outbox.intent
 LANGUAGE sql STABLE
 SET enable_seqscan = off
@@ -1319,6 +1319,8 @@ AS $$
       AND (region_is IS NULL OR i.region = region_is)
       AND (cardinality(key_regions) = 0 OR i.region = '' OR i.region = ANY(key_regions))
       AND (ordering_key_is IS NULL OR i.ordering_key = ordering_key_is)
+      -- A finished dead letter (an ordered one given up) awaits no decision.
+      AND (NOT undecided_only OR i.finished_at IS NULL)
       AND i.id > after
     ORDER BY i.id
     LIMIT page

@@ -642,6 +642,7 @@ impl OutboxHandler {
                 // One more than the page: whether there is a next page, without asking.
                 limit: list.limit + 1,
                 include_payload: list.include_payload,
+                awaiting_decision: list.awaiting_decision,
                 max_bytes: self.limits.max_reply_bytes,
             },
         )

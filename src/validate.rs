@@ -806,6 +806,8 @@ pub struct List {
     pub after: Option<IntentId>,
     /// Include payloads.
     pub include_payload: bool,
+    /// Only intents an operator can still decide on.
+    pub awaiting_decision: bool,
 }
 
 /// Validates a ListIntents request.
@@ -822,7 +824,19 @@ pub fn list(req: v1::ListIntentsRequest, limits: &Limits) -> Result<List> {
         .enumerate()
         .filter_map(|(i, s)| c.state(&format!("states[{i}]"), *s))
         .collect();
-    let states = dedup(states);
+    let mut states = dedup(states);
+    if req.awaiting_decision {
+        const DECIDABLE: [IntentState; 2] =
+            [IntentState::NeedsReconcile, IntentState::DeadLettered];
+        if states.is_empty() {
+            states = DECIDABLE.to_vec();
+        } else if states.iter().any(|s| !DECIDABLE.contains(s)) {
+            c.fail(
+                "states",
+                "with awaiting_decision, only NEEDS_RECONCILE and DEAD_LETTERED",
+            );
+        }
+    }
     c.name("kind", &req.kind, false, limits.max_name_length);
     c.name("region", &req.region, false, limits.max_region_length);
     c.text(
@@ -857,6 +871,7 @@ pub fn list(req: v1::ListIntentsRequest, limits: &Limits) -> Result<List> {
         limit,
         after,
         include_payload: req.include_payload,
+        awaiting_decision: req.awaiting_decision,
     })
 }
 

@@ -321,8 +321,8 @@ pub enum IntentsCommand {
 /// Reconcile commands.
 #[derive(Debug, Subcommand)]
 pub enum ReconcileCommand {
-    /// List NEEDS_RECONCILE and DEAD_LETTERED intents (an ordered one already given up
-    /// with DEAD stays listed, its decisions refused, until the retention purges it).
+    /// List the intents awaiting an operator: NEEDS_RECONCILE and DEAD_LETTERED (not an
+    /// ordered one already given up with DEAD, which is finished).
     List {
         /// Most intents.
         #[arg(long, default_value_t = 50)]

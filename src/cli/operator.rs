@@ -189,6 +189,7 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                 page_size: limit,
                 page_token,
                 include_payload: false,
+                awaiting_decision: false,
             };
             let response = connect(&client).await?.list_intents(request).await?;
             print_list(&client, &response.into_inner(), || {})
@@ -306,10 +307,7 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
             command: ReconcileCommand::List { limit, client },
         } => {
             let request = v1::ListIntentsRequest {
-                states: vec![
-                    v1::IntentState::NeedsReconcile as i32,
-                    v1::IntentState::DeadLettered as i32,
-                ],
+                awaiting_decision: true,
                 page_size: limit,
                 ..Default::default()
             };

@@ -40,10 +40,7 @@ pub(super) async fn page(
     Query(page): Query<Page>,
 ) -> Response {
     let request = v1::ListIntentsRequest {
-        states: vec![
-            v1::IntentState::NeedsReconcile as i32,
-            v1::IntentState::DeadLettered as i32,
-        ],
+        awaiting_decision: true,
         page_size: DESK_PAGE.min(i32::try_from(console.handler.max_batch()).unwrap_or(DESK_PAGE)),
         page_token: page.after,
         ..Default::default()

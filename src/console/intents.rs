@@ -150,6 +150,7 @@ pub(super) async fn list(
         page_token,
         include_payload: false,
         ordering_key: String::new(),
+        awaiting_decision: false,
     };
     let request = match session.request(request, Some(&filter.tenant)) {
         Ok(r) => r,

@@ -246,3 +246,39 @@ async fn an_operator_call_past_its_statement_timeout_is_refused_and_the_server_g
     let ids = app.enqueue_n("charge", 1).await;
     assert_eq!(ids.len(), 1, "Enqueue is not an operator call");
 }
+
+#[tokio::test]
+async fn awaiting_decision_lists_only_states_an_operator_decides_on() {
+    let app = TestApp::spawn().await;
+    let status = app
+        .client()
+        .list_intents(v1::ListIntentsRequest {
+            states: vec![IntentState::Pending as i32],
+            awaiting_decision: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_status(
+        &status,
+        Code::InvalidArgument,
+        "INVALID_ARGUMENT",
+        &["states"],
+    );
+
+    let ids = app.enqueue_n("charge", 2).await;
+    let leases = app.claim_n("w", 2).await;
+    app.fail(&leases[0], FailOutcome::Unknown).await;
+    let page = app
+        .client()
+        .list_intents(v1::ListIntentsRequest {
+            awaiting_decision: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let listed: Vec<_> = page.intents.iter().map(|i| i.id.as_str()).collect();
+    assert_eq!(listed, [id_of(&leases[0])]);
+    assert!(ids.contains(&listed[0].to_owned()));
+}

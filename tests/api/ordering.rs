@@ -278,6 +278,29 @@ async fn a_dead_letter_given_up_after_its_key_moved_on_is_not_requeued_behind_it
     assert!(by_filter.is_empty(), "{by_filter:?}");
     assert_eq!(app.state(&ids[0]).await, IntentState::DeadLettered);
     assert_eq!(app.get(&ids[0]).await.resolutions.len(), 1);
+
+    // Listed as DEAD_LETTERED, but no longer among what awaits a decision (the desk, the
+    // CLI's reconcile list).
+    let listed = |awaiting_decision: bool| {
+        let mut client = app.client();
+        async move {
+            let page = client
+                .list_intents(v1::ListIntentsRequest {
+                    states: vec![IntentState::DeadLettered as i32],
+                    awaiting_decision,
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            page.intents.into_iter().map(|i| i.id).collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(listed(false).await, [ids[0].clone()]);
+    assert_eq!(listed(true).await, Vec::<String>::new());
+    let key = app.key(&[TENANT], &["operate"], &[]).await;
+    let out = cli(&app, &key, &["reconcile", "list"]).await;
+    assert!(!out.contains(&ids[0]), "{out}");
     app.ack(&[&next[0]]).await;
     assert_eq!(drain_one_by_one(&app).await, [ids[2].clone()]);
 

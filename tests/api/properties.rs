@@ -317,9 +317,19 @@ fn list_request() -> impl Strategy<Value = v1::ListIntentsRequest> {
         prop_oneof![Just(String::new()), uuid_text().boxed()],
         any::<bool>(),
         optional_printable(),
+        any::<bool>(),
     )
         .prop_map(
-            |(states, kind, region, page_size, page_token, include_payload, ordering_key)| {
+            |(
+                states,
+                kind,
+                region,
+                page_size,
+                page_token,
+                include_payload,
+                ordering_key,
+                awaiting_decision,
+            )| {
                 v1::ListIntentsRequest {
                     states,
                     kind,
@@ -328,6 +338,7 @@ fn list_request() -> impl Strategy<Value = v1::ListIntentsRequest> {
                     page_token,
                     include_payload,
                     ordering_key,
+                    awaiting_decision,
                 }
             },
         )
@@ -528,6 +539,14 @@ fn check_list(req: &v1::ListIntentsRequest, limits: &Limits) {
             assert!(l.kind.is_none_or(|k| name(&k, limits.max_name_length)));
             assert!(l.region.is_none_or(|r| name(&r, limits.max_region_length)));
             assert!(l.limit >= 1 && l.limit as usize <= limits.max_batch);
+            if l.awaiting_decision {
+                assert!(!l.states.is_empty());
+                assert!(l.states.iter().all(|s| matches!(
+                    s,
+                    outboxd::outbox::IntentState::NeedsReconcile
+                        | outboxd::outbox::IntentState::DeadLettered
+                )));
+            }
         }
     }
 }

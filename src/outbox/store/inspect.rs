@@ -86,6 +86,9 @@ pub struct ListParams {
     pub limit: i64,
     /// Return payload bytes too.
     pub include_payload: bool,
+    /// Leave out ordered dead letters given up with DEAD (finished): what an operator can
+    /// still decide on.
+    pub awaiting_decision: bool,
     /// End the page early once its intents weigh this many bytes (`outbox.reply_weight`,
     /// always at least one intent), so that intents that would not be sent are not read.
     pub max_bytes: usize,
@@ -109,6 +112,7 @@ pub async fn list_intents(conn: &mut PgConnection, params: ListParams) -> Result
         .bind(i64::try_from(params.max_bytes).unwrap_or(i64::MAX))
         .bind(params.include_payload)
         .bind(&params.ordering_key)
+        .bind(params.awaiting_decision)
         .fetch_all(conn)
         .await?;
     let candidates: i64 = match rows.first() {

@@ -1,7 +1,7 @@
 -- A page of ListIntents (store::list_intents). $1 states (empty: any), $2 kind (or NULL),
 -- $3 region (or NULL), $4 the cursor (ids above it; the nil UUID for none), $5 page size,
 -- $6 the API key's regions (empty: any), $7 the byte budget, $8 include payloads, $9
--- ordering key (or NULL: any).
+-- ordering key (or NULL: any), $10 only what awaits a decision (no finished dead letter).
 --
 -- Each part is read in id order up to the page's size, then the parts are merged: the live
 -- table by its primary key, the batch history by its bucket index (ids are ordered as
@@ -32,6 +32,7 @@ FROM (
               AND ($3::text IS NULL OR i.region = $3)
               AND (cardinality($6::text[]) = 0 OR i.region = '' OR i.region = ANY($6::text[]))
               AND ($9::text IS NULL OR i.ordering_key = $9)
+              AND (NOT $10 OR i.finished_at IS NULL)
               AND i.id > $4
             ORDER BY i.id
             LIMIT $5
@@ -39,7 +40,7 @@ FROM (
         UNION ALL
         (
             SELECT f.*
-            FROM outbox.few_intents($1, $2, $3, $6, $9, $4, $5) f
+            FROM outbox.few_intents($1, $2, $3, $6, $9, $10, $4, $5) f
             WHERE outbox.are_few($1)
         )
         UNION ALL

@@ -370,7 +370,7 @@ class GetIntentResponse(_message.Message):
     def __init__(self, intent: _Optional[_Union[Intent, _Mapping]] = ..., resolutions: _Optional[_Iterable[_Union[Resolution, _Mapping]]] = ...) -> None: ...
 
 class ListIntentsRequest(_message.Message):
-    __slots__ = ("states", "kind", "region", "page_size", "page_token", "include_payload", "ordering_key")
+    __slots__ = ("states", "kind", "region", "page_size", "page_token", "include_payload", "ordering_key", "awaiting_decision")
     STATES_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
@@ -378,6 +378,7 @@ class ListIntentsRequest(_message.Message):
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     ORDERING_KEY_FIELD_NUMBER: _ClassVar[int]
+    AWAITING_DECISION_FIELD_NUMBER: _ClassVar[int]
     states: _containers.RepeatedScalarFieldContainer[IntentState]
     kind: str
     region: str
@@ -385,7 +386,8 @@ class ListIntentsRequest(_message.Message):
     page_token: str
     include_payload: bool
     ordering_key: str
-    def __init__(self, states: _Optional[_Iterable[_Union[IntentState, str]]] = ..., kind: _Optional[str] = ..., region: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., include_payload: bool = ..., ordering_key: _Optional[str] = ...) -> None: ...
+    awaiting_decision: bool
+    def __init__(self, states: _Optional[_Iterable[_Union[IntentState, str]]] = ..., kind: _Optional[str] = ..., region: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., include_payload: bool = ..., ordering_key: _Optional[str] = ..., awaiting_decision: bool = ...) -> None: ...
 
 class ListIntentsResponse(_message.Message):
     __slots__ = ("intents", "next_page_token")

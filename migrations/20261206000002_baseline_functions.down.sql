@@ -22,6 +22,8 @@ DROP FUNCTION outbox.oldest_pending(timestamptz, text[]);
 DROP FUNCTION outbox.queue_allowance(text, text, timestamptz, int);
 DROP FUNCTION outbox.bucket_tokens(outbox.queue_policy, timestamptz);
 DROP FUNCTION outbox.queue_in_flight(text, text);
+DROP TRIGGER queue_level_within_its_tenants_cap ON outbox.queue_level;
+DROP FUNCTION outbox.queues_within_their_cap();
 DROP TRIGGER intent_registers_queue_levels ON outbox.intent;
 DROP FUNCTION outbox.register_queue_levels();
 DROP FUNCTION outbox.claim_request_digest(text, text);

@@ -175,6 +175,29 @@ CREATE TRIGGER intent_registers_queue_levels
     WHEN (current_setting('outbox.levels_registered', true) IS DISTINCT FROM 'on')
     EXECUTE FUNCTION outbox.register_queue_levels();
 
+-- A tenant's queues (kinds × priorities) are few: every Claim walks the queues of its
+-- scope, so a producer inventing kinds would slow every Claim of its tenant, and the
+-- fleet's. A new queue past 1,000 for its tenant fails the statement that brought it
+-- (SQLSTATE OBX01: RESOURCE_EXHAUSTED, TOO_MANY_QUEUES). Fired for new rows only (ON
+-- CONFLICT DO NOTHING fires no AFTER trigger for a queue already there).
+CREATE FUNCTION outbox.queues_within_their_cap() RETURNS trigger
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    IF (SELECT count(*) FROM outbox.queue_level l WHERE l.tenant_id = NEW.tenant_id) > 1000 THEN
+        RAISE EXCEPTION 'tenant % would have more than 1000 queues (kinds × priorities)',
+            NEW.tenant_id
+            USING ERRCODE = 'OBX01';
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER queue_level_within_its_tenants_cap
+    AFTER INSERT ON outbox.queue_level
+    FOR EACH ROW
+    EXECUTE FUNCTION outbox.queues_within_their_cap();
+
 -- A queue's figures, written once for the claim's allowance (outbox.queue_allowance) and
 -- the policies shown to operators (store::policy): its intents in flight, and its bucket's
 -- tokens at an instant.

@@ -20,9 +20,10 @@ pub fn code_of(reason: Reason) -> Code {
         Reason::MissingScope | Reason::TenantNotAllowed | Reason::RegionNotAllowed => {
             Code::PermissionDenied
         }
-        Reason::PayloadTooLarge | Reason::BatchTooLarge | Reason::StatementTimeout => {
-            Code::ResourceExhausted
-        }
+        Reason::PayloadTooLarge
+        | Reason::BatchTooLarge
+        | Reason::StatementTimeout
+        | Reason::TooManyQueues => Code::ResourceExhausted,
         Reason::NotFound => Code::NotFound,
         Reason::LeaseLost | Reason::InvalidState => Code::FailedPrecondition,
         Reason::IdempotencyConflict => Code::AlreadyExists,
@@ -125,6 +126,10 @@ impl From<Error> for Status {
                 let message = match reason {
                     Reason::Unavailable => "the database is unavailable; retry with backoff",
                     Reason::Conflict => "a concurrent change conflicted; retry",
+                    Reason::TooManyQueues => {
+                        "this Enqueue would give its tenant more than 1,000 queues (kinds × \
+                         priorities); nothing was recorded"
+                    }
                     Reason::StatementTimeout => {
                         "the call ran past OUTBOX_LIMITS__OPERATOR_TIMEOUT (or was cancelled) and \
                          changed nothing; narrow its filter"
@@ -148,6 +153,7 @@ fn database_reason(e: &sqlx::Error) -> Reason {
         sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("40001" | "40P01")) => {
             Reason::Conflict
         }
+        sqlx::Error::Database(db) if db.code().as_deref() == Some("OBX01") => Reason::TooManyQueues,
         // query_canceled: statement_timeout, or pg_cancel_backend.
         sqlx::Error::Database(db) if db.code().as_deref() == Some("57014") => {
             Reason::StatementTimeout

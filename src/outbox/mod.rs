@@ -391,6 +391,8 @@ pub enum Reason {
     CommitOutcomeUnknown,
     /// A transient conflict (serialization, deadlock); retry.
     Conflict,
+    /// An Enqueue would give its tenant more than 1,000 queues (kinds × priorities).
+    TooManyQueues,
     /// An operator call's statement ran past `OUTBOX_LIMITS__OPERATOR_TIMEOUT` (or was
     /// cancelled by an administrator): it changed nothing.
     StatementTimeout,
@@ -421,6 +423,7 @@ impl Reason {
             Self::CommitOutcomeUnknown => "COMMIT_OUTCOME_UNKNOWN",
             Self::Conflict => "CONFLICT",
             Self::StatementTimeout => "STATEMENT_TIMEOUT",
+            Self::TooManyQueues => "TOO_MANY_QUEUES",
             Self::Internal => "INTERNAL",
         }
     }

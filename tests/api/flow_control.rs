@@ -919,3 +919,34 @@ async fn the_cli_sets_lists_and_shows_queue_policies_and_enqueues_with_a_priorit
     let stats: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(stats["policies"][0]["kind"], "pay", "{out}");
 }
+
+/// Every Claim walks the queues (kinds × priorities) of its scope: a tenant has at most
+/// 1,000, and an Enqueue that would add more records nothing.
+#[tokio::test]
+async fn an_enqueue_past_a_tenants_thousand_queues_is_refused_and_records_nothing() {
+    let app = TestApp::spawn().await;
+    sqlx::query(
+        "INSERT INTO outbox.queue_level (tenant_id, kind, priority)
+         SELECT 'acme', 'kind.' || n, 0 FROM generate_series(1, 1000) n",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let status = app
+        .client()
+        .enqueue(v1::EnqueueRequest {
+            intents: vec![intent("kind.1", "{}"), intent("one.too.many", "{}")],
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::ResourceExhausted, "TOO_MANY_QUEUES", &[]);
+    let recorded: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.intent")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(recorded, 0);
+
+    // Its existing queues take intents as before.
+    assert_eq!(app.enqueue_n("kind.1", 1).await.len(), 1);
+}

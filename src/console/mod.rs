@@ -196,3 +196,16 @@ fn from_another_site(request: &Request) -> bool {
         .map(|(_, host)| host);
     origin_host.is_none() || origin_host != host
 }
+
+#[cfg(test)]
+mod tests {
+    use super::one_line;
+
+    #[test]
+    fn a_reason_typed_on_several_lines_is_sent_as_one() {
+        assert_eq!(
+            one_line(" card declined\r\n\r\nby the bank\tagain \n"),
+            "card declined by the bank again"
+        );
+    }
+}

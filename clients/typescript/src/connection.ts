@@ -1,5 +1,5 @@
 // Transports to outboxd endpoints, the API key, and retries with endpoint rotation.
-import { Code, createClient, type CallOptions, type Client, type Interceptor } from "@connectrpc/connect";
+import { Code, ConnectError, createClient, type CallOptions, type Client, type Interceptor } from "@connectrpc/connect";
 import { Http2SessionManager, createGrpcTransport, type GrpcTransportOptions } from "@connectrpc/connect-node";
 import { OutboxService } from "./gen/outbox/v1/outbox_pb.js";
 import { OutboxError } from "./errors.js";
@@ -51,8 +51,16 @@ export function transient(error: OutboxError): boolean {
   if (error.code === Code.Unavailable || error.code === Code.DeadlineExceeded) return true;
   // A deadlock or serialization failure in PostgreSQL: the call changed nothing.
   if (error.code === Code.Aborted && error.reason === "CONFLICT") return true;
+  // A request this side cannot encode (a value its field cannot hold) fails every try.
+  if (unencodable(error)) return false;
   // A connection that broke mid-call surfaces as INTERNAL, UNKNOWN or CANCELED made here.
   return !error.fromServer && (error.code === Code.Internal || error.code === Code.Unknown || error.code === Code.Canceled);
+}
+
+/** Connect's error for a request message that protobuf could not serialize (made here, never sent). */
+function unencodable(error: OutboxError): boolean {
+  const cause = error.cause;
+  return !error.fromServer && cause instanceof ConnectError && cause.rawMessage.startsWith("serialize binary:");
 }
 
 /**

@@ -3,20 +3,33 @@ import { Code, ConnectError } from "@connectrpc/connect";
 
 /** Options of the outcome errors. */
 export interface OutcomeOptions {
-  /** Kept as the intent's `last_error`. Defaults to the error's message. */
+  /**
+   * The standard `Error.cause` (the error that led to this one), for your logs. It is not
+   * reported: the intent's `last_error` is the outcome error's message.
+   */
   cause?: unknown;
 }
 
 /**
+ * The longest `retry_after` the server accepts by default (`OUTBOX_LIMITS__MAX_DELAY`,
+ * 366 days): a longer one would refuse the Fail.
+ */
+const MAX_RETRY_AFTER_MS = 366 * 86_400_000;
+
+/**
  * Throw from a handler: the side effect did not happen and may be tried again
- * (`Fail` RETRY). `afterMs` overrides the server's exponential backoff.
+ * (`Fail` RETRY). `afterMs` overrides the server's exponential backoff. A negative or
+ * non-finite `afterMs` is ignored (the server's backoff applies), and one past 366 days
+ * (the server's default `OUTBOX_LIMITS__MAX_DELAY`) is cut to 366 days.
  */
 export class Retry extends Error {
   override readonly name = "Retry";
+  /** The delay asked for, in milliseconds: undefined, or from 0 to 366 days. */
   readonly afterMs: number | undefined;
   constructor(message = "retry requested by the handler", afterMs?: number, options?: OutcomeOptions) {
     super(message, options);
-    this.afterMs = afterMs;
+    this.afterMs =
+      typeof afterMs === "number" && Number.isFinite(afterMs) && afterMs >= 0 ? Math.min(afterMs, MAX_RETRY_AFTER_MS) : undefined;
   }
 }
 

@@ -196,10 +196,10 @@ export class Outbox {
   }
 
   /** Enqueues with a token the caller took itself (`SELECT outbox.txn_token()` or `PLAIN_TOKEN_SQL`). */
-  enqueueWithToken(token: string, intents: IntentInput | readonly IntentInput[]): Promise<Enqueued[]> {
+  async enqueueWithToken(token: string, intents: IntentInput | readonly IntentInput[]): Promise<Enqueued[]> {
     // An empty token would mean direct mode: intents of a transaction that may roll back.
     if (!token) throw new TypeError("outboxd: the transaction token is empty");
-    return this.send(token, intents);
+    return await this.send(token, intents);
   }
 
   /** Closes the connections to outboxd. */

@@ -39,8 +39,12 @@ export interface HandlerContext {
   submitting<T>(call: () => Promise<T> | T): Promise<T>;
 }
 
-/** Handles one intent: return (Ack), or throw `Retry`, `Permanent`, `Unknown` or any error (RETRY). */
-export type Handler = (intent: Intent, context: HandlerContext) => Promise<void> | void;
+/**
+ * Handles one intent: return (Ack), or throw `Retry`, `Permanent`, `Unknown` or any error
+ * (RETRY). What it returns (or its promise resolves to) is ignored, so
+ * `(intent, ctx) => ctx.submitting(() => psp.charge(…))` is a handler.
+ */
+export type Handler = (intent: Intent, context: HandlerContext) => unknown;
 
 /** What the worker reports through `onEvent`. */
 export type WorkerEvent =
@@ -81,7 +85,8 @@ export interface WorkerOptions extends ConnectionOptions {
   workerId?: string;
   /**
    * Which kinds to claim: `"handled"` (default) the kinds with a handler; `"all"` every
-   * kind (an intent without a handler is then dead-lettered with a clear error); or a list.
+   * kind (an intent without a handler is then dead-lettered with a clear error); or a
+   * non-empty list (an empty one is refused: the server would read it as every kind).
    */
   kinds?: "handled" | "all" | readonly string[];
   /** Lease length asked for. Default 30 s. */
@@ -104,7 +109,7 @@ export interface WorkerOptions extends ConnectionOptions {
   claimLingerMs?: number;
   /** Claims in flight at once while there is a backlog (one long poll when idle). Default 2. */
   claimers?: number;
-  /** Most leases per Ack or Fail call. Default 500. */
+  /** Most leases per Ack or Fail call. Default 500, at most 1,000 (the server's limit). */
   settleBatch?: number;
   /** Acks and Fails wait at most this long to share a call. Default 2 ms. */
   settleDelayMs?: number;
@@ -116,10 +121,14 @@ export interface WorkerOptions extends ConnectionOptions {
   onEvent?: (event: WorkerEvent) => void;
 }
 
-type Outcome =
-  | { kind: "ack" }
-  | { kind: "fail"; outcome: FailOutcome; error: string; retryAfterMs: number | undefined }
-  | { kind: "lost" };
+interface FailWith {
+  kind: "fail";
+  outcome: FailOutcome;
+  error: string;
+  retryAfterMs: number | undefined;
+}
+
+type Outcome = { kind: "ack" } | FailWith | { kind: "lost" };
 
 interface Live {
   readonly intent: Intent;
@@ -194,21 +203,26 @@ export class Worker {
     this.options = options;
     this.connection = new Connection(options);
     this.workerId = options.workerId ?? `${hostname()}-${process.pid}-${randomUUID().slice(0, 8)}`;
-    this.concurrency = positive("concurrency", options.concurrency ?? 8);
-    this.leaseMs = positive("leaseMs", options.leaseMs ?? 30_000);
-    this.heartbeatMs = positive("heartbeatMs", options.heartbeatMs ?? Math.max(50, Math.floor(this.leaseMs / 3)));
-    this.claimWaitMs = positive("claimWaitMs", options.claimWaitMs ?? 20_000);
-    // The server refuses a Claim of more than 1,000.
-    this.claimBatch = Math.min(positive("claimBatch", options.claimBatch ?? this.concurrency), 1_000);
-    this.claimLingerMs = options.claimLingerMs ?? 5;
-    if (!Number.isFinite(this.claimLingerMs) || this.claimLingerMs < 0) {
-      throw new RangeError("outboxd: claimLingerMs must not be negative");
-    }
-    this.claimers = positive("claimers", options.claimers ?? 2);
-    this.settleBatch = positive("settleBatch", options.settleBatch ?? 500);
-    this.settleDelayMs = options.settleDelayMs ?? 2;
-    this.graceMs = options.shutdownGraceMs ?? 30_000;
+    // Counts are sent as int32 and durations as whole milliseconds: a value the wire
+    // cannot carry would fail every call, so it is refused here.
+    this.concurrency = count("concurrency", options.concurrency ?? 8);
+    this.leaseMs = millis("leaseMs", options.leaseMs ?? 30_000, 1);
+    this.heartbeatMs = millis("heartbeatMs", options.heartbeatMs ?? Math.max(50, Math.floor(this.leaseMs / 3)), 1);
+    this.claimWaitMs = millis("claimWaitMs", options.claimWaitMs ?? 20_000, 1);
+    // The server refuses a batch of more than 1,000 (OUTBOX_LIMITS__MAX_BATCH).
+    this.claimBatch = Math.min(count("claimBatch", options.claimBatch ?? this.concurrency), MAX_BATCH);
+    this.claimLingerMs = millis("claimLingerMs", options.claimLingerMs ?? 5, 0);
+    this.claimers = count("claimers", options.claimers ?? 2);
+    this.settleBatch = Math.min(count("settleBatch", options.settleBatch ?? 500), MAX_BATCH);
+    this.settleDelayMs = millis("settleDelayMs", options.settleDelayMs ?? 2, 0);
+    this.graceMs = millis("shutdownGraceMs", options.shutdownGraceMs ?? 30_000, 0);
     if (this.heartbeatMs >= this.leaseMs) throw new RangeError("outboxd: heartbeatMs must be shorter than leaseMs");
+    const kinds = options.kinds;
+    if (kinds !== undefined && typeof kinds !== "string" && kinds.length === 0) {
+      // The server reads an empty filter as every kind: intents of kinds without a handler
+      // would be dead-lettered. "all" says that on purpose.
+      throw new RangeError('outboxd: kinds must not be an empty list (use "all" to claim every kind)');
+    }
   }
 
   /** Registers the handler of one kind (one per kind). */
@@ -460,36 +474,23 @@ export class Worker {
     };
     this.live.set(live.leaseId, live);
     this.running++;
-    void this.execute(live, tracing);
+    this.execute(live, tracing).catch((error: unknown) => {
+      // execute() guards every step; should something still throw, the lease is given
+      // back rather than the rejection ending the process.
+      this.reportFallback(live, error);
+    });
   }
 
   private async execute(live: Live, tracing: Awaited<ReturnType<typeof loadTracing>>): Promise<void> {
-    const { intent } = live;
-    const handler = this.handlers.get(intent.kind);
     let outcome: Outcome;
-    if (handler === undefined) {
-      outcome = fail(
-        FailOutcome.PERMANENT,
-        `no handler for kind "${intent.kind}" on worker ${this.workerId} (register one with worker.handle)`,
-      );
-    } else {
-      try {
-        const context = this.context(live);
-        await traced(
-          tracing,
-          intent.headers,
-          { id: intent.id, kind: intent.kind, attempt: intent.attempt, workerId: this.workerId },
-          async () => {
-            await handler(intent, context);
-          },
-        );
-        outcome = { kind: "ack" };
-      } catch (error) {
-        outcome = outcomeOf(error, live.submitted);
-      }
+    try {
+      outcome = await this.invoke(live, tracing);
+    } catch (error) {
+      outcome = fallbackOutcome(live, error);
+    } finally {
+      this.running--;
+      this.wakeAll();
     }
-    this.running--;
-    this.wakeAll();
     if (live.done) return; // abandoned at the end of the grace
     if (live.lost) {
       this.lose(live, "the lease was lost before the handler finished");
@@ -499,24 +500,59 @@ export class Worker {
       // The handler gave up on a lease it saw expire; the server may still hold it for us.
       outcome = fail(live.submitted ? FailOutcome.UNKNOWN : FailOutcome.RETRY, "the handler stopped: its lease expired");
     }
-    const settle: PendingSettle = {
-      live,
-      failure:
-        outcome.kind === "fail"
-          ? create(FailureSchema, {
-              lease: { intentId: intent.id, leaseId: live.leaseId },
-              outcome: outcome.outcome,
-              error: failText(outcome.error),
-              ...(outcome.retryAfterMs !== undefined ? { retryAfter: durationFromMs(Math.max(1, Math.round(outcome.retryAfterMs))) } : {}),
-            })
-          : undefined,
-    };
-    await new Promise<void>((resolve) => {
-      live.settled = resolve;
+    let failure: Failure | undefined;
+    try {
+      failure = outcome.kind === "fail" ? failureOf(live, outcome) : undefined;
+    } catch (error) {
+      failure = failureOf(live, fallbackOutcome(live, error));
+    }
+    await this.queueSettle({ live, failure });
+  }
+
+  /** Runs the handler; what it threw becomes the outcome. */
+  private async invoke(live: Live, tracing: Awaited<ReturnType<typeof loadTracing>>): Promise<Outcome> {
+    const { intent } = live;
+    const handler = this.handlers.get(intent.kind);
+    if (handler === undefined) {
+      return fail(
+        FailOutcome.PERMANENT,
+        `no handler for kind "${intent.kind}" on worker ${this.workerId} (register one with worker.handle)`,
+      );
+    }
+    try {
+      const context = this.context(live);
+      await traced(
+        tracing,
+        intent.headers,
+        { id: intent.id, kind: intent.kind, attempt: intent.attempt, workerId: this.workerId },
+        async () => {
+          await handler(intent, context);
+        },
+      );
+      return { kind: "ack" };
+    } catch (error) {
+      return outcomeOf(error, live.submitted);
+    }
+  }
+
+  /** Queues an Ack or Fail; resolves once its call answered (or the lease was lost). */
+  private queueSettle(settle: PendingSettle): Promise<void> {
+    return new Promise<void>((resolve) => {
+      settle.live.settled = resolve;
       (settle.failure ? this.fails : this.acks).push(settle);
       this.settling++;
       this.scheduleFlush();
     });
+  }
+
+  /** The last resort of a handler's run that threw past its guards: Fail RETRY (UNKNOWN once submitted). */
+  private reportFallback(live: Live, error: unknown): void {
+    if (live.done || live.lost || live.settled !== undefined) return;
+    try {
+      void this.queueSettle({ live, failure: failureOf(live, fallbackOutcome(live, error)) });
+    } catch {
+      // Nothing is left to report with: the lease expires instead.
+    }
   }
 
   private context(live: Live): HandlerContext {
@@ -555,7 +591,9 @@ export class Worker {
     if (result?.error) {
       if (result.error.reason === "LEASE_LOST" || result.error.code === (Code.NotFound as number)) {
         this.markLost(live);
-        throw new LeaseLostError(live.intent.id, `MarkSubmitted refused: ${result.error.message}`);
+        const lost = new LeaseLostError(live.intent.id, `MarkSubmitted refused: ${result.error.message}`);
+        live.controller.abort(lost);
+        throw lost;
       }
       throw new Retry(`MarkSubmitted refused: ${result.error.reason} ${result.error.message}`);
     }
@@ -651,9 +689,13 @@ export class Worker {
     );
   }
 
-  private async sendFails(batch: PendingSettle[]): Promise<void> {
-    await this.settle("fail", batch, (client, options) =>
-      client.fail({ failures: batch.flatMap(({ failure }) => (failure ? [failure] : [])) }, options).then((r) => r.results),
+  private async sendFails(batch: PendingSettle[], policy?: SettlePolicy): Promise<void> {
+    await this.settle(
+      "fail",
+      batch,
+      (client, options) =>
+        client.fail({ failures: batch.flatMap(({ failure }) => (failure ? [failure] : [])) }, options).then((r) => r.results),
+      policy,
     );
   }
 
@@ -661,14 +703,11 @@ export class Worker {
     call: "ack" | "fail",
     batch: PendingSettle[],
     send: (client: OutboxServiceClient, options: CallOptions) => Promise<LeaseResult[]>,
+    policy: SettlePolicy = { budgetMs: Math.max(this.leaseMs, 30_000), tryTimeoutMs: 10_000 },
   ): Promise<void> {
     try {
       // Repeating a settle with the same leases is a replay: answered OK if it applied.
-      const results = await this.connection.call(send, {
-        budgetMs: Math.max(this.leaseMs, 30_000),
-        tryTimeoutMs: 10_000,
-        retryable: transient,
-      });
+      const results = await this.connection.call(send, { ...policy, retryable: transient });
       batch.forEach(({ live, failure }, i) => {
         const result = results[i];
         if (result?.error) {
@@ -704,7 +743,7 @@ export class Worker {
         this.settling -= batch.length;
         for (const item of batch) {
           this.settling++;
-          void (call === "ack" ? this.sendAcks([item]) : this.sendFails([item]));
+          void (call === "ack" ? this.sendAcks([item]) : this.sendFails([item], policy));
         }
         return;
       }
@@ -742,41 +781,33 @@ export class Worker {
     }
     if (this.running > 0) {
       // The grace is over: tell the handlers, then give their leases back.
-      const abandoned: Live[] = [];
-      for (const live of this.live.values()) {
+      const abandoned: PendingSettle[] = [];
+      for (const live of [...this.live.values()]) {
         if (live.done || live.settled !== undefined) continue;
         live.controller.abort(new ShutdownError());
-        abandoned.push(live);
-      }
-      const failures: Failure[] = [];
-      for (const live of abandoned) {
         live.done = true;
         this.live.delete(live.leaseId);
+        // Refused before (a heartbeat or MarkSubmitted): nothing more is reported for it.
+        if (live.lost) continue;
         if (live.submitted) {
           // Its external call may be under way: the expiry sends it to an operator.
           this.emit({ type: "abandoned", intent: live.intent, outcome: "expire" });
         } else {
-          failures.push(
-            create(FailureSchema, {
-              lease: { intentId: live.intent.id, leaseId: live.leaseId },
-              outcome: FailOutcome.RETRY,
-              error: failText(`worker ${this.workerId} shut down before the handler finished`),
-            }),
-          );
+          abandoned.push({
+            live,
+            failure: failureOf(live, fail(FailOutcome.RETRY, `worker ${this.workerId} shut down before the handler finished`)),
+          });
           this.emit({ type: "abandoned", intent: live.intent, outcome: "retry" });
         }
       }
-      for (let i = 0; i < failures.length; i += this.settleBatch) {
-        const chunk = failures.slice(i, i + this.settleBatch);
-        try {
-          await this.connection.call((client, options) => client.fail({ failures: chunk }, options), {
-            budgetMs: 5_000,
-            tryTimeoutMs: 2_000,
-          });
-        } catch {
-          // Their leases expire instead.
-        }
-      }
+      // Short calls: the grace is already spent. A lease whose Fail fails expires instead.
+      const policy: SettlePolicy = { budgetMs: 5_000, tryTimeoutMs: 2_000 };
+      await Promise.all(
+        batches(abandoned, this.settleBatch).map((batch) => {
+          this.settling += batch.length;
+          return this.sendFails(batch, policy);
+        }),
+      );
     }
     this.flush();
     while (this.settling > 0) await new Promise<void>((resolve) => setTimeout(resolve, 5));
@@ -809,11 +840,15 @@ export class Worker {
   }
 }
 
-/**
- * Splits settles into calls of at most `size`, never naming one intent twice in a call (a
- * worker may hold an expired lease and a new one on the same intent; a batch naming an
- * intent twice is refused whole).
- */
+/** How long a settle call may take, retries included. */
+interface SettlePolicy {
+  budgetMs: number;
+  tryTimeoutMs: number;
+}
+
+/** The server's most items per call (`OUTBOX_LIMITS__MAX_BATCH`): past it a call is refused. */
+const MAX_BATCH = 1_000;
+
 /**
  * Most bytes of one settle call: half the server's default request limit for `Fail`
  * (`OUTBOX_LIMITS__MAX_MESSAGE_BYTES`, 8 MiB), which long non-ASCII error texts could pass.
@@ -826,7 +861,11 @@ function settleBytes(item: PendingSettle): number {
   return item.live.intent.id.length + item.live.leaseId.length + text + 64;
 }
 
-/** Calls of at most `size` items and `MAX_CALL_BYTES` that never name one intent twice. */
+/**
+ * Splits settles into calls of at most `size` items and `MAX_CALL_BYTES`, never naming one
+ * intent twice in a call (a worker may hold an expired lease and a new one on the same
+ * intent; a batch naming an intent twice is refused whole).
+ */
 export function batches(items: PendingSettle[], size: number): PendingSettle[][] {
   const out: { ids: Set<string>; bytes: number; items: PendingSettle[] }[] = [];
   for (const item of items) {
@@ -864,22 +903,66 @@ export function failText(text: string): string {
   return out.replace(/\p{Cc}/gu, " ");
 }
 
-function fail(outcome: FailOutcome, error: string, retryAfterMs?: number): Outcome {
+function fail(outcome: FailOutcome, error: string, retryAfterMs?: number): FailWith {
   return { kind: "fail", outcome, error, retryAfterMs };
 }
 
 /** Maps what a handler threw to what is reported. */
 function outcomeOf(error: unknown, submitted: boolean): Outcome {
-  if (error instanceof LeaseLostError) return { kind: "lost" };
-  if (error instanceof Retry) return fail(FailOutcome.RETRY, error.message, error.afterMs);
-  if (error instanceof Permanent) return fail(FailOutcome.PERMANENT, error.message);
-  if (error instanceof Unknown) return fail(FailOutcome.UNKNOWN, error.message);
-  const message = error instanceof Error ? `${error.name}: ${error.message}` : String(error);
+  try {
+    if (error instanceof LeaseLostError) return { kind: "lost" };
+    if (error instanceof Retry) return fail(FailOutcome.RETRY, describe(error.message), error.afterMs);
+    if (error instanceof Permanent) return fail(FailOutcome.PERMANENT, describe(error.message));
+    if (error instanceof Unknown) return fail(FailOutcome.UNKNOWN, describe(error.message));
+    if (error instanceof Error) return fail(submitted ? FailOutcome.UNKNOWN : FailOutcome.RETRY, `${describe(error.name)}: ${describe(error.message)}`);
+  } catch {
+    // A getter that throws (`instanceof` through a Proxy, `message`): described as below.
+  }
   // Once submitted, an error means nobody knows whether the external call happened.
-  return fail(submitted ? FailOutcome.UNKNOWN : FailOutcome.RETRY, message);
+  return fail(submitted ? FailOutcome.UNKNOWN : FailOutcome.RETRY, describe(error));
 }
 
-function positive(name: string, value: number): number {
-  if (!Number.isFinite(value) || value <= 0) throw new RangeError(`outboxd: ${name} must be positive`);
+/** Fail RETRY, or UNKNOWN once submitted: what a failure to report the outcome becomes. */
+function fallbackOutcome(live: Live, error: unknown): FailWith {
+  return fail(live.submitted ? FailOutcome.UNKNOWN : FailOutcome.RETRY, `outboxd: reporting the handler's outcome failed: ${describe(error)}`);
+}
+
+/** `String(value)`, or a placeholder for values that cannot be converted (`Object.create(null)`). */
+function describe(value: unknown): string {
+  try {
+    return String(value);
+  } catch {
+    return `a thrown ${typeof value} that cannot be converted to a string`;
+  }
+}
+
+/** The `Failure` of a fail outcome (`retry_after` only when it is a delay the wire can carry). */
+function failureOf(live: Live, outcome: FailWith): Failure {
+  const after = outcome.retryAfterMs;
+  const retryAfter =
+    after !== undefined && Number.isFinite(after) && after >= 0 ? durationFromMs(Math.max(1, Math.round(after))) : undefined;
+  return create(FailureSchema, {
+    lease: { intentId: live.intent.id, leaseId: live.leaseId },
+    outcome: outcome.outcome,
+    error: failText(outcome.error),
+    ...(retryAfter !== undefined ? { retryAfter } : {}),
+  });
+}
+
+/** An option that is a count (sent as an int32, or bounding one): a whole number from 1. */
+function count(name: string, value: number): number {
+  if (!Number.isSafeInteger(value) || value < 1) throw new RangeError(`outboxd: ${name} must be a whole number of at least 1`);
   return value;
+}
+
+/** Longest timer Node runs as asked (2^31 - 1 ms, about 24.8 days); longer ones fire at once. */
+const MAX_TIMER_MS = 2 ** 31 - 1;
+
+/** An option in milliseconds, rounded to a whole millisecond (durations go on the wire as such). */
+function millis(name: string, value: number, min: 0 | 1): number {
+  const ms = Math.round(value);
+  if (!Number.isFinite(ms) || ms < min || ms > MAX_TIMER_MS) {
+    throw new RangeError(`outboxd: ${name} must be a number of milliseconds from ${min} to ${MAX_TIMER_MS}`);
+  }
+  return ms;
 }

@@ -1,7 +1,9 @@
-// `npm pack` installs into an empty project; the README's example runs there against a
-// real outboxd, and a strict TypeScript consumer type-checks against the declarations.
+// `npm pack` installs into an empty project; the README's example type-checks (strict) and
+// runs there against a real outboxd, and strict TypeScript consumers type-check against the
+// declarations (NodeNext and node10 resolution).
 import assert from "node:assert/strict";
 import { execFileSync } from "node:child_process";
+import { createRequire } from "node:module";
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -30,14 +32,24 @@ function readmeExample(name: string): string {
   return match[1];
 }
 
-test("npm pack installs into an empty project, whose README example runs against a real outboxd", async () => {
+/** tsc --strict in the consumer project (emitting next to the source unless `--noEmit`). */
+function tsc(args: string[]): void {
+  execFileSync(join(PACKAGE, "node_modules", ".bin", "tsc"), ["--strict", "--target", "es2022", "--types", "node", ...args], {
+    cwd: project,
+    stdio: "inherit",
+  });
+}
+
+test("npm pack installs into an empty project, whose README example type-checks and runs against a real outboxd", async () => {
   const tarball = npm(["pack", "--pack-destination", project], PACKAGE).trim().split("\n").at(-1) ?? "";
   writeFileSync(join(project, "package.json"), JSON.stringify({ name: "consumer", private: true, type: "module" }));
-  npm(["install", join(project, tarball), "pg@^8"], project);
+  npm(["install", join(project, tarball), "pg@^8", "@types/pg@^8", "@types/node@^20"], project);
 
-  writeFileSync(join(project, "quickstart.mjs"), readmeExample("quickstart"));
+  // The quick start is TypeScript: strict tsc checks it, then node runs what tsc emits.
+  writeFileSync(join(project, "quickstart.ts"), readmeExample("quickstart"));
+  tsc(["--module", "nodenext", "--moduleResolution", "nodenext", "quickstart.ts"]);
   await fx.postgres.sql("postgres", "CREATE DATABASE app");
-  const output = execFileSync(process.execPath, ["quickstart.mjs"], {
+  const output = execFileSync(process.execPath, ["quickstart.js"], {
     cwd: project,
     encoding: "utf8",
     timeout: 60_000,
@@ -51,23 +63,30 @@ test("npm pack installs into an empty project, whose README example runs against
   assert.match(output, /sending to ada@example\.com/);
   assert.match(output, /delivered: 1/);
 
-  // The declarations serve a strict TypeScript consumer (NodeNext resolution).
+  // The declarations serve a strict TypeScript consumer: NodeNext resolution, and node10
+  // (which reads no `exports`: `typesVersions` maps `@outboxd/client/gen`).
   writeFileSync(
     join(project, "consumer.ts"),
     `import { Worker, Outbox, Retry, type Intent, type HandlerContext } from "@outboxd/client";
+import { FailOutcome, type Lease } from "@outboxd/client/gen";
 const worker = new Worker({ endpoints: ["127.0.0.1:1"], apiKey: "obx_x", concurrency: 2 });
 worker.handle("k", async (intent: Intent, ctx: HandlerContext): Promise<void> => {
   const body = intent.json<{ n: number }>();
   if (body.n > 1) throw new Retry("later", 1000);
   await ctx.submitting(async () => intent.payload.byteLength);
 });
+// A handler may return the submitted call's result (it is ignored).
+worker.handle("charge", (intent, ctx) => ctx.submitting(async () => ({ id: intent.id, cents: 1999 })));
 const outbox = new Outbox({ endpoints: ["127.0.0.1:1"], apiKey: "obx_x" });
 export const pending: Promise<unknown> = outbox.enqueueDirect({ kind: "k", json: { n: 1 } });
+export const outcome: FailOutcome = FailOutcome.RETRY;
+export type Leased = Lease;
 `,
   );
-  execFileSync(
-    join(PACKAGE, "node_modules", ".bin", "tsc"),
-    ["--noEmit", "--strict", "--module", "nodenext", "--moduleResolution", "nodenext", "--target", "es2022", "--types", "node", "--typeRoots", join(PACKAGE, "node_modules", "@types"), "consumer.ts"],
-    { cwd: project, stdio: "inherit" },
-  );
+  tsc(["--noEmit", "--module", "nodenext", "--moduleResolution", "nodenext", "consumer.ts"]);
+  tsc(["--noEmit", "--module", "commonjs", "--moduleResolution", "node10", "consumer.ts"]);
+  // Resolvers that ask for neither `import` nor `types` (require, some bundlers) get the same files.
+  const require = createRequire(join(project, "package.json"));
+  assert.match(require.resolve("@outboxd/client"), /dist[/\\]index\.js$/);
+  assert.match(require.resolve("@outboxd/client/gen"), /dist[/\\]gen[/\\]outbox[/\\]v1[/\\]outbox_pb\.js$/);
 });

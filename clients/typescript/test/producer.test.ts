@@ -271,3 +271,13 @@ describe("ORM transactions", () => {
     }
   });
 });
+
+describe("tokens", () => {
+  test("enqueueWithToken with an empty token rejects (never throws synchronously) and sends nothing", async () => {
+    let pending: Promise<unknown> | undefined;
+    assert.doesNotThrow(() => {
+      pending = outbox.enqueueWithToken("", { kind: "token.empty" });
+    });
+    await assert.rejects(pending ?? Promise.resolve(), TypeError);
+  });
+});

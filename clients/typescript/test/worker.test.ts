@@ -1,5 +1,6 @@
 // The worker against two real outboxd replicas on one PostgreSQL.
 import assert from "node:assert/strict";
+import { randomUUID } from "node:crypto";
 import { after, afterEach, before, describe, test } from "node:test";
 import { ConnectError, type Interceptor } from "@connectrpc/connect";
 import { context, trace } from "@opentelemetry/api";
@@ -235,6 +236,62 @@ describe("outcomes", () => {
     );
   });
 
+  test("Retry with NaN, a negative or a huge afterMs, and a thrown Object.create(null), are failed RETRY; the process survives", async () => {
+    const rejections: unknown[] = [];
+    const onRejection = (reason: unknown): void => {
+      rejections.push(reason);
+    };
+    process.on("unhandledRejection", onRejection);
+    try {
+      const events: WorkerEvent[] = [];
+      // Leases far longer than the wait below: an intent whose Fail was never sent (or was
+      // refused) would stay LEASED, so PENDING or a second attempt proves the Fail applied.
+      const w = worker({ concurrency: 4, leaseMs: 120_000, onEvent: (e) => events.push(e) });
+      w.handle("retry.odd", (intent) => {
+        if (intent.attempt > 1) return;
+        const n = intent.json<{ n: number }>().n;
+        if (n === 0) throw new Retry("not a number", Number.NaN);
+        if (n === 1) throw new Retry("negative", -5);
+        // eslint-disable-next-line @typescript-eslint/only-throw-error -- a thrown value String() cannot convert
+        if (n === 2) throw Object.create(null) as object;
+        throw new Retry("a century", 100 * 365 * 86_400_000); // past the server's 366 days
+      });
+      const run = w.run();
+      const ids = await enqueue("retry.odd", 4);
+      const states = async (): Promise<string> =>
+        (await Promise.all(ids.map((id) => fx.intent(id)))).map((i) => `${i.state}/${i.attempts}`).join(" ");
+      await waitFor("every Fail applied", async () => (await states()) === "DELIVERED/2 DELIVERED/2 DELIVERED/2 PENDING/1", 30_000).catch(
+        async (e: unknown) => {
+          throw new Error(`${String(e)}; states ${await states()}; events ${JSON.stringify(events.map((x) => x.type))}`);
+        },
+      );
+      await w.stop();
+      await run;
+      assert.equal((await fx.intent(ids[3] ?? "")).lastError, "a century");
+      const failed = events.flatMap((e) => (e.type === "failed" ? [[e.outcome, e.error]] : []));
+      assert.equal(failed.length, 4, JSON.stringify(failed));
+      assert.ok(failed.every(([outcome]) => outcome === "retry"), JSON.stringify(failed));
+      assert.deepEqual(
+        events.filter((e) => e.type === "settleFailed" || e.type === "settleRejected"),
+        [],
+      );
+    } finally {
+      process.off("unhandledRejection", onRejection);
+    }
+    assert.deepEqual(rejections, []);
+  });
+
+  test("Retry ignores a negative or non-finite afterMs and cuts a longer one to 366 days", () => {
+    assert.equal(new Retry("x", Number.NaN).afterMs, undefined);
+    assert.equal(new Retry("x", Number.POSITIVE_INFINITY).afterMs, undefined);
+    assert.equal(new Retry("x", Number.NEGATIVE_INFINITY).afterMs, undefined);
+    assert.equal(new Retry("x", -1).afterMs, undefined);
+    assert.equal(new Retry("x").afterMs, undefined);
+    assert.equal(new Retry("x", 0).afterMs, 0);
+    assert.equal(new Retry("x", 1_500).afterMs, 1_500);
+    assert.equal(new Retry("x", 1e15).afterMs, 366 * 86_400_000);
+  });
+
   test("failText turns control characters into spaces and cuts on code points", () => {
     assert.equal(failText("line one\nline\ttwo\r\n\x7f\x85end"), "line one line two    end");
     assert.equal(failText("déjà vu \u{1F600}"), "déjà vu \u{1F600}");
@@ -294,6 +351,135 @@ describe("outcomes", () => {
       assert.equal(intent.state, "PENDING", JSON.stringify(intent));
       assert.match(intent.lastError, /shut down before the handler finished/);
     }
+  });
+});
+
+describe("lease loss", () => {
+  test("MarkSubmitted refused LEASE_LOST fires the signal with a LeaseLostError; the external call does not run", async () => {
+    // MarkSubmitted sent with a lease id the server never issued: refused LEASE_LOST.
+    const forge: Interceptor = (next) => (request) => {
+      if (request.method.name === "MarkSubmitted") {
+        for (const lease of (request.message as unknown as { leases: { leaseId: string }[] }).leases) lease.leaseId = randomUUID();
+      }
+      return next(request);
+    };
+    let seen: { thrown: unknown; aborted: boolean; reason: unknown } | undefined;
+    let called = false;
+    const w = worker({ concurrency: 1, interceptors: [forge] });
+    w.handle("submit.lost", async (_intent, ctx) => {
+      try {
+        await ctx.submitting(() => {
+          called = true;
+        });
+      } catch (thrown) {
+        seen ??= { thrown, aborted: ctx.signal.aborted, reason: ctx.signal.reason };
+        throw thrown;
+      }
+    });
+    const run = w.run();
+    await enqueue("submit.lost", 1);
+    const result = await waitFor("MarkSubmitted refused", () => seen);
+    await w.stop();
+    await run;
+    assert.equal(called, false);
+    assert.ok(result.thrown instanceof LeaseLostError, String(result.thrown));
+    assert.equal(result.aborted, true, "the signal did not fire");
+    assert.ok(result.reason instanceof LeaseLostError, String(result.reason));
+    assert.equal(w.stats().leaseLost, 1);
+    assert.equal(w.stats().acked + w.stats().failed, 0);
+  });
+
+  test("when the grace ends, a lease already lost is not failed again; the others are given back", async () => {
+    let target = "";
+    const failedIds: string[] = [];
+    const interceptor: Interceptor = (next) => (request) => {
+      // The heartbeat of `target` names a lease the server never issued: refused.
+      if (request.method.name === "ExtendLease") {
+        for (const lease of (request.message as unknown as { leases: { intentId: string; leaseId: string }[] }).leases) {
+          if (lease.intentId === target) lease.leaseId = randomUUID();
+        }
+      }
+      if (request.method.name === "Fail") {
+        for (const f of (request.message as unknown as { failures: { lease?: { intentId: string } }[] }).failures) {
+          failedIds.push(f.lease?.intentId ?? "");
+        }
+      }
+      return next(request);
+    };
+    const w = worker({ concurrency: 2, leaseMs: 2_000, shutdownGraceMs: 200, interceptors: [interceptor] });
+    w.handle("grace.lost", () => new Promise(() => {})); // ignores its signal
+    const run = w.run();
+    const [lost, kept] = await enqueue("grace.lost", 2);
+    assert.ok(lost && kept);
+    target = lost;
+    await waitFor("two handlers running", () => w.stats().running === 2);
+    await waitFor("one lease lost to a refused heartbeat", () => w.stats().leaseLost === 1, 10_000);
+    await w.stop();
+    await run;
+    assert.deepEqual(failedIds, [kept], "a Fail named the lost lease");
+    assert.equal(w.stats().failed, 1);
+    const intent = await fx.intent(kept);
+    assert.equal(intent.state, "PENDING", JSON.stringify(intent));
+    assert.match(intent.lastError, /shut down before the handler finished/);
+  });
+});
+
+describe("options", () => {
+  const make = (options: Partial<WorkerOptions>): Worker => new Worker({ endpoints: ["127.0.0.1:1"], apiKey: "obx_x", handleSignals: false, ...options });
+
+  test("an empty kinds list is refused: the server would read it as every kind", () => {
+    assert.throws(() => make({ kinds: [] }), RangeError);
+    assert.doesNotThrow(() => make({ kinds: "all" }));
+    assert.doesNotThrow(() => make({ kinds: ["a.kind"] }));
+  });
+
+  test("counts must be whole numbers, durations are whole milliseconds, settleDelayMs and shutdownGraceMs not negative", () => {
+    const bad: Partial<WorkerOptions>[] = [
+      { concurrency: 1.5 },
+      { concurrency: 0 },
+      { claimBatch: 2.5 },
+      { claimers: Number.NaN },
+      { settleBatch: 0.5 },
+      { settleBatch: 0 },
+      { leaseMs: Number.POSITIVE_INFINITY },
+      { claimWaitMs: 0.2 },
+      { claimLingerMs: -1 },
+      { settleDelayMs: -1 },
+      { settleDelayMs: Number.NaN },
+      { shutdownGraceMs: -1 },
+      { shutdownGraceMs: Number.POSITIVE_INFINITY },
+    ];
+    for (const options of bad) assert.throws(() => make(options), RangeError, JSON.stringify(options));
+    assert.doesNotThrow(() =>
+      make({ leaseMs: 1_500.4, heartbeatMs: 500.5, claimWaitMs: 999.9, settleBatch: 5_000, settleDelayMs: 0, shutdownGraceMs: 0, claimLingerMs: 0 }),
+    );
+  });
+
+  test("a request this side cannot encode fails at once: it is not retried as transient", async () => {
+    let tries = 0;
+    await assert.rejects(
+      fx.ops.call(
+        (client, options) => {
+          tries++;
+          return client.claim({ workerId: "unencodable", kinds: ["never.enqueued"], maxIntents: 1.5 }, options);
+        },
+        { budgetMs: 5_000, tryTimeoutMs: 1_000 },
+      ),
+      (error: unknown) => error instanceof OutboxError && error.code === Code.Internal,
+    );
+    assert.equal(tries, 1);
+  });
+
+  test("a handler may return what ctx.submitting() returns (the value is ignored)", async () => {
+    const w = worker();
+    // Compiles only if a handler may return a Promise of something other than void.
+    w.handle("returns.value", (intent, ctx) => ctx.submitting(() => Promise.resolve({ charged: intent.id })));
+    const run = w.run();
+    const [id] = await enqueue("returns.value", 1);
+    await waitFor("the Ack", () => w.stats().acked === 1);
+    await w.stop();
+    await run;
+    assert.equal((await fx.intent(id ?? "")).state, "DELIVERED");
   });
 });
 

@@ -29,13 +29,15 @@ class Cuts:
 
 
 class FaultProxy:
-    def __init__(self, target: str, cuts: Cuts) -> None:
-        host, port = target.rsplit(":", 1)
-        self.target = (host, int(port))
+    """Forwards 127.0.0.1:`port` (0: an ephemeral one) to `target`, losing what `cuts` says."""
+
+    def __init__(self, target: str, cuts: Cuts, port: int = 0) -> None:
+        host, target_port = target.rsplit(":", 1)
+        self.target = (host, int(target_port))
         self.cuts = cuts
         self.listener = socket.socket()
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(("127.0.0.1", 0))
+        self.listener.bind(("127.0.0.1", port))
         self.listener.listen(64)
         self.addr = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self._closed = False

@@ -84,6 +84,23 @@ def test_a_handler_still_running_after_the_grace_is_failed_retry_and_the_process
     assert "shut down" in pending.last_error
 
 
+def test_ctrl_c_under_asyncio_run_drains_gives_back_running_intents_and_exits(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str], tmp_path: Path
+) -> None:
+    k = kind("ctrl-c")
+    [intent_id] = [outbox.enqueue_direct(k, b"{}").id]
+    # asyncio.run cancels the main task on SIGINT: the worker drains as after a second stop.
+    p = Proc(stack, tmp_path, k, concurrency=1, work_seconds=60, grace=30.0, lease=30.0, runner="asyncio.run")
+    wait_for("the handler running", lambda: p.events("started"), timeout=20)
+    p.proc.send_signal(signal.SIGINT)
+    assert p.proc.wait(timeout=15) == 0
+    assert p.events("interrupted") and p.events("finished") == []
+    assert p.events("exit")[0]["stats"]["failed"] == 1
+    # Given back before the process ended, not left to its 30 s lease.
+    pending = outbox.get_intent(intent_id).intent
+    assert pending.state == pb.INTENT_STATE_PENDING and "shut down" in pending.last_error
+
+
 def test_sigkill_of_a_worker_redelivers_its_intents_after_the_lease_expires(
     stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str], tmp_path: Path
 ) -> None:

@@ -194,6 +194,35 @@ def test_the_async_producer_with_sqlalchemy_async_session_and_connection(
     wait_state(outbox, failed, "DISCARDED")
 
 
+def test_the_async_producer_refuses_a_failed_asyncpg_transaction_with_transaction_required(
+    stack: Stack, outbox: Outbox, kind: Callable[[str], str], orders: None
+) -> None:
+    k = kind("asyncpg")
+    # asyncpg reports no failed-transaction status: the token query's refusal (25P02) tells.
+    url = stack.cluster.url("app").replace("postgres://", "postgresql+asyncpg://")
+
+    async def produce() -> str:
+        engine = create_async_engine(url)
+        try:
+            async with AsyncOutbox(stack.endpoints, stack.api_key) as aoutbox, AsyncSession(engine) as session:
+                async with session.begin():
+                    await session.execute(text("INSERT INTO orders (customer) VALUES ('gus')"))
+                    kept = await aoutbox.enqueue(session, kind=k, payload={"ok": True})
+                async with session.begin():
+                    with pytest.raises(DBAPIError):
+                        await session.execute(text("SELECT 1/0"))
+                    with pytest.raises(TransactionRequired, match="roll it back"):
+                        await aoutbox.enqueue(session, kind=k, payload=b"x")
+                    await session.rollback()
+                return kept.id
+        finally:
+            await engine.dispose()
+
+    kept = asyncio.run(produce())
+    wait_state(outbox, kept, "PENDING")
+    assert list_intents(outbox, k).keys() == {kept}
+
+
 def test_refusals_carry_the_servers_reason(stack: Stack, outbox: Outbox, kind: Callable[[str], str]) -> None:
     k = kind("refused")
     outbox.enqueue_direct(k, b"a", idempotency_key=f"{k}/1")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import datetime as dt
 import socket
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import pytest
 from conftest import Running, list_intents, state, wait_state
@@ -16,6 +17,7 @@ from proxy import Cuts, FaultProxy
 
 import outboxd
 from outboxd import Intent, NewIntent, Permanent, Retry, Worker, pb
+from outboxd._rpc import AsyncClient
 from outboxd.worker import _MAX_CALL_BYTES
 from outboxd.worker import _fail_text as fail_text
 from outboxd.worker import _split_by_size as split_by_size
@@ -250,7 +252,7 @@ def test_an_error_with_a_newline_and_a_tab_is_failed_at_once_with_spaces_in_thei
 
 
 def test_a_fail_the_server_refuses_does_not_hold_back_the_others_of_its_call(
-    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     k = kind("refused")
     bad = outbox.enqueue_direct(k, b"bad").id
@@ -260,12 +262,14 @@ def test_a_fail_the_server_refuses_does_not_hold_back_the_others_of_its_call(
     # Fail itself can finish the good one in time.
     worker = Worker(stack.endpoints, stack.api_key, concurrency=2, lease=120, settle_delay=0.5)
     together = threading.Barrier(2, timeout=10)
+    # The worker never sends text the server refuses; without its cleaning, a newline does.
+    monkeypatch.setattr("outboxd.worker._fail_text", lambda text: text)
 
     @worker.handler(k)
     def fail(intent: Intent) -> None:
         together.wait()
         if intent.payload == b"bad":
-            raise Retry("later", after=400 * 24 * 3600)  # past the server's 366 days: refused
+            raise Retry("later\nagain", after=600)  # a control character: refused
         raise Permanent("bad address")
 
     with Running(worker):
@@ -435,3 +439,276 @@ def test_an_idle_worker_claims_a_single_intent_at_once_and_claims_again_after_a_
         release.set()
         wait_for("the Ack", lambda: worker.stats.acked == 1, timeout=15)
     wait_state(outbox, intent_id, "DELIVERED")
+
+
+async def until(what: str, check: Callable[[], object], timeout: float) -> None:
+    """`wait_for` for a test's own event loop: polls without blocking it."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def test_a_submitting_block_whose_mark_submitted_answers_after_the_grace_is_never_entered(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    k = kind("late-mark")
+    intent_id = outbox.enqueue_direct(k, b"{}").id
+    answered = threading.Event()
+    held: list[Intent] = []
+    outcome: list[str] = []
+    real_call = AsyncClient.call
+
+    async def late_mark(self: AsyncClient, name: str, request: Any, response: Any, **kw: Any) -> Any:
+        answer = await real_call(self, name, request, response, **kw)
+        if name == "MarkSubmitted":
+            # The server marked it SUBMITTED; the answer arrives only once the shutdown's
+            # grace is over and the drain gave the lease back (RETRY: nothing started).
+            answered.set()
+            gone = await asyncio.get_running_loop().run_in_executor(None, held[0].wait_lease_lost, 30.0)
+            assert gone
+        return answer
+
+    monkeypatch.setattr(AsyncClient, "call", late_mark)
+    worker = Worker(stack.endpoints, stack.api_key, concurrency=1, lease=120, grace=0.2)
+
+    @worker.handler(k)
+    def charge(intent: Intent) -> None:
+        held.append(intent)
+        try:
+            with intent.submitting():
+                outcome.append("charged")
+        except outboxd.LeaseLost:
+            outcome.append("lease lost")
+
+    with Running(worker):
+        assert answered.wait(15), "MarkSubmitted was not called"
+    wait_for("the handler's end", lambda: outcome, timeout=10)
+    assert outcome == ["lease lost"], "the side effect began on an intent given back for a retry"
+    assert not held[0].submitted
+    assert "shut down" in wait_state(outbox, intent_id, "PENDING", timeout=5).last_error
+
+
+def test_cancelling_run_async_flushes_queued_settles_and_gives_back_running_intents(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    quick_kind, stuck_kind = kind("quick"), kind("stuck")
+    quick = outbox.enqueue_direct(quick_kind, b"{}").id
+    stuck = outbox.enqueue_direct(stuck_kind, b"{}").id
+    # The quick one's Ack waits a minute for company, the leases last two: only the drain's
+    # calls can settle either before the cancelled task ends.
+    worker = Worker(stack.endpoints, stack.api_key, concurrency=2, lease=120, grace=60, settle_delay=60)
+    started = threading.Event()
+    worker.add_handler(quick_kind, lambda intent: None)
+
+    @worker.handler(stuck_kind)
+    async def hang(intent: Intent) -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    async def main() -> list[asyncio.Task[Any]]:
+        task = asyncio.create_task(worker.run_async())
+        await until("the stuck handler and the quick Ack", lambda: started.is_set() and worker._unsettled == 1, 15)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    began = time.monotonic()
+    left = asyncio.run(main())
+    assert time.monotonic() - began < 30, "the grace was waited for"
+    assert left == [], "tasks left running after the cancelled worker"
+    assert state(outbox, quick) == "DELIVERED"
+    given_back = outbox.get_intent(stuck).intent
+    assert given_back.state == pb.INTENT_STATE_PENDING and "shut down" in given_back.last_error
+    assert worker.stats.acked == 1 and worker.stats.failed == 1
+
+
+def test_an_on_count_callback_that_raises_does_not_stop_the_worker(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    k = kind("counted")
+    enqueue(outbox, k, 3)
+    calls: list[str] = []
+
+    def on_count(name: str, n: int) -> None:
+        calls.append(name)
+        raise RuntimeError("metrics backend down")
+
+    worker = Worker(stack.endpoints, stack.api_key, concurrency=2, on_count=on_count)
+    worker.add_handler(k, lambda intent: None)
+    with Running(worker):
+        wait_for("3 acks", lambda: worker.stats.acked == 3, timeout=15)
+    assert worker.stats.claimed == 3
+    assert "claimed" in calls and "acked" in calls
+
+
+class AsyncMailer:
+    """A handler object whose `__call__` is `async def`."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    async def __call__(self, intent: Intent) -> None:
+        await asyncio.sleep(0)
+        self.sent.append(intent.id)
+
+
+def test_async_handlers_that_do_not_look_async_are_awaited_before_the_ack(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    by_object, by_decorator = kind("object"), kind("decorated")
+    object_id = outbox.enqueue_direct(by_object, b"{}").id
+    decorated_id = outbox.enqueue_direct(by_decorator, b"{}").id
+    mailer = AsyncMailer()
+    decorated: list[str] = []
+
+    def logged(fn: Callable[[Intent], Awaitable[None]]) -> Callable[[Intent], Awaitable[None]]:
+        # A plain (sync) decorator around an async def: it returns the coroutine.
+        def wrapper(intent: Intent) -> Awaitable[None]:
+            return fn(intent)
+
+        return wrapper
+
+    worker = Worker(stack.endpoints, stack.api_key, concurrency=2)
+    worker.add_handler(by_object, mailer)
+
+    @worker.handler(by_decorator)
+    @logged
+    async def send(intent: Intent) -> None:
+        await asyncio.sleep(0)
+        decorated.append(intent.id)
+
+    with Running(worker):
+        wait_for("2 acks", lambda: worker.stats.acked == 2, timeout=15)
+    assert mailer.sent == [object_id]
+    assert decorated == [decorated_id]
+
+
+def test_retry_after_takes_seconds_or_a_timedelta_and_is_clamped_to_366_days() -> None:
+    assert Retry().after is None
+    assert Retry(after=2).after == 2.0
+    assert Retry(after=dt.timedelta(minutes=10)).after == 600.0
+    assert Retry(after=10**12).after == Retry(after=10**400).after == 366 * 86400.0
+    for bad in (float("nan"), float("inf"), -1, dt.timedelta(seconds=-1)):
+        with pytest.raises(ValueError):
+            Retry(after=bad)
+    with pytest.raises(TypeError):
+        Retry(after="10")  # type: ignore[arg-type]
+
+
+def test_failures_that_cannot_be_sent_as_given_do_not_hold_back_their_batch(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    k, own_cancel = kind("awkward"), kind("own-cancel")
+    ids = {name: outbox.enqueue_direct(k, name.encode()).id for name in ("mutated", "surrogate", "cancelled", "plain")}
+    cancelled_async = outbox.enqueue_direct(own_cancel, b"{}").id
+    # The four fail together, their Fails in one call; leases far longer than the test, so
+    # only an accepted Fail moves an intent on.
+    worker = Worker(stack.endpoints, stack.api_key, concurrency=5, lease=120, settle_delay=0.5)
+    together = threading.Barrier(4, timeout=10)
+
+    @worker.handler(k)
+    def fail(intent: Intent) -> None:
+        together.wait()
+        name = intent.payload.decode()
+        if name == "mutated":
+            retry = Retry("later")
+            retry.after = float("inf")  # past Retry's checks: sent without retry_after
+            raise retry
+        if name == "surrogate":
+            raise Permanent("bad \ud800 byte")  # a lone surrogate: not UTF-8
+        if name == "cancelled":
+            raise asyncio.CancelledError()  # the handler's own, not the worker's
+        raise Permanent("bad address")
+
+    @worker.handler(own_cancel)
+    async def cancel_itself(intent: Intent) -> None:
+        raise asyncio.CancelledError()
+
+    def retried(intent_id: str) -> Callable[[], Optional[pb.Intent]]:
+        def check() -> Optional[pb.Intent]:
+            i = outbox.get_intent(intent_id).intent
+            return i if i.state == pb.INTENT_STATE_PENDING and i.attempts == 1 else None
+
+        return check
+
+    with Running(worker):
+        mutated = wait_for("the mutated Retry applied", retried(ids["mutated"]), timeout=15, interval=0.05)
+        cancelled = wait_for("the sync CancelledError retried", retried(ids["cancelled"]), timeout=15)
+        cancelled_itself = wait_for("the async CancelledError retried", retried(cancelled_async), timeout=15)
+        surrogate = wait_state(outbox, ids["surrogate"], "DEAD_LETTERED")
+        plain = wait_state(outbox, ids["plain"], "DEAD_LETTERED")
+        wait_for("every lease forgotten", lambda: not worker._active, timeout=10)
+    assert mutated.last_error == "later"
+    assert surrogate.last_error == "bad ? byte"
+    assert plain.last_error == "bad address"
+    assert cancelled.last_error == cancelled_itself.last_error == "CancelledError"
+    assert worker.stats.failed == 5 and worker.stats.settle_errors == 0, worker.stats
+
+
+def test_a_retry_after_of_a_timedelta_or_past_366_days_is_applied(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    k = kind("later")
+    soon = outbox.enqueue_direct(k, b"soon").id
+    far = outbox.enqueue_direct(k, b"far").id
+    worker = Worker(stack.endpoints, stack.api_key, concurrency=2, lease=120)
+
+    @worker.handler(k)
+    def later(intent: Intent) -> None:
+        if intent.payload == b"soon":
+            raise Retry("in ten minutes", after=dt.timedelta(minutes=10))
+        raise Retry("next year", after=10 * 366 * 86400)  # the server takes at most 366 days
+
+    def pending(intent_id: str) -> Callable[[], Optional[pb.Intent]]:
+        def check() -> Optional[pb.Intent]:
+            i = outbox.get_intent(intent_id).intent
+            return i if i.state == pb.INTENT_STATE_PENDING and i.attempts == 1 else None
+
+        return check
+
+    with Running(worker):
+        soon_intent = wait_for("the timedelta Retry applied", pending(soon), timeout=15, interval=0.05)
+        far_intent = wait_for("the long Retry applied", pending(far), timeout=15, interval=0.05)
+    now = time.time()
+    assert 500 < soon_intent.available_at.seconds - now <= 600
+    assert 365 * 86400 < far_intent.available_at.seconds - now <= 366 * 86400
+    assert worker.stats.failed == 2 and worker.stats.settle_errors == 0, worker.stats
+
+
+def test_a_claim_answered_after_an_outage_longer_than_the_lease_runs_its_fresh_leases(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    k = kind("outage")
+    [intent_id] = enqueue(outbox, k, 1)
+    port = free_port()  # nothing listens there until the outage ends
+    worker = Worker([f"127.0.0.1:{port}"], stack.api_key, concurrency=1, lease=2, claim_wait=1)
+    attempts: list[int] = []
+    worker.add_handler(k, lambda intent: attempts.append(intent.attempt))
+    with Running(worker):
+        began = time.monotonic()
+        # The scenario is time itself: the Claim has been retried for longer than a lease.
+        wait_for(
+            "an outage longer than the lease",
+            lambda: time.monotonic() - began > 3 and worker.stats.claim_retries > 0,
+            timeout=15,
+        )
+        with FaultProxy(stack.endpoints[0], Cuts(0, threshold=1), port=port):
+            wait_for("the intent acked", lambda: worker.stats.acked == 1, timeout=20)
+    assert attempts == [1], "the replay's fresh lease was dropped (attempt burned)"
+    assert worker.stats.lease_lost == 0
+    assert wait_state(outbox, intent_id, "DELIVERED").attempts == 1
+
+
+def test_kinds_given_as_one_string_is_refused() -> None:
+    with pytest.raises(TypeError, match="not a str"):
+        Worker("127.0.0.1:1", "key", kinds="email.send")
+
+
+def _typing_only(worker: Worker) -> None:
+    """Never run: mypy --strict checks it (an unneeded `type: ignore` is an error there)."""
+
+    @worker.handler("k")  # type: ignore[type-var]
+    def no_intent() -> None: ...

@@ -2,11 +2,13 @@
 
 Writes one JSON line per event to the config's `events` file (flushed at once, so a test
 can read them while the process runs, or after SIGKILL): started, finished, submitted,
-stop (the signal arrived), exit (with the counters).
+stop (the signal arrived), interrupted (KeyboardInterrupt out of asyncio.run), exit (with
+the counters).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import sys
@@ -53,7 +55,14 @@ def main() -> None:
 
     worker.stop = stop_and_note  # type: ignore[method-assign]
     emit("ready", worker_id=worker.worker_id)
-    worker.run()
+    if config.get("runner") == "asyncio.run":
+        # No signal handling of the worker's: Ctrl-C cancels the main task (asyncio.run).
+        try:
+            asyncio.run(worker.run_async())
+        except KeyboardInterrupt:
+            emit("interrupted")
+    else:
+        worker.run()
     emit("exit", stats=dataclasses.asdict(worker.stats))
 
 

@@ -2,21 +2,46 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import datetime as dt
+import math
+import numbers
+from typing import Optional, Union
 
 import grpc
+
+# The longest `retry_after` the server accepts by default (OUTBOX_LIMITS__MAX_DELAY).
+MAX_RETRY_AFTER = 366 * 86400.0
+
+
+def retry_seconds(after: object) -> float:
+    """`Retry(after=...)` in seconds: a number or a `datetime.timedelta`, finite and not
+    negative (ValueError), at most `MAX_RETRY_AFTER` (longer is cut to it)."""
+    if isinstance(after, dt.timedelta):
+        seconds = after.total_seconds()
+    elif isinstance(after, numbers.Integral) and not isinstance(after, bool):
+        # Cut first: an int may be past a float's range.
+        seconds = float(max(-1, min(int(after), int(MAX_RETRY_AFTER))))
+    elif isinstance(after, numbers.Real):
+        seconds = float(after)
+    else:
+        raise TypeError(f"Retry(after=...) takes seconds or a datetime.timedelta, not {type(after).__name__}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"Retry(after=...) must be finite and not negative, not {after!r}")
+    return min(seconds, MAX_RETRY_AFTER)
 
 
 class Retry(Exception):
     """Raised by a handler: the side effect did not happen; try again later.
 
-    `after` (seconds) overrides the server's exponential backoff for this retry. After the
-    intent's last attempt the server dead-letters it instead.
+    `after` (seconds, or a `datetime.timedelta`) overrides the server's exponential backoff
+    for this retry; past 366 days (the server's longest delay) it is cut to 366 days, and
+    NaN, infinity or a negative delay raise ValueError. After the intent's last attempt the
+    server dead-letters it instead.
     """
 
-    def __init__(self, message: str = "retry requested", *, after: Optional[float] = None) -> None:
+    def __init__(self, message: str = "retry requested", *, after: Union[float, dt.timedelta, None] = None) -> None:
         super().__init__(message)
-        self.after = after
+        self.after: Optional[float] = None if after is None else retry_seconds(after)
 
 
 class Permanent(Exception):
@@ -26,16 +51,18 @@ class Permanent(Exception):
 class Unknown(Exception):
     """Raised by a handler: the side effect may or may not have happened.
 
-    The intent goes to NEEDS_RECONCILE for an operator. An exception escaping
-    `intent.submitting()` means this already; raise it to say so explicitly.
+    The intent goes to NEEDS_RECONCILE for an operator. Any other exception raised once
+    MarkSubmitted succeeded (on entering `intent.submitting()`) means this already; raise
+    it to say so explicitly.
     """
 
 
 class LeaseLost(Exception):
     """The worker's lease on the intent is gone (expired and rescued, or re-leased).
 
-    Raised by `intent.submitting()` when MarkSubmitted is refused, so the external call is
-    never started on a lease someone else may hold. Nothing is reported for the intent.
+    Raised by `intent.submitting()` when MarkSubmitted is refused, or its answer came after
+    the lease was lost or given back at shutdown, so the external call is never started on
+    a lease someone else may hold. Nothing is reported for the intent by the handler.
     """
 
 

@@ -95,9 +95,31 @@ def _reports_libpq_status(conn: Any) -> bool:
 _INERROR = 3
 
 
+_FAILED_MESSAGE = "the transaction on this connection has failed: roll it back"
+# PostgreSQL's in_failed_sql_transaction: a statement of the transaction already failed.
+_IN_FAILED_TRANSACTION = "25P02"
+
+
 def _refuse_failed(conn: Any) -> None:
     if int(conn.info.transaction_status) == _INERROR:
-        raise TransactionRequired("the transaction on this connection has failed: roll it back")
+        raise TransactionRequired(_FAILED_MESSAGE)
+
+
+def _sqlstate(error: BaseException) -> Optional[str]:
+    """The SQLSTATE of a driver's error, bare or wrapped by SQLAlchemy (`.orig`):
+    psycopg and asyncpg name it `sqlstate`, psycopg2 `pgcode`."""
+    for e in (error, getattr(error, "orig", None), error.__cause__):
+        code = getattr(e, "sqlstate", None) or getattr(e, "pgcode", None)
+        if isinstance(code, str):
+            return code
+    return None
+
+
+def _refused_as_failed(error: Exception) -> None:
+    """A token query refused because the transaction had failed (drivers that report no
+    transaction status, as asyncpg, tell only this way): TransactionRequired."""
+    if _sqlstate(error) == _IN_FAILED_TRANSACTION:
+        raise TransactionRequired(_FAILED_MESSAGE) from error
 
 
 def _check_psycopg(conn: Any) -> None:
@@ -235,14 +257,22 @@ class Outbox(_Base):
             _check_psycopg(conn)
 
             def scalar(sql: str) -> Any:
-                row = conn.execute(sql).fetchone()
+                try:
+                    row = conn.execute(sql).fetchone()
+                except Exception as error:
+                    _refused_as_failed(error)
+                    raise
                 return row[0] if row else None
         else:
             _check_sqlalchemy(conn)
             from sqlalchemy import text
 
             def scalar(sql: str) -> Any:
-                return conn.execute(text(sql)).scalar_one()
+                try:
+                    return conn.execute(text(sql)).scalar_one()
+                except Exception as error:
+                    _refused_as_failed(error)
+                    raise
 
         key = _cache_key(conn)
         detected = None
@@ -364,7 +394,9 @@ class Outbox(_Base):
 
 class AsyncOutbox(_Base):
     """`Outbox` over asyncio: psycopg's AsyncConnection or SQLAlchemy's AsyncSession /
-    AsyncConnection. Same arguments and semantics; every call is awaited."""
+    AsyncConnection (asyncpg too). Same arguments and semantics; every call is awaited.
+
+    Its gRPC channels bind to the event loop that first uses them: make one per loop."""
 
     def __init__(
         self,
@@ -404,15 +436,24 @@ class AsyncOutbox(_Base):
             _check_psycopg(conn)
 
             async def scalar(sql: str) -> Any:
-                cur = await conn.execute(sql)
-                row = await cur.fetchone()
+                try:
+                    cur = await conn.execute(sql)
+                    row = await cur.fetchone()
+                except Exception as error:
+                    _refused_as_failed(error)
+                    raise
                 return row[0] if row else None
         else:
             _check_sqlalchemy(conn)
             from sqlalchemy import text
 
             async def scalar(sql: str) -> Any:
-                result = await conn.execute(text(sql))
+                try:
+                    result = await conn.execute(text(sql))
+                except Exception as error:
+                    # asyncpg reports no transaction status: a failed one shows here.
+                    _refused_as_failed(error)
+                    raise
                 return result.scalar_one()
 
         key = _cache_key(conn)

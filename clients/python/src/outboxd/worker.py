@@ -5,6 +5,7 @@ drains on shutdown. One asyncio loop drives it; `Worker.run()` owns that loop.""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import datetime as dt
 import inspect
@@ -25,7 +26,7 @@ from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence, TypeVa
 import grpc
 
 from . import _otel
-from ._errors import LeaseLost, OutboxError, Permanent, Retry, Unknown
+from ._errors import LeaseLost, OutboxError, Permanent, Retry, Unknown, retry_seconds
 from ._intent import duration
 from ._proto.outbox.v1 import outbox_pb2 as pb
 from ._rpc import AsyncClient, Backoff, Config, transient
@@ -33,7 +34,7 @@ from ._rpc import AsyncClient, Backoff, Config, transient
 log = logging.getLogger("outboxd")
 
 Handler = Callable[["Intent"], Union[Awaitable[None], None]]
-H = TypeVar("H", bound=Callable[..., Any])
+H = TypeVar("H", bound=Handler)
 
 # Most leases per Claim and items per settle or heartbeat call (the server's default limit).
 _MAX_BATCH = 1000
@@ -70,6 +71,7 @@ class _Lease:
         "expires",
         "intent",
         "lease_id",
+        "loop_future",
         "lost",
         "lost_event",
         "settling",
@@ -87,6 +89,9 @@ class _Lease:
         self.abandoned = False
         self.settling = False
         self.task: Optional[asyncio.Task[None]] = None
+        # A coroutine a sync-looking handler returned, run on the loop for its thread:
+        # cancelled with the lease like an async handler.
+        self.loop_future: Optional[concurrent.futures.Future[Any]] = None
         self.lost_event = threading.Event()
 
     def ref(self) -> pb.LeaseRef:
@@ -143,10 +148,11 @@ class Intent:
         """Marks the intent SUBMITTED before a non-idempotent external call.
 
         `with intent.submitting(): psp.charge(...)` (or `async with` in an async handler).
-        On entry MarkSubmitted is called (raises `LeaseLost` if the lease is gone, so the
-        call is never started). From then on an exception, inside the block or after it,
-        fails the intent UNKNOWN (NEEDS_RECONCILE, never re-delivered) unless the handler
-        raises `Retry` or `Permanent` itself: it knows the call did not happen.
+        On entry MarkSubmitted is called (raises `LeaseLost` if the lease is gone, or was
+        lost or given back by the shutdown before the answer came, so the call is never
+        started). Once it succeeded an exception, inside the block or after it, fails the
+        intent UNKNOWN (NEEDS_RECONCILE, never re-delivered) unless the handler raises
+        `Retry` or `Permanent` itself: it knows the call did not happen.
         """
         return Submitting(self)
 
@@ -264,7 +270,8 @@ class Worker:
 
     A handler that returns normally is acked; `raise Retry(after=10)` retries, `raise
     Permanent(...)` dead-letters, any other exception retries with the server's backoff
-    (UNKNOWN once `intent.submitting()` was entered). Handlers may be `async def`.
+    (UNKNOWN once MarkSubmitted succeeded: `intent.submitting()` was entered). Handlers may
+    be `async def` (or any callable returning an awaitable: it is awaited before the Ack).
 
     Options: `region` (claim that region's intents and region-less ones), `concurrency`
     (handler slots: never more leases than free slots), `claim_batch` (free slots a Claim
@@ -272,8 +279,8 @@ class Worker:
     `claim_linger` (the longest, in seconds, a free slot waits for that company: 0.005),
     `lease` (seconds asked per lease;
     heartbeats extend it every `lease / 3`), `claim_wait` (long-poll), `grace` (seconds
-    running handlers get after a stop), `kinds` (claim filter; default: the handler
-    kinds), `worker_id`, `tenant`, `credentials` (grpc.ChannelCredentials for TLS),
+    running handlers get after a stop), `kinds` (the claim filter, a list: replaces the
+    handlers' kinds), `worker_id`, `tenant`, `credentials` (grpc.ChannelCredentials for TLS),
     `settle_delay` (how long an Ack/Fail waits to share a call), `on_count` (a callback
     `(counter, n)` for the counters in `WorkerStats`).
     """
@@ -306,6 +313,9 @@ class Worker:
             raise ValueError("claim_linger must not be negative")
         if lease < 1.0:
             raise ValueError("lease must be at least 1 second")
+        if isinstance(kinds, str):
+            # A str is a Sequence[str] too: it would claim one-letter kinds.
+            raise TypeError(f"kinds takes a list of kinds, not a str: kinds=[{kinds!r}]")
         self._config = Config(
             endpoints=[endpoints] if isinstance(endpoints, str) else list(endpoints),
             api_key=api_key,
@@ -365,7 +375,11 @@ class Worker:
             setattr(self._stats, name, getattr(self._stats, name) + n)
         self._otel.add(name, n, {"worker.id": self.worker_id})
         if self._on_count is not None:
-            self._on_count(name, n)
+            # The user's callback: its failure must not end the claim or heartbeat loop.
+            try:
+                self._on_count(name, n)
+            except Exception:
+                log.exception("outboxd worker %s: on_count(%r, %d) raised", self.worker_id, name, n)
 
     # Running ------------------------------------------------------------------------
 
@@ -387,7 +401,11 @@ class Worker:
         """Runs on the current event loop until `stop()` (or a signal, with
         `handle_signals`), then drains: no new claims, running handlers get `grace`
         seconds, settles are flushed, unfinished handlers' intents are failed RETRY
-        (UNKNOWN once submitted) and their late results discarded."""
+        (UNKNOWN once submitted) and their late results discarded.
+
+        Cancelling the task running it (as `asyncio.run` does on Ctrl-C) drains as a second
+        `stop()` would: no grace, running handlers given back at once, every settle flushed;
+        then the CancelledError is raised on."""
         if not self._handlers and not self.kinds:
             raise ValueError("no handlers registered")
         loop = asyncio.get_running_loop()
@@ -403,9 +421,10 @@ class Worker:
         self._flushes: set[asyncio.Task[None]] = set()
         self._unsettled = 0
         self._all_settled = asyncio.Event()
+        self._flush_now = asyncio.Event()
         self._fatal: Optional[BaseException] = None
         self._pool: Optional[_ThreadPool] = None
-        if any(not inspect.iscoroutinefunction(h) for h in self._handlers.values()):
+        if any(not _is_async(h) for h in self._handlers.values()):
             self._pool = _ThreadPool(self.concurrency, f"outboxd-{self.worker_id}")
         if handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -413,8 +432,14 @@ class Worker:
         heartbeat = asyncio.create_task(self._heartbeat_loop())
         settler = asyncio.create_task(self._settle_loop())
         try:
-            await self._claim_loop()
-            await self._drain()
+            try:
+                await self._claim_loop()
+                await self._drain()
+            except BaseException:
+                # Cancelled (Ctrl-C under asyncio.run cancels the main task) or failed:
+                # nothing is left behind, as after a second stop().
+                await self._drain_at_once()
+                raise
         finally:
             heartbeat.cancel()
             settler.cancel()
@@ -438,6 +463,7 @@ class Worker:
         # The last Claim got fewer leases than it asked for: the queue is short, so waiting
         # for company would only add latency.
         short = True
+        claim: Optional[asyncio.Task[tuple[Sequence[pb.Lease], float]]] = None
         try:
             while not self._stop.is_set():
                 free = self.concurrency - self._running
@@ -466,8 +492,9 @@ class Worker:
                     claim.cancel()
                     await asyncio.gather(claim, return_exceptions=True)
                     break
+                done, claim = claim, None
                 try:
-                    leases, sent = claim.result()
+                    leases, sent = done.result()
                 except OutboxError as error:
                     # Not transient (refused key, scope, bad request): stop loudly.
                     self._fatal = error
@@ -481,6 +508,13 @@ class Worker:
                     self._start(lease, sent)
         finally:
             stop_wait.cancel()
+            if claim is not None:
+                # Left by a cancellation: a Claim in flight is cancelled (the server gives
+                # back what it took); one answered meanwhile gives its leases back unstarted.
+                claim.cancel()
+                await asyncio.gather(claim, return_exceptions=True)
+                if not claim.cancelled() and claim.exception() is None:
+                    self._give_back(*claim.result())
 
     async def _slot_or_stop(self, stop_wait: asyncio.Task[bool], timeout: Optional[float] = None) -> None:
         """Waits until a handler frees its slot, the worker stops, or `timeout` passes."""
@@ -520,14 +554,14 @@ class Worker:
                     budget=self.claim_wait + self.call_timeout,
                     on_retry=on_retry,
                 )
-                # A replay returns leases the first try took: counted from its send. A
-                # first answer's leases began about when it was made (a long poll answers
+                if retried:
+                    return await self._renew_replayed(answer.leases, sent)
+                # A first answer's leases began about when it was made (a long poll answers
                 # as it leases), so not from the send: the poll may have waited longer
                 # than a lease lasts. Counted a little earlier for the answer's way back:
                 # a second, or a quarter of a short lease.
                 margin = min(1.0, self.lease / 4)
-                leased_at = sent if retried else max(sent, time.monotonic() - margin)
-                return answer.leases, leased_at
+                return answer.leases, max(sent, time.monotonic() - margin)
             except OutboxError as error:
                 if not transient(error.code, error.reason):
                     raise
@@ -535,6 +569,56 @@ class Worker:
                 log.warning("outboxd worker %s: Claim: %s", self.worker_id, error)
                 on_retry(error)
                 await asyncio.sleep(backoff.next())
+
+    async def _renew_replayed(self, leases: Sequence[pb.Lease], sent: float) -> tuple[Sequence[pb.Lease], float]:
+        """A replayed Claim's answer may carry leases its first try took, or fresh ones
+        taken after an outage: one ExtendLease gives every one a known expiry, counted from
+        its send; those it reports lost are dropped unstarted. If it fails, they count
+        from the Claim's first send (the earliest they can have begun)."""
+        if not leases:
+            return leases, sent
+        renewed = time.monotonic()
+        try:
+            answer = await self._client.call(
+                "ExtendLease",
+                pb.ExtendLeaseRequest(
+                    leases=[pb.LeaseRef(intent_id=x.intent.id, lease_id=x.lease_id) for x in leases],
+                    lease_duration=duration(self.lease),
+                ),
+                pb.ExtendLeaseResponse,
+                timeout=min(self.call_timeout, self.heartbeat_interval),
+                budget=self.heartbeat_interval,
+            )
+        except (OutboxError, grpc.RpcError) as error:
+            self._count("heartbeat_failures")
+            log.warning("outboxd worker %s: ExtendLease of a replayed Claim: %s", self.worker_id, error)
+            return leases, sent
+        kept = []
+        for lease, item in zip(leases, answer.results):
+            if not item.HasField("error"):
+                kept.append(lease)
+                continue
+            self._count("claimed")
+            self._count("lease_lost")
+            log.warning(
+                "outboxd worker %s: lease of %s from a replayed Claim not renewed: %s %s",
+                self.worker_id,
+                lease.intent.id,
+                item.error.reason,
+                item.error.message,
+            )
+        return kept, renewed
+
+    def _give_back(self, leases: Sequence[pb.Lease], sent: float) -> None:
+        """Fails RETRY, unstarted, the leases of a Claim answered as the worker was
+        cancelled (the drain flushes them): sooner back than at their expiry."""
+        for lease in leases:
+            self._count("claimed")
+            intent = Intent(self, lease)
+            state = _Lease(intent, lease.lease_id, sent + self.lease)
+            intent._state = state
+            self._active[intent.id] = state
+            self._queue_settle(_Settle(state, pb.FAIL_OUTCOME_RETRY, "worker stopped before the handler started"))
 
     def _start(self, lease: pb.Lease, sent: float) -> None:
         self._count("claimed")
@@ -560,7 +644,7 @@ class Worker:
     async def _execute(self, lease: _Lease) -> None:
         intent = lease.intent
         handler = self._handlers.get(intent.kind)
-        settle: Optional[_Settle]
+        settle: Optional[_Settle] = None
         try:
             if handler is None:
                 known = ", ".join(sorted(self._handlers)) or "none"
@@ -575,52 +659,71 @@ class Worker:
         finally:
             self._running -= 1
             self._slot_freed.set()
-        if settle is None or lease.lost or lease.abandoned:
-            if lease.lost:
+            if settle is not None and not lease.lost and not lease.abandoned:
+                self._queue_settle(settle)
+            elif not lease.settling:
+                # Nothing to report (lost, or the drain gave it back) or nothing could be
+                # (an error of the worker's own): never heartbeated again.
                 self._forget(lease)
-            return
-        self._queue_settle(settle)
 
     async def _call(self, handler: Handler, lease: _Lease) -> Optional[_Settle]:
         intent = lease.intent
         try:
-            if inspect.iscoroutinefunction(handler):
+            if _is_async(handler):
                 with _otel.handler_span(intent.kind, intent.id, intent.attempt, intent.headers):
-                    await handler(intent)
+                    result = handler(intent)
+                    if result is not None:
+                        await result
             else:
                 assert self._pool is not None and self._loop is not None
+                loop = self._loop
 
                 def run() -> None:
                     with _otel.handler_span(intent.kind, intent.id, intent.attempt, intent.headers):
-                        handler(intent)
+                        result = handler(intent)
+                        if inspect.isawaitable(result):
+                            # An async handler that did not look like one (a sync decorator
+                            # around an async def): awaited on the loop, never acked unrun.
+                            future = asyncio.run_coroutine_threadsafe(_awaited(result), loop)
+                            lease.loop_future = future
+                            if lease.lost or lease.abandoned:
+                                future.cancel()
+                            future.result()
 
-                await self._pool.submit(self._loop, run)
-        except asyncio.CancelledError:
-            # Lease lost or shutdown past the grace: nothing to report from here.
+                await self._pool.submit(loop, run)
+        except asyncio.CancelledError as e:
             if lease.lost or lease.abandoned:
+                # The worker's: lease lost or shutdown past the grace, nothing to report.
                 return None
-            raise
+            # The handler's own (a call of its own cancelled): it did not finish.
+            return self._failed(lease, e)
         except LeaseLost:
-            self._mark_lost(lease)
+            if not lease.abandoned:  # the drain reports an abandoned one itself
+                self._mark_lost(lease)
             return None
         except Retry as e:
-            return _Settle(lease, pb.FAIL_OUTCOME_RETRY, str(e), e.after)
+            return _Settle(lease, pb.FAIL_OUTCOME_RETRY, _text(e), e.after)
         except Permanent as e:
-            return _Settle(lease, pb.FAIL_OUTCOME_PERMANENT, str(e) or _describe(e))
+            return _Settle(lease, pb.FAIL_OUTCOME_PERMANENT, _text(e) or _describe(e))
         except Unknown as e:
-            return _Settle(lease, pb.FAIL_OUTCOME_UNKNOWN, str(e) or _describe(e))
-        except Exception as e:
-            outcome = pb.FAIL_OUTCOME_UNKNOWN if lease.submitted else pb.FAIL_OUTCOME_RETRY
-            log.warning(
-                "outboxd worker %s: handler for %s %s raised %s",
-                self.worker_id,
-                intent.kind,
-                intent.id,
-                _describe(e),
-                exc_info=e,
-            )
-            return _Settle(lease, outcome, _describe(e))
+            return _Settle(lease, pb.FAIL_OUTCOME_UNKNOWN, _text(e) or _describe(e))
+        except Exception as e:  # noqa: BLE001 - logged with its traceback by _failed
+            return self._failed(lease, e)
         return _Settle(lease, 0)
+
+    def _failed(self, lease: _Lease, e: BaseException) -> _Settle:
+        """Any other exception: RETRY with the server's backoff, UNKNOWN once submitted."""
+        intent = lease.intent
+        outcome = pb.FAIL_OUTCOME_UNKNOWN if lease.submitted else pb.FAIL_OUTCOME_RETRY
+        log.warning(
+            "outboxd worker %s: handler for %s %s raised %s",
+            self.worker_id,
+            intent.kind,
+            intent.id,
+            _describe(e),
+            exc_info=e,
+        )
+        return _Settle(lease, outcome, _describe(e))
 
     async def _mark_submitted(self, lease: _Lease) -> None:
         if lease.submitted:
@@ -634,6 +737,11 @@ class Worker:
             timeout=self.call_timeout,
             budget=max(0.5, lease.expires - time.monotonic()),
         )
+        # Decided on the loop with no await before `submitted = True`, as the drain decides
+        # its outcome: either the drain saw `submitted` (and fails the intent UNKNOWN), or it
+        # gave the lease back (RETRY) before this answer came, and the call must not start.
+        if lease.lost or lease.abandoned:
+            raise LeaseLost(f"lease on {lease.intent.id} lost or given back while MarkSubmitted was in flight")
         item = answer.results[0]
         if item.HasField("error"):
             if item.error.reason in _LOST_REASONS:
@@ -652,8 +760,10 @@ class Worker:
         task = lease.task
         if task is not None and not task.done() and not lease.settling:
             # Async handlers get a cancellation; sync ones see intent.lease_lost.
-            if inspect.iscoroutinefunction(self._handlers.get(lease.intent.kind)):
+            if _is_async(self._handlers.get(lease.intent.kind)):
                 task.cancel()
+            if lease.loop_future is not None:
+                lease.loop_future.cancel()
         if lease.task is None or lease.task.done() or lease.settling:
             self._forget(lease)
 
@@ -712,8 +822,12 @@ class Worker:
         """Collects Acks and Fails for `settle_delay` and sends each kind as one call."""
         while True:
             first = await self._settles.get()
-            if self.settle_delay > 0:
-                await asyncio.sleep(self.settle_delay)
+            if self.settle_delay > 0 and not self._flush_now.is_set():
+                # The drain does not wait for company.
+                try:
+                    await asyncio.wait_for(self._flush_now.wait(), self.settle_delay)
+                except asyncio.TimeoutError:
+                    pass
             batch = [first]
             while len(batch) < 1000 and not self._settles.empty():
                 batch.append(self._settles.get_nowait())
@@ -731,7 +845,13 @@ class Worker:
     async def _flush(self, batch: list[_Settle]) -> None:
         try:
             await self._flush_batch(batch)
+        except Exception as error:
+            log.exception("outboxd worker %s: settle of %d intents failed: %s", self.worker_id, len(batch), error)
+            self._count("settle_errors", len(batch))
         finally:
+            # Settled, refused or failed: its lease is never heartbeated again.
+            for s in batch:
+                self._forget(s.lease)
             self._unsettled -= len(batch)
             if self._unsettled == 0:
                 self._all_settled.set()
@@ -745,7 +865,9 @@ class Worker:
             calls.append(self._send_acks(acks))
         if fails:
             calls.append(self._send_fails(fails))
-        await asyncio.gather(*calls)
+        for outcome in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     async def _send_acks(self, acks: list[_Settle]) -> None:
         try:
@@ -761,17 +883,34 @@ class Worker:
             return
         self._apply(acks, answer.results, "acked")
 
-    async def _send_fails(self, fails: list[_Settle]) -> None:
-        failures = []
-        for s in fails:
-            f = pb.Failure(lease=s.lease.ref(), error=_fail_text(s.error), outcome=s.outcome)  # type: ignore[arg-type]
-            if s.outcome == pb.FAIL_OUTCOME_RETRY and s.retry_after is not None:
-                f.retry_after.CopyFrom(duration(max(s.retry_after, 0.001)))
-            failures.append(f)
+    async def _send_fails(self, all_fails: list[_Settle]) -> None:
+        fails, failures = [], []
+        for s in all_fails:
+            try:
+                failures.append(self._failure(s))
+                fails.append(s)
+            except Exception:
+                # Never one bad item for the whole call: this one's lease expires instead.
+                log.exception("outboxd worker %s: Fail of %s not sent", self.worker_id, s.lease.intent.id)
+                self._count("settle_errors")
         calls = []
         for part in _split_by_size([f.ByteSize() for f in failures], _MAX_CALL_BYTES):
             calls.append(self._send_fail_call([fails[i] for i in part], [failures[i] for i in part]))
         await asyncio.gather(*calls)
+
+    def _failure(self, s: _Settle) -> pb.Failure:
+        """The Failure of one settle, as the server accepts it: text it cannot encode is
+        replaced, a retry_after that cannot be sent is left out (the server's backoff)."""
+        f = pb.Failure(lease=s.lease.ref(), error=_fail_text(s.error), outcome=s.outcome)  # type: ignore[arg-type]
+        if s.outcome == pb.FAIL_OUTCOME_RETRY and s.retry_after is not None:
+            try:
+                f.retry_after.CopyFrom(duration(max(retry_seconds(s.retry_after), 0.001)))
+            except (TypeError, ValueError, OverflowError) as error:
+                f.ClearField("retry_after")
+                log.warning(
+                    "outboxd worker %s: retry_after of %s left out: %s", self.worker_id, s.lease.intent.id, error
+                )
+        return f
 
     async def _send_fail_call(self, fails: list[_Settle], failures: list[pb.Failure]) -> None:
         try:
@@ -830,11 +969,15 @@ class Worker:
             _, pending = await asyncio.wait(running, timeout=min(0.1, max(0.0, deadline - time.monotonic())))
             running = list(pending)
         abandoned = []
+        cancelled = []
         for lease in list(self._active.values()):
-            if lease.task is not None and not lease.task.done():
+            if lease.task is not None and not lease.task.done() and not lease.abandoned:
                 lease.abandoned = True
                 lease.lost_event.set()
                 lease.task.cancel()
+                cancelled.append(lease.task)
+                if lease.loop_future is not None:
+                    lease.loop_future.cancel()
                 if not lease.lost:
                     # It did not finish: give it back now instead of waiting for the lease
                     # to expire. Once submitted, nobody knows whether the call happened.
@@ -846,10 +989,33 @@ class Worker:
             )
         for s in abandoned:
             self._queue_settle(s)
-        # Every settle queued or in flight is answered (or runs out of its budget).
+        # Every settle queued or in flight is answered (or runs out of its budget), at once.
+        self._flush_now.set()
         self._all_settled.clear()
         if self._unsettled:
             await self._all_settled.wait()
+        if cancelled:
+            # Their tasks end at the cancellation (a sync handler's thread is left to
+            # itself): none is left behind on the loop, unless a handler ignores it.
+            await asyncio.wait(cancelled, timeout=1.0)
+
+    async def _drain_at_once(self) -> None:
+        """The drain after a cancellation: no grace (as a second stop()), and finished
+        even if the cancellation is repeated (it is bounded by the settles' budgets)."""
+        self._stop_requested = self._force = True
+        if self._stop is not None:
+            self._stop.set()
+        drain = asyncio.ensure_future(self._drain())
+        while True:
+            try:
+                await asyncio.shield(drain)
+                return
+            except asyncio.CancelledError:
+                if drain.done():
+                    return
+            except Exception as error:
+                log.exception("outboxd worker %s: drain failed: %s", self.worker_id, error)
+                return
 
 
 def _split_by_size(sizes: list[int], limit: int) -> list[range]:
@@ -869,11 +1035,31 @@ def _split_by_size(sizes: list[int], limit: int) -> list[range]:
 
 def _fail_text(text: str) -> str:
     """The `error` of a Fail as the server accepts it: every control character (a traceback's
-    newlines, tabs) becomes a space and the text is cut to `_MAX_ERROR_CHARS` characters.
-    Refused text would refuse the Fail, and the intent would wait out its lease."""
-    return "".join(" " if unicodedata.category(c) == "Cc" else c for c in text[:_MAX_ERROR_CHARS])
+    newlines, tabs) becomes a space, what UTF-8 cannot encode (a lone surrogate) a `?`, and
+    the text is cut to `_MAX_ERROR_CHARS` characters. Refused text would refuse the Fail, and
+    the intent would wait out its lease."""
+    text = text[:_MAX_ERROR_CHARS].encode("utf-8", "replace").decode("utf-8")
+    return "".join(" " if unicodedata.category(c) == "Cc" else c for c in text)
+
+
+def _text(e: BaseException) -> str:
+    """str(e), or empty if even that fails."""
+    try:
+        return str(e)
+    except Exception:  # noqa: BLE001 - a broken __str__ of the handler's exception
+        return ""
 
 
 def _describe(e: BaseException) -> str:
-    text = str(e)
+    text = _text(e)
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _is_async(fn: object) -> bool:
+    """An `async def` function, or a callable object whose `__call__` is one."""
+    call = getattr(fn, "__call__", None)  # noqa: B004 - the method itself is what is asked about
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
+
+
+async def _awaited(awaitable: Awaitable[Any]) -> Any:
+    return await awaitable

@@ -93,7 +93,14 @@ def test_ctrl_c_under_asyncio_run_drains_gives_back_running_intents_and_exits(
     p = Proc(stack, tmp_path, k, concurrency=1, work_seconds=60, grace=30.0, lease=30.0, runner="asyncio.run")
     wait_for("the handler running", lambda: p.events("started"), timeout=20)
     p.proc.send_signal(signal.SIGINT)
-    assert p.proc.wait(timeout=15) == 0
+    try:
+        assert p.proc.wait(timeout=15) == 0
+    except subprocess.TimeoutExpired:
+        # Where it waits, for the failure's message.
+        p.proc.send_signal(signal.SIGUSR1)
+        wait_for("a dump of its tasks", lambda: p.events("tasks"), timeout=10)
+        p.proc.kill()
+        raise AssertionError(f"no exit after SIGINT; its tasks: {p.events('tasks')}") from None
     assert p.events("interrupted") and p.events("finished") == []
     assert p.events("exit")[0]["stats"]["failed"] == 1
     # Given back before the process ended, not left to its 30 s lease.

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 import json
+import signal
 import sys
 import threading
 import time
@@ -20,6 +22,9 @@ import outboxd
 
 
 def main() -> None:
+    # As a terminal's foreground program gets it: a shell starts background jobs with SIGINT
+    # ignored, which the children inherit, and asyncio.run then leaves Ctrl-C alone.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     config = json.loads(sys.argv[1])
     events = open(config["events"], "a", buffering=1)
     lock = threading.Lock()
@@ -55,10 +60,24 @@ def main() -> None:
 
     worker.stop = stop_and_note  # type: ignore[method-assign]
     emit("ready", worker_id=worker.worker_id)
+
+    async def run_with_a_task_dump() -> None:
+        # SIGUSR1 writes every task's stack to the events (a test that timed out asks).
+        def dump() -> None:
+            stacks = []
+            for task in asyncio.all_tasks():
+                out = io.StringIO()
+                task.print_stack(file=out)
+                stacks.append(out.getvalue())
+            emit("tasks", stacks=stacks)
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
+        await worker.run_async()
+
     if config.get("runner") == "asyncio.run":
         # No signal handling of the worker's: Ctrl-C cancels the main task (asyncio.run).
         try:
-            asyncio.run(worker.run_async())
+            asyncio.run(run_with_a_task_dump())
         except KeyboardInterrupt:
             emit("interrupted")
     else:

@@ -449,7 +449,12 @@ class Worker:
                     loop.remove_signal_handler(sig)
             if self._pool is not None:
                 self._pool.shutdown()
-            await self._client.close()
+            try:
+                # The exit never waits long on the channels (their close cancels the calls
+                # still in flight, in grpc's own code).
+                await asyncio.wait_for(self._client.close(), timeout=5.0)
+            except asyncio.TimeoutError:
+                log.warning("outboxd worker %s: closing its channels took over 5 s; left", self.worker_id)
             self._loop = None
             self._stop_requested = self._force = False
         if self._fatal is not None:
@@ -1006,9 +1011,14 @@ class Worker:
         if self._stop is not None:
             self._stop.set()
         drain = asyncio.ensure_future(self._drain())
+        # Bounded whatever happens to its calls: a cancelled worker always ends.
+        deadline = time.monotonic() + self.call_timeout + max(self.lease, self.call_timeout)
         while True:
             try:
-                await asyncio.shield(drain)
+                await asyncio.wait_for(asyncio.shield(drain), max(0.0, deadline - time.monotonic()))
+                return
+            except asyncio.TimeoutError:
+                log.error("outboxd worker %s: the drain after a cancellation did not end in time", self.worker_id)
                 return
             except asyncio.CancelledError:
                 if drain.done():

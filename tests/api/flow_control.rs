@@ -950,3 +950,44 @@ async fn an_enqueue_past_a_tenants_thousand_queues_is_refused_and_records_nothin
     // Its existing queues take intents as before.
     assert_eq!(app.enqueue_n("kind.1", 1).await.len(), 1);
 }
+
+/// Every read of the policies counts each one's live leases: a tenant has at most 1,000
+/// (as many as its queues). Past them a new one is refused; those there still change.
+#[tokio::test]
+async fn a_tenants_thousand_and_first_queue_policy_is_refused_and_its_others_still_change() {
+    let app = TestApp::spawn().await;
+    sqlx::query(
+        "INSERT INTO outbox.queue_policy (tenant_id, kind, updated_by, reason, updated_at)
+         SELECT 'acme', 'kind.' || n, 'ops', 'set by SQL', now()
+         FROM generate_series(1, 1000) n",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let mut client = app.client();
+    let status = client
+        .set_queue_policy(policy("one.too.many"))
+        .await
+        .unwrap_err();
+    assert_status(
+        &status,
+        Code::ResourceExhausted,
+        "TOO_MANY_QUEUES",
+        &["kind"],
+    );
+    let changes: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.queue_policy_change")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(changes, 0, "nothing recorded");
+
+    let paused = set(
+        &mut client,
+        v1::SetQueuePolicyRequest {
+            paused: true,
+            ..policy("kind.1")
+        },
+    )
+    .await;
+    assert!(paused.paused);
+}

@@ -5,7 +5,11 @@
 use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 
-use crate::outbox::Result;
+use crate::outbox::{Error, FieldViolation, Reason, Result};
+
+/// Most queue policies of one tenant, as many as its queues may be: every read of the
+/// policies counts each one's live leases.
+pub const MAX_POLICIES: i64 = 1_000;
 
 /// What an operator sets: the whole policy of one queue (a tenant's kind).
 #[derive(Debug, Clone, PartialEq)]
@@ -70,8 +74,30 @@ const POLICIES: &str = r#"
 /// grants no burst.
 ///
 /// # Errors
-/// [`crate::outbox::Error::Database`].
+/// [`Error::LimitExceeded`] (`TOO_MANY_QUEUES`) for a new policy of a tenant that has
+/// [`MAX_POLICIES`]; [`Error::Database`].
 pub async fn set_queue_policy(conn: &mut PgConnection, p: PolicyParams<'_>) -> Result<QueuePolicy> {
+    let (policies, this_one): (i64, bool) = sqlx::query_as(
+        "SELECT count(*), coalesce(bool_or(kind = $2), false)
+         FROM outbox.queue_policy WHERE tenant_id = $1",
+    )
+    .bind(p.tenant)
+    .bind(p.kind)
+    .fetch_one(&mut *conn)
+    .await?;
+    if policies >= MAX_POLICIES && !this_one {
+        return Err(Error::LimitExceeded(
+            Reason::TooManyQueues,
+            vec![FieldViolation::new(
+                "kind",
+                format!(
+                    "tenant {:?} has {MAX_POLICIES} queue policies, the most it may have (as \
+                     many as its queues); its policies may still be changed",
+                    p.tenant
+                ),
+            )],
+        ));
+    }
     let (rate, burst) = p.rate.unzip();
     sqlx::query(
         r#"

@@ -9,7 +9,7 @@ use crate::outbox::{Error, FieldViolation, Reason, Result};
 
 /// Most queue policies of one tenant, as many as its queues may be: every read of the
 /// policies counts each one's live leases.
-pub const MAX_POLICIES: i64 = 1_000;
+const MAX_POLICIES: i64 = 1_000;
 
 /// What an operator sets: the whole policy of one queue (a tenant's kind).
 #[derive(Debug, Clone, PartialEq)]
@@ -75,7 +75,7 @@ const POLICIES: &str = r#"
 ///
 /// # Errors
 /// [`Error::LimitExceeded`] (`TOO_MANY_QUEUES`) for a new policy of a tenant that has
-/// [`MAX_POLICIES`]; [`Error::Database`].
+/// `MAX_POLICIES` (1,000); [`Error::Database`].
 pub async fn set_queue_policy(conn: &mut PgConnection, p: PolicyParams<'_>) -> Result<QueuePolicy> {
     let (policies, this_one): (i64, bool) = sqlx::query_as(
         "SELECT count(*), coalesce(bool_or(kind = $2), false)

@@ -236,13 +236,6 @@ impl From<Resolution> for v1::Resolution {
 
 impl From<outbox::store::QueueStats> for v1::GetQueueStatsResponse {
     fn from(s: outbox::store::QueueStats) -> Self {
-        let reconcile_backlog = s
-            .counts
-            .iter()
-            .filter(|c| c.state.awaits_decision())
-            .map(|c| c.count)
-            .sum::<i64>()
-            - s.given_up;
         Self {
             counts: s
                 .counts
@@ -255,7 +248,8 @@ impl From<outbox::store::QueueStats> for v1::GetQueueStatsResponse {
                 .collect(),
             oldest_pending_at: s.oldest_pending_at.map(timestamp),
             oldest_staged_at: s.oldest_staged_at.map(timestamp),
-            reconcile_backlog,
+            reconcile_backlog: s.reconcile_backlog,
+            regions_left_out: s.regions_left_out,
             blocked_keys: s.blocked_keys,
             oldest_blocked_at: s.oldest_blocked_at.map(timestamp),
             policies: s.policies.into_iter().map(Into::into).collect(),

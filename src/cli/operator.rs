@@ -392,6 +392,7 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                 &client,
                 json!({
                     "counts": counts,
+                    "regions_left_out": stats.regions_left_out,
                     "oldest_pending_at": time(stats.oldest_pending_at.as_ref()),
                     "oldest_staged_at": time(stats.oldest_staged_at.as_ref()),
                     "reconcile_backlog": stats.reconcile_backlog,
@@ -408,6 +409,9 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                             &c.region
                         };
                         println!("{:<16} {:<12} {:>10}", state_name(c.state), region, c.count);
+                    }
+                    if stats.regions_left_out {
+                        println!("(of each state, the 100 regions with the most intents)");
                     }
                     println!("reconcile backlog: {}", stats.reconcile_backlog);
                     println!(

@@ -126,11 +126,61 @@ async fn queue_stats_count_intents_by_state_and_region() {
         ])
     );
     assert_eq!(stats.reconcile_backlog, 1);
+    assert!(!stats.regions_left_out);
     assert_eq!(
         stats.oldest_pending_at, created,
         "all enqueued at the same manual instant"
     );
     assert_eq!(stats.oldest_staged_at, None);
+}
+
+/// Regions are the producers' names: however many there are, a state shows the 100 with
+/// the most intents, says that it left some out, and its backlog still counts them all.
+#[tokio::test]
+async fn queue_stats_show_a_state_s_largest_regions_and_say_when_some_are_left_out() {
+    let app = TestApp::spawn().await;
+    let in_region = |region: String| {
+        let mut i = intent("job", "{}");
+        i.region = region;
+        i.max_attempts = 1;
+        i
+    };
+    let mut intents: Vec<v1::NewIntent> = (0..150).map(|n| in_region(format!("r{n:03}"))).collect();
+    intents.push(in_region("r149".into()));
+    app.enqueue(intents).await.unwrap();
+    let stats = || async {
+        app.client()
+            .get_queue_stats(v1::GetQueueStatsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+    };
+
+    let shown = stats().await;
+    assert!(shown.regions_left_out);
+    assert_eq!(shown.counts.len(), 100);
+    assert_eq!(
+        shown
+            .counts
+            .iter()
+            .find(|c| c.region == "r149")
+            .map(|c| c.count),
+        Some(2),
+        "the largest region is shown first of all"
+    );
+
+    let mut leases = Vec::new();
+    for region in ["r000", "r001"] {
+        let mut request = crate::helpers::claim_request("w", 10);
+        request.region = region.into();
+        leases.extend(app.claim(request).await.unwrap());
+    }
+    for lease in &leases {
+        app.fail(lease, FailOutcome::Permanent).await;
+    }
+    let shown = stats().await;
+    assert_eq!(shown.reconcile_backlog, 2);
+    assert!(shown.regions_left_out, "still 148 regions PENDING");
 }
 
 #[tokio::test]

@@ -152,8 +152,14 @@ pub struct StateCount {
 /// Queue statistics of the transaction's tenants.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QueueStats {
-    /// Non-zero counts by state and region.
+    /// Non-zero counts by state and region: of each state the [`REGIONS_PER_STATE`]
+    /// regions with the most intents.
     pub counts: Vec<StateCount>,
+    /// Whether a state had more regions than `counts` shows.
+    pub regions_left_out: bool,
+    /// NEEDS_RECONCILE and DEAD_LETTERED intents in every region, less the ordered dead
+    /// letters an operator gave up (DEAD): they await no decision.
+    pub reconcile_backlog: i64,
     /// Earliest `available_at` among claimable PENDING intents.
     pub oldest_pending_at: Option<DateTime<Utc>>,
     /// Enqueue time of the oldest STAGED intent.
@@ -165,10 +171,11 @@ pub struct QueueStats {
     pub oldest_blocked_at: Option<DateTime<Utc>>,
     /// The queues with a policy, with their live figures.
     pub policies: Vec<super::QueuePolicy>,
-    /// Of the DEAD_LETTERED intents, the ordered ones an operator gave up (DEAD): counted
-    /// in their state, but awaiting no decision.
-    pub given_up: i64,
 }
+
+/// Most regions [`QueueStats::counts`] shows of one state: regions are whatever names
+/// producers give, and a reply must stay small however many they make.
+pub const REGIONS_PER_STATE: i64 = 100;
 
 /// The heads of ordering keys that hold their keys back: waiting out a retry's backoff,
 /// NEEDS_RECONCILE, or DEAD_LETTERED without an operator's decision, with later intents of
@@ -197,26 +204,58 @@ pub async fn queue_stats(
     regions: &[String],
     now: Option<DateTime<Utc>>,
 ) -> Result<QueueStats> {
-    // The batch history is counted by its rows' id arrays, never unnested.
-    let counts: Vec<StateCount> = sqlx::query_as(
+    #[derive(sqlx::FromRow)]
+    struct Row {
+        #[sqlx(flatten)]
+        count: StateCount,
+        state_total: i64,
+        regions_of_state: i64,
+    }
+    // The batch history is counted by its rows' id arrays, never unnested. Regions are
+    // the producers' names, as many as they make: each state keeps its largest counts.
+    let rows: Vec<Row> = sqlx::query_as(
         r#"
-        SELECT c.state, c.region, sum(c.n)::bigint AS count
+        SELECT r.state, r.region, r.count, r.state_total, r.regions_of_state
         FROM (
-            SELECT i.state, i.region, 1 AS n
-            FROM outbox.intent i
-            WHERE (cardinality($1::text[]) = 0 OR i.region = '' OR i.region = ANY($1::text[]))
-            UNION ALL
-            SELECT 'delivered', b.region, cardinality(b.ids)
-            FROM outbox.delivered_batch b
-            WHERE (cardinality($1::text[]) = 0 OR b.region = '' OR b.region = ANY($1::text[]))
-        ) c
-        GROUP BY c.state, c.region
-        ORDER BY c.state, c.region
+            SELECT g.state, g.region, g.count,
+                   sum(g.count) OVER (PARTITION BY g.state)::bigint AS state_total,
+                   count(*) OVER (PARTITION BY g.state) AS regions_of_state,
+                   row_number() OVER (PARTITION BY g.state ORDER BY g.count DESC, g.region)
+                       AS rank
+            FROM (
+                SELECT c.state, c.region, sum(c.n)::bigint AS count
+                FROM (
+                    SELECT i.state, i.region, 1 AS n
+                    FROM outbox.intent i
+                    WHERE (cardinality($1::text[]) = 0 OR i.region = ''
+                           OR i.region = ANY($1::text[]))
+                    UNION ALL
+                    SELECT 'delivered', b.region, cardinality(b.ids)
+                    FROM outbox.delivered_batch b
+                    WHERE (cardinality($1::text[]) = 0 OR b.region = ''
+                           OR b.region = ANY($1::text[]))
+                ) c
+                GROUP BY c.state, c.region
+            ) g
+        ) r
+        WHERE r.rank <= $2
+        ORDER BY r.state, r.region
         "#,
     )
     .bind(regions)
+    .bind(REGIONS_PER_STATE)
     .fetch_all(&mut *conn)
     .await?;
+    let regions_left_out = rows.iter().any(|r| r.regions_of_state > REGIONS_PER_STATE);
+    let mut awaiting_decision = 0;
+    let mut totalled = Vec::new();
+    for r in &rows {
+        if r.count.state.awaits_decision() && !totalled.contains(&r.count.state) {
+            totalled.push(r.count.state);
+            awaiting_decision += r.state_total;
+        }
+    }
+    let counts = rows.into_iter().map(|r| r.count).collect();
     let (oldest_pending_at, oldest_staged_at) = oldest_waiting(conn, regions, now).await?;
     let (blocked_keys, oldest_blocked_at): (i64, Option<DateTime<Utc>>) = sqlx::query_as(&format!(
         "SELECT count(*), min(i.updated_at) {BLOCKED_HEADS}"
@@ -240,12 +279,13 @@ pub async fn queue_stats(
     .await?;
     Ok(QueueStats {
         counts,
+        regions_left_out,
+        reconcile_backlog: awaiting_decision - given_up,
         oldest_pending_at,
         oldest_staged_at,
         blocked_keys,
         oldest_blocked_at,
         policies,
-        given_up,
     })
 }
 

@@ -412,7 +412,7 @@ class StateCount(_message.Message):
     def __init__(self, state: _Optional[_Union[IntentState, str]] = ..., region: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class GetQueueStatsResponse(_message.Message):
-    __slots__ = ("counts", "oldest_pending_at", "oldest_staged_at", "reconcile_backlog", "blocked_keys", "oldest_blocked_at", "policies")
+    __slots__ = ("counts", "oldest_pending_at", "oldest_staged_at", "reconcile_backlog", "blocked_keys", "oldest_blocked_at", "policies", "regions_left_out")
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     OLDEST_PENDING_AT_FIELD_NUMBER: _ClassVar[int]
     OLDEST_STAGED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -420,6 +420,7 @@ class GetQueueStatsResponse(_message.Message):
     BLOCKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     OLDEST_BLOCKED_AT_FIELD_NUMBER: _ClassVar[int]
     POLICIES_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
     counts: _containers.RepeatedCompositeFieldContainer[StateCount]
     oldest_pending_at: _timestamp_pb2.Timestamp
     oldest_staged_at: _timestamp_pb2.Timestamp
@@ -427,7 +428,8 @@ class GetQueueStatsResponse(_message.Message):
     blocked_keys: int
     oldest_blocked_at: _timestamp_pb2.Timestamp
     policies: _containers.RepeatedCompositeFieldContainer[QueuePolicy]
-    def __init__(self, counts: _Optional[_Iterable[_Union[StateCount, _Mapping]]] = ..., oldest_pending_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., oldest_staged_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., reconcile_backlog: _Optional[int] = ..., blocked_keys: _Optional[int] = ..., oldest_blocked_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., policies: _Optional[_Iterable[_Union[QueuePolicy, _Mapping]]] = ...) -> None: ...
+    regions_left_out: bool
+    def __init__(self, counts: _Optional[_Iterable[_Union[StateCount, _Mapping]]] = ..., oldest_pending_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., oldest_staged_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., reconcile_backlog: _Optional[int] = ..., blocked_keys: _Optional[int] = ..., oldest_blocked_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., policies: _Optional[_Iterable[_Union[QueuePolicy, _Mapping]]] = ..., regions_left_out: bool = ...) -> None: ...
 
 class QueuePolicy(_message.Message):
     __slots__ = ("tenant", "kind", "paused", "max_in_flight", "rate_per_second", "burst", "actor", "reason", "updated_at", "in_flight", "tokens")

@@ -578,8 +578,9 @@ class Worker:
     async def _renew_replayed(self, leases: Sequence[pb.Lease], sent: float) -> tuple[Sequence[pb.Lease], float]:
         """A replayed Claim's answer may carry leases its first try took, or fresh ones
         taken after an outage: one ExtendLease gives every one a known expiry, counted from
-        its send; those it reports lost are dropped unstarted. If it fails, they count
-        from the Claim's first send (the earliest they can have begun)."""
+        its send; those it reports lost are dropped unstarted. If it fails, or fails for
+        one of them without losing it, they count from the Claim's first send (the
+        earliest they can have begun)."""
         if not leases:
             return leases, sent
         renewed = time.monotonic()
@@ -599,9 +600,16 @@ class Worker:
             log.warning("outboxd worker %s: ExtendLease of a replayed Claim: %s", self.worker_id, error)
             return leases, sent
         kept = []
+        unsure = False
         for lease, item in zip(leases, answer.results):
             if not item.HasField("error"):
                 kept.append(lease)
+                continue
+            if item.error.reason not in _LOST_REASONS:
+                # Not renewed, but not lost either: it holds until its first expiry.
+                self._count("heartbeat_failures")
+                kept.append(lease)
+                unsure = True
                 continue
             self._count("claimed")
             self._count("lease_lost")
@@ -612,7 +620,7 @@ class Worker:
                 item.error.reason,
                 item.error.message,
             )
-        return kept, renewed
+        return kept, sent if unsure else renewed
 
     def _give_back(self, leases: Sequence[pb.Lease], sent: float) -> None:
         """Fails RETRY, unstarted, the leases of a Claim answered as the worker was

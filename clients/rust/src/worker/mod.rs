@@ -889,12 +889,16 @@ impl Shared {
     }
 
     /// Extends every live lease each third of the lease; a lease whose local expiry
-    /// passes without an extension is lost (it may be rescued and re-leased by now).
+    /// passes without an extension is lost (it may be rescued and re-leased by now). The
+    /// extension runs beside the expiry checks, so a hung call does not hold them back,
+    /// and one at a time.
     async fn heartbeat_loop(self: Arc<Self>) {
         let tick = self.config.heartbeat.min(Duration::from_millis(250));
         let mut ticks = tokio::time::interval(tick);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last = Instant::now();
+        // Dropped with this loop's task: an extension in flight ends with it.
+        let mut extending = JoinSet::new();
         loop {
             ticks.tick().await;
             let now = Instant::now();
@@ -912,12 +916,16 @@ impl Shared {
                     self.lose(lease, "it expired before a heartbeat got through");
                 }
             }
-            if now.duration_since(last) >= self.config.heartbeat {
+            while extending.try_join_next().is_some() {}
+            if now.duration_since(last) >= self.config.heartbeat && extending.is_empty() {
                 last = now;
                 let live: Vec<_> = live.into_iter().filter(|l| !l.is_lost()).collect();
-                for chunk in live.chunks(MAX_BATCH) {
-                    self.extend(chunk).await;
-                }
+                let this = self.clone();
+                extending.spawn(async move {
+                    for chunk in live.chunks(MAX_BATCH) {
+                        this.extend(chunk).await;
+                    }
+                });
             }
         }
     }

@@ -235,6 +235,25 @@ pub(super) async fn create(
              created",
         );
     }
+    // A form posted again (a reload of its answer) would mint a second key of the name,
+    // and a name several active keys share revokes none of them.
+    match store::list_api_keys(console.pools.tenant()).await {
+        Ok(keys)
+            if keys
+                .iter()
+                .any(|k| k.name == name && k.revoked_at.is_none()) =>
+        {
+            return view::error_page(
+                StatusCode::CONFLICT,
+                &format!(
+                    "an active key is already named {name} (its secret was shown when it \
+                     was created); revoke it or choose another name; no key was created"
+                ),
+            );
+        }
+        Ok(_) => {}
+        Err(e) => return view::failure(&e.into()),
+    }
     match auth::issue_key(owner, name, tenants, scopes, regions).await {
         Ok((record, secret)) => {
             tracing::info!(auth.key = %session.caller.key_name, key.name = %record.name, "console created an API key");

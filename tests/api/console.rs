@@ -433,6 +433,23 @@ async fn an_admin_creates_a_key_whose_secret_is_shown_once_and_revokes_it() {
         "the secret is shown once"
     );
 
+    // The same form again (as a reload of its answer posts it) mints no second key.
+    browser
+        .fill("#new-key input[name=name]", "billing-worker")
+        .await;
+    browser.fill("#new-key input[name=tenants]", "acme").await;
+    browser.click("#new-key input[name=produce]").await;
+    browser.fill("#new-key input[name=confirm]", &admin).await;
+    browser.submit("#new-key button").await;
+    assert!(browser.text("h1").await.contains("409"));
+    let named: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox.api_key WHERE name = 'billing-worker'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(named, 1);
+    browser.goto("/keys").await;
+
     // A key for another tenant is beyond this admin's reach.
     browser.fill("#new-key input[name=name]", "sneaky").await;
     browser.fill("#new-key input[name=tenants]", "*").await;

@@ -121,14 +121,23 @@ impl From<Error> for Status {
             ),
             Error::Database(db) => {
                 let reason = database_reason(&db);
-                // The chain goes to the log; the client gets no SQL text.
-                tracing::error!(error.cause_chain = ?db, error.message = %db, "database error");
+                // The chain goes to the log; the client gets no SQL text. A conflict, the
+                // queue cap or a statement timeout is an ordinary refusal (a caller can cause
+                // it by the thousand): DEBUG, as the other refusals.
+                match reason {
+                    Reason::Unavailable | Reason::Internal => {
+                        tracing::error!(error.cause_chain = ?db, error.message = %db, "database error");
+                    }
+                    _ => {
+                        tracing::debug!(error.cause_chain = ?db, error.message = %db, "database refusal");
+                    }
+                }
                 let message = match reason {
                     Reason::Unavailable => "the database is unavailable; retry with backoff",
                     Reason::Conflict => "a concurrent change conflicted; retry",
                     Reason::TooManyQueues => {
                         "this Enqueue would give its tenant more than 1,000 queues (kinds × \
-                         priorities); nothing was recorded"
+                         priorities, every one it ever had); nothing was recorded"
                     }
                     Reason::StatementTimeout => {
                         "the call ran past OUTBOX_LIMITS__OPERATOR_TIMEOUT (or was cancelled) and \

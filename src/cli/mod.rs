@@ -432,8 +432,10 @@ fn load_settings(overrides: &[String]) -> anyhow::Result<Settings> {
         let (name, value) = o
             .split_once('=')
             .with_context(|| format!("--set {o:?}: expected NAME=VALUE"))?;
+        // A flag is typed, not exported: `lease__default` names LEASE__DEFAULT.
+        let name = name.to_ascii_uppercase();
         let name = if name.starts_with("OUTBOX_") {
-            name.to_owned()
+            name
         } else {
             format!("OUTBOX_{name}")
         };
@@ -455,5 +457,27 @@ async fn dispatch(command: Command, overrides: &[String]) -> anyhow::Result<()> 
              --server, --api-key, --tenant and --ca-file (or OUTBOX_SERVER, OUTBOX_API_KEY, …)"
         ),
         other => operator::run(other).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::load_settings;
+    use std::time::Duration;
+
+    #[test]
+    fn a_set_flag_names_its_variable_with_or_without_prefix_in_any_case() {
+        for flag in [
+            "OUTBOX_LEASE__DEFAULT=45s",
+            "LEASE__DEFAULT=45s",
+            "lease__default=45s",
+        ] {
+            let settings = load_settings(&[flag.to_owned()]).unwrap();
+            assert_eq!(
+                settings.limits.default_lease,
+                Duration::from_secs(45),
+                "{flag}"
+            );
+        }
     }
 }

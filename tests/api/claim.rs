@@ -446,8 +446,8 @@ async fn concurrent_claimers_get_disjoint_batches_and_every_intent_is_delivered_
 #[tokio::test]
 async fn an_intent_that_becomes_claimable_behind_the_newest_one_claimed_is_still_claimed() {
     // Claims look from a floor just behind the newest intent their group took; an intent
-    // available long before it (here an available_at in the past) is found by a later
-    // look at the whole queue.
+    // available long before it (as one whose transaction took an hour to commit) is found
+    // by a later look at the whole queue.
     let app = TestApp::spawn().await;
     let first = app.enqueue_one("job", "{}").await;
     let leases = app.claim_n("w", 10).await;
@@ -456,15 +456,14 @@ async fn an_intent_that_becomes_claimable_behind_the_newest_one_claimed_is_still
         vec![first.as_str()]
     );
 
-    let an_hour_ago = app.clock.now().unwrap() - chrono::Duration::hours(1);
-    let mut old = intent("job", "{}");
-    old.schedule = Some(v1::new_intent::Schedule::AvailableAt(
-        prost_types::Timestamp {
-            seconds: an_hour_ago.timestamp(),
-            nanos: 0,
-        },
-    ));
-    let old = app.enqueue(vec![old]).await.unwrap()[0].id.clone();
+    let old = app.insert_by_sql("job").await;
+    sqlx::query(
+        "UPDATE outbox.intent SET available_at = available_at - interval '1 hour' WHERE id = $1::uuid",
+    )
+    .bind(&old)
+    .execute(&app.pool)
+    .await
+    .unwrap();
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {

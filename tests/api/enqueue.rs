@@ -211,6 +211,36 @@ async fn an_intent_scheduled_at_an_instant_waits_for_it() {
     assert_eq!(app.claim_n("w", 10).await.len(), 1);
 }
 
+/// An instant in the past is now: the intent is claimable at once, and takes its place
+/// among its queue's intents by when it was enqueued, not before older ones.
+#[tokio::test]
+async fn an_intent_scheduled_in_the_past_is_due_from_its_enqueue() {
+    let app = TestApp::spawn().await;
+    let first = app.enqueue_one("job", "{}").await;
+    app.advance(Duration::from_secs(5));
+    let now = app.clock.now().unwrap();
+    let mut past = intent("job", "{}");
+    past.schedule = Some(v1::new_intent::Schedule::AvailableAt(
+        outboxd::proto::timestamp(now - chrono::Duration::hours(1)),
+    ));
+    let past = app.enqueue(vec![past]).await.unwrap()[0].id.clone();
+
+    let got = app.intent(&past).await;
+    // PostgreSQL keeps microseconds.
+    use chrono::SubsecRound;
+    assert_eq!(
+        got.available_at,
+        Some(outboxd::proto::timestamp(now.trunc_subsecs(6)))
+    );
+    let claimed: Vec<String> = app
+        .claim_n("w", 10)
+        .await
+        .iter()
+        .map(|l| l.intent.as_ref().unwrap().id.clone())
+        .collect();
+    assert_eq!(claimed, vec![first, past]);
+}
+
 #[tokio::test]
 async fn calls_made_on_pooled_connections_that_died_while_idle_are_made_again_on_live_ones() {
     let app = TestApp::spawn().await;

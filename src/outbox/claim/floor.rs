@@ -16,7 +16,8 @@
 //!
 //! An intent lands behind the floor only when it becomes claimable more than
 //! [`LOOK_BACK`] after its `available_at`, or a look passed it over: a transition whose
-//! transaction took that long to commit, an `available_at` set in the past, a claim that
+//! transaction took that long to commit (an `available_at` given in the past is stored as
+//! the Enqueue's time), a claim that
 //! skipped a row locked by a transaction that then left it PENDING (a claim that rolled
 //! back, an operator's call that failed), a handed-off lease given back
 //! (`super::handoff`: it keeps the `available_at` of its enqueue, which a stalled COMMIT

@@ -41,7 +41,7 @@ unkeyed AS (
                 WHEN input.ordering_key IS NOT NULL THEN 'waiting'
                 ELSE 'pending' END::outbox.intent_state,
            input.max_attempts,
-           coalesce(input.at, clock.now + coalesce(input.delay_ms, 0) * interval '1 ms'),
+           greatest(coalesce(input.at, clock.now + coalesce(input.delay_ms, 0) * interval '1 ms'), clock.now),
            clock.now, clock.now,
            coalesce($13::text::xid8,
                     CASE WHEN input.ordering_key IS NOT NULL THEN pg_current_xact_id() END),
@@ -71,7 +71,7 @@ keyed AS (
                 WHEN input.ordering_key IS NOT NULL THEN 'waiting'
                 ELSE 'pending' END::outbox.intent_state,
            input.max_attempts,
-           coalesce(input.at, clock.now + coalesce(input.delay_ms, 0) * interval '1 ms'),
+           greatest(coalesce(input.at, clock.now + coalesce(input.delay_ms, 0) * interval '1 ms'), clock.now),
            clock.now, clock.now,
            coalesce($13::text::xid8,
                     CASE WHEN input.ordering_key IS NOT NULL THEN pg_current_xact_id() END),

@@ -98,7 +98,8 @@ export type NewIntent = Message<"outbox.v1.NewIntent"> & {
     case: "delay";
   } | {
     /**
-     * Claimable from this instant on.
+     * Claimable from this instant on. An instant in the past is the Enqueue's own time:
+     * an intent does not go ahead of those enqueued before it.
      *
      * @generated from field: google.protobuf.Timestamp available_at = 9;
      */

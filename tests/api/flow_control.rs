@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use outboxd::proto::v1;
+use sqlx::Connection;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tonic::Code;
@@ -692,6 +693,94 @@ async fn a_rate_limit_leases_its_burst_then_its_rate() {
         .policies;
     assert_eq!(listed[0].in_flight, 13);
     assert!(listed[0].tokens < 1.0);
+}
+
+/// Claims that waited for a limited queue's turn count time from the turn: one whose
+/// transaction began seconds before the turn came refills no bucket for those seconds, and
+/// its leases last their full duration from the turn.
+#[tokio::test]
+async fn claims_that_waited_their_turn_take_no_more_than_the_burst_at_once() {
+    const BURST: i64 = 10;
+    let app = TestApp::spawn_tuned(|r| r.clock = outboxd::outbox::Clock::Database).await;
+    set(
+        &mut app.client(),
+        v1::SetQueuePolicyRequest {
+            rate_per_second: 10.0,
+            burst: BURST as i32,
+            ..policy("sms")
+        },
+    )
+    .await;
+    let mut batch: Vec<v1::NewIntent> = (0..30).map(|_| intent("sms", "{}")).collect();
+    batch.extend((0..10).map(|_| intent("mail", "{}")));
+    app.enqueue(batch).await.unwrap();
+
+    // Another claim's turn that lasts: the policy row held.
+    let mut holder = sqlx::PgConnection::connect(&app.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT 1 FROM outbox.queue_policy WHERE kind = 'sms' FOR UPDATE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let lease = Duration::from_secs(30);
+    let claim = |worker: &'static str| {
+        let mut client = app.client();
+        tokio::spawn(async move {
+            let mut request = claim_request(worker, 20);
+            request.lease_duration = Some(duration(lease));
+            client.claim(request).await.unwrap().into_inner().leases
+        })
+    };
+    let first = claim("w1");
+    app.wait_for_lock_waiters(1).await;
+    // The second claim's transaction begins well after the first's.
+    let begun: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    while sqlx::query_scalar::<_, chrono::DateTime<chrono::Utc>>("SELECT clock_timestamp()")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+        < begun + chrono::Duration::milliseconds(1500)
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let second = claim("w2");
+    app.wait_for_lock_waiters(2).await;
+    let released: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(&mut holder)
+        .await
+        .unwrap();
+    let turn = Instant::now();
+    sqlx::raw_sql("COMMIT").execute(&mut holder).await.unwrap();
+    let mut leases = first.await.unwrap();
+    leases.extend(second.await.unwrap());
+    let within = turn.elapsed().as_secs_f64();
+
+    let sms = leases
+        .iter()
+        .filter(|l| l.intent.as_ref().unwrap().kind == "sms")
+        .count() as f64;
+    assert!(sms >= BURST as f64, "the burst: {sms}");
+    assert!(
+        sms <= BURST as f64 + 10.0 * within + 1.0,
+        "{sms} leases within {within} s of the turn"
+    );
+    for lease in &leases {
+        let intent = lease.intent.as_ref().unwrap();
+        let expires: chrono::DateTime<chrono::Utc> =
+            sqlx::query_scalar("SELECT lease_expires_at FROM outbox.intent WHERE id = $1::uuid")
+                .bind(&intent.id)
+                .fetch_one(&app.pool)
+                .await
+                .unwrap();
+        assert!(
+            expires >= released + chrono::TimeDelta::seconds(30),
+            "{} ({}) expires at {expires}, its lease counted from before the turn at {released}",
+            intent.id,
+            intent.kind
+        );
+    }
 }
 
 #[tokio::test]

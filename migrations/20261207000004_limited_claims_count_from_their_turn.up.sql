@@ -195,9 +195,12 @@ BEGIN
                                             wanted) a;
                 waited := true;
                 IF turn_at > claim_at THEN
-                    -- Leases count from the turn: the rest of this claim's, and those it took
-                    -- before it waited (their rows; the answer may say the earlier expiry).
-                    IF remaining < max_intents THEN
+                    -- Leases count from the turn: the rest of this claim's, and, after a wait
+                    -- longer than a worker's margin (the SDKs count a lease from its answer
+                    -- less at least 250 ms), those it took before it (their rows; the answer
+                    -- may say the earlier expiry). A new row version each: not for the
+                    -- milliseconds of an ordinary turn.
+                    IF remaining < max_intents AND turn_at > claim_at + interval '100 ms' THEN
                         UPDATE outbox.intent i
                         SET lease_expires_at = turn_at + lease_ms * interval '1 ms',
                             updated_at = turn_at

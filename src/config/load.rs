@@ -454,6 +454,21 @@ mod tests {
     }
 
     #[test]
+    fn an_operator_timeout_fits_postgresqls_statement_timeout() {
+        let err =
+            Settings::from_vars(vars(&[("OUTBOX_LIMITS__OPERATOR_TIMEOUT", "25d")])).unwrap_err();
+        assert_eq!(
+            err.0,
+            ["OUTBOX_LIMITS__OPERATOR_TIMEOUT must not exceed 24d"]
+        );
+        let s = Settings::from_vars(vars(&[("OUTBOX_LIMITS__OPERATOR_TIMEOUT", "24d")]));
+        assert_eq!(
+            s.unwrap().limits.operator_timeout,
+            Duration::from_secs(24 * 86_400)
+        );
+    }
+
+    #[test]
     fn durations_take_a_unit() {
         for (value, expected) in [
             ("250ms", Duration::from_millis(250)),

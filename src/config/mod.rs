@@ -169,6 +169,10 @@ impl Limits {
     /// Highest allowed lease or delay limit: far below PostgreSQL's timestamp range, so
     /// `now() + interval` can never overflow.
     pub const DURATION_CEILING: Duration = Duration::from_secs(10 * 366 * 86_400);
+
+    /// PostgreSQL's largest `statement_timeout` is 2^31 - 1 ms (24.8 days); a larger one
+    /// would fail the BEGIN of every operator call.
+    pub const STATEMENT_TIMEOUT_CEILING: Duration = Duration::from_secs(24 * 86_400);
 }
 
 /// `OUTBOX_CLAIM__HAND_OFF` (`OUTBOX_CLAIM__MAX_WAIT` is a limit).
@@ -423,6 +427,11 @@ impl Settings {
                 self.console.session_ttl,
                 limit,
                 "OUTBOX_CONSOLE__SESSION_TTL",
+            ),
+            (
+                l.operator_timeout,
+                Limits::STATEMENT_TIMEOUT_CEILING,
+                "OUTBOX_LIMITS__OPERATOR_TIMEOUT",
             ),
             (m.retention, retention, "OUTBOX_RETENTION__FINISHED"),
             (

@@ -257,6 +257,26 @@ async fn a_listing_with_payloads_too_large_for_one_page_goes_on_to_the_next() {
     );
 }
 
+/// An operator timeout past PostgreSQL's largest `statement_timeout` (as a server built
+/// into another program may set, past the configuration's check) is held to that largest:
+/// the call's BEGIN does not fail, and no connection goes back to the pool inside a failed
+/// transaction for later calls to trip on.
+#[tokio::test]
+async fn an_operator_timeout_past_postgresqls_largest_leaves_the_pool_sound() {
+    let app = TestApp::spawn_with(|s| {
+        s.limits.operator_timeout = std::time::Duration::from_secs(30 * 86_400);
+    })
+    .await;
+    app.enqueue_n("charge", 1).await;
+    for _ in 0..3 {
+        app.client()
+            .get_queue_stats(v1::GetQueueStatsRequest {})
+            .await
+            .unwrap();
+    }
+    assert_eq!(app.claim_n("w", 1).await.len(), 1);
+}
+
 /// An operator call's statement runs at most `OUTBOX_LIMITS__OPERATOR_TIMEOUT`: a filter
 /// that matches nothing of a large table is cancelled by PostgreSQL and answered
 /// `STATEMENT_TIMEOUT`, rather than scanning on after its caller gave up; other calls go

@@ -238,8 +238,9 @@ impl AlsoAtBegin {
             }
             Self::LevelsRegistered => sql.push_str("; SET LOCAL outbox.levels_registered = on"),
             Self::StatementTimeout(limit) => {
-                // 0 would mean none.
-                let ms = limit.as_millis().max(1);
+                // 0 would mean none; past PostgreSQL's largest the BEGIN would fail, and
+                // sqlx would give the pool back a connection in a failed transaction.
+                let ms = limit.as_millis().clamp(1, i32::MAX as u128);
                 sql.push_str(&format!("; SET LOCAL statement_timeout = {ms}"));
             }
         }

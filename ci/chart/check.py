@@ -369,9 +369,12 @@ def expect_metrics_off(docs, notes):
     check(env["OUTBOX_METRICS__LISTEN_ADDR"]["value"] == "", "metrics not turned off")
     check([p["name"] for p in one(docs, "Service")["spec"]["ports"]] == ["grpc"], "Service still has a metrics port")
     server = server_container(one(docs, "Deployment"))
-    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-        check(server[kind].get("grpc", {}).get("port") == 50051, f"{kind} should fall back to gRPC health without the admin port")
+    check(server["readinessProbe"].get("grpc", {}).get("port") == 50051, "readiness should fall back to gRPC health without the admin port")
     check(server["readinessProbe"]["grpc"]["service"] == "outbox.v1.OutboxService", "readiness checks another service")
+    # The whole server's gRPC health turns NOT_SERVING without the database: a liveness
+    # probe on it would restart every pod during an outage.
+    for kind in ("startupProbe", "livenessProbe"):
+        check(server[kind].get("tcpSocket", {}).get("port") == "grpc", f"{kind} should connect over TCP without the admin port: {server[kind]}")
 
 
 def expect_console(docs, notes):
@@ -434,6 +437,11 @@ def expect_autoscaling(docs, notes):
     one(docs, "PodDisruptionBudget")
 
 
+def expect_autoscaling_from_one(docs, notes):
+    one(docs, "HorizontalPodAutoscaler")
+    check(not by_kind(docs, "PodDisruptionBudget"), "a PDB over what may be a single pod blocks node drains")
+
+
 def expect_service_monitor(docs, notes):
     sm = one(docs, "ServiceMonitor")
     check(sm["apiVersion"] == "monitoring.coreos.com/v1", sm["apiVersion"])
@@ -453,6 +461,7 @@ def expect_kitchen_sink(docs, notes):
     env = env_map(server)
     check(env["OUTBOX_LEASE__DEFAULT"]["value"] == "45s", "env value")
     check(env["OUTBOX_LIMITS__MAX_BATCH"]["value"] == "500", "numeric env value not quoted")
+    check(env["OUTBOX_LIMITS__MAX_MESSAGE_BYTES"]["value"] == "16777216", f"a large number as text: {env['OUTBOX_LIMITS__MAX_MESSAGE_BYTES']}")
     check(env["OUTBOX_DATABASE__MAX_CONNECTIONS"]["value"] == "8", "maxConnections")
     check(env["OUTBOX_LOG__FILTER"]["value"] == "info,outboxd=debug", "log filter")
     check("RUST_BACKTRACE" in env, "extraEnv")
@@ -506,6 +515,7 @@ EXPECTATIONS = {
     "migrations-initcontainer.yaml": expect_init_container,
     "migrations-none.yaml": expect_none,
     "autoscaling.yaml": expect_autoscaling,
+    "autoscaling-from-one.yaml": expect_autoscaling_from_one,
     "servicemonitor.yaml": expect_service_monitor,
     "kitchen-sink.yaml": expect_kitchen_sink,
     "single-replica.yaml": expect_single_replica,

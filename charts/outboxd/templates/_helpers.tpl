@@ -191,7 +191,7 @@ Call with (dict "root" $ "migrate" true|false).
 {{- end }}
 {{- if not (kindIs "invalid" .Values.database.maxConnections) }}
 - name: OUTBOX_DATABASE__MAX_CONNECTIONS
-  value: {{ .Values.database.maxConnections | toString | quote }}
+  value: {{ include "outboxd.envValue" .Values.database.maxConnections | quote }}
 {{- end }}
 - name: OUTBOX_LOG__FORMAT
   value: {{ .Values.log.format | quote }}
@@ -225,7 +225,7 @@ Call with (dict "root" $ "migrate" true|false).
   value: {{ printf "%ds" (int .Values.shutdown.graceSeconds) | quote }}
 {{- range .Values.env }}
 - name: {{ .name }}
-  value: {{ .value | toString | quote }}
+  value: {{ include "outboxd.envValue" .value | quote }}
 {{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
@@ -306,16 +306,19 @@ Call with (dict "root" $ "migrate" true|false).
 A probe: HTTP on the admin port (`metrics`, plain HTTP whatever the gRPC port's TLS), whose
 /readyz reflects a drain and an unusable database, with or without TLS. With metrics off
 there is no admin port: kubelet's gRPC probe, or a TCP connect with TLS (kubelet's gRPC
-probe speaks plaintext only), which sees neither.
+probe speaks plaintext only), which sees neither. Liveness and startup without a service
+connect over TCP: the whole server's gRPC health turns NOT_SERVING while the database is
+unusable, which a restart would not cure.
 */}}
 {{- define "outbox.probe" -}}
 {{- $root := index . 0 }}
 {{- $probe := index . 1 }}
+{{- $alive := eq (index . 2) "alive" }}
 {{- if $root.Values.metrics.enabled }}
 httpGet:
   path: {{ $probe.path }}
   port: metrics
-{{- else if $root.Values.tls.enabled }}
+{{- else if or $root.Values.tls.enabled (and $alive (not $probe.service)) }}
 tcpSocket:
   port: grpc
 {{- else }}
@@ -326,4 +329,17 @@ grpc:
   {{- end }}
 {{- end }}
 {{- toYaml (omit $probe "enabled" "service" "path") | nindent 0 }}
+{{- end }}
+
+{{/*
+An env value as text. YAML numbers reach templates as float64, which toString writes in
+scientific notation from 1e6 on ("1.6777216e+07"), a value outboxd refuses: a whole
+number is written as an integer.
+*/}}
+{{- define "outboxd.envValue" -}}
+{{- if and (kindIs "float64" .) (eq (floor .) .) -}}
+{{- int64 . -}}
+{{- else -}}
+{{- toString . -}}
+{{- end -}}
 {{- end }}

@@ -471,6 +471,31 @@ pub async fn owner_database(
     Ok((Some(cluster), url))
 }
 
+/// `error` with what to do when it is PostgreSQL refusing a privilege to
+/// `OUTBOX_DATABASE__URL`, taken for the owner's because `OUTBOX_DATABASE__MIGRATION_URL`
+/// is unset (as [`owner_database`] does): the service role may not migrate nor mint keys.
+pub fn with_owner_hint(settings: &Settings, error: anyhow::Error) -> anyhow::Error {
+    let refused = error.chain().any(|cause| {
+        let sqlx_error = match cause.downcast_ref::<crate::outbox::Error>() {
+            Some(crate::outbox::Error::Database(e)) => Some(e),
+            _ => cause.downcast_ref::<sqlx::Error>(),
+        };
+        sqlx_error
+            .and_then(sqlx::Error::as_database_error)
+            .and_then(|db| db.code())
+            .is_some_and(|code| code == "42501")
+    });
+    if refused && settings.database.migration_url.is_none() && settings.database.url.is_some() {
+        error.context(
+            "OUTBOX_DATABASE__URL was used as the schema owner's, since \
+             OUTBOX_DATABASE__MIGRATION_URL is unset, and PostgreSQL refused it a privilege: \
+             set OUTBOX_DATABASE__MIGRATION_URL to the owner's URL",
+        )
+    } else {
+        error
+    }
+}
+
 /// How a server's time and background work run; tests use a manual clock and drive the
 /// sweeps themselves.
 #[derive(Debug, Clone)]

@@ -16,7 +16,7 @@ pub(super) async fn run(settings: Settings, command: KeysCommand) -> anyhow::Res
     let result = run_keys(&pool, command).await;
     pool.close().await;
     super::server::stop_embedded(embedded).await?;
-    result
+    result.map_err(|e| startup::with_owner_hint(&settings, e))
 }
 
 /// What `keys create --secret-from-env` did; never the secret, which the caller has.

@@ -21,7 +21,7 @@ use crate::config::{self, Settings};
 /// outboxd: a transactional outbox over PostgreSQL, served over gRPC.
 ///
 /// Without a command it serves. The server is configured by OUTBOX_* environment
-/// variables (see README.md); with no OUTBOX_DATABASE__URL it starts an embedded
+/// variables (see docs/configuration.md); with no OUTBOX_DATABASE__URL it starts an embedded
 /// PostgreSQL cluster under .outboxd/pgdata.
 #[derive(Debug, Parser)]
 #[command(version, after_help = variables_help())]
@@ -408,6 +408,7 @@ fn variables_help() -> String {
 
 /// Runs a parsed command line; the exit code reports success.
 pub fn run(cli: Cli) -> ExitCode {
+    quiet_on_broken_pipe();
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {
@@ -423,6 +424,25 @@ pub fn run(cli: Cli) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `outboxd intents list | head -1`: std's print macros panic once the reader has gone
+/// (Rust ignores SIGPIPE); end quietly instead, with the status of a process SIGPIPE
+/// killed.
+fn quiet_on_broken_pipe() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or_default();
+        if message.starts_with("failed printing to stdout") && message.contains("Broken pipe") {
+            std::process::exit(141);
+        }
+        default(info);
+    }));
 }
 
 /// Settings from the environment, then the `--set NAME=VALUE` flags on top.

@@ -9,6 +9,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 
 use super::output::{
     decision_name, intent_json, print, print_intent_detail, print_results, state_name, time,
+    time_json,
 };
 use super::queues::{policy_json, print_policy_table};
 use super::{
@@ -97,7 +98,7 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                         .iter()
                         .map(|l| json!({
                             "lease_id": l.lease_id, "attempt": l.attempt,
-                            "lease_expires_at": time(l.lease_expires_at.as_ref()),
+                            "lease_expires_at": time_json(l.lease_expires_at.as_ref()),
                             "intent": l.intent.as_ref().map(intent_json),
                         }))
                         .collect::<Vec<_>>()
@@ -283,7 +284,7 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
             let intent = response.intent.unwrap_or_default();
             let resolutions: Vec<Value> = response.resolutions.iter().map(|r| json!({
                 "decision": decision_name(r.decision), "from_state": state_name(r.from_state),
-                "actor": r.actor, "reason": r.reason, "resolved_at": time(r.resolved_at.as_ref()),
+                "actor": r.actor, "reason": r.reason, "resolved_at": time_json(r.resolved_at.as_ref()),
             })).collect();
             print(
                 &client,
@@ -393,11 +394,11 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                 json!({
                     "counts": counts,
                     "regions_left_out": stats.regions_left_out,
-                    "oldest_pending_at": time(stats.oldest_pending_at.as_ref()),
-                    "oldest_staged_at": time(stats.oldest_staged_at.as_ref()),
+                    "oldest_pending_at": time_json(stats.oldest_pending_at.as_ref()),
+                    "oldest_staged_at": time_json(stats.oldest_staged_at.as_ref()),
                     "reconcile_backlog": stats.reconcile_backlog,
                     "blocked_keys": stats.blocked_keys,
-                    "oldest_blocked_at": time(stats.oldest_blocked_at.as_ref()),
+                    "oldest_blocked_at": time_json(stats.oldest_blocked_at.as_ref()),
                     "policies": stats.policies.iter().map(policy_json).collect::<Vec<_>>(),
                 }),
                 || {
@@ -460,6 +461,9 @@ pub(super) async fn connect(args: &ClientArgs) -> anyhow::Result<Client> {
         let pem = std::fs::read(ca).with_context(|| format!("cannot read {}", ca.display()))?;
         endpoint = endpoint
             .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)))?;
+    } else if endpoint.uri().scheme_str() == Some("https") {
+        // A certificate of a public CA (an ingress's): the system's trust store.
+        endpoint = endpoint.tls_config(ClientTlsConfig::new().with_native_roots())?;
     }
     let channel = endpoint.connect().await.with_context(|| {
         format!(

@@ -75,10 +75,10 @@ pub(super) fn intent_json(i: &v1::Intent) -> Value {
         "headers": i.headers,
         "attempts": i.attempts,
         "max_attempts": i.max_attempts,
-        "available_at": time(i.available_at.as_ref()),
-        "created_at": time(i.created_at.as_ref()),
-        "updated_at": time(i.updated_at.as_ref()),
-        "lease_expires_at": time(i.lease_expires_at.as_ref()),
+        "available_at": time_json(i.available_at.as_ref()),
+        "created_at": time_json(i.created_at.as_ref()),
+        "updated_at": time_json(i.updated_at.as_ref()),
+        "lease_expires_at": time_json(i.lease_expires_at.as_ref()),
         "worker_id": i.worker_id,
         "last_error": i.last_error,
     })
@@ -100,6 +100,13 @@ pub(super) fn decision_name(decision: i32) -> String {
         .unwrap_or_else(|_| decision.to_string())
 }
 
+/// An instant for `--json`: RFC 3339, or null when unset.
+pub(super) fn time_json(t: Option<&prost_types::Timestamp>) -> Value {
+    t.and_then(from_timestamp)
+        .map_or(Value::Null, |t| Value::String(t.to_rfc3339()))
+}
+
+/// An instant for people: RFC 3339, or `-` when unset.
 pub(super) fn time(t: Option<&prost_types::Timestamp>) -> String {
     t.and_then(from_timestamp)
         .map(|t| t.to_rfc3339())

@@ -3,7 +3,7 @@
 use serde_json::{Value, json};
 
 use super::operator::connect;
-use super::output::{print, time};
+use super::output::{print, time, time_json};
 use super::{ClientArgs, QueuesCommand};
 use crate::proto::v1;
 
@@ -61,7 +61,7 @@ pub(super) fn policy_json(p: &v1::QueuePolicy) -> Value {
         "max_in_flight": p.max_in_flight, "rate_per_second": p.rate_per_second,
         "burst": p.burst, "in_flight": p.in_flight, "tokens": p.tokens,
         "actor": p.actor, "reason": p.reason,
-        "updated_at": time(p.updated_at.as_ref()),
+        "updated_at": time_json(p.updated_at.as_ref()),
     })
 }
 

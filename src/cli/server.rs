@@ -47,9 +47,10 @@ pub(super) async fn migrate(settings: Settings) -> anyhow::Result<()> {
     } else {
         let (embedded, url) = startup::owner_database(&settings).await?;
         let pool = startup::connect(&url, 2).await?;
-        startup::migrate(&pool).await?;
+        let migrated = startup::migrate(&pool).await;
         pool.close().await;
         stop_embedded(embedded).await?;
+        migrated.map_err(|e| startup::with_owner_hint(&settings, e))?;
     }
     println!("migrations applied");
     Ok(())

@@ -194,3 +194,65 @@ async fn a_client_command_refuses_set_instead_of_ignoring_it() {
     let enqueued = outboxd(&args, &env).await;
     assert!(enqueued.status.success(), "{}", text(&enqueued));
 }
+
+/// `outboxd intents list | head -1`: the reader goes away after a line, and the command
+/// ends quietly, as a process SIGPIPE kills does (status 141), not with a panic.
+#[tokio::test]
+async fn a_command_whose_reader_goes_away_ends_quietly() {
+    use tokio::io::AsyncBufReadExt;
+    let app = crate::helpers::TestApp::spawn().await;
+    let key = app.key(&[crate::helpers::TENANT], &["admin"], &[]).await;
+    app.enqueue_n("job", 1000).await;
+    let server = format!("http://{}", app.addr);
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_outboxd"));
+    command
+        .args([
+            "intents",
+            "list",
+            "--limit",
+            "500",
+            "--server",
+            &server,
+            "--api-key",
+            &key,
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = command.spawn().unwrap();
+    let mut stdout = tokio::io::BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    stdout.read_line(&mut first).await.unwrap();
+    // More than a pipe holds (64 KiB): the command is still writing when the reader goes.
+    assert!(first.len() * 1000 > 64 * 1024, "{first}");
+    drop(stdout);
+    let output = child.wait_with_output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(output.status.code(), Some(141), "{stderr}");
+}
+
+/// Without `OUTBOX_DATABASE__MIGRATION_URL`, `keys` and `migrate` act as the role of
+/// `OUTBOX_DATABASE__URL`; when that is the service role, PostgreSQL refuses it, and the
+/// error says which variable to set.
+#[tokio::test]
+async fn keys_and_migrate_as_the_service_role_say_to_set_the_owners_url() {
+    let app = crate::helpers::TestApp::spawn().await;
+    let service = crate::helpers::service_url(&app.url);
+    let fleet = crate::helpers::fleet_url(&app.url);
+    let env = [
+        ("OUTBOX_DATABASE__URL", service.as_str()),
+        ("OUTBOX_DATABASE__FLEET_URL", fleet.as_str()),
+    ];
+    let args = [
+        "keys", "create", "--name", "x", "--tenant", "acme", "--scope", "admin",
+    ];
+    for args in [&args[..], &["keys", "revoke", "x"], &["migrate"]] {
+        let output = outboxd(args, &env).await;
+        assert!(!output.status.success(), "{args:?}: {}", text(&output));
+        assert!(
+            String::from_utf8_lossy(&output.stderr).contains("set OUTBOX_DATABASE__MIGRATION_URL"),
+            "{args:?}: {}",
+            text(&output)
+        );
+    }
+}

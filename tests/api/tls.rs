@@ -111,6 +111,32 @@ async fn tls_serves_clients_that_trust_its_ca_and_refuses_plaintext() {
         call(&app, &key, Some(untrusted)).await.is_err(),
         "a server the client cannot verify"
     );
+
+    // The CLI: trusting the CA given, or else the system's trust store, which knows
+    // nothing of this test's CA.
+    let server = format!("https://localhost:{}", app.addr.port());
+    let ca = pki.ca_path();
+    let cli = |ca: Option<&Path>| {
+        let mut args = vec!["stats", "--server", &server, "--api-key", &key];
+        if let Some(ca) = ca {
+            args.extend(["--ca-file", ca.to_str().unwrap()]);
+        }
+        let args: Vec<String> = args.into_iter().map(str::to_owned).collect();
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            crate::commands::outboxd(&args, &[]).await
+        }
+    };
+    let trusted = cli(Some(&ca)).await;
+    assert!(
+        trusted.status.success(),
+        "{}",
+        String::from_utf8_lossy(&trusted.stderr)
+    );
+    let system = cli(None).await;
+    let stderr = String::from_utf8_lossy(&system.stderr);
+    assert!(!system.status.success());
+    assert!(stderr.contains("certificate"), "{stderr}");
 }
 
 #[tokio::test]

@@ -152,8 +152,8 @@ pub struct StateCount {
 /// Queue statistics of the transaction's tenants.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QueueStats {
-    /// Non-zero counts by state and region: of each state the [`REGIONS_PER_STATE`]
-    /// regions with the most intents.
+    /// Non-zero counts by state and region: of each state the 100 regions with the most
+    /// intents.
     pub counts: Vec<StateCount>,
     /// Whether a state had more regions than `counts` shows.
     pub regions_left_out: bool,
@@ -175,7 +175,7 @@ pub struct QueueStats {
 
 /// Most regions [`QueueStats::counts`] shows of one state: regions are whatever names
 /// producers give, and a reply must stay small however many they make.
-pub const REGIONS_PER_STATE: i64 = 100;
+const REGIONS_PER_STATE: i64 = 100;
 
 /// The heads of ordering keys that hold their keys back: waiting out a retry's backoff,
 /// NEEDS_RECONCILE, or DEAD_LETTERED without an operator's decision, with later intents of

@@ -370,3 +370,95 @@ async fn a_commit_before_a_backend_crash_is_not_proven_by_a_flush_after_it() {
     drop(before);
     stop_own_cluster(app, cluster).await;
 }
+
+/// Backends waiting for a synchronous standby to confirm their commit.
+async fn waiting_for_the_standby(conn: &mut PgConnection) -> Vec<i32> {
+    sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE wait_event = 'SyncRep'")
+        .fetch_all(conn)
+        .await
+        .unwrap()
+}
+
+/// An Enqueue whose COMMIT lost its answer while it waited for a synchronous standby is
+/// committed on the primary only; its retry, which deduplicates and writes nothing, must
+/// not be answered before that commit reached the standby (a failover meanwhile would lose
+/// an intent answered OK).
+#[tokio::test]
+async fn a_retry_that_deduplicates_is_answered_once_the_original_is_durable() {
+    let (app, cluster) = app_on_own_cluster_with(Vec::new()).await;
+    let mut admin = PgConnection::connect(&cluster.url("postgres"))
+        .await
+        .unwrap();
+    let standby =
+        |names: &'static str| format!("ALTER SYSTEM SET synchronous_standby_names = '{names}'");
+    sqlx::raw_sql(&standby("ghost"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    sqlx::raw_sql("SELECT pg_reload_conf()")
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let keyed = || {
+        let mut i = intent("payment.charge", "{}");
+        i.idempotency_key = "charge-7".into();
+        i
+    };
+    let enqueue = || {
+        let mut client = app.client();
+        tokio::spawn(async move {
+            client
+                .enqueue(v1::EnqueueRequest {
+                    intents: vec![keyed()],
+                    txn_token: String::new(),
+                })
+                .await
+        })
+    };
+
+    let first = enqueue();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let pid = loop {
+        if let Some(pid) = waiting_for_the_standby(&mut admin).await.first() {
+            break *pid;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the commit did not wait for the standby"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let lost = first.await.unwrap().unwrap_err();
+    assert_status(&lost, Code::Unavailable, "COMMIT_OUTCOME_UNKNOWN", &[]);
+
+    let retry = enqueue();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while waiting_for_the_standby(&mut admin).await.is_empty() {
+        assert!(
+            !retry.is_finished(),
+            "the retry was answered before the original reached the standby: {:?}",
+            retry.await.unwrap()
+        );
+        assert!(
+            Instant::now() < deadline,
+            "the retry neither waited nor answered"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    sqlx::raw_sql(&standby(""))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    sqlx::raw_sql("SELECT pg_reload_conf()")
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let answered = retry.await.unwrap().unwrap().into_inner();
+    assert!(answered.results[0].deduplicated);
+    stop_own_cluster(app, cluster).await;
+}

@@ -255,6 +255,11 @@ pub async fn insert_intents(
             handed_off: false,
         });
     }
+    // The intent deduplicated against may be one whose commit lost its answer before it
+    // was flushed or reached a synchronous standby: not answered before it is durable.
+    if results.iter().any(|r| r.deduplicated) {
+        super::flush::commit_waits_for_flush(conn).await?;
+    }
 
     Ok(Inserted {
         enqueued: results,

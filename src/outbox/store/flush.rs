@@ -14,6 +14,17 @@ const FLUSHING_COMMIT: &str = "SELECT pg_postmaster_start_time(), pg_backend_pid
      (SELECT backend_start FROM pg_stat_get_activity(pg_backend_pid())) \
      FROM (SELECT pg_logical_emit_message(true, 'outboxd', '')) m";
 
+/// Gives the transaction WAL of its own, so that its COMMIT waits for the flush (and a
+/// synchronous standby) like any that wrote: one that only read, as an Enqueue that only
+/// deduplicated, commits at once, and its answer could come before the original's commit,
+/// whose own answer was lost, is durable.
+pub async fn commit_waits_for_flush(conn: &mut PgConnection) -> sqlx::Result<()> {
+    sqlx::query("SELECT pg_logical_emit_message(true, 'outboxd', '')")
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
 /// A commit that did not wait for its flush, as its statement saw the server.
 #[derive(Debug, Clone, Copy)]
 pub struct Unflushed {

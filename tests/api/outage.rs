@@ -462,3 +462,81 @@ async fn a_retry_that_deduplicates_is_answered_once_the_original_is_durable() {
     assert!(answered.results[0].deduplicated);
     stop_own_cluster(app, cluster).await;
 }
+
+/// The same for a settle: a MarkSubmitted whose COMMIT lost its answer while it waited for
+/// the standby is made again on another connection, where it finds its own change and is
+/// a replay; it is answered once the original reached the standby (lost in a failover,
+/// the intent would go back to PENDING on expiry and to a second worker, though its first
+/// worker had been told its external call was on record).
+#[tokio::test]
+async fn a_replayed_mark_submitted_is_answered_once_the_original_is_durable() {
+    let (app, cluster) = app_on_own_cluster_with(Vec::new()).await;
+    let mut admin = PgConnection::connect(&cluster.url("postgres"))
+        .await
+        .unwrap();
+    app.enqueue_one("payment.charge", "{}").await;
+    let lease = app.claim_n("w", 1).await.remove(0);
+    let standby =
+        |names: &'static str| format!("ALTER SYSTEM SET synchronous_standby_names = '{names}'");
+    sqlx::raw_sql(&standby("ghost"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    sqlx::raw_sql("SELECT pg_reload_conf()")
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let mut client = app.client();
+    let leases = vec![lease_ref(&lease)];
+    let mark = tokio::spawn(async move {
+        client
+            .mark_submitted(v1::MarkSubmittedRequest { leases })
+            .await
+    });
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let pid = loop {
+        if let Some(pid) = waiting_for_the_standby(&mut admin).await.first() {
+            break *pid;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the commit did not wait for the standby"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    // The call goes on as a replay, which must wait for the standby too.
+    loop {
+        let waiting = waiting_for_the_standby(&mut admin).await;
+        if waiting.iter().any(|p| *p != pid) {
+            break;
+        }
+        assert!(
+            !mark.is_finished(),
+            "the replay was answered before the original reached the standby: {:?}",
+            mark.await.unwrap()
+        );
+        assert!(
+            Instant::now() < deadline,
+            "the replay neither waited nor answered"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    sqlx::raw_sql(&standby(""))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    sqlx::raw_sql("SELECT pg_reload_conf()")
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let answered = mark.await.unwrap().unwrap().into_inner();
+    assert!(answered.results[0].error.is_none(), "{answered:?}");
+    assert_eq!(answered.results[0].state(), v1::IntentState::Submitted);
+    stop_own_cluster(app, cluster).await;
+}

@@ -249,8 +249,17 @@ async fn settle_in_one_call(
         })
         .collect();
     let current = current_of_missed(pools, scope.tenants, scope.key_regions, &rows).await?;
+    let results = item_results(&pairs, rows, &current, is_replay);
+    if results.iter().any(|r| !r.applied && r.error.is_none()) {
+        // A replay answers OK from what an earlier call committed, maybe one whose COMMIT
+        // lost its answer before it was flushed or reached a synchronous standby: a commit
+        // that waits for its flush, after it, makes it durable first.
+        let mut tx = begin(pools, scope.tenants).await?;
+        super::flush::commit_waits_for_flush(&mut tx).await?;
+        tx.commit().await?;
+    }
     Ok(Settled {
-        results: item_results(&pairs, rows, &current, is_replay),
+        results,
         released: released.len(),
     })
 }

@@ -250,6 +250,15 @@ pub async fn enqueue(
     let check = store::check_token(&mut tx, token.xid).await?;
     let same_life = check.incarnation == token.incarnation;
     match check.status {
+        // A prepared transaction outlives a crash, and intents staged under its id before
+        // the crash follow its COMMIT PREPARED: a retry of their Enqueue is answered with
+        // them. (Their staging commit, durable, holds the id above the WAL's, so no other
+        // transaction can have it; new intents are refused as for any earlier life.)
+        TxnStatus::InProgress if !same_life && check.prepared => {
+            return store::find_replay(&mut tx, token.xid, &intents)
+                .await?
+                .ok_or_else(|| stale_token(token.xid));
+        }
         TxnStatus::InProgress | TxnStatus::Future | TxnStatus::Aborted if !same_life => {
             return Err(stale_token(token.xid));
         }

@@ -801,3 +801,65 @@ async fn an_intent_staged_under_a_transaction_id_this_cluster_never_handed_out_g
         "the operator is told why"
     );
 }
+
+/// A prepared transaction (two-phase commit) outlives a crash: the retry of an Enqueue
+/// whose intents it staged before the crash is answered with them, intents it would add
+/// are refused as for any transaction of an earlier server life, and COMMIT PREPARED
+/// delivers what was staged.
+#[tokio::test]
+async fn a_prepared_transaction_that_outlives_a_crash_keeps_what_it_staged() {
+    let settings = vec![("max_prepared_transactions".to_owned(), "4".to_owned())];
+    let (app, cluster) = app_on_own_cluster_with(settings).await;
+    let mut producer = app.producer().await;
+    sqlx::raw_sql("BEGIN").execute(&mut producer).await.unwrap();
+    // A transaction to be prepared takes the plain-SQL token (outbox.txn_token() notifies).
+    let token: String = sqlx::query_scalar(PLAIN_TOKEN_SQL)
+        .fetch_one(&mut producer)
+        .await
+        .unwrap();
+    let keyed = |key: &str| {
+        let mut i = intent("ledger.post", "{}");
+        i.idempotency_key = key.to_owned();
+        i
+    };
+    let staged = enqueue_in(&app, &token, vec![keyed("post-1")])
+        .await
+        .unwrap()[0]
+        .id
+        .clone();
+    sqlx::raw_sql("PREPARE TRANSACTION 'posting-1'")
+        .execute(&mut producer)
+        .await
+        .unwrap();
+
+    let cluster = crash_and_restart(cluster).await;
+    drop(producer);
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let replayed = loop {
+        match enqueue_in(&app, &token, vec![keyed("post-1")]).await {
+            Ok(results) => break results,
+            // The server's connections died with the crash.
+            Err(status) if status.code() == tonic::Code::Unavailable => {
+                assert!(std::time::Instant::now() < deadline, "{status:?}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(status) => panic!("the retry was refused: {status:?}"),
+        }
+    };
+    assert_eq!(replayed[0].id, staged);
+    assert!(replayed[0].deduplicated);
+    let refused = enqueue_in(&app, &token, vec![keyed("post-2")])
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Aborted, "{refused:?}");
+
+    let mut owner = sqlx::PgConnection::connect(&app.url).await.unwrap();
+    sqlx::raw_sql("COMMIT PREPARED 'posting-1'")
+        .execute(&mut owner)
+        .await
+        .unwrap();
+    app.promote().await;
+    assert_eq!(app.state(&staged).await, IntentState::Pending);
+    stop_own_cluster(app, cluster).await;
+}

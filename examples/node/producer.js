@@ -6,11 +6,13 @@
 // promotion sweep (every 100 ms by default) then sees the commit; in the outbox's own
 // database the SDK's default takes outbox.txn_token() instead, promoted at once.
 //
-// Setup and run, from the repository root, with outboxd serving:
+// Setup and run, from the repository root, with outboxd serving on its embedded cluster at
+// a known port (`OUTBOX_EMBEDDED__PORT=5433 cargo run`; a key from `cargo run -q -- keys
+// create --name examples --tenant default --scope produce --scope consume`):
 //
 //   npm ci --prefix clients/typescript && npm run build --prefix clients/typescript
 //   npm ci --prefix examples/node
-//   OUTBOX_PRODUCER_DATABASE_URL=postgres://postgres@127.0.0.1:5432/shop \
+//   OUTBOX_PRODUCER_DATABASE_URL=postgres://postgres@127.0.0.1:5433/shop \
 //   OUTBOX_SERVER=127.0.0.1:50051 OUTBOX_API_KEY=obx_… node examples/node/producer.js
 //
 // It places one order that commits and one that rolls back, prints what happened, and ends

@@ -2,6 +2,8 @@
 // producer enqueues. The SDK claims only for free slots, long-polls, extends leases while
 // handlers run, batches Acks and Fails, and drains on SIGTERM/SIGINT.
 //
+// Setup as for producer.js (the SDK built, `npm ci --prefix examples/node`), then:
+//
 //   OUTBOX_SERVER=127.0.0.1:50051 OUTBOX_API_KEY=obx_… node examples/node/worker.js
 //
 // OUTBOX_WORKER_STOP_AFTER=N stops it (with a drain) after N intents, as CI runs it.

@@ -11,10 +11,13 @@ Setup, from the repository root:
     python3 -m venv examples/python/.venv
     examples/python/.venv/bin/pip install -r examples/python/requirements.txt
 
-Run, with outboxd serving:
+Run, with outboxd serving on its embedded cluster at a known port (`OUTBOX_EMBEDDED__PORT=5433
+cargo run`; a key from `cargo run -q -- keys create --name examples --tenant default
+--scope produce --scope consume`):
 
-    OUTBOX_PRODUCER_DATABASE_URL=postgres://postgres@127.0.0.1:5432/outbox \
-    OUTBOX_SERVER=127.0.0.1:50051 examples/python/.venv/bin/python examples/python/producer.py
+    OUTBOX_PRODUCER_DATABASE_URL=postgres://postgres@127.0.0.1:5433/outbox \
+    OUTBOX_SERVER=127.0.0.1:50051 OUTBOX_API_KEY=obx_… \
+    examples/python/.venv/bin/python examples/python/producer.py
 
 It places one order that commits and one that rolls back, prints what happened, and ends
 with one JSON line: {"committed": [...], "rolled_back": [...]}.

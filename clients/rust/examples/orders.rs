@@ -18,20 +18,26 @@ use tokio_util::sync::CancellationToken;
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let endpoint = std::env::var("OUTBOX_SERVER").unwrap_or_else(|_| "127.0.0.1:50051".into());
     let connection = Connection::builder([endpoint])
-        .api_key(std::env::var("OUTBOX_API_KEY")?)
+        .api_key(
+            std::env::var("OUTBOX_API_KEY")
+                .map_err(|_| "set OUTBOX_API_KEY (a key with the produce and consume scopes)")?,
+        )
         .build()?;
-    let pool = sqlx::PgPool::connect(&std::env::var("DATABASE_URL")?).await?;
-    sqlx::query("CREATE TABLE IF NOT EXISTS orders (id bigserial PRIMARY KEY, email text)")
+    let url = std::env::var("DATABASE_URL")
+        .map_err(|_| "set DATABASE_URL (a database of the outbox's PostgreSQL cluster)")?;
+    let pool = sqlx::PgPool::connect(&url).await?;
+    sqlx::query("CREATE TABLE IF NOT EXISTS email_orders (id bigserial PRIMARY KEY, email text)")
         .execute(&pool)
         .await?;
 
     // Producer: the order and its intent exist together, or neither does.
     let outbox = Outbox::new(connection.clone());
     let mut tx = pool.begin().await?;
-    let order: i64 = sqlx::query_scalar("INSERT INTO orders (email) VALUES ($1) RETURNING id")
-        .bind("ada@example.com")
-        .fetch_one(&mut *tx)
-        .await?;
+    let order: i64 =
+        sqlx::query_scalar("INSERT INTO email_orders (email) VALUES ($1) RETURNING id")
+            .bind("ada@example.com")
+            .fetch_one(&mut *tx)
+            .await?;
     let intent = NewIntent::new("email.send", "ada@example.com")
         .idempotency_key(format!("orders/{order}/welcome-email"));
     let enqueued = outbox.enqueue(&mut tx, intent).await?; // STAGED until the commit

@@ -341,6 +341,11 @@ impl Authenticator {
         }
     }
 
+    /// How long a looked-up key is trusted before it is read again.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
     /// The caller presenting `authorization: Bearer <key>`.
     ///
     /// # Errors

@@ -381,6 +381,7 @@ impl OutboxHandler {
         let received = Instant::now();
         let (caller, scope) = self.access(&request, Permission::Consume).await?;
         let caller_timeout = caller_timeout(request.metadata());
+        let metadata = request.metadata().clone();
         let claim = validate::claim(request.into_inner(), &self.limits)?;
         caller.require_region("region", &claim.region)?;
         let span = tracing::Span::current();
@@ -404,16 +405,40 @@ impl OutboxHandler {
         // Before the caller's own deadline, if it set one: an answer it no longer waits for
         // would take its leases with it.
         let deadline = received + bounded_wait(claim.wait, caller_timeout);
+        let claim_wait_is_zero = claim.wait.is_zero();
         let call = ClaimCall {
             scope: &scope,
             params,
             wait: claim.wait,
             deadline,
         };
-        let (intents, replayed) = match self.claims.claim(call, &gone).await? {
+        // A long poll stops, as for a caller gone, when its key is revoked meanwhile.
+        let stop = gone.child_token();
+        let answer = {
+            let claim = self.claims.claim(call, &stop);
+            tokio::pin!(claim);
+            let revoked = async {
+                if claim_wait_is_zero {
+                    std::future::pending::<()>().await;
+                }
+                until_revoked(&self.auth, &metadata).await;
+                stop.cancel();
+            };
+            tokio::select! {
+                answer = &mut claim => answer,
+                () = revoked => claim.await,
+            }
+        };
+        let (intents, replayed) = match answer? {
             ClaimAnswer::Leased { intents, replayed } => (intents, replayed),
-            ClaimAnswer::CallerGone => {
+            ClaimAnswer::CallerGone if gone.is_cancelled() => {
                 return Err(Status::cancelled("the caller went away before its answer"));
+            }
+            ClaimAnswer::CallerGone => {
+                return Err(Error::Unauthenticated(
+                    "the API key was revoked while the Claim waited".to_owned(),
+                )
+                .into());
             }
         };
         // A reply larger than the worker's client accepts would be refused after its leases
@@ -758,6 +783,21 @@ fn one_tenant(scope: &TenantScope, to: &str) -> Result<String, Error> {
             ),
         )])
     })
+}
+
+/// Returns once the key presented in `metadata` no longer authenticates (revoked), read
+/// through the key cache every second (or its TTL, at least 100 ms): a long poll learns of
+/// it within the cache's TTL and a second, as a new call would.
+async fn until_revoked(auth: &Authenticator, metadata: &tonic::metadata::MetadataMap) {
+    let every = auth
+        .ttl()
+        .clamp(Duration::from_millis(100), Duration::from_secs(1));
+    loop {
+        tokio::time::sleep(every).await;
+        if let Err(Error::Unauthenticated(_)) = auth.authenticate(metadata).await {
+            return;
+        }
+    }
 }
 
 #[tonic::async_trait]

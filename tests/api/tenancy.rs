@@ -950,3 +950,27 @@ async fn lookups_of_unknown_keys_hold_at_most_a_few_connections() {
         assert_eq!(call.await.unwrap(), Code::Unauthenticated);
     }
 }
+
+/// A Claim that long-polls under a key revoked meanwhile stops within the key cache's TTL
+/// and a second, answered UNAUTHENTICATED, and leases nothing after.
+#[tokio::test]
+async fn a_long_poll_ends_when_its_key_is_revoked() {
+    let app = TestApp::spawn_with(|s| s.auth.cache_ttl = Duration::from_millis(200)).await;
+    let key = app.key(&[crate::helpers::TENANT], &["consume"], &[]).await;
+    let mut worker = app.client_with(Some(&key), None).await;
+    let waiting = tokio::spawn(async move {
+        let mut request = claim_request("w", 1);
+        request.wait = Some(crate::helpers::duration(Duration::from_secs(30)));
+        worker.claim(request).await
+    });
+    crate::long_poll::wait_until_claims_are_waiting(&app, 1, 1).await;
+    app.revoke(&key).await;
+    let status = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the long poll outlived its key")
+        .unwrap()
+        .unwrap_err();
+    assert_status(&status, Code::Unauthenticated, "UNAUTHENTICATED", &[]);
+    let id = app.enqueue_one("job", "{}").await;
+    assert_eq!(app.state(&id).await, IntentState::Pending);
+}

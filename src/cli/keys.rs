@@ -110,8 +110,8 @@ async fn run_keys(pool: &sqlx::PgPool, command: KeysCommand) -> anyhow::Result<(
                 println!("{}", serde_json::to_string_pretty(&keys)?);
             } else {
                 println!(
-                    "{:<36}  {:<20} {:<14} {:<24} {:<28} STATUS",
-                    "ID", "NAME", "PREFIX", "TENANTS", "SCOPES"
+                    "{:<36}  {:<20} {:<14} {:<24} {:<28} {:<16} STATUS",
+                    "ID", "NAME", "PREFIX", "TENANTS", "SCOPES", "REGIONS"
                 );
                 for k in keys {
                     let tenants = if k.all_tenants {
@@ -124,13 +124,19 @@ async fn run_keys(pool: &sqlx::PgPool, command: KeysCommand) -> anyhow::Result<(
                     } else {
                         "active"
                     };
+                    let regions = if k.regions.is_empty() {
+                        "*".to_owned()
+                    } else {
+                        k.regions.join(",")
+                    };
                     println!(
-                        "{:<36}  {:<20} {:<14} {:<24} {:<28} {status}",
+                        "{:<36}  {:<20} {:<14} {:<24} {:<28} {:<16} {status}",
                         k.id,
                         k.name,
                         k.prefix,
                         tenants,
-                        k.scopes.join(",")
+                        k.scopes.join(","),
+                        regions
                     );
                 }
             }

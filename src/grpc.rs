@@ -332,12 +332,16 @@ fn log_refusal(status: &Status) {
     tracing::Span::current().record("error.type", format!("{code:?}"));
     match refusal_level(code) {
         tracing::Level::ERROR => {
-            tracing::error!(rpc.grpc.status_code = ?code, message, "call failed")
+            tracing::error!(rpc.grpc.status_code = ?code, rpc.grpc.status_message = message, "call failed")
         }
         tracing::Level::INFO => {
-            tracing::info!(rpc.grpc.status_code = ?code, message, "call failed")
+            tracing::info!(rpc.grpc.status_code = ?code, rpc.grpc.status_message = message, "call failed")
         }
-        _ => tracing::debug!(rpc.grpc.status_code = ?code, message, "call refused"),
+        _ => tracing::debug!(
+            rpc.grpc.status_code = ?code,
+            rpc.grpc.status_message = message,
+            "call refused"
+        ),
     }
 }
 

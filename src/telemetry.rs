@@ -14,11 +14,13 @@ use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing::Level;
 use tracing::Span;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::filter::{LevelFilter, Targets};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
-use tracing_subscriber::{EnvFilter, Layer, Registry};
+use tracing_subscriber::{Layer, Registry};
 
 use crate::config::LogFormat;
 
@@ -87,21 +89,43 @@ pub fn tracer_provider(
 /// in-memory exporter). A second call is a no-op.
 pub fn install(format: LogFormat, filter: &str, provider: Option<SdkTracerProvider>) {
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    let filter = EnvFilter::try_new(filter).unwrap_or_else(|_| EnvFilter::new("info"));
-    let fmt = tracing_subscriber::fmt::layer()
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr);
-    let fmt = match format {
-        LogFormat::Text => fmt.boxed(),
-        LogFormat::Json => fmt.json().flatten_event(true).boxed(),
-    };
-    let otel = provider.map(|p| {
-        tracing_opentelemetry::layer()
-            .with_tracer(p.tracer("outboxd"))
-            .with_filter(EnvFilter::new("outboxd=info"))
+    let filter: Targets = filter
+        .parse()
+        .unwrap_or_else(|_| Targets::new().with_default(Level::INFO));
+    // `off`: no log layer at all (a test exporting spans only).
+    let silent = filter.iter().next().is_none()
+        && filter
+            .default_level()
+            .is_none_or(|level| level == LevelFilter::OFF);
+    let fmt = (!silent).then(|| {
+        let fmt = tracing_subscriber::fmt::layer()
+            .with_ansi(std::io::stderr().is_terminal())
+            .with_writer(std::io::stderr);
+        match format {
+            LogFormat::Text => fmt.boxed(),
+            LogFormat::Json => fmt.json().flatten_event(true).boxed(),
+        }
     });
+    // One filter for both layers: the logs', opened to outboxd's spans at INFO when they
+    // are exported. With a filter per layer (EnvFilter and Targets alike) that differed,
+    // as with a log filter of `info,outboxd=debug`, the exporter got no span at all and
+    // the log lost lines.
+    let filter = match &provider {
+        Some(_) => {
+            let outboxd = filter
+                .iter()
+                .find(|(target, _)| *target == "outboxd")
+                .map(|(_, level)| level)
+                .or_else(|| filter.default_level())
+                .unwrap_or(LevelFilter::OFF);
+            filter.with_target("outboxd", outboxd.max(LevelFilter::INFO))
+        }
+        None => filter,
+    };
+    let otel = provider.map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("outboxd")));
     let _ = Registry::default()
-        .with(fmt.with_filter(filter))
+        .with(filter)
+        .with(fmt)
         .with(otel)
         .try_init();
 }

@@ -83,12 +83,13 @@ impl Settings {
             .collect();
         let mut errors = Vec::new();
         let mut keys = BTreeMap::new();
-        for (name, value) in &given {
+        for name in given.keys() {
             match key_of(name) {
                 Some(key) => {
                     keys.insert(name.as_str(), key);
                 }
-                None => errors.push(problem(name, value, UNKNOWN)),
+                // Not the value: a misspelt URL variable's holds a password.
+                None => errors.push(format!("{name}: {UNKNOWN}")),
             }
         }
         loop {
@@ -126,7 +127,11 @@ impl Settings {
                 };
                 for name in culprits {
                     keys.remove(name);
-                    errors.push(problem(name, &given[name], &why));
+                    errors.push(if why == UNKNOWN {
+                        format!("{name}: {UNKNOWN}")
+                    } else {
+                        problem(name, &given[name], &why)
+                    });
                 }
             }
         }
@@ -134,7 +139,30 @@ impl Settings {
 }
 
 fn problem(name: &str, value: &str, why: &str) -> String {
-    format!("{name}={value:?}: {why}")
+    let shown = without_password(value);
+    // The loader's own message may quote the value too.
+    let why = why.replace(value, &shown);
+    format!("{name}={shown:?}: {why}")
+}
+
+/// `value` with the password of a URL's user info masked (`postgres://svc:***@db/x`).
+fn without_password(value: &str) -> String {
+    let Some(scheme_end) = value.find("://").map(|i| i + 3) else {
+        return value.to_owned();
+    };
+    let authority_end = value[scheme_end..]
+        .find(['/', '?', '#'])
+        .map_or(value.len(), |i| scheme_end + i);
+    let authority = &value[scheme_end..authority_end];
+    match (authority.rfind('@'), authority.find(':')) {
+        (Some(at), Some(colon)) if colon < at => format!(
+            "{}{}:***{}",
+            &value[..scheme_end],
+            &authority[..colon],
+            &value[scheme_end + at..]
+        ),
+        _ => value.to_owned(),
+    }
 }
 
 /// The key of the field a variable sets (`OUTBOX_DATABASE__URL`: `database.url`), or `None`
@@ -419,9 +447,9 @@ mod tests {
             ("OUTBOX_CLAIM__HAND_OFF=\"maybe\"", "expected a boolean"),
             ("OUTBOX_LOG__FORMAT=\"xml\"", "`text` or `json`"),
             ("OUTBOX_EMBEDDED__PORT=\"70000\"", "u16"),
-            ("OUTBOX_TYPO=\"1\"", "unknown variable"),
-            ("OUTBOX_LIMITS__DEFAULT_LEASE=\"5s\"", "unknown variable"),
-            ("OUTBOX_limits__max_batch=\"5\"", "unknown variable"),
+            ("OUTBOX_TYPO:", "unknown variable"),
+            ("OUTBOX_LIMITS__DEFAULT_LEASE:", "unknown variable"),
+            ("OUTBOX_limits__max_batch:", "unknown variable"),
             (
                 "OUTBOX_RETRY__BASE must not exceed OUTBOX_RETRY__CAP",
                 "OUTBOX_RETRY__BASE",
@@ -436,6 +464,35 @@ mod tests {
             );
         }
         assert_eq!(lines.len(), expect.len(), "{err}");
+    }
+
+    #[test]
+    fn errors_show_no_password() {
+        let err = Settings::from_vars(vars(&[
+            ("OUTBOX_DATABASE_URL", "postgres://svc:S3cret@db:5432/x"),
+            (
+                "OUTBOX_DATABASE__MAX_CONNECTIONS",
+                "postgres://svc:S3cret@db/x",
+            ),
+        ]))
+        .unwrap_err();
+        let text = err.0.join("\n");
+        assert!(!text.contains("S3cret"), "{text}");
+        assert!(
+            text.contains("OUTBOX_DATABASE_URL: unknown variable"),
+            "{text}"
+        );
+        assert!(text.contains("postgres://svc:***@db/x"), "{text}");
+    }
+
+    #[test]
+    fn a_log_filter_that_does_not_parse_is_refused() {
+        let err =
+            Settings::from_vars(vars(&[("OUTBOX_LOG__FILTER", "outboxd=verbose")])).unwrap_err();
+        assert_eq!(err.0.len(), 1);
+        assert!(err.0[0].starts_with("OUTBOX_LOG__FILTER"), "{err}");
+        let s = Settings::from_vars(vars(&[("OUTBOX_LOG__FILTER", "info,outboxd=debug")]));
+        assert_eq!(s.unwrap().log.filter, "info,outboxd=debug");
     }
 
     #[test]

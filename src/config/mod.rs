@@ -377,6 +377,16 @@ impl Settings {
     fn inconsistencies(&self) -> Vec<String> {
         let (l, m) = (&self.limits, &self.maintenance);
         let mut problems = Vec::new();
+        if let Err(e) = self
+            .log
+            .filter
+            .parse::<tracing_subscriber::filter::Targets>()
+        {
+            problems.push(format!(
+                "OUTBOX_LOG__FILTER={:?}: {e} (directives as `info,outboxd=debug`)",
+                self.log.filter
+            ));
+        }
         let at_least_one = [
             (l.max_batch, "OUTBOX_LIMITS__MAX_BATCH"),
             (l.max_payload_bytes, "OUTBOX_LIMITS__MAX_PAYLOAD_BYTES"),

@@ -103,7 +103,7 @@ pub struct Metrics {
     kinds: Vec<String>,
     /// Regions whose `outbox_intents` series exist: once seen, a region's states read 0
     /// rather than vanish when they empty (an alert on an absent series would misfire).
-    /// At most [`MAX_REGION_LABELS`]; later regions count as `other`.
+    /// At most [`MAX_REGION_LABELS`] and "" (none); later regions count as `(other)`.
     regions_seen: Mutex<BTreeSet<String>>,
     /// RPCs by method and code.
     pub rpc_requests: Family<RpcLabels, Counter>,
@@ -188,8 +188,9 @@ pub const OTHER_KIND: &str = "other";
 /// a series per live state, kept for good.
 const MAX_REGION_LABELS: usize = 64;
 
-/// The `region` label of intents of regions past [`MAX_REGION_LABELS`].
-const OTHER_REGION: &str = "other";
+/// The `region` label of intents of regions past [`MAX_REGION_LABELS`]: not a valid region
+/// name, so no region's own label.
+const OTHER_REGION: &str = "(other)";
 
 /// The commit this binary was built from (build.rs), or `unknown` outside a git checkout.
 pub const BUILD_COMMIT: &str = env!("OUTBOXD_BUILD_COMMIT");
@@ -467,7 +468,8 @@ impl Metrics {
                 .unwrap_or_else(PoisonError::into_inner);
             for d in &depth.counts {
                 if !seen.contains(&d.region) {
-                    let label = if seen.len() < MAX_REGION_LABELS {
+                    // `seen` holds "" (no region) besides the named regions.
+                    let label = if seen.len() <= MAX_REGION_LABELS {
                         d.region.clone()
                     } else {
                         OTHER_REGION.to_owned()

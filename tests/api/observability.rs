@@ -720,3 +720,29 @@ async fn reflection_serves_the_error_detail_types_the_api_depends_on() {
         }
     }
 }
+
+/// Regions are the producers' names: the first 64 get a label of their own, besides
+/// intents of no region, and the rest share `(other)`, which no region can be called.
+#[tokio::test]
+async fn the_region_label_takes_64_regions_then_other() {
+    let app = TestApp::spawn().await;
+    let in_region = |n: usize| {
+        let mut i = intent("job", "{}");
+        i.region = format!("r{n:02}");
+        i
+    };
+    let mut batch: Vec<_> = (0..70).map(in_region).collect();
+    batch.push(intent("job", "{}"));
+    app.enqueue(batch).await.unwrap();
+    app.wait_for_metric(r#"outbox_intents{state="pending",region="(other)"} 6"#)
+        .await;
+    let text = app.scrape().await;
+    let labelled: std::collections::BTreeSet<&str> = text
+        .lines()
+        .filter(|l| l.starts_with(r#"outbox_intents{state="pending",region=""#))
+        .filter(|l| !l.ends_with(" 0"))
+        .filter_map(|l| l.split("region=\"").nth(1)?.split('"').next())
+        .collect();
+    assert_eq!(labelled.len(), 64 + 2, "{labelled:?}");
+    assert!(labelled.contains("") && labelled.contains("(other)"));
+}

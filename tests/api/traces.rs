@@ -248,6 +248,16 @@ impl Drop for Process {
 
 /// Starts `outboxd serve` on `url`'s database; a client of it with `key`, once it answers.
 async fn serve(url: &str, otlp_endpoint: &str, key: &str) -> (Process, outboxd::client::Client) {
+    serve_logging(url, otlp_endpoint, key, "info").await
+}
+
+/// [`serve`] with `OUTBOX_LOG__FILTER=log_filter`.
+async fn serve_logging(
+    url: &str,
+    otlp_endpoint: &str,
+    key: &str,
+    log_filter: &str,
+) -> (Process, outboxd::client::Client) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -268,6 +278,7 @@ async fn serve(url: &str, otlp_endpoint: &str, key: &str) -> (Process, outboxd::
         .env("OUTBOX_LISTEN_ADDR", format!("127.0.0.1:{port}"))
         .env("OUTBOX_METRICS__LISTEN_ADDR", "127.0.0.1:0")
         .env("OUTBOX_OTEL__ENDPOINT", otlp_endpoint)
+        .env("OUTBOX_LOG__FILTER", log_filter)
         // The SDK's own variable: export batches every 50 ms rather than every 5 s.
         .env("OTEL_BSP_SCHEDULE_DELAY", "50")
         .stdout(std::process::Stdio::null())
@@ -465,4 +476,50 @@ async fn a_collector_gets_the_workers_calls_in_the_workers_trace_linked_to_the_p
         );
     }
     pool.close().await;
+}
+
+/// With a log filter of its own (`info,outboxd=debug`, as operating.md suggests), every
+/// call's span is still exported, and each intent carries its Enqueue span's context.
+#[tokio::test]
+async fn a_debug_log_filter_drops_no_span() {
+    let collector = Collector::default();
+    let endpoint = collector.start().await;
+    let url = fresh_database().await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let key = create_key(&pool, "both", &[TENANT], &["produce", "operate"], &[]).await;
+    let (_process, mut client) = serve_logging(&url, &endpoint, &key, "info,outboxd=debug").await;
+    let caller_span = "00f067aa0ba902b7";
+    for _ in 0..10 {
+        let trace = new_trace_id();
+        let id = client
+            .enqueue(traced(
+                v1::EnqueueRequest {
+                    intents: vec![intent("email.send", "{}")],
+                    txn_token: String::new(),
+                },
+                &format!("00-{trace}-{caller_span}-01"),
+                "vendor=producer",
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .results[0]
+            .id
+            .clone();
+        let enqueue = collector.span("enqueue email.send", &trace).await;
+        let stored = client
+            .get_intent(v1::GetIntentRequest { id })
+            .await
+            .unwrap()
+            .into_inner()
+            .intent
+            .unwrap()
+            .headers["traceparent"]
+            .clone();
+        assert_eq!(
+            stored,
+            format!("00-{trace}-{}-01", hex(&enqueue.span_id)),
+            "the intent's context is its Enqueue span's"
+        );
+    }
 }

@@ -774,8 +774,15 @@ async fn claims_that_waited_their_turn_take_no_more_than_the_burst_at_once() {
                 .fetch_one(&app.pool)
                 .await
                 .unwrap();
+        // The limited queue's leases count from the turn; those a claim took before it
+        // waited are moved to it only after a wait past the workers' margins (100 ms).
+        let slack = if intent.kind == "sms" {
+            chrono::TimeDelta::zero()
+        } else {
+            chrono::TimeDelta::milliseconds(100)
+        };
         assert!(
-            expires >= released + chrono::TimeDelta::seconds(30),
+            expires >= released + chrono::TimeDelta::seconds(30) - slack,
             "{} ({}) expires at {expires}, its lease counted from before the turn at {released}",
             intent.id,
             intent.kind

@@ -58,14 +58,18 @@ impl OutboxHandler {
         request: Request<v1::EnqueueRequest>,
         caller_trace: Option<TraceContext>,
     ) -> RpcResult<v1::EnqueueResponse> {
+        let span = tracing::Span::current();
+        // Before validation: a refused call's span says how many it was given.
+        span.record(
+            "messaging.batch.message_count",
+            request.get_ref().intents.len(),
+        );
         let (caller, scope) = self.access(&request, Permission::Produce).await?;
         let tenant = one_tenant(&scope, "enqueue for")?;
         let (mut intents, token) = validate::enqueue(request.into_inner(), &self.limits)?;
         for (i, intent) in intents.iter().enumerate() {
             caller.require_region(&format!("intents[{i}].region"), &intent.region)?;
         }
-        let span = tracing::Span::current();
-        span.record("messaging.batch.message_count", intents.len());
         if let Some(kind) = messaging::single(intents.iter().map(|i| i.kind.as_str())) {
             ENQUEUE.record_destination(&span, kind);
         }
@@ -143,9 +147,10 @@ impl OutboxHandler {
             Some(Authenticated(caller)) => caller.clone(),
             None => self.auth.authenticate(request.metadata()).await?,
         };
+        // Before the checks: a refused call's span names the key it was refused to.
+        tracing::Span::current().record("auth.key", caller.key_name.as_str());
         caller.require(permission)?;
         let scope = caller.scope(request.metadata())?;
-        tracing::Span::current().record("auth.key", caller.key_name.as_str());
         Ok((caller, scope))
     }
 

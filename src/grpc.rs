@@ -111,7 +111,11 @@ impl OutboxHandler {
             if direct && matches!(e, Error::CommitOutcomeUnknown) {
                 self.pending.announce();
             }
-        })?;
+        });
+        let results = match results {
+            Ok(results) => results,
+            Err(e) => return Err(self.hide_holder_elsewhere(&caller, &scope, e).await.into()),
+        };
         if let [one] = results.as_slice() {
             span.record("messaging.message.id", one.id.to_string());
         }
@@ -133,6 +137,41 @@ impl OutboxHandler {
         Ok(Response::new(v1::EnqueueResponse {
             results: results.into_iter().map(Into::into).collect(),
         }))
+    }
+
+    /// `error` with the id of an idempotency key's holder left out when the holder is not
+    /// of `caller`'s regions (a region-bound key sees nothing of other regions).
+    async fn hide_holder_elsewhere(
+        &self,
+        caller: &Caller,
+        scope: &TenantScope,
+        error: Error,
+    ) -> Error {
+        let (key, existing, reason) = match &error {
+            Error::IdempotencyConflict { key, existing } => {
+                (key, existing, outbox::Reason::IdempotencyConflict)
+            }
+            Error::IdempotencyKeyInUse { key, existing } => {
+                (key, existing, outbox::Reason::IdempotencyKeyInUse)
+            }
+            _ => return error,
+        };
+        if caller.regions.is_empty() {
+            return error;
+        }
+        let region = async {
+            let mut tx = store::begin(&self.pools, scope).await?;
+            let region = store::region_of(&mut tx, *existing).await?;
+            tx.commit().await?;
+            Ok::<_, Error>(region)
+        };
+        match region.await {
+            Ok(Some(region)) if region.is_empty() || caller.regions.contains(&region) => error,
+            _ => Error::KeyHeldElsewhere {
+                key: key.clone(),
+                reason,
+            },
+        }
     }
 
     /// The caller (authenticated by the [`Gate`] before the body was decoded, or here

@@ -88,6 +88,10 @@ impl From<Error> for Status {
                 Reason::IdempotencyKeyInUse,
                 key_holder(Reason::IdempotencyKeyInUse, key, existing),
             ),
+            Error::KeyHeldElsewhere { key, reason } => (
+                reason,
+                error_info(reason, HashMap::from([("idempotency_key".to_owned(), key)])),
+            ),
             Error::Unauthenticated(_) => (
                 Reason::Unauthenticated,
                 error_info(Reason::Unauthenticated, HashMap::new()),

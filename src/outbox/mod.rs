@@ -559,6 +559,18 @@ pub enum Error {
         /// The intent that holds it.
         existing: IntentId,
     },
+    /// [`Self::IdempotencyConflict`] or [`Self::IdempotencyKeyInUse`] (`reason`) for a caller
+    /// bound to regions the holding intent is not of: its id is not the caller's to see.
+    #[error(
+        "idempotency key {key:?} is already used by an intent of a region outside this API \
+         key's ({reason:?}); nothing was recorded"
+    )]
+    KeyHeldElsewhere {
+        /// The key.
+        key: String,
+        /// Why the key could not be used.
+        reason: Reason,
+    },
     /// The intent that held an idempotency key when this call's insert met it finished
     /// (discarded, or purged) before it could be read: the key is free now.
     #[error(

@@ -974,3 +974,51 @@ async fn a_long_poll_ends_when_its_key_is_revoked() {
     let id = app.enqueue_one("job", "{}").await;
     assert_eq!(app.state(&id).await, IntentState::Pending);
 }
+
+/// Idempotency keys belong to the tenant, across its regions; a region-bound producer
+/// whose key another region's intent holds is refused, without that intent's id.
+#[tokio::test]
+async fn an_idempotency_conflict_names_no_intent_of_another_region() {
+    let app = TestApp::spawn().await;
+    let us = app
+        .key(&[crate::helpers::TENANT], &["produce"], &["us"])
+        .await;
+    let eu = app
+        .key(&[crate::helpers::TENANT], &["produce"], &["eu"])
+        .await;
+    let keyed = |region: &str, payload: &str| {
+        let mut i = intent("invoice.send", payload);
+        i.region = region.to_owned();
+        i.idempotency_key = "invoice-42".to_owned();
+        i
+    };
+    let enqueue = |key: String, intent: v1::NewIntent| {
+        let app = &app;
+        async move {
+            app.client_with(Some(&key), None)
+                .await
+                .enqueue(v1::EnqueueRequest {
+                    intents: vec![intent],
+                    txn_token: String::new(),
+                })
+                .await
+        }
+    };
+    let held = enqueue(us.clone(), keyed("us", "{}"))
+        .await
+        .unwrap()
+        .into_inner()
+        .results[0]
+        .id
+        .clone();
+
+    let elsewhere = enqueue(eu, keyed("eu", "{}")).await.unwrap_err();
+    assert_status(&elsewhere, Code::AlreadyExists, "IDEMPOTENCY_CONFLICT", &[]);
+    assert!(!elsewhere.message().contains(&held), "{elsewhere:?}");
+    assert!(!format!("{:?}", elsewhere.details()).contains(&held));
+
+    // Its own region's holder it is told of.
+    let own = enqueue(us, keyed("us", "{\"other\":1}")).await.unwrap_err();
+    assert_status(&own, Code::AlreadyExists, "IDEMPOTENCY_CONFLICT", &[]);
+    assert!(own.message().contains(&held), "{own:?}");
+}

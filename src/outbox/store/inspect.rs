@@ -411,3 +411,15 @@ pub async fn probe(pool: &sqlx::PgPool) -> Result<()> {
         .await?;
     Ok(())
 }
+
+/// The region of intent `id` (live or delivered) among the transaction's tenants' intents.
+///
+/// # Errors
+/// [`crate::outbox::Error::Database`].
+pub async fn region_of(conn: &mut PgConnection, id: IntentId) -> Result<Option<String>> {
+    let region = sqlx::query_scalar("SELECT region FROM outbox.intents_by_id(ARRAY[$1::uuid])")
+        .bind(id.0)
+        .fetch_optional(conn)
+        .await?;
+    Ok(region)
+}

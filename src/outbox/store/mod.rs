@@ -45,7 +45,7 @@ pub use enqueue::{EnqueueParams, Inserted, insert_intents};
 pub use flush::{Unflushed, flush};
 pub use inspect::{
     ListParams, Listed, QueueDepth, QueueStats, StateCount, get_intent, list_intents, probe,
-    queue_depth, queue_stats,
+    queue_depth, queue_stats, region_of,
 };
 pub use listeners::{hold_listener_lock, others_listen};
 pub use maintenance::{

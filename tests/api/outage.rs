@@ -379,47 +379,27 @@ async fn waiting_for_the_standby(conn: &mut PgConnection) -> Vec<i32> {
         .unwrap()
 }
 
-/// An Enqueue whose COMMIT lost its answer while it waited for a synchronous standby is
-/// committed on the primary only; its retry, which deduplicates and writes nothing, must
-/// not be answered before that commit reached the standby (a failover meanwhile would lose
-/// an intent answered OK).
-#[tokio::test]
-async fn a_retry_that_deduplicates_is_answered_once_the_original_is_durable() {
-    let (app, cluster) = app_on_own_cluster_with(Vec::new()).await;
-    let mut admin = PgConnection::connect(&cluster.url("postgres"))
-        .await
-        .unwrap();
-    let standby =
-        |names: &'static str| format!("ALTER SYSTEM SET synchronous_standby_names = '{names}'");
-    sqlx::raw_sql(&standby("ghost"))
-        .execute(&mut admin)
-        .await
-        .unwrap();
+/// Names a synchronous standby that never connects (`ghost`): every commit that writes
+/// WAL waits; `""` lets them all go.
+async fn synchronous_standby(admin: &mut PgConnection, names: &str) {
+    sqlx::raw_sql(&format!(
+        "ALTER SYSTEM SET synchronous_standby_names = '{names}'"
+    ))
+    .execute(&mut *admin)
+    .await
+    .unwrap();
     sqlx::raw_sql("SELECT pg_reload_conf()")
-        .execute(&mut admin)
+        .execute(admin)
         .await
         .unwrap();
-    let keyed = || {
-        let mut i = intent("payment.charge", "{}");
-        i.idempotency_key = "charge-7".into();
-        i
-    };
-    let enqueue = || {
-        let mut client = app.client();
-        tokio::spawn(async move {
-            client
-                .enqueue(v1::EnqueueRequest {
-                    intents: vec![keyed()],
-                    txn_token: String::new(),
-                })
-                .await
-        })
-    };
+}
 
-    let first = enqueue();
+/// Ends the session of the first commit that waits for the standby (its client loses the
+/// COMMIT's answer; the commit stays, on the primary only); its pid.
+async fn cut_a_commit_waiting_for_the_standby(admin: &mut PgConnection) -> i32 {
     let deadline = Instant::now() + Duration::from_secs(30);
     let pid = loop {
-        if let Some(pid) = waiting_for_the_standby(&mut admin).await.first() {
+        if let Some(pid) = waiting_for_the_standby(admin).await.first() {
             break *pid;
         }
         assert!(
@@ -430,34 +410,72 @@ async fn a_retry_that_deduplicates_is_answered_once_the_original_is_durable() {
     };
     sqlx::query("SELECT pg_terminate_backend($1)")
         .bind(pid)
-        .execute(&mut admin)
+        .execute(admin)
         .await
         .unwrap();
-    let lost = first.await.unwrap().unwrap_err();
-    assert_status(&lost, Code::Unavailable, "COMMIT_OUTCOME_UNKNOWN", &[]);
+    pid
+}
 
-    let retry = enqueue();
+/// Waits until a commit other than `cut`'s waits for the standby, failing if `call` is
+/// answered first (it answered OK before what it reports was durable).
+async fn the_call_waits_for_the_standby<T: std::fmt::Debug>(
+    admin: &mut PgConnection,
+    cut: i32,
+    call: &mut tokio::task::JoinHandle<T>,
+) {
     let deadline = Instant::now() + Duration::from_secs(30);
-    while waiting_for_the_standby(&mut admin).await.is_empty() {
-        assert!(
-            !retry.is_finished(),
-            "the retry was answered before the original reached the standby: {:?}",
-            retry.await.unwrap()
-        );
+    while !waiting_for_the_standby(admin)
+        .await
+        .iter()
+        .any(|p| *p != cut)
+    {
+        if call.is_finished() {
+            panic!(
+                "answered before the original reached the standby: {:?}",
+                call.await.unwrap()
+            );
+        }
         assert!(
             Instant::now() < deadline,
-            "the retry neither waited nor answered"
+            "the call neither waited nor answered"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    sqlx::raw_sql(&standby(""))
-        .execute(&mut admin)
+}
+
+/// An Enqueue whose COMMIT lost its answer while it waited for a synchronous standby is
+/// committed on the primary only; its retry, which deduplicates and writes nothing, must
+/// not be answered before that commit reached the standby (a failover meanwhile would lose
+/// an intent answered OK).
+#[tokio::test]
+async fn a_retry_that_deduplicates_is_answered_once_the_original_is_durable() {
+    let (app, cluster) = app_on_own_cluster_with(Vec::new()).await;
+    let mut admin = PgConnection::connect(&cluster.url("postgres"))
         .await
         .unwrap();
-    sqlx::raw_sql("SELECT pg_reload_conf()")
-        .execute(&mut admin)
-        .await
-        .unwrap();
+    synchronous_standby(&mut admin, "ghost").await;
+    let enqueue = || {
+        let mut client = app.client();
+        let mut keyed = intent("payment.charge", "{}");
+        keyed.idempotency_key = "charge-7".into();
+        tokio::spawn(async move {
+            client
+                .enqueue(v1::EnqueueRequest {
+                    intents: vec![keyed],
+                    txn_token: String::new(),
+                })
+                .await
+        })
+    };
+
+    let first = enqueue();
+    let cut = cut_a_commit_waiting_for_the_standby(&mut admin).await;
+    let lost = first.await.unwrap().unwrap_err();
+    assert_status(&lost, Code::Unavailable, "COMMIT_OUTCOME_UNKNOWN", &[]);
+
+    let mut retry = enqueue();
+    the_call_waits_for_the_standby(&mut admin, cut, &mut retry).await;
+    synchronous_standby(&mut admin, "").await;
     let answered = retry.await.unwrap().unwrap().into_inner();
     assert!(answered.results[0].deduplicated);
     stop_own_cluster(app, cluster).await;
@@ -476,65 +494,19 @@ async fn a_replayed_mark_submitted_is_answered_once_the_original_is_durable() {
         .unwrap();
     app.enqueue_one("payment.charge", "{}").await;
     let lease = app.claim_n("w", 1).await.remove(0);
-    let standby =
-        |names: &'static str| format!("ALTER SYSTEM SET synchronous_standby_names = '{names}'");
-    sqlx::raw_sql(&standby("ghost"))
-        .execute(&mut admin)
-        .await
-        .unwrap();
-    sqlx::raw_sql("SELECT pg_reload_conf()")
-        .execute(&mut admin)
-        .await
-        .unwrap();
+    synchronous_standby(&mut admin, "ghost").await;
     let mut client = app.client();
     let leases = vec![lease_ref(&lease)];
-    let mark = tokio::spawn(async move {
+    let mut mark = tokio::spawn(async move {
         client
             .mark_submitted(v1::MarkSubmittedRequest { leases })
             .await
     });
 
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let pid = loop {
-        if let Some(pid) = waiting_for_the_standby(&mut admin).await.first() {
-            break *pid;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the commit did not wait for the standby"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
-    sqlx::query("SELECT pg_terminate_backend($1)")
-        .bind(pid)
-        .execute(&mut admin)
-        .await
-        .unwrap();
+    let cut = cut_a_commit_waiting_for_the_standby(&mut admin).await;
     // The call goes on as a replay, which must wait for the standby too.
-    loop {
-        let waiting = waiting_for_the_standby(&mut admin).await;
-        if waiting.iter().any(|p| *p != pid) {
-            break;
-        }
-        assert!(
-            !mark.is_finished(),
-            "the replay was answered before the original reached the standby: {:?}",
-            mark.await.unwrap()
-        );
-        assert!(
-            Instant::now() < deadline,
-            "the replay neither waited nor answered"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    sqlx::raw_sql(&standby(""))
-        .execute(&mut admin)
-        .await
-        .unwrap();
-    sqlx::raw_sql("SELECT pg_reload_conf()")
-        .execute(&mut admin)
-        .await
-        .unwrap();
+    the_call_waits_for_the_standby(&mut admin, cut, &mut mark).await;
+    synchronous_standby(&mut admin, "").await;
     let answered = mark.await.unwrap().unwrap().into_inner();
     assert!(answered.results[0].error.is_none(), "{answered:?}");
     assert_eq!(answered.results[0].state(), v1::IntentState::Submitted);

@@ -250,26 +250,19 @@ pub async fn enqueue(
     let check = store::check_token(&mut tx, token.xid).await?;
     let same_life = check.incarnation == token.incarnation;
     match check.status {
-        // A prepared transaction outlives a crash, and intents staged under its id before
-        // the crash follow its COMMIT PREPARED: a retry of their Enqueue is answered with
-        // them. (Their staging commit, durable, holds the id above the WAL's, so no other
-        // transaction can have it; new intents are refused as for any earlier life.)
-        TxnStatus::InProgress if !same_life && check.prepared => {
-            return store::find_replay(&mut tx, token.xid, &intents)
-                .await?
-                .ok_or_else(|| stale_token(token.xid));
-        }
-        TxnStatus::InProgress | TxnStatus::Future | TxnStatus::Aborted if !same_life => {
-            return Err(stale_token(token.xid));
-        }
         // A replay is answered even from an earlier server life: intents recorded with
         // the token were committed by an outboxd transaction whose id is higher than
         // the producer's, so crash recovery, which resumes handing out ids above every
-        // id in the WAL, cannot have given the producer's id to anyone else.
-        TxnStatus::Committed | TxnStatus::Forgotten if !same_life => {
+        // id in the WAL, cannot have given the producer's id to anyone else. One still
+        // open is a prepared transaction (two-phase commit) that outlived the crash: its
+        // staged intents follow its COMMIT PREPARED. New intents are refused.
+        TxnStatus::InProgress | TxnStatus::Committed | TxnStatus::Forgotten if !same_life => {
             return store::find_replay(&mut tx, token.xid, &intents)
                 .await?
                 .ok_or_else(|| stale_token(token.xid));
+        }
+        TxnStatus::Future | TxnStatus::Aborted if !same_life => {
+            return Err(stale_token(token.xid));
         }
         TxnStatus::InProgress => {}
         TxnStatus::Future => {

@@ -32,9 +32,6 @@ pub struct TokenCheck {
     pub status: TxnStatus,
     /// The incarnation of the server now.
     pub incarnation: u64,
-    /// The transaction is prepared (two-phase commit) and open: it may have outlived a
-    /// crash.
-    pub prepared: bool,
 }
 
 /// The cluster's `system_identifier`, which every token must carry.
@@ -56,17 +53,11 @@ pub async fn cluster_identifier(db: impl PgExecutor<'_>) -> Result<String> {
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn check_token(conn: &mut PgConnection, xid: u64) -> Result<TokenCheck> {
-    // An open transaction's 32-bit id is unique among the open ones, so equal low bits
-    // name the same prepared transaction.
-    let (status, incarnation, prepared): (String, i64, bool) = sqlx::query_as(
-        "SELECT outbox.xact_status($1::text::xid8), outbox.server_incarnation(), \
-                outbox.xact_status($1::text::xid8) = 'in progress' AND EXISTS ( \
-                    SELECT 1 FROM pg_prepared_xacts p \
-                    WHERE p.transaction = ($1::numeric % 4294967296)::text::xid)",
-    )
-    .bind(xid.to_string())
-    .fetch_one(conn)
-    .await?;
+    let (status, incarnation): (String, i64) =
+        sqlx::query_as("SELECT outbox.xact_status($1::text::xid8), outbox.server_incarnation()")
+            .bind(xid.to_string())
+            .fetch_one(conn)
+            .await?;
     let status = match status.as_str() {
         "in progress" => TxnStatus::InProgress,
         "committed" => TxnStatus::Committed,
@@ -77,7 +68,6 @@ pub async fn check_token(conn: &mut PgConnection, xid: u64) -> Result<TokenCheck
     Ok(TokenCheck {
         status,
         incarnation: incarnation as u64,
-        prepared,
     })
 }
 

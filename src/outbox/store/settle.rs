@@ -63,26 +63,37 @@ impl SettleRow {
     }
 }
 
-/// Each intent whose item did not apply, as it is now ([`super::current`]), read in a
-/// scoped transaction of its own; no round trip when every item applied.
-async fn current_of_missed(
+/// The per-item results ([`item_results`]), each intent whose item did not apply read as
+/// it is now ([`super::current`]) in a scoped transaction of its own; no round trip when
+/// every item applied.
+///
+/// A replay answers OK from what an earlier call committed, maybe one whose COMMIT lost
+/// its answer before it was flushed or reached a synchronous standby: the transaction
+/// that read it then ends with a commit that waits for its flush, which covers that one.
+async fn results_of(
     pools: &Pools,
     scope: &TenantScope,
     key_regions: &[String],
-    rows: &[SettleRow],
-) -> Result<HashMap<Uuid, Current>> {
+    leases: &[(Uuid, Uuid)],
+    rows: Vec<SettleRow>,
+    is_replay: impl Fn(usize, &Current) -> bool,
+) -> Result<Vec<ItemResult>> {
     let missed: Vec<Uuid> = rows
         .iter()
         .filter(|r| r.state.is_none())
         .map(|r| r.id)
         .collect();
     if missed.is_empty() {
-        return Ok(HashMap::new());
+        return Ok(item_results(leases, rows, &HashMap::new(), is_replay));
     }
     let mut tx = begin(pools, scope).await?;
     let current = current_intents(&mut tx, &missed, key_regions).await?;
+    let results = item_results(leases, rows, &current, is_replay);
+    if results.iter().any(|r| !r.applied && r.error.is_none()) {
+        super::flush::commit_waits_for_flush(&mut tx).await?;
+    }
     tx.commit().await?;
-    Ok(current)
+    Ok(results)
 }
 
 /// Per-item results from the statement's `rows` and, for items that did not apply, the
@@ -195,7 +206,7 @@ type SettleCall<'q> = QueryAs<'q, Postgres, SettleRow, PgArguments>;
 /// ids as `$1`–`$4` and whatever `bind_rest` binds after them, in its own transaction on
 /// the pool: one round trip, retried on a dead pooled connection (a settle that committed
 /// unseen is then answered as a replay). The function returns the intents it changed;
-/// the items it did not change are read afresh ([`current_of_missed`]), a round trip paid
+/// the items it did not change are read afresh ([`results_of`]), a round trip paid
 /// only when there are some. Rows in `released` (the next intents of ordering keys an Ack
 /// let move on) are counted, not taken as items.
 async fn settle_in_one_call(
@@ -248,16 +259,15 @@ async fn settle_in_one_call(
                 .unwrap_or_else(|| SettleRow::missed(id))
         })
         .collect();
-    let current = current_of_missed(pools, scope.tenants, scope.key_regions, &rows).await?;
-    let results = item_results(&pairs, rows, &current, is_replay);
-    if results.iter().any(|r| !r.applied && r.error.is_none()) {
-        // A replay answers OK from what an earlier call committed, maybe one whose COMMIT
-        // lost its answer before it was flushed or reached a synchronous standby: a commit
-        // that waits for its flush, after it, makes it durable first.
-        let mut tx = begin(pools, scope.tenants).await?;
-        super::flush::commit_waits_for_flush(&mut tx).await?;
-        tx.commit().await?;
-    }
+    let results = results_of(
+        pools,
+        scope.tenants,
+        scope.key_regions,
+        &pairs,
+        rows,
+        is_replay,
+    )
+    .await?;
     Ok(Settled {
         results,
         released: released.len(),

@@ -429,8 +429,8 @@ impl OutboxHandler {
         let received = Instant::now();
         let (caller, scope) = self.access(&request, Permission::Consume).await?;
         let caller_timeout = caller_timeout(request.metadata());
-        let metadata = request.metadata().clone();
-        let claim = validate::claim(request.into_inner(), &self.limits)?;
+        let (metadata, _, message) = request.into_parts();
+        let claim = validate::claim(message, &self.limits)?;
         caller.require_region("region", &claim.region)?;
         let span = tracing::Span::current();
         span.record("claim.worker", claim.worker_id.as_str());
@@ -453,7 +453,6 @@ impl OutboxHandler {
         // Before the caller's own deadline, if it set one: an answer it no longer waits for
         // would take its leases with it.
         let deadline = received + bounded_wait(claim.wait, caller_timeout);
-        let claim_wait_is_zero = claim.wait.is_zero();
         let call = ClaimCall {
             scope: &scope,
             params,
@@ -462,19 +461,20 @@ impl OutboxHandler {
         };
         // A long poll stops, as for a caller gone, when its key is revoked meanwhile.
         let stop = gone.child_token();
+        let long_poll = !claim.wait.is_zero();
         let answer = {
-            let claim = self.claims.claim(call, &stop);
-            tokio::pin!(claim);
+            let claiming = self.claims.claim(call, &stop);
+            tokio::pin!(claiming);
             let revoked = async {
-                if claim_wait_is_zero {
+                if !long_poll {
                     std::future::pending::<()>().await;
                 }
                 until_revoked(&self.auth, &metadata).await;
                 stop.cancel();
             };
             tokio::select! {
-                answer = &mut claim => answer,
-                () = revoked => claim.await,
+                answer = &mut claiming => answer,
+                () = revoked => claiming.await,
             }
         };
         let (intents, replayed) = match answer? {

@@ -147,22 +147,13 @@ fn problem(name: &str, value: &str, why: &str) -> String {
 
 /// `value` with the password of a URL's user info masked (`postgres://svc:***@db/x`).
 fn without_password(value: &str) -> String {
-    let Some(scheme_end) = value.find("://").map(|i| i + 3) else {
+    let Ok(mut url) = url::Url::parse(value) else {
         return value.to_owned();
     };
-    let authority_end = value[scheme_end..]
-        .find(['/', '?', '#'])
-        .map_or(value.len(), |i| scheme_end + i);
-    let authority = &value[scheme_end..authority_end];
-    match (authority.rfind('@'), authority.find(':')) {
-        (Some(at), Some(colon)) if colon < at => format!(
-            "{}{}:***{}",
-            &value[..scheme_end],
-            &authority[..colon],
-            &value[scheme_end + at..]
-        ),
-        _ => value.to_owned(),
+    if url.password().is_none() || url.set_password(Some("***")).is_err() {
+        return value.to_owned();
     }
+    url.to_string()
 }
 
 /// The key of the field a variable sets (`OUTBOX_DATABASE__URL`: `database.url`), or `None`

@@ -382,6 +382,17 @@ async fn a_decision_another_operator_took_first_answers_clearly_and_applies_once
     browser.close().await;
 }
 
+/// Fills the keys page's creation form (one scope) and submits it, confirmed with `confirm`.
+async fn submit_key_form(browser: &Browser, name: &str, tenants: &str, scope: &str, confirm: &str) {
+    browser.fill("#new-key input[name=name]", name).await;
+    browser.fill("#new-key input[name=tenants]", tenants).await;
+    browser
+        .click(&format!("#new-key input[name={scope}]"))
+        .await;
+    browser.fill("#new-key input[name=confirm]", confirm).await;
+    browser.submit("#new-key button").await;
+}
+
 #[tokio::test]
 async fn an_admin_creates_a_key_whose_secret_is_shown_once_and_revokes_it() {
     let url = crate::helpers::fresh_database().await;
@@ -395,27 +406,20 @@ async fn an_admin_creates_a_key_whose_secret_is_shown_once_and_revokes_it() {
     let browser = Browser::open(app.console_addr.unwrap()).await;
     browser.sign_in(&admin).await;
     browser.goto("/keys").await;
-    browser
-        .fill("#new-key input[name=name]", "billing-worker")
-        .await;
-    browser.fill("#new-key input[name=tenants]", "acme").await;
-    browser.click("#new-key input[name=produce]").await;
-    browser
-        .fill("#new-key input[name=confirm]", "obx_a-key-that-is-not-mine")
-        .await;
-    browser.submit("#new-key button").await;
+    submit_key_form(
+        &browser,
+        "billing-worker",
+        "acme",
+        "produce",
+        "obx_a-key-that-is-not-mine",
+    )
+    .await;
     assert!(
         browser.text("h1").await.contains("403"),
         "a change asks for the admin's own key"
     );
     browser.goto("/keys").await;
-    browser
-        .fill("#new-key input[name=name]", "billing-worker")
-        .await;
-    browser.fill("#new-key input[name=tenants]", "acme").await;
-    browser.click("#new-key input[name=produce]").await;
-    browser.fill("#new-key input[name=confirm]", &admin).await;
-    browser.submit("#new-key button").await;
+    submit_key_form(&browser, "billing-worker", "acme", "produce", &admin).await;
     let secret = browser.text("#secret").await;
     assert!(secret.starts_with("obx_"));
     browser.screenshot("keys").await;
@@ -434,13 +438,7 @@ async fn an_admin_creates_a_key_whose_secret_is_shown_once_and_revokes_it() {
     );
 
     // The same form again (as a reload of its answer posts it) mints no second key.
-    browser
-        .fill("#new-key input[name=name]", "billing-worker")
-        .await;
-    browser.fill("#new-key input[name=tenants]", "acme").await;
-    browser.click("#new-key input[name=produce]").await;
-    browser.fill("#new-key input[name=confirm]", &admin).await;
-    browser.submit("#new-key button").await;
+    submit_key_form(&browser, "billing-worker", "acme", "produce", &admin).await;
     assert!(browser.text("h1").await.contains("409"));
     let named: i64 =
         sqlx::query_scalar("SELECT count(*) FROM outbox.api_key WHERE name = 'billing-worker'")
@@ -451,11 +449,7 @@ async fn an_admin_creates_a_key_whose_secret_is_shown_once_and_revokes_it() {
     browser.goto("/keys").await;
 
     // A key for another tenant is beyond this admin's reach.
-    browser.fill("#new-key input[name=name]", "sneaky").await;
-    browser.fill("#new-key input[name=tenants]", "*").await;
-    browser.click("#new-key input[name=admin]").await;
-    browser.fill("#new-key input[name=confirm]", &admin).await;
-    browser.submit("#new-key button").await;
+    submit_key_form(&browser, "sneaky", "*", "admin", &admin).await;
     assert!(browser.text("h1").await.contains("403"));
 
     browser.goto("/keys").await;

@@ -1087,3 +1087,37 @@ async fn a_tenants_thousand_and_first_queue_policy_is_refused_and_its_others_sti
     .await;
     assert!(paused.paused);
 }
+
+/// New policies of one tenant set at once take turns: with room for one, one is set.
+#[tokio::test]
+async fn new_queue_policies_set_at_once_never_pass_the_tenants_thousand() {
+    let app = TestApp::spawn().await;
+    sqlx::query(
+        "INSERT INTO outbox.queue_policy (tenant_id, kind, updated_by, reason, updated_at)
+         SELECT 'acme', 'kind.' || n, 'ops', 'set by SQL', now()
+         FROM generate_series(1, 999) n",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let calls = (0..8).map(|n| {
+        let mut client = app.client();
+        async move { client.set_queue_policy(policy(&format!("new.{n}"))).await }
+    });
+    let results = futures::future::join_all(calls).await;
+    let set = results.iter().filter(|r| r.is_ok()).count();
+    for refused in results.iter().filter_map(|r| r.as_ref().err()) {
+        assert_status(
+            refused,
+            Code::ResourceExhausted,
+            "TOO_MANY_QUEUES",
+            &["kind"],
+        );
+    }
+    assert_eq!(set, 1, "room for one policy: one set");
+    let policies: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.queue_policy")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(policies, 1000);
+}

@@ -77,6 +77,12 @@ const POLICIES: &str = r#"
 /// [`Error::LimitExceeded`] (`TOO_MANY_QUEUES`) for a new policy of a tenant that has
 /// `MAX_POLICIES` (1,000); [`Error::Database`].
 pub async fn set_queue_policy(conn: &mut PgConnection, p: PolicyParams<'_>) -> Result<QueuePolicy> {
+    // New policies of one tenant take turns to the commit, and the count below, a statement
+    // after the lock, sees the last one's: two at once could both find room for one.
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('outbox.queue_policy/' || $1, 0))")
+        .bind(p.tenant)
+        .execute(&mut *conn)
+        .await?;
     let (policies, this_one): (i64, bool) = sqlx::query_as(
         "SELECT count(*), coalesce(bool_or(kind = $2), false)
          FROM outbox.queue_policy WHERE tenant_id = $1",

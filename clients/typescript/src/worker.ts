@@ -405,16 +405,69 @@ export class Worker {
         this.emit({ type: "claimed", count: leases.length, replayed: tries > 1 });
       }
       // When the leases began, on this clock: not before the Claim was sent, and for a long
-      // poll about when its answer came (the server answers as it leases); for a replay, the
-      // first send (an earlier try may have taken them). A little earlier for the answer's
-      // way back: a second, or a quarter of a short lease.
+      // poll about when its answer came (the server answers as it leases), a little earlier
+      // for the answer's way back: a second, or a quarter of a short lease. A retried
+      // Claim's are renewed first (renewReplayed).
       const margin = Math.min(1_000, this.leaseMs / 4);
-      const leasedAt = tries > 1 ? sentAt : Math.max(sentAt, Date.now() - margin);
+      let leasedAt = Math.max(sentAt, Date.now() - margin);
+      if (tries > 1) ({ leases, leasedAt } = await this.renewReplayed(leases, sentAt));
       for (const lease of leases) this.start(lease, leasedAt, tracing);
       // A full reply lets the other claimers claim; a short one ends another claimer's
       // wait for company (the queue is short).
       this.wakeAll();
     }
+  }
+
+  /**
+   * A retried Claim's answer may carry leases its first try took, or fresh ones its retry
+   * took long after the first send (a try that timed out on a frozen replica): one
+   * ExtendLease gives every one a known expiry, counted from its send; those it finds lost
+   * are dropped unstarted. If it fails, or fails for one of them without losing it, they
+   * count from the Claim's first send, the earliest they can have begun.
+   */
+  private async renewReplayed(leases: Lease[], sentAt: number): Promise<{ leases: Lease[]; leasedAt: number }> {
+    if (leases.length === 0) return { leases, leasedAt: sentAt };
+    const renewedAt = Date.now();
+    let results: LeaseResult[];
+    try {
+      const reply = await this.connection.call(
+        (client, options) =>
+          client.extendLease(
+            {
+              leases: leases.map((l) => create(LeaseRefSchema, { intentId: l.intent?.id ?? "", leaseId: l.leaseId })),
+              leaseDuration: durationFromMs(this.leaseMs),
+            },
+            options,
+          ),
+        {
+          budgetMs: this.heartbeatMs,
+          tryTimeoutMs: Math.max(50, Math.min(this.heartbeatMs, 5_000)),
+          signal: this.graceOver.signal,
+        },
+      );
+      results = reply.results;
+    } catch (thrown) {
+      this.counters.heartbeatFailures++;
+      this.emit({ type: "heartbeatFailed", error: OutboxError.from(thrown), leases: leases.length });
+      return { leases, leasedAt: sentAt };
+    }
+    const kept: Lease[] = [];
+    let unsure = false;
+    for (const [i, lease] of leases.entries()) {
+      const error = results[i]?.error;
+      if (results[i] === undefined || (error !== undefined && !LOST_REASONS.has(error.reason))) {
+        // Not renewed, but not lost either: it holds until its first expiry.
+        this.counters.heartbeatFailures++;
+        unsure = true;
+      } else if (error !== undefined) {
+        this.counters.leaseLost++;
+        const reason = `a replayed Claim's lease was not renewed: ${error.reason} ${error.message}`;
+        this.emit({ type: "leaseLost", intent: intentOf(lease), reason });
+        continue;
+      }
+      kept.push(lease);
+    }
+    return { leases: kept, leasedAt: unsure ? sentAt : renewedAt };
   }
 
   private freeSlots(): number {
@@ -848,6 +901,9 @@ interface SettlePolicy {
 
 /** The server's most items per call (`OUTBOX_LIMITS__MAX_BATCH`): past it a call is refused. */
 const MAX_BATCH = 1_000;
+
+/** Per-item reasons meaning "this lease is not ours any more". */
+const LOST_REASONS = new Set(["LEASE_LOST", "NOT_FOUND", "INVALID_STATE"]);
 
 /**
  * Most bytes of one settle call: half the server's default request limit for `Fail`

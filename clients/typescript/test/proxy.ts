@@ -1,11 +1,13 @@
 // A loopback TCP proxy that can lose one answer: armed, it swallows the next chunk from
 // the server of at least `minBytes` and cuts that connection, as a network that fails
-// after the server committed and replied.
+// after the server committed and replied. Frozen, it forwards nothing either way, as a
+// replica stopped with SIGSTOP.
 import { createServer, connect, type Server, type Socket, type AddressInfo } from "node:net";
 
 export class LossyProxy {
   readonly endpoint: string;
   dropped = 0;
+  frozen = false;
   private armedFor: number | undefined;
   private readonly server: Server;
   private readonly sockets = new Set<Socket>();
@@ -28,9 +30,12 @@ export class LossyProxy {
       };
       client.on("error", cut).on("close", cut);
       server.on("error", cut).on("close", cut);
-      client.on("data", (chunk: Buffer) => server.write(chunk));
+      client.on("data", (chunk: Buffer) => {
+        if (proxy()?.frozen !== true) server.write(chunk);
+      });
       server.on("data", (chunk: Buffer) => {
         const p = proxy();
+        if (p?.frozen === true) return;
         if (p?.armedFor !== undefined && chunk.length >= p.armedFor) {
           p.armedFor = undefined;
           p.dropped++;

@@ -68,3 +68,40 @@ test("a lost Claim answer is replayed with its request_id: the same leases, no l
     await run;
   }
 });
+
+test("a Claim retried after a frozen try runs the leases its retry took, renewed, not dropped", async () => {
+  // The first try waits on a replica that answers nothing until its deadline, longer than
+  // a lease; the retry goes to the next endpoint and leases at once, long after the first send.
+  const frozen = await LossyProxy.start(fx.endpoints[0] ?? "");
+  frozen.frozen = true;
+  const outbox = new Outbox({ endpoints: fx.endpoints, apiKey: fx.apiKey });
+  const [id] = (await outbox.enqueueDirect([{ kind: "replay.frozen", json: {} }])).map((r) => r.id);
+  outbox.close();
+  const events: WorkerEvent[] = [];
+  const runs: string[] = [];
+  const w = new Worker({
+    endpoints: [frozen.endpoint, fx.endpoints[0] ?? ""],
+    apiKey: fx.apiKey,
+    handleSignals: false,
+    claimers: 1,
+    claimWaitMs: 500,
+    leaseMs: 2_000,
+    onEvent: (e) => events.push(e),
+  });
+  w.handle("replay.frozen", (intent) => {
+    runs.push(intent.id);
+  });
+  const run = w.run();
+  try {
+    await waitFor("an ack", () => w.stats().acked === 1, 30_000);
+    assert.ok(w.stats().claimRetries >= 1);
+    assert.equal(w.stats().leaseLost, 0, JSON.stringify(events.filter((e) => e.type === "leaseLost")));
+    assert.deepEqual(runs, [id]);
+    // Attempt 1: the lease the retry took ran; none expired and came back.
+    assert.deepEqual(await fx.intent(id ?? "").then((i) => [i.state, i.attempts]), ["DELIVERED", 1]);
+  } finally {
+    await w.stop();
+    await run;
+    await frozen.stop();
+  }
+});

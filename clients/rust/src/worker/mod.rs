@@ -623,18 +623,15 @@ impl Shared {
                             attempts: &attempts,
                         });
                     });
-                    // A replay returns leases the first attempt took: count from its
-                    // send. A first answer's leases began about when it was made (a long
-                    // poll answers as it leases), counted a little earlier for the
-                    // answer's way back: a second, or a quarter of a short lease.
-                    let answered = Instant::now();
-                    let leased_at = if attempts.count > 1 {
-                        first_sent
-                    } else {
-                        answered
-                            .checked_sub(Duration::from_secs(1).min(config.lease / 4))
-                            .map_or(first_sent, |t| t.max(first_sent))
-                    };
+                    if attempts.count > 1 && request_id.is_some() {
+                        return Ok(self.renew_replayed(answer.leases, first_sent).await);
+                    }
+                    // A first answer's leases began about when it was made (a long poll
+                    // answers as it leases), counted a little earlier for the answer's way
+                    // back: a second, or a quarter of a short lease.
+                    let leased_at = Instant::now()
+                        .checked_sub(Duration::from_secs(1).min(config.lease / 4))
+                        .map_or(first_sent, |t| t.max(first_sent));
                     return Ok((answer.leases, leased_at));
                 }
                 Err(Error::Status(status)) if Retry::Transient.allows(&status) => {
@@ -647,6 +644,49 @@ impl Shared {
                 Err(error) => return Err(error),
             }
         }
+    }
+
+    /// A retried Claim's answer may carry leases its first try took, or fresh ones its
+    /// retry took, long after the first send (a try that timed out on a frozen replica):
+    /// one ExtendLease gives every one a known expiry, counted from its send; those it
+    /// finds lost are dropped unstarted. If it fails, or fails for one of them without
+    /// losing it, they count from the Claim's first send, the earliest they can have begun.
+    async fn renew_replayed(
+        &self,
+        leases: Vec<proto::Lease>,
+        first_sent: Instant,
+    ) -> (Vec<proto::Lease>, Instant) {
+        if leases.is_empty() {
+            return (leases, first_sent);
+        }
+        let states: Vec<Arc<LeaseState>> = leases
+            .iter()
+            .map(|lease| {
+                let intent_id = lease.intent.as_ref().map_or("", |i| i.id.as_str());
+                Arc::new(LeaseState::new(
+                    intent_id.to_owned(),
+                    lease.lease_id.clone(),
+                    first_sent + self.config.lease,
+                ))
+            })
+            .collect();
+        let sent = Instant::now();
+        for chunk in states.chunks(MAX_BATCH) {
+            self.extend(chunk).await;
+        }
+        let unrenewed = first_sent + self.config.lease;
+        let mut unsure = false;
+        let mut kept = Vec::with_capacity(leases.len());
+        for (lease, state) in leases.into_iter().zip(&states) {
+            if state.is_lost() {
+                // Counted lost by the extension; never started.
+                self.stats.claimed.add(1);
+                continue;
+            }
+            unsure |= state.expires() <= unrenewed;
+            kept.push(lease);
+        }
+        (kept, if unsure { first_sent } else { sent })
     }
 
     /// Tells the observer, if there is one (`event` is not run otherwise).

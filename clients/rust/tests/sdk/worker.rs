@@ -499,6 +499,52 @@ async fn a_lost_claim_answer_is_replayed_with_its_request_id_and_strands_no_leas
     assert!(list(&connection, &k).await.iter().all(|i| i.attempts == 1));
 }
 
+/// A Claim whose first try spent its whole budget on a frozen replica, longer than a lease,
+/// is retried on the next: the leases that retry takes are fresh, renewed before their
+/// handlers start, not dropped as expired since the first send.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_retried_after_a_frozen_try_runs_the_leases_its_retry_took() {
+    let stack = stack();
+    let k = kind("retried");
+    let ids = enqueue(&Outbox::new(connection()), &k, 1, 0).await;
+    let frozen = Proxy::start(&stack.endpoints[0], Cuts::new(0, usize::MAX)).await;
+    frozen.freeze(true);
+    let endpoints = [frozen.addr.clone(), stack.endpoints[1].clone()];
+    let connection = outboxd_client::Connection::builder(endpoints)
+        .api_key(&stack.api_key)
+        .call_timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let seen: Seen = Arc::default();
+    let worker = Worker::builder(connection)
+        .lease(Duration::from_secs(1))
+        .claim_wait(Duration::from_secs(1))
+        .handler(&k, {
+            let seen = seen.clone();
+            move |job: Job| {
+                count(&seen, job.id());
+                async { Ok::<_, Failure>(()) }
+            }
+        })
+        .build()
+        .unwrap();
+    let running = Running::start(worker);
+    wait_for("an ack", Duration::from_secs(20), || {
+        (running.worker.stats().acked == 1).then_some(())
+    })
+    .await;
+    let stats = running.worker.stats();
+    running.stop().await.unwrap();
+    assert!(stats.claim_retries >= 1, "{stats:?}");
+    assert_eq!(stats.lease_lost, 0, "{stats:?}");
+    assert_eq!(*seen.lock().unwrap(), HashMap::from([(ids[0].clone(), 1)]));
+    let delivered = intent(&crate::harness::connection(), &ids[0]).await;
+    assert_eq!(
+        (delivered.state(), delivered.attempts),
+        (IntentState::Delivered, 1)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_sent_again_with_its_request_id_returns_the_same_leases() {
     let connection = connection();

@@ -266,7 +266,18 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                 more: !waiting.next_page_token.is_empty(),
                 after_token,
             };
-            let summary = why_key_waits(&heads, &listed, &given_up);
+            let holder = key_holder(&heads, &given_up);
+            let hold = match holder {
+                Some(head) if head.state == v1::IntentState::Pending as i32 => {
+                    let request = v1::ListQueuePoliciesRequest {
+                        kind: head.kind.clone(),
+                    };
+                    let policies = service.list_queue_policies(request).await?.into_inner();
+                    queue_hold(&policies.policies, &head.kind)
+                }
+                _ => None,
+            };
+            let summary = why_key_waits(holder, &listed, hold);
             let response = v1::ListIntentsResponse {
                 intents: heads.into_iter().chain(waiting.intents).collect(),
                 next_page_token: waiting.next_page_token,
@@ -521,14 +532,50 @@ struct Listed {
     after_token: bool,
 }
 
-/// Why an ordering key's later intents wait, from its live intents that are not WAITING
-/// (`heads`) and the WAITING ones listed: what its first intent is doing. The intents of
-/// `given_up` (DEAD_LETTERED, given up by an operator's DEAD) no longer hold the key; a
-/// STAGED one is first only if no other is (an open transaction's intent, whatever its id,
-/// comes after a committed one).
-fn why_key_waits(heads: &[v1::Intent], listed: &Listed, given_up: &HashSet<String>) -> String {
+/// The intent that holds an ordering key: of its live intents that are not WAITING
+/// (`heads`), not one of `given_up` (DEAD_LETTERED, given up by an operator's DEAD, no
+/// longer holds the key); a STAGED one only if no other does (an open transaction's intent,
+/// whatever its id, comes after a committed one).
+fn key_holder<'a>(heads: &'a [v1::Intent], given_up: &HashSet<String>) -> Option<&'a v1::Intent> {
+    let holding = || heads.iter().filter(|i| !given_up.contains(&i.id));
+    holding()
+        .find(|i| i.state != v1::IntentState::Staged as i32)
+        .or_else(|| holding().next())
+}
+
+/// Why a PENDING intent of `kind` is not leased though due: its queue's policy, if one
+/// holds it back now.
+fn queue_hold(policies: &[v1::QueuePolicy], kind: &str) -> Option<String> {
+    let of_kind: Vec<_> = policies.iter().filter(|p| p.kind == kind).collect();
+    if of_kind.is_empty() {
+        None
+    } else if of_kind.iter().all(|p| p.paused) {
+        Some(format!(
+            "its queue {kind:?} is paused (outboxd queues list)"
+        ))
+    } else if of_kind
+        .iter()
+        .all(|p| p.max_in_flight > 0 && p.in_flight >= i64::from(p.max_in_flight))
+    {
+        Some(format!(
+            "its queue {kind:?} is at its concurrency limit (outboxd queues list)"
+        ))
+    } else if of_kind
+        .iter()
+        .all(|p| p.rate_per_second > 0.0 && p.tokens < 1.0)
+    {
+        Some(format!(
+            "its queue {kind:?} is at its rate limit (outboxd queues list)"
+        ))
+    } else {
+        None
+    }
+}
+
+/// Why an ordering key's later intents wait: what the intent that holds it (`holder`, see
+/// [`key_holder`]) is doing, `hold` the reason its queue's policy gives, if any.
+fn why_key_waits(holder: Option<&v1::Intent>, listed: &Listed, hold: Option<String>) -> String {
     use v1::IntentState as S;
-    let state = |i: &v1::Intent| S::try_from(i.state).unwrap_or(S::Unspecified);
     let mut waiting = if listed.more {
         format!("more than {}", listed.count)
     } else {
@@ -537,11 +584,7 @@ fn why_key_waits(heads: &[v1::Intent], listed: &Listed, given_up: &HashSet<Strin
     if listed.after_token {
         waiting.push_str(" (after the page token)");
     }
-    let holding = || heads.iter().filter(|i| !given_up.contains(&i.id));
-    let head = holding()
-        .find(|i| state(i) != S::Staged)
-        .or_else(|| holding().next());
-    let Some(head) = head else {
+    let Some(head) = holder else {
         return if listed.count == 0 && !listed.more {
             "nothing live under this key".to_owned()
         } else {
@@ -555,8 +598,15 @@ fn why_key_waits(heads: &[v1::Intent], listed: &Listed, given_up: &HashSet<Strin
         .available_at
         .as_ref()
         .is_some_and(|t| std::time::SystemTime::try_from(*t).is_ok_and(|t| t > now));
-    let why = match state(head) {
-        S::Staged => "its producer transaction is still open".to_owned(),
+    let state = S::try_from(head.state).unwrap_or(S::Unspecified);
+    if state == S::Staged {
+        // Its place among the waiting ones is its commit's, not known yet.
+        return format!(
+            "held by: {} STAGED: its producer transaction is still open; {waiting} waiting until it ends",
+            head.id
+        );
+    }
+    let why = match state {
         S::Pending if head.attempts > 0 && due_later => format!(
             "retrying, attempt {}/{} failed ({}); next try at {}",
             head.attempts,
@@ -564,7 +614,10 @@ fn why_key_waits(heads: &[v1::Intent], listed: &Listed, given_up: &HashSet<Strin
             head.last_error,
             time(head.available_at.as_ref())
         ),
-        S::Pending => "claimable".to_owned(),
+        S::Pending if due_later => {
+            format!("not due until {}", time(head.available_at.as_ref()))
+        }
+        S::Pending => hold.unwrap_or_else(|| "claimable".to_owned()),
         S::Leased | S::Submitted => format!(
             "being delivered by {}, lease until {}",
             head.worker_id,
@@ -625,14 +678,51 @@ mod tests {
             more: false,
             after_token: false,
         };
-        let why = why_key_waits(&heads, &listed, &HashSet::new());
+        let given_up = HashSet::new();
+        let why = why_key_waits(key_holder(&heads, &given_up), &listed, None);
         assert!(why.starts_with("first: b PENDING: claimable"), "{why}");
-        let why = why_key_waits(&heads[..1], &listed, &HashSet::new());
+        let why = why_key_waits(key_holder(&heads[..1], &given_up), &listed, None);
+        assert_eq!(
+            why,
+            "held by: a STAGED: its producer transaction is still open; 2 waiting until it ends"
+        );
+    }
+
+    #[test]
+    fn a_first_intent_not_due_or_held_by_its_queue_says_so() {
+        let listed = Listed {
+            count: 1,
+            more: false,
+            after_token: false,
+        };
+        let later = std::time::SystemTime::now() + Duration::from_secs(600);
+        let delayed = v1::Intent {
+            available_at: Some(later.into()),
+            ..intent("d", v1::IntentState::Pending)
+        };
+        let why = why_key_waits(Some(&delayed), &listed, None);
+        assert!(why.starts_with("first: d PENDING: not due until "), "{why}");
+
+        let policy = |paused, max_in_flight, in_flight| v1::QueuePolicy {
+            kind: "mail".to_owned(),
+            paused,
+            max_in_flight,
+            in_flight,
+            ..Default::default()
+        };
+        let paused = queue_hold(&[policy(true, 0, 0)], "mail");
+        let due = intent("p", v1::IntentState::Pending);
+        let why = why_key_waits(Some(&due), &listed, paused);
         assert!(
-            why.contains("a STAGED: its producer transaction is still open"),
+            why.contains("PENDING: its queue \"mail\" is paused"),
             "{why}"
         );
-        assert!(why.ends_with("2 waiting behind it"), "{why}");
+        assert!(
+            queue_hold(&[policy(false, 4, 4)], "mail")
+                .is_some_and(|h| h.contains("concurrency limit"))
+        );
+        assert_eq!(queue_hold(&[policy(false, 4, 3)], "mail"), None);
+        assert_eq!(queue_hold(&[policy(true, 0, 0)], "sms"), None);
     }
 
     #[test]

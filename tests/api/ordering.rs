@@ -862,6 +862,48 @@ async fn the_cli_enqueues_with_an_ordering_key_and_shows_why_a_key_waits() {
     assert!(out.contains("0 waiting behind it"), "{out}");
 }
 
+/// A first intent PENDING but not leased says why: not due yet, or its queue paused.
+#[tokio::test]
+async fn the_cli_says_when_a_keys_first_intent_is_not_due_or_its_queue_is_paused() {
+    let app = TestApp::spawn().await;
+    let key = app.key(&[TENANT], &["admin"], &[]).await;
+    let delayed = v1::NewIntent {
+        schedule: Some(v1::new_intent::Schedule::Delay(crate::helpers::duration(
+            Duration::from_secs(600),
+        ))),
+        ..ordered("later", "1")
+    };
+    let later = app.enqueue_ids(vec![delayed, ordered("later", "2")]).await;
+    let out = cli(&app, &key, &["intents", "key", "later"]).await;
+    assert!(
+        out.contains(&format!("first: {} PENDING: not due until ", later[0])),
+        "{out}"
+    );
+
+    let paused = app
+        .enqueue_ids(vec![ordered("paused", "1"), ordered("paused", "2")])
+        .await;
+    app.client()
+        .set_queue_policy(v1::SetQueuePolicyRequest {
+            kind: "order.event".to_owned(),
+            paused: true,
+            actor: "ops".to_owned(),
+            reason: "provider down".to_owned(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let out = cli(&app, &key, &["intents", "key", "paused"]).await;
+    assert!(
+        out.contains(&format!(
+            "first: {} PENDING: its queue \"order.event\" is paused",
+            paused[0]
+        )),
+        "{out}"
+    );
+    assert!(out.contains("1 waiting behind it"), "{out}");
+}
+
 #[tokio::test]
 async fn the_cli_names_a_keys_first_intent_behind_pages_of_waiting_ones() {
     let app = TestApp::spawn().await;

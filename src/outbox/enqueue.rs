@@ -100,11 +100,16 @@ fn fits_shared_transaction(batch: &[Arc<Vec<NewIntent>>], call: &Vec<NewIntent>)
         .all(|k| !keys.contains(k))
 }
 
-/// A shared transaction whose COMMIT lost its answer may have recorded its calls' intents:
-/// running them again alone would record those without idempotency keys twice, so each
-/// call is answered that its outcome is unknown, as a call alone would be.
+/// A shared transaction whose COMMIT lost its answer, or whose task panicked, may have
+/// recorded its calls' intents: running them again alone would record those without
+/// idempotency keys twice, so each call is answered that its outcome is unknown, as a call
+/// alone would be (never "nothing written", which clients retry).
 fn commit_outcome_unknown(e: &Error) -> Option<Error> {
-    matches!(e, Error::CommitOutcomeUnknown).then_some(Error::CommitOutcomeUnknown)
+    matches!(
+        e,
+        Error::CommitOutcomeUnknown | Error::Database(sqlx::Error::WorkerCrashed)
+    )
+    .then_some(Error::CommitOutcomeUnknown)
 }
 
 /// A transaction for `tenant_id`'s enqueue: its statements are planned once per
@@ -224,7 +229,8 @@ pub async fn enqueue(
                     async move { insert_direct(&pools, &inserts, &tenant, &calls, now).await },
                 )
                 .await
-                .unwrap_or_else(|_| Err(sqlx::Error::WorkerCrashed.into()))?;
+                // A panic in it may have come after its commit.
+                .unwrap_or(Err(Error::CommitOutcomeUnknown))?;
             return Ok(results.into_iter().next().unwrap_or_default());
         }
         let (pools, tenant) = (pools.clone(), tenant_id.to_owned());

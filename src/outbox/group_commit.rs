@@ -81,8 +81,8 @@ where
     ///
     /// # Errors
     /// What `run` answered for this item alone; the error `may_have_committed` gave for
-    /// its whole batch; or `sqlx::Error::WorkerCrashed` if the task running its batch
-    /// panicked.
+    /// its whole batch; or, if the task running its batch panicked (it may have committed),
+    /// what `may_have_committed` gives for `sqlx::Error::WorkerCrashed`, else that error.
     pub async fn submit<F, Fut>(&self, key: K, item: I, run: F) -> Result<O, E>
     where
         F: Fn(Vec<Arc<I>>) -> Fut + Send + Sync + 'static,
@@ -117,9 +117,10 @@ where
                 run,
             ));
         }
-        answered
-            .await
-            .unwrap_or_else(|_| Err(sqlx::Error::WorkerCrashed.into()))
+        answered.await.unwrap_or_else(|_| {
+            let crashed = E::from(sqlx::Error::WorkerCrashed);
+            Err((self.may_have_committed)(&crashed).unwrap_or(crashed))
+        })
     }
 }
 
@@ -158,22 +159,25 @@ async fn drive<K, I, O, E, F, Fut>(
 }
 
 /// The group a driver serves. Dropped before the driver emptied it (it panicked), it
-/// removes the group: its waiting calls are answered `WorkerCrashed` as their channels
-/// close, and the next call starts the group afresh instead of waiting behind a driver
-/// that is gone.
-struct Driving<K: Hash + Eq, I, O, E> {
+/// removes the group: its waiting calls, which never ran, are answered `WorkerCrashed`
+/// (the calls of the batch that panicked find their channels closed instead), and the next
+/// call starts the group afresh instead of waiting behind a driver that is gone.
+struct Driving<K: Hash + Eq, I, O, E: From<sqlx::Error>> {
     groups: Groups<K, I, O, E>,
     key: K,
     waiting_gauge: Gauge,
     armed: bool,
 }
 
-impl<K: Hash + Eq, I, O, E> Drop for Driving<K, I, O, E> {
+impl<K: Hash + Eq, I, O, E: From<sqlx::Error>> Drop for Driving<K, I, O, E> {
     fn drop(&mut self) {
         if self.armed
             && let Some(waiting) = lock(&self.groups).remove(&self.key)
         {
             self.waiting_gauge.dec_by(waiting.len() as i64);
+            for waiter in waiting {
+                let _ = waiter.answer.send(Err(sqlx::Error::WorkerCrashed.into()));
+            }
         }
     }
 }
@@ -289,6 +293,49 @@ mod tests {
         {
             panic!("still waiting after 10 s for {what}");
         }
+    }
+
+    /// A batch whose task panicked may have committed: its calls get what
+    /// `may_have_committed` says of `WorkerCrashed`; the calls waiting behind it never ran
+    /// and get `WorkerCrashed` itself.
+    #[tokio::test]
+    async fn a_panicked_batch_may_have_committed_and_its_waiters_never_ran() {
+        fn crash_unknown(e: &sqlx::Error) -> Option<sqlx::Error> {
+            matches!(e, sqlx::Error::WorkerCrashed)
+                .then(|| sqlx::Error::Io(std::io::Error::other("outcome unknown")))
+        }
+        let grouper = Arc::new(Grouper::new(|_, _| false, crash_unknown, Gauge::default()));
+        let gate = Arc::new(Notify::new());
+        let run = {
+            let gate = Arc::clone(&gate);
+            move |items: Vec<Arc<u32>>| {
+                let gate = Arc::clone(&gate);
+                async move {
+                    gate.notified().await;
+                    assert_ne!(*items[0], 1, "a bug in the batch's task");
+                    Ok(items.iter().map(|i| **i).collect())
+                }
+            }
+        };
+        let submit = |n: u32| {
+            let (grouper, run) = (Arc::clone(&grouper), run.clone());
+            tokio::spawn(async move { grouper.submit("k", n, run).await })
+        };
+        let first = submit(1);
+        until("the first batch running", || {
+            lock(&grouper.groups).contains_key("k")
+        })
+        .await;
+        let second = submit(2);
+        until("the second call waiting", || waiting(&grouper, "k") == 1).await;
+        gate.notify_one();
+        let first = first.await.unwrap();
+        assert!(matches!(first, Err(sqlx::Error::Io(_))), "{first:?}");
+        let second = second.await.unwrap();
+        assert!(
+            matches!(second, Err(sqlx::Error::WorkerCrashed)),
+            "{second:?}"
+        );
     }
 
     #[tokio::test]

@@ -1,6 +1,7 @@
 """A loopback TCP proxy that loses answers: it cuts (resets) a connection instead of
 forwarding a server→client chunk larger than a threshold, a given number of times across
-every proxy sharing the `Cuts`. Requests always get through, so the server has acted."""
+every proxy sharing the `Cuts`. Requests always get through, so the server has acted.
+`frozen`: it forwards nothing either way, as a replica stopped with SIGSTOP."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class FaultProxy:
         self.listener.listen(64)
         self.addr = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self._closed = False
+        self.frozen = False
         self._thread: Optional[threading.Thread] = None
 
     def __enter__(self) -> FaultProxy:
@@ -68,6 +70,8 @@ class FaultProxy:
                 data = src.recv(65536)
                 if not data:
                     break
+                if self.frozen:
+                    continue
                 if answers and self.cuts.take(len(data)):
                     # Lose this answer: reset both sides, as a dying network would.
                     for s in (src, dst):

@@ -96,6 +96,15 @@ def test_enqueue_outside_a_transaction_raises_and_records_nothing(
         with pytest.raises(TransactionRequired):
             outbox.enqueue(connection, kind=k, payload=b"x")
         transaction.rollback()
+    # AUTOCOMMIT, on the engine or the connection: SQLAlchemy calls it a transaction.
+    autocommit = create_engine(engine.url, isolation_level="AUTOCOMMIT")
+    with autocommit.begin() as connection:
+        with pytest.raises(TransactionRequired, match="AUTOCOMMIT"):
+            outbox.enqueue(connection, kind=k, payload=b"x")
+    with engine.connect() as connection:
+        with connection.execution_options(isolation_level="AUTOCOMMIT").begin():
+            with pytest.raises(TransactionRequired, match="AUTOCOMMIT"):
+                outbox.enqueue(connection, kind=k, payload=b"x")
     assert list_intents(outbox, k) == {}
 
 

@@ -325,6 +325,48 @@ def test_lost_claim_answers_are_replayed_and_strand_no_lease(
     assert all(state(outbox, i) == "DELIVERED" for i in ids)
 
 
+def test_an_ack_to_a_replica_that_froze_goes_to_the_next_within_a_short_lease(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    k = kind("ackfrozen")
+    [intent_id] = enqueue(outbox, k, 1)
+    with FaultProxy(stack.endpoints[0], Cuts(0, threshold=1)) as proxy:
+        worker = Worker([proxy.addr, stack.endpoints[1]], stack.api_key, concurrency=1, lease=3, claim_wait=1)
+        attempts: list[int] = []
+
+        def handle(intent: Intent) -> None:
+            attempts.append(intent.attempt)
+            proxy.frozen = True  # the replica holding the lease stops answering
+
+        worker.add_handler(k, handle)
+        with Running(worker):
+            wait_for("the intent acked", lambda: worker.stats.acked == 1, timeout=20)
+    assert attempts == [1], "run twice: the Ack reached no replica within the lease"
+    assert worker.stats.settle_errors == 0
+    assert wait_state(outbox, intent_id, "DELIVERED").attempts == 1
+
+
+def test_a_sync_handler_raising_system_exit_is_failed_retry_and_the_worker_goes_on(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    k = kind("exit")
+    ids = enqueue(outbox, k, 3)
+    worker = Worker(stack.endpoints, stack.api_key, concurrency=3)
+    exited: list[str] = []
+
+    def handle(intent: Intent) -> None:
+        if not exited:
+            exited.append(intent.id)
+            raise SystemExit(3)
+
+    worker.add_handler(k, handle)
+    with Running(worker):
+        wait_for("3 acks", lambda: worker.stats.acked == 3, timeout=20)
+    assert worker.stats.failed == 1
+    assert all(state(outbox, i) == "DELIVERED" for i in ids)
+    assert list_intents(outbox, k)[exited[0]].attempts == 2
+
+
 def test_a_refused_api_key_stops_the_worker_loudly(stack: Stack, kind: Callable[[str], str]) -> None:
     worker = Worker(stack.endpoints, "obx_not-a-key", concurrency=1)
     worker.add_handler(kind("x"), lambda intent: None)

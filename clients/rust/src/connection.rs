@@ -411,7 +411,7 @@ impl Connection {
             let sent = Instant::now();
             // tonic enforces the grpc-timeout it sends; this is the backstop for an answer
             // whose headers came but whose body never does.
-            let backstop = timeout + Duration::from_secs(1);
+            let backstop = timeout.saturating_add(Duration::from_secs(1));
             let answer = tokio::time::timeout(backstop, attempt(client)).await;
             attempts.last_took = sent.elapsed();
             let status = match answer {
@@ -446,7 +446,7 @@ impl Connection {
                 message = status.message(),
                 "outboxd call failed; retrying on the next endpoint in {pause:?}"
             );
-            attempts.retried.push(status);
+            attempts.record_retry(status);
             tokio::time::sleep(pause).await;
         }
     }
@@ -473,7 +473,8 @@ impl Connection {
 pub struct Attempts {
     /// Attempts sent (1 when nothing was retried).
     pub count: u32,
-    /// The failures that were retried, in order (empty when the first attempt answered).
+    /// The failures that were retried, in order (empty when the first attempt answered);
+    /// the last [`Attempts::KEPT`] of them when there were more (`count` says how many).
     pub retried: Vec<Status>,
     /// Index in [`Connection::endpoints`] of the endpoint the last attempt went to.
     pub endpoint: usize,
@@ -497,6 +498,18 @@ impl Default for Attempts {
 }
 
 impl Attempts {
+    /// The most failures [`Attempts::retried`] keeps: a Claim retried through a long outage
+    /// would otherwise keep one a second, for ever.
+    pub const KEPT: usize = 32;
+
+    /// Records a failure that is retried, keeping the last [`Attempts::KEPT`].
+    pub(crate) fn record_retry(&mut self, status: Status) {
+        if self.retried.len() >= Self::KEPT {
+            self.retried.remove(0);
+        }
+        self.retried.push(status);
+    }
+
     fn begin(&mut self, endpoint: usize) {
         self.count += 1;
         self.endpoint = endpoint;

@@ -171,7 +171,8 @@ pub struct EnqueueResult {
 }
 
 /// A producer's handle on outboxd: enqueues in the caller's transaction, or directly.
-/// Cheap to clone.
+/// Cheap to clone; clones share what it learnt of its database (whether it has
+/// `outbox.txn_token()`), so make one with [`Outbox::new`] per database.
 ///
 /// ```no_run
 /// # async fn f(pool: sqlx::PgPool, connection: outboxd_client::Connection) -> Result<(), outboxd_client::Error> {
@@ -242,8 +243,8 @@ impl Outbox {
         tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
         intent: NewIntent,
     ) -> Result<EnqueueResult, Error> {
-        let mut results = self.enqueue_many(tx, [intent]).await?;
-        Ok(results.remove(0))
+        let results = self.enqueue_many(tx, [intent]).await?;
+        one_result(results)
     }
 
     /// Enqueues a batch (all or none, at most the server's batch limit, 1,000 by default)
@@ -328,8 +329,8 @@ impl Outbox {
     /// # Errors
     /// outboxd's refusal, or no answer within the timeout.
     pub async fn enqueue_direct(&self, intent: NewIntent) -> Result<EnqueueResult, Error> {
-        let mut results = self.enqueue_direct_many([intent]).await?;
-        Ok(results.remove(0))
+        let results = self.enqueue_direct_many([intent]).await?;
+        one_result(results)
     }
 
     /// Enqueues a batch (all or none) outside any transaction.
@@ -357,7 +358,13 @@ impl Outbox {
         } else {
             Retry::IfNotApplied
         };
-        let options = CallOptions::new(self.timeout)
+        // A retryable call's first try leaves half its time for the next endpoint.
+        let first_try = if keyed {
+            self.timeout / 2
+        } else {
+            self.timeout
+        };
+        let options = CallOptions::new(first_try)
             .budget(self.timeout)
             .bounded()
             .retry(retry);
@@ -387,4 +394,14 @@ fn messages(intents: impl IntoIterator<Item = NewIntent>) -> Result<Vec<proto::N
         return Err(Error::Invalid("outboxd: nothing to enqueue".into()));
     }
     Ok(messages)
+}
+
+/// The result of a one-intent call: an answer without it is the server's fault, said as
+/// such (the intent may exist).
+fn one_result(results: Vec<EnqueueResult>) -> Result<EnqueueResult, Error> {
+    results.into_iter().next().ok_or_else(|| {
+        Error::Status(Box::new(tonic::Status::internal(
+            "outboxd answered an Enqueue of one intent without its result",
+        )))
+    })
 }

@@ -245,7 +245,8 @@ export class Outbox {
     try {
       const reply = await this.connection.call((client, options) => client.enqueue({ txnToken: token, intents }, options), {
         budgetMs: this.callTimeoutMs,
-        tryTimeoutMs: this.callTimeoutMs,
+        // A retryable call's first try leaves half its time for the next endpoint.
+        tryTimeoutMs: keyed ? this.callTimeoutMs / 2 : this.callTimeoutMs,
         bounded: true,
         retryable: keyed ? transient : notApplied,
       });

@@ -623,6 +623,14 @@ export class Worker {
     };
   }
 
+  /**
+   * One try of a settle or MarkSubmitted: short enough that a replica that never answers
+   * leaves time within the lease for a retry on the next one.
+   */
+  private leaseCallTimeoutMs(): number {
+    return Math.min(10_000, Math.max(this.heartbeatMs, 1_000));
+  }
+
   private async markSubmitted(live: Live): Promise<void> {
     if (live.lost) throw new LeaseLostError(live.intent.id, "the lease was lost before MarkSubmitted");
     let result: LeaseResult | undefined;
@@ -632,7 +640,7 @@ export class Worker {
           client.markSubmitted({ leases: [{ intentId: live.intent.id, leaseId: live.leaseId }] }, options),
         {
           budgetMs: Math.max(0, live.expiresAt - Date.now()),
-          tryTimeoutMs: Math.min(5_000, this.leaseMs),
+          tryTimeoutMs: Math.min(5_000, this.leaseCallTimeoutMs()),
           signal: live.controller.signal,
         },
       );
@@ -756,7 +764,7 @@ export class Worker {
     call: "ack" | "fail",
     batch: PendingSettle[],
     send: (client: OutboxServiceClient, options: CallOptions) => Promise<LeaseResult[]>,
-    policy: SettlePolicy = { budgetMs: Math.max(this.leaseMs, 30_000), tryTimeoutMs: 10_000 },
+    policy: SettlePolicy = { budgetMs: Math.max(this.leaseMs, 30_000), tryTimeoutMs: this.leaseCallTimeoutMs() },
   ): Promise<void> {
     try {
       // Repeating a settle with the same leases is a replay: answered OK if it applied.

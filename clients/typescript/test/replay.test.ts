@@ -105,3 +105,42 @@ test("a Claim retried after a frozen try runs the leases its retry took, renewed
     await frozen.stop();
   }
 });
+
+test("an Ack to a replica that froze while the handler ran goes to the next endpoint within a short lease", async () => {
+  const proxied = await LossyProxy.start(fx.endpoints[0] ?? "");
+  const outbox = new Outbox({ endpoints: fx.endpoints, apiKey: fx.apiKey });
+  const [id] = (await outbox.enqueueDirect([{ kind: "replay.ackfrozen", json: {} }])).map((r) => r.id);
+  outbox.close();
+  const runs: string[] = [];
+  const w = new Worker({
+    endpoints: [proxied.endpoint, fx.endpoints[0] ?? ""],
+    apiKey: fx.apiKey,
+    handleSignals: false,
+    claimers: 1,
+    claimWaitMs: 500,
+    leaseMs: 3_000,
+  });
+  w.handle("replay.ackfrozen", (intent) => {
+    runs.push(intent.id);
+    proxied.frozen = true;
+  });
+  // Started once the first ran: it would take the intent again once its lease expired.
+  const other = new Worker({ endpoints: fx.endpoints, apiKey: fx.apiKey, handleSignals: false, claimWaitMs: 500 });
+  other.handle("replay.ackfrozen", (intent) => {
+    runs.push(intent.id);
+  });
+  const run = w.run();
+  await waitFor("the handler run", () => runs.length === 1);
+  const otherRun = other.run();
+  try {
+    await waitFor("an ack", () => w.stats().acked + other.stats().acked >= 1, 30_000);
+    await waitFor("delivered", async () => (await fx.intent(id ?? "")).state === "DELIVERED", 30_000);
+    assert.equal(w.stats().leaseLost, 0);
+    assert.deepEqual(runs, [id]);
+    assert.deepEqual(await fx.intent(id ?? "").then((i) => [i.state, i.attempts]), ["DELIVERED", 1]);
+  } finally {
+    await Promise.all([w.stop(), other.stop()]);
+    await Promise.all([run, otherRun]);
+    await proxied.stop();
+  }
+});

@@ -81,7 +81,9 @@ class OutboxError(Exception):
     """
 
     def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
-        super().__init__(f"{code.name}/{reason or code.name}: {message}")
+        # No reason: the transport's error, not the server's word (whose UNAVAILABLE
+        # reason means nothing was written).
+        super().__init__(f"{code.name}/{reason}: {message}" if reason else f"{code.name}: {message}")
         self.code = code
         self.reason = reason
         self.message = message

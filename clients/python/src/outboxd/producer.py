@@ -48,6 +48,12 @@ def _enqueue_retry(intents: Sequence[pb.NewIntent]) -> Any:
     return retry
 
 
+def _enqueue_try_timeout(timeout: float, intents: Sequence[pb.NewIntent]) -> float:
+    """The first try's share of an Enqueue's `timeout`: half when it may be retried (every
+    intent keyed), so that the next endpoint gets the other half."""
+    return timeout / 2 if all(i.idempotency_key for i in intents) else timeout
+
+
 def _intents(
     kind: str,
     payload: Payload,
@@ -158,6 +164,16 @@ def _check_sqlalchemy(conn: Any) -> None:
         raise
     # The driver's own connection (under an async engine, dbapi_connection is an adapter).
     dbapi = getattr(getattr(connection, "connection", None), "driver_connection", None)
+    # An AUTOCOMMIT engine or connection: SQLAlchemy reports a transaction, but each
+    # statement commits alone (the token's too).
+    options = getattr(connection, "get_execution_options", None)
+    if (callable(options) and options().get("isolation_level") == "AUTOCOMMIT") or (
+        dbapi is not None and getattr(dbapi, "autocommit", False) is True
+    ):
+        raise TransactionRequired(
+            "enqueue(...) needs a transaction, and this SQLAlchemy connection is in AUTOCOMMIT "
+            "(each statement commits alone); use a connection without it, or enqueue_direct(...)"
+        )
     if dbapi is not None and _reports_libpq_status(dbapi):
         _refuse_failed(dbapi)
 
@@ -373,7 +389,7 @@ class Outbox(_Base):
             "Enqueue",
             request,
             pb.EnqueueResponse,
-            timeout=self.timeout,
+            timeout=_enqueue_try_timeout(self.timeout, request.intents),
             budget=self.timeout,
             bounded=True,
             retry=_enqueue_retry(request.intents),
@@ -546,7 +562,7 @@ class AsyncOutbox(_Base):
             "Enqueue",
             request,
             pb.EnqueueResponse,
-            timeout=self.timeout,
+            timeout=_enqueue_try_timeout(self.timeout, request.intents),
             budget=self.timeout,
             bounded=True,
             retry=_enqueue_retry(request.intents),

@@ -592,7 +592,7 @@ class Worker:
                     lease_duration=duration(self.lease),
                 ),
                 pb.ExtendLeaseResponse,
-                timeout=min(self.call_timeout, self.heartbeat_interval),
+                timeout=self._heartbeat_try_timeout(),
                 budget=self.heartbeat_interval,
             )
         except (OutboxError, grpc.RpcError) as error:
@@ -703,7 +703,12 @@ class Worker:
                                 future.cancel()
                             future.result()
 
-                await self._pool.submit(loop, run)
+                try:
+                    await self._pool.submit(loop, run)
+                except (SystemExit, KeyboardInterrupt) as e:
+                    # Raised in the handler's thread, so the handler's own (Ctrl-C and the
+                    # process's exit come to the main thread): a failure like any other.
+                    return self._failed(lease, e)
         except asyncio.CancelledError as e:
             if lease.lost or lease.abandoned:
                 # The worker's: lease lost or shutdown past the grace, nothing to report.
@@ -738,6 +743,16 @@ class Worker:
         )
         return _Settle(lease, outcome, _describe(e))
 
+    def _heartbeat_try_timeout(self) -> float:
+        """One try of an ExtendLease: a third of the interval, so that a replica that never
+        answers (two in a row) leaves time for the next endpoint before the next round."""
+        return min(self.call_timeout, self.heartbeat_interval, max(self.heartbeat_interval / 3, 0.25))
+
+    def _lease_call_timeout(self) -> float:
+        """One try of a settle or MarkSubmitted: short enough that a replica that never
+        answers leaves time within the lease for a retry on the next one."""
+        return min(self.call_timeout, max(self.heartbeat_interval, 1.0))
+
     async def _mark_submitted(self, lease: _Lease) -> None:
         if lease.submitted:
             return
@@ -747,7 +762,7 @@ class Worker:
             "MarkSubmitted",
             pb.MarkSubmittedRequest(leases=[lease.ref()]),
             pb.MarkSubmittedResponse,
-            timeout=self.call_timeout,
+            timeout=self._lease_call_timeout(),
             budget=max(0.5, lease.expires - time.monotonic()),
         )
         # Decided on the loop with no await before `submitted = True`, as the drain decides
@@ -812,7 +827,7 @@ class Worker:
                     "ExtendLease",
                     pb.ExtendLeaseRequest(leases=[x.ref() for x in chunk], lease_duration=duration(self.lease)),
                     pb.ExtendLeaseResponse,
-                    timeout=min(self.call_timeout, self.heartbeat_interval),
+                    timeout=self._heartbeat_try_timeout(),
                     budget=self.heartbeat_interval,
                 )
             except (OutboxError, grpc.RpcError) as error:
@@ -888,7 +903,7 @@ class Worker:
                 "Ack",
                 pb.AckRequest(leases=[s.lease.ref() for s in acks]),
                 pb.AckResponse,
-                timeout=self.call_timeout,
+                timeout=self._lease_call_timeout(),
                 budget=max(self.lease, self.call_timeout),
             )
         except OutboxError as error:
@@ -931,7 +946,7 @@ class Worker:
                 "Fail",
                 pb.FailRequest(failures=failures),
                 pb.FailResponse,
-                timeout=self.call_timeout,
+                timeout=self._lease_call_timeout(),
                 budget=max(self.lease, self.call_timeout),
             )
         except OutboxError as error:

@@ -595,13 +595,13 @@ impl Shared {
             request_id: request_id.clone().unwrap_or_default(),
         };
         let timeout = self.connection.call_timeout();
-        let options =
-            CallOptions::new(config.claim_wait + timeout).budget(config.lease.max(timeout));
+        let options = CallOptions::new(config.claim_wait.saturating_add(timeout))
+            .budget(config.lease.max(timeout));
         let first_sent = Instant::now();
         let mut attempts = Attempts::default();
         let mut backoff = Backoff::default();
         loop {
-            let retried_before = attempts.retried.len();
+            let tried_before = attempts.count;
             let answer = self
                 .connection
                 .call_traced(options, &mut attempts, |mut client| {
@@ -611,7 +611,7 @@ impl Shared {
                 .await;
             self.stats
                 .claim_retries
-                .add((attempts.retried.len() - retried_before) as u64);
+                .add(u64::from((attempts.count - tried_before).saturating_sub(1)));
             match answer {
                 Ok(answer) => {
                     self.observe(|o| {
@@ -638,7 +638,7 @@ impl Shared {
                     // The budget is spent: keep the request_id and keep trying, slower.
                     tracing::warn!(worker = %config.worker_id, "outboxd Claim: {status}");
                     self.stats.claim_retries.add(1);
-                    attempts.retried.push(*status);
+                    attempts.record_retry(*status);
                     tokio::time::sleep(backoff.next()).await;
                 }
                 Err(error) => return Err(error),
@@ -861,7 +861,7 @@ impl Shared {
             .expires()
             .saturating_duration_since(Instant::now())
             .max(Duration::from_millis(500));
-        let options = CallOptions::new(self.connection.call_timeout().min(left)).budget(left);
+        let options = CallOptions::new(self.lease_call_timeout().min(left)).budget(left);
         let request = proto::MarkSubmittedRequest {
             leases: vec![lease.reference()],
         };
@@ -889,7 +889,11 @@ impl Shared {
             // The external call has not started: a retry is safe whatever happened.
             Err(error) => return Err(Failure::retry(format!("MarkSubmitted failed: {error}"))),
         };
-        match answer.results.first().and_then(|r| r.error.as_ref()) {
+        let Some(result) = answer.results.first() else {
+            // Not known to be marked: the external call must not start.
+            return Err(Failure::retry("MarkSubmitted answered without a result"));
+        };
+        match &result.error {
             None => {
                 lease.set_submitted();
                 Ok(())
@@ -906,6 +910,14 @@ impl Shared {
                 error.reason, error.message
             ))),
         }
+    }
+
+    /// One try of a settle or MarkSubmitted: short enough that a replica that never answers
+    /// leaves time within the lease for a retry on the next one.
+    fn lease_call_timeout(&self) -> Duration {
+        self.connection
+            .call_timeout()
+            .min(self.config.heartbeat.max(Duration::from_secs(1)))
     }
 
     /// Marks a lease lost (its handler is cancelled); counted and logged once.
@@ -976,9 +988,14 @@ impl Shared {
             leases: leases.iter().map(|l| l.reference()).collect(),
             lease_duration: Some(proto_duration(self.config.lease)),
         };
+        // A third of the interval a try, so that a replica that never answers (two in a
+        // row) leaves time for the next endpoint before the next round.
         let heartbeat = self.config.heartbeat;
-        let options =
-            CallOptions::new(self.connection.call_timeout().min(heartbeat)).budget(heartbeat);
+        let try_timeout = (heartbeat / 3)
+            .max(Duration::from_millis(250))
+            .min(heartbeat)
+            .min(self.connection.call_timeout());
+        let options = CallOptions::new(try_timeout).budget(heartbeat);
         self.observe(|o| {
             for lease in leases {
                 o.sending(lease.id(), LeaseCall::ExtendLease);
@@ -1037,11 +1054,12 @@ impl Shared {
     /// After the claim loop stopped: the grace for running handlers, then those still
     /// running are abandoned (their supervisors queue a Fail), and every supervisor ends.
     async fn drain(&self, jobs: &mut JoinSet<()>) {
-        let deadline = Instant::now() + self.config.grace;
+        let grace = tokio::time::sleep(self.config.grace);
+        tokio::pin!(grace);
         loop {
             tokio::select! {
                 next = jobs.join_next() => if next.is_none() { return },
-                () = tokio::time::sleep_until(deadline) => break,
+                () = &mut grace => break,
             }
         }
         let running: Vec<Arc<LeaseState>> = self

@@ -173,7 +173,8 @@ impl Shared {
         });
         let timeout = self.connection.call_timeout();
         // Repeating a settle with the same leases is a replay: answered OK if it applied.
-        let options = CallOptions::new(timeout).budget(self.config.lease.max(timeout));
+        let options =
+            CallOptions::new(self.lease_call_timeout()).budget(self.config.lease.max(timeout));
         match call {
             Call::Ack => {
                 let request = proto::AckRequest {

@@ -545,6 +545,93 @@ async fn a_claim_retried_after_a_frozen_try_runs_the_leases_its_retry_took() {
     );
 }
 
+/// A replica that froze while a handler ran: its Ack tries there for a fraction of the
+/// lease, then goes to the next endpoint while the lease lives; never run twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_to_a_replica_that_froze_goes_to_the_next_within_a_short_lease() {
+    let stack = stack();
+    let k = kind("ack-frozen");
+    let ids = enqueue(&Outbox::new(connection()), &k, 1, 0).await;
+    let proxy = Arc::new(Proxy::start(&stack.endpoints[0], Cuts::new(0, usize::MAX)).await);
+    let seen: Seen = Arc::default();
+    let worker = Worker::builder(connect(&[proxy.addr.clone(), stack.endpoints[1].clone()]))
+        .lease(Duration::from_secs(3))
+        .claim_wait(Duration::from_secs(1))
+        .handler(&k, {
+            let (seen, proxy) = (seen.clone(), proxy.clone());
+            move |job: Job| {
+                count(&seen, job.id());
+                proxy.freeze(true);
+                async { Ok::<_, Failure>(()) }
+            }
+        })
+        .build()
+        .unwrap();
+    let running = Running::start(worker);
+    wait_for("an ack", Duration::from_secs(20), || {
+        (running.worker.stats().acked == 1).then_some(())
+    })
+    .await;
+    let stats = running.worker.stats();
+    running.stop().await.unwrap();
+    assert_eq!((stats.lease_lost, stats.settle_errors), (0, 0), "{stats:?}");
+    assert_eq!(*seen.lock().unwrap(), HashMap::from([(ids[0].clone(), 1)]));
+    let delivered = intent(&crate::harness::connection(), &ids[0]).await;
+    assert_eq!(
+        (delivered.state(), delivered.attempts),
+        (IntentState::Delivered, 1)
+    );
+}
+
+/// Heartbeats of a long handler whose replica froze, with another that never answers next
+/// in line: each round tries the endpoints in turn within its interval, and the lease lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_pass_two_endpoints_that_never_answer_within_one_round() {
+    let stack = stack();
+    let k = kind("hb-frozen");
+    let ids = enqueue(&Outbox::new(connection()), &k, 1, 0).await;
+    let first = Arc::new(Proxy::start(&stack.endpoints[0], Cuts::new(0, usize::MAX)).await);
+    let hung = Proxy::start(&stack.endpoints[0], Cuts::new(0, usize::MAX)).await;
+    hung.freeze(true);
+    let endpoints = [
+        first.addr.clone(),
+        hung.addr.clone(),
+        stack.endpoints[1].clone(),
+    ];
+    let seen: Seen = Arc::default();
+    let worker = Worker::builder(connect(&endpoints))
+        .lease(Duration::from_secs(3))
+        .claim_wait(Duration::from_secs(1))
+        .handler(&k, {
+            let (seen, first) = (seen.clone(), first.clone());
+            move |job: Job| {
+                count(&seen, job.id());
+                first.freeze(true);
+                async {
+                    // Past the lease: only heartbeats keep it.
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                    Ok::<_, Failure>(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let running = Running::start(worker);
+    wait_for("an ack", Duration::from_secs(30), || {
+        (running.worker.stats().acked == 1).then_some(())
+    })
+    .await;
+    let stats = running.worker.stats();
+    running.stop().await.unwrap();
+    assert_eq!(stats.lease_lost, 0, "{stats:?}");
+    assert_eq!(*seen.lock().unwrap(), HashMap::from([(ids[0].clone(), 1)]));
+    let delivered = intent(&crate::harness::connection(), &ids[0]).await;
+    assert_eq!(
+        (delivered.state(), delivered.attempts),
+        (IntentState::Delivered, 1)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_sent_again_with_its_request_id_returns_the_same_leases() {
     let connection = connection();

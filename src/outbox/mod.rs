@@ -574,8 +574,8 @@ pub enum Error {
     /// The intent that held an idempotency key when this call's insert met it finished
     /// (discarded, or purged) before it could be read: the key is free now.
     #[error(
-        "the intent holding idempotency key {key:?} was discarded or purged while this call ran; \
-         retry, and the key will be yours"
+        "the intent holding idempotency key {key:?} was discarded or purged while this call ran, \
+         or its producer transaction rolled back; retry, and the key will be yours"
     )]
     KeyHolderGone {
         /// The key.

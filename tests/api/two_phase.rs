@@ -718,6 +718,31 @@ async fn an_idempotency_key_held_by_another_open_transaction_is_not_deduplicated
     );
 }
 
+/// A transaction redone at once after a rollback: the rolled-back intent still holds its
+/// key until the promotion discards it, and the retry is told it may go ahead (CONFLICT,
+/// retried by the SDKs), not that another open transaction holds it.
+#[tokio::test]
+async fn a_key_held_by_a_rolled_back_transaction_is_retryable_before_the_sweep() {
+    let app = TestApp::spawn_with(|s| s.txn.resolve_interval = Duration::from_secs(3600)).await;
+    let mut keyed = intent("order.created", "{}");
+    keyed.idempotency_key = "order-10".into();
+    let mut first = app.producer().await;
+    let mut t1 = first.begin().await.unwrap();
+    let token = token_of(&mut t1).await;
+    enqueue_in(&app, &token, vec![keyed.clone()]).await.unwrap();
+    t1.rollback().await.unwrap();
+
+    let mut t2 = first.begin().await.unwrap();
+    let token = token_of(&mut t2).await;
+    let status = enqueue_in(&app, &token, vec![keyed]).await.unwrap_err();
+    assert_status(&status, Code::Aborted, "CONFLICT", &[]);
+    assert!(
+        status.message().contains("rolled back"),
+        "{}",
+        status.message()
+    );
+}
+
 #[tokio::test]
 async fn an_intent_of_a_transaction_held_open_is_available_from_its_commit_and_claimed_at_once() {
     // Claims look from a floor behind the newest intent their group took: an intent that

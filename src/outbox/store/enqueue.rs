@@ -243,6 +243,13 @@ pub async fn insert_intents(
         // never existed, so answering "deduplicated" now could lose this one.
         let ours = params.txn_xid.map(|x| x.to_string());
         if holder.state == IntentState::Staged && holder.txn != ours {
+            // One that rolled back holds the key until the promotion discards it (within
+            // its interval): a producer redoing its transaction at once may go ahead.
+            if holder_rolled_back(conn, holder.txn.as_deref()).await? {
+                return Err(Error::KeyHolderGone {
+                    key: key.to_owned(),
+                });
+            }
             return Err(Error::IdempotencyKeyInUse {
                 key: key.to_owned(),
                 existing: IntentId(holder.id),
@@ -265,6 +272,16 @@ pub async fn insert_intents(
         enqueued: results,
         leased: Vec::new(),
     })
+}
+
+/// Whether the producer transaction `txn` (an xid8 as text) rolled back.
+async fn holder_rolled_back(conn: &mut PgConnection, txn: Option<&str>) -> Result<bool> {
+    let Some(txn) = txn else { return Ok(false) };
+    let status: Option<String> = sqlx::query_scalar("SELECT outbox.xact_status($1::xid8)")
+        .bind(txn)
+        .fetch_one(&mut *conn)
+        .await?;
+    Ok(status.as_deref() == Some("aborted"))
 }
 
 /// The state a new intent was inserted in: `unordered` (STAGED or PENDING) unless it is a

@@ -1,13 +1,15 @@
 """A loopback TCP proxy that loses answers: it cuts (resets) a connection instead of
 forwarding a server→client chunk larger than a threshold, a given number of times across
 every proxy sharing the `Cuts`. Requests always get through, so the server has acted.
-`frozen`: it forwards nothing either way, as a replica stopped with SIGSTOP."""
+`frozen`: it forwards nothing either way, as a replica stopped with SIGSTOP. `delay`: each
+answer is held this long (s), as a network that delivers late."""
 
 from __future__ import annotations
 
 import socket
 import struct
 import threading
+import time
 from typing import Optional
 
 
@@ -43,6 +45,7 @@ class FaultProxy:
         self.addr = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self._closed = False
         self.frozen = False
+        self.delay = 0.0
         self._thread: Optional[threading.Thread] = None
 
     def __enter__(self) -> FaultProxy:
@@ -72,6 +75,8 @@ class FaultProxy:
                     break
                 if self.frozen:
                     continue
+                if answers and self.delay:
+                    time.sleep(self.delay)
                 if answers and self.cuts.take(len(data)):
                     # Lose this answer: reset both sides, as a dying network would.
                     for s in (src, dst):

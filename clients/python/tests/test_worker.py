@@ -367,6 +367,32 @@ def test_a_sync_handler_raising_system_exit_is_failed_retry_and_the_worker_goes_
     assert list_intents(outbox, k)[exited[0]].attempts == 2
 
 
+def test_a_claim_answer_held_past_its_lease_is_not_run_beside_a_rescue(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    k = kind("held")
+    runs: list[str] = []
+    with FaultProxy(stack.endpoints[0], Cuts(0, threshold=1)) as slow:
+        late = Worker([slow.addr], stack.api_key, concurrency=1, lease=2, claim_wait=5)
+        other = Worker([stack.endpoints[1]], stack.api_key, concurrency=1, lease=2, claim_wait=1)
+        for worker in (late, other):
+            worker.add_handler(k, lambda intent: runs.append(intent.id))
+        claims = Claims(late)
+        with Running(late):
+            wait_for("a long poll", lambda: claims.sent, timeout=10)
+            # Its answer arrives after its 2 s lease, rescued and delivered meanwhile.
+            slow.delay = 4.0
+            [intent_id] = enqueue(outbox, k, 1)
+            wait_state(outbox, intent_id, "LEASED")
+            with Running(other):
+                wait_state(outbox, intent_id, "DELIVERED")
+                # Its lease dropped as lost, or (wrongly) run and settled.
+                settled = lambda: late.stats.lease_lost + late.stats.acked + late.stats.settle_errors  # noqa: E731
+                wait_for("the late answer handled", settled, timeout=30)
+    assert runs == [intent_id], "a late answer's expired lease ran beside the rescue"
+    assert late.stats.acked == 0
+
+
 def test_a_refused_api_key_stops_the_worker_loudly(stack: Stack, kind: Callable[[str], str]) -> None:
     worker = Worker(stack.endpoints, "obx_not-a-key", concurrency=1)
     worker.add_handler(kind("x"), lambda intent: None)

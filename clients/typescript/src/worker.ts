@@ -404,13 +404,12 @@ export class Worker {
         this.counters.claimed += leases.length;
         this.emit({ type: "claimed", count: leases.length, replayed: tries > 1 });
       }
-      // When the leases began, on this clock: not before the Claim was sent, and for a long
-      // poll about when its answer came (the server answers as it leases), a little earlier
-      // for the answer's way back: a second, or a quarter of a short lease. A retried
-      // Claim's are renewed first (renewReplayed).
+      // When the leases began, on this clock: answered within the margin, after the send
+      // and not long before the answer. Later (a long poll's wait, a retry, or an answer
+      // held on its way back), they may have begun long before it: renewed first.
       const margin = Math.min(1_000, this.leaseMs / 4);
-      let leasedAt = Math.max(sentAt, Date.now() - margin);
-      if (tries > 1) ({ leases, leasedAt } = await this.renewReplayed(leases, sentAt));
+      let leasedAt = sentAt;
+      if (Date.now() - sentAt > margin) ({ leases, leasedAt } = await this.renewClaimed(leases, sentAt));
       for (const lease of leases) this.start(lease, leasedAt, tracing);
       // A full reply lets the other claimers claim; a short one ends another claimer's
       // wait for company (the queue is short).
@@ -419,13 +418,13 @@ export class Worker {
   }
 
   /**
-   * A retried Claim's answer may carry leases its first try took, or fresh ones its retry
-   * took long after the first send (a try that timed out on a frozen replica): one
+   * Leases of a Claim answered late, which may have begun at any time since its first send
+   * (a long poll's wait, fresh leases of a retry, an answer held on its way back): one
    * ExtendLease gives every one a known expiry, counted from its send; those it finds lost
    * are dropped unstarted. If it fails, or fails for one of them without losing it, they
    * count from the Claim's first send, the earliest they can have begun.
    */
-  private async renewReplayed(leases: Lease[], sentAt: number): Promise<{ leases: Lease[]; leasedAt: number }> {
+  private async renewClaimed(leases: Lease[], sentAt: number): Promise<{ leases: Lease[]; leasedAt: number }> {
     if (leases.length === 0) return { leases, leasedAt: sentAt };
     const renewedAt = Date.now();
     let results: LeaseResult[];
@@ -461,7 +460,7 @@ export class Worker {
         unsure = true;
       } else if (error !== undefined) {
         this.counters.leaseLost++;
-        const reason = `a replayed Claim's lease was not renewed: ${error.reason} ${error.message}`;
+        const reason = `a late Claim's lease was not renewed: ${error.reason} ${error.message}`;
         this.emit({ type: "leaseLost", intent: intentOf(lease), reason });
         continue;
       }

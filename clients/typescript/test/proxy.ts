@@ -1,13 +1,15 @@
 // A loopback TCP proxy that can lose one answer: armed, it swallows the next chunk from
 // the server of at least `minBytes` and cuts that connection, as a network that fails
 // after the server committed and replied. Frozen, it forwards nothing either way, as a
-// replica stopped with SIGSTOP.
+// replica stopped with SIGSTOP. With `delayMs`, each answer is held that long, as a
+// network that delivers late.
 import { createServer, connect, type Server, type Socket, type AddressInfo } from "node:net";
 
 export class LossyProxy {
   readonly endpoint: string;
   dropped = 0;
   frozen = false;
+  delayMs = 0;
   private armedFor: number | undefined;
   private readonly server: Server;
   private readonly sockets = new Set<Socket>();
@@ -42,7 +44,8 @@ export class LossyProxy {
           cut();
           return;
         }
-        client.write(chunk);
+        if (p !== undefined && p.delayMs > 0) setTimeout(() => client.write(chunk), p.delayMs);
+        else client.write(chunk);
       });
     });
     await new Promise<void>((r) => server.listen(0, "127.0.0.1", r));

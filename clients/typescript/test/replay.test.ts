@@ -144,3 +144,41 @@ test("an Ack to a replica that froze while the handler ran goes to the next endp
     await proxied.stop();
   }
 });
+
+test("a Claim answer held past its lease is not run beside the rescue that took it again", async () => {
+  const slow = await LossyProxy.start(fx.endpoints[0] ?? "");
+  let claims = 0;
+  const spy: Interceptor = (next) => async (request) => {
+    if (request.method.name === "Claim") claims++;
+    return next(request);
+  };
+  const runs: string[] = [];
+  const options = { apiKey: fx.apiKey, handleSignals: false, claimers: 1, leaseMs: 2_000 };
+  const late = new Worker({ ...options, endpoints: [slow.endpoint], claimWaitMs: 5_000, interceptors: [spy] });
+  const other = new Worker({ ...options, endpoints: fx.endpoints, claimWaitMs: 500 });
+  for (const w of [late, other]) {
+    w.handle("replay.held", (intent) => {
+      runs.push(intent.id);
+    });
+  }
+  const lateRun = late.run();
+  let otherRun: Promise<void> | undefined;
+  try {
+    await waitFor("a long poll", () => claims >= 1);
+    // Its answer arrives after its 2 s lease, rescued and delivered meanwhile.
+    slow.delayMs = 4_000;
+    const outbox = new Outbox({ endpoints: fx.endpoints, apiKey: fx.apiKey });
+    const [id] = (await outbox.enqueueDirect([{ kind: "replay.held", json: {} }])).map((r) => r.id);
+    outbox.close();
+    await waitFor("leased", async () => (await fx.intent(id ?? "")).state === "LEASED");
+    otherRun = other.run();
+    await waitFor("delivered", async () => (await fx.intent(id ?? "")).state === "DELIVERED", 30_000);
+    // Its lease dropped as lost, or (wrongly) run and settled.
+    await waitFor("the late answer handled", () => late.stats().leaseLost + late.stats().acked >= 1, 30_000);
+    assert.deepEqual(runs, [id], "a late answer's expired lease ran beside the rescue");
+  } finally {
+    await Promise.all([late.stop(), other.stop()]);
+    await Promise.all([lateRun, otherRun]);
+    await slow.stop();
+  }
+});

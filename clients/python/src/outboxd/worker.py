@@ -542,11 +542,8 @@ class Worker:
         )
         backoff = Backoff()
         sent = time.monotonic()
-        retried = False
 
         def on_retry(_: object) -> None:
-            nonlocal retried
-            retried = True
             self._count("claim_retries")
 
         while True:
@@ -559,14 +556,13 @@ class Worker:
                     budget=self.claim_wait + self.call_timeout,
                     on_retry=on_retry,
                 )
-                if retried:
-                    return await self._renew_replayed(answer.leases, sent)
-                # A first answer's leases began about when it was made (a long poll answers
-                # as it leases), so not from the send: the poll may have waited longer
-                # than a lease lasts. Counted a little earlier for the answer's way back:
-                # a second, or a quarter of a short lease.
+                # Answered within the margin, its leases began after the send, and not long
+                # before the answer. Later (a long poll's wait, a retry, or an answer held
+                # on its way back), they may have begun long before it.
                 margin = min(1.0, self.lease / 4)
-                return answer.leases, max(sent, time.monotonic() - margin)
+                if time.monotonic() - sent > margin:
+                    return await self._renew_claimed(answer.leases, sent)
+                return answer.leases, sent
             except OutboxError as error:
                 if not transient(error.code, error.reason):
                     raise
@@ -575,12 +571,13 @@ class Worker:
                 on_retry(error)
                 await asyncio.sleep(backoff.next())
 
-    async def _renew_replayed(self, leases: Sequence[pb.Lease], sent: float) -> tuple[Sequence[pb.Lease], float]:
-        """A replayed Claim's answer may carry leases its first try took, or fresh ones
-        taken after an outage: one ExtendLease gives every one a known expiry, counted from
-        its send; those it reports lost are dropped unstarted. If it fails, or fails for
-        one of them without losing it, they count from the Claim's first send (the
-        earliest they can have begun)."""
+    async def _renew_claimed(self, leases: Sequence[pb.Lease], sent: float) -> tuple[Sequence[pb.Lease], float]:
+        """Leases of a Claim answered late, which may have begun at any time since its
+        first send (a long poll's wait, fresh leases of a retry, an answer held on its way
+        back): one ExtendLease gives every one a known expiry, counted from its send; those
+        it reports lost are dropped unstarted. If it fails, or fails for one of them without
+        losing it, they count from the Claim's first send (the earliest they can have
+        begun)."""
         if not leases:
             return leases, sent
         renewed = time.monotonic()
@@ -597,7 +594,7 @@ class Worker:
             )
         except (OutboxError, grpc.RpcError) as error:
             self._count("heartbeat_failures")
-            log.warning("outboxd worker %s: ExtendLease of a replayed Claim: %s", self.worker_id, error)
+            log.warning("outboxd worker %s: ExtendLease of a late Claim's leases: %s", self.worker_id, error)
             return leases, sent
         kept = []
         unsure = False
@@ -614,7 +611,7 @@ class Worker:
             self._count("claimed")
             self._count("lease_lost")
             log.warning(
-                "outboxd worker %s: lease of %s from a replayed Claim not renewed: %s %s",
+                "outboxd worker %s: lease of %s from a late Claim not renewed: %s %s",
                 self.worker_id,
                 lease.intent.id,
                 item.error.reason,

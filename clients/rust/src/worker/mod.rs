@@ -623,16 +623,14 @@ impl Shared {
                             attempts: &attempts,
                         });
                     });
-                    if attempts.count > 1 && request_id.is_some() {
-                        return Ok(self.renew_replayed(answer.leases, first_sent).await);
+                    // Answered within the margin, its leases began after the send, and not
+                    // long before the answer. Later (a long poll's wait, a retry, or an
+                    // answer held on its way back), they may have begun long before it.
+                    let margin = Duration::from_secs(1).min(config.lease / 4);
+                    if first_sent.elapsed() > margin {
+                        return Ok(self.renew_claimed(answer.leases, first_sent).await);
                     }
-                    // A first answer's leases began about when it was made (a long poll
-                    // answers as it leases), counted a little earlier for the answer's way
-                    // back: a second, or a quarter of a short lease.
-                    let leased_at = Instant::now()
-                        .checked_sub(Duration::from_secs(1).min(config.lease / 4))
-                        .map_or(first_sent, |t| t.max(first_sent));
-                    return Ok((answer.leases, leased_at));
+                    return Ok((answer.leases, first_sent));
                 }
                 Err(Error::Status(status)) if Retry::Transient.allows(&status) => {
                     // The budget is spent: keep the request_id and keep trying, slower.
@@ -646,12 +644,12 @@ impl Shared {
         }
     }
 
-    /// A retried Claim's answer may carry leases its first try took, or fresh ones its
-    /// retry took, long after the first send (a try that timed out on a frozen replica):
+    /// Leases of a Claim answered late, which may have begun at any time since its first
+    /// send (a long poll's wait, fresh leases of a retry, an answer held on its way back):
     /// one ExtendLease gives every one a known expiry, counted from its send; those it
     /// finds lost are dropped unstarted. If it fails, or fails for one of them without
     /// losing it, they count from the Claim's first send, the earliest they can have begun.
-    async fn renew_replayed(
+    async fn renew_claimed(
         &self,
         leases: Vec<proto::Lease>,
         first_sent: Instant,

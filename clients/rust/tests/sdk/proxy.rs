@@ -1,10 +1,12 @@
 //! A loopback TCP proxy in front of an outboxd replica that loses answers: it resets the
 //! connection instead of forwarding a server→client chunk larger than a threshold (a given
 //! number of times, shared by every proxy holding the same `Cuts`), or, frozen, forwards
-//! nothing at all. Requests get through, so the server has acted when an answer is lost.
+//! nothing at all, or holds every answer for a while. Requests get through, so the server
+//! has acted when an answer is lost.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -49,6 +51,7 @@ impl Cuts {
 pub struct Proxy {
     pub addr: String,
     frozen: watch::Sender<bool>,
+    delay: watch::Sender<Duration>,
     task: JoinHandle<()>,
 }
 
@@ -57,6 +60,7 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr").to_string();
         let (frozen, frozen_rx) = watch::channel(false);
+        let (delay, delay_rx) = watch::channel(Duration::ZERO);
         let target = target.to_owned();
         let task = tokio::spawn(async move {
             loop {
@@ -66,10 +70,22 @@ impl Proxy {
                 let Ok(server) = TcpStream::connect(&target).await else {
                     continue;
                 };
-                tokio::spawn(relay(client, server, cuts.clone(), frozen_rx.clone()));
+                let (frozen, delay) = (frozen_rx.clone(), delay_rx.clone());
+                tokio::spawn(relay(client, server, cuts.clone(), frozen, delay));
             }
         });
-        Self { addr, frozen, task }
+        Self {
+            addr,
+            frozen,
+            delay,
+            task,
+        }
+    }
+
+    /// Holds each answer (server→client chunk) this long before forwarding it, as a
+    /// network that delivers late.
+    pub fn delay_answers(&self, delay: Duration) {
+        self.delay.send_replace(delay);
     }
 
     /// Stops (true) or resumes (false) forwarding, in both directions.
@@ -89,6 +105,7 @@ async fn relay(
     mut server: TcpStream,
     cuts: Arc<Cuts>,
     mut frozen: watch::Receiver<bool>,
+    delay: watch::Receiver<Duration>,
 ) {
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
@@ -120,6 +137,10 @@ async fn relay(
                     let _ = client.set_zero_linger();
                     let _ = server.set_zero_linger();
                     return;
+                }
+                let held = *delay.borrow();
+                if !held.is_zero() {
+                    tokio::time::sleep(held).await;
                 }
                 if client.write_all(&down[..n]).await.is_err() {
                     break;

@@ -632,6 +632,46 @@ async fn heartbeats_pass_two_endpoints_that_never_answer_within_one_round() {
     );
 }
 
+/// A Claim answer held on its way back past its lease: the intent may have been rescued and
+/// leased to another worker meanwhile, so the late answer's lease is renewed before its
+/// handler starts, or dropped; never run beside the other worker's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_answer_held_past_its_lease_is_not_run_beside_a_rescue() {
+    let stack = stack();
+    let k = kind("held");
+    let ids = enqueue(&Outbox::new(connection()), &k, 1, 0).await;
+    let slow = Proxy::start(&stack.endpoints[0], Cuts::new(0, usize::MAX)).await;
+    slow.delay_answers(Duration::from_secs(4));
+    let runs = Arc::new(AtomicU32::new(0));
+    let build = |endpoint: String| {
+        let runs = runs.clone();
+        Worker::builder(connect(&[endpoint]))
+            .lease(Duration::from_secs(2))
+            .claim_wait(Duration::from_secs(1))
+            .handler(&k, move |_job: Job| {
+                runs.fetch_add(1, Ordering::SeqCst);
+                async { Ok::<_, Failure>(()) }
+            })
+            .build()
+            .unwrap()
+    };
+    let late = Running::start(build(slow.addr.clone()));
+    let direct = connection();
+    wait_state(&direct, &ids[0], IntentState::Leased).await;
+    // Takes the intent once its lease expired and it was rescued.
+    let other = Running::start(build(stack.endpoints[1].clone()));
+    wait_state(&direct, &ids[0], IntentState::Delivered).await;
+    wait_for("the late answer", Duration::from_secs(20), || {
+        (late.worker.stats().claimed >= 1).then_some(())
+    })
+    .await;
+    let late_stats = late.worker.stats();
+    late.stop().await.unwrap();
+    other.stop().await.unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "{late_stats:?}");
+    assert_eq!(late_stats.acked, 0, "{late_stats:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_sent_again_with_its_request_id_returns_the_same_leases() {
     let connection = connection();

@@ -10,7 +10,7 @@
 //! (its COMMIT's answer lost): then every call gets that error, as it would alone, and none
 //! runs again, which could record it twice.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::hash::Hash;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -243,12 +243,26 @@ async fn run_batch<I, O, E, F, Fut>(
             }
         }
     }
-    for waiter in batch {
+    let mut left = NotRun(batch.into());
+    while let Some(waiter) = left.0.pop_front() {
         let alone = run(vec![Arc::clone(&waiter.item)]).await.and_then(|mut o| {
             o.pop()
                 .ok_or_else(|| sqlx::Error::Protocol("a batch of one gave no answer".into()).into())
         });
         let _ = waiter.answer.send(alone);
+    }
+}
+
+/// Calls of a failed batch still to run alone. Dropped with some left (the one before them
+/// panicked), those are answered `WorkerCrashed`: they never ran, so nothing of theirs was
+/// written (the one that panicked finds its channel closed: it may have committed).
+struct NotRun<I, O, E: From<sqlx::Error>>(VecDeque<Waiter<I, O, E>>);
+
+impl<I, O, E: From<sqlx::Error>> Drop for NotRun<I, O, E> {
+    fn drop(&mut self) {
+        for waiter in self.0.drain(..) {
+            let _ = waiter.answer.send(Err(sqlx::Error::WorkerCrashed.into()));
+        }
     }
 }
 
@@ -335,6 +349,54 @@ mod tests {
         assert!(
             matches!(second, Err(sqlx::Error::WorkerCrashed)),
             "{second:?}"
+        );
+    }
+
+    /// A failed batch's calls run again alone, in turn: one that panics may have
+    /// committed; those after it never ran.
+    #[tokio::test]
+    async fn a_panic_running_a_call_alone_leaves_the_calls_after_it_never_run() {
+        fn crash_unknown(e: &sqlx::Error) -> Option<sqlx::Error> {
+            matches!(e, sqlx::Error::WorkerCrashed)
+                .then(|| sqlx::Error::Io(std::io::Error::other("outcome unknown")))
+        }
+        let grouper = Arc::new(Grouper::new(at_most_three, crash_unknown, Gauge::default()));
+        let gate = Arc::new(Notify::new());
+        let run = {
+            let gate = Arc::clone(&gate);
+            move |items: Vec<Arc<u32>>| {
+                let gate = Arc::clone(&gate);
+                async move {
+                    match items.len() {
+                        1 if *items[0] == 0 => gate.notified().await,
+                        1 => assert_ne!(*items[0], 2, "a bug running a call alone"),
+                        // The shared transaction rolled back: each runs again alone.
+                        _ => return Err(sqlx::Error::RowNotFound),
+                    }
+                    Ok(items.iter().map(|i| **i).collect())
+                }
+            }
+        };
+        let submit = |n: u32| {
+            let (grouper, run) = (Arc::clone(&grouper), run.clone());
+            tokio::spawn(async move { grouper.submit("k", n, run).await })
+        };
+        // 0 holds the group while 2 and 3 queue behind it, to run together.
+        let first = submit(0);
+        until("the first running", || {
+            lock(&grouper.groups).contains_key("k")
+        })
+        .await;
+        let (second, third) = (submit(2), submit(3));
+        until("two waiting", || waiting(&grouper, "k") == 2).await;
+        gate.notify_one();
+        assert!(matches!(first.await.unwrap(), Ok(0)));
+        let second = second.await.unwrap();
+        assert!(matches!(second, Err(sqlx::Error::Io(_))), "{second:?}");
+        let third = third.await.unwrap();
+        assert!(
+            matches!(third, Err(sqlx::Error::WorkerCrashed)),
+            "{third:?}"
         );
     }
 

@@ -732,15 +732,21 @@ async fn a_key_held_by_a_rolled_back_transaction_is_retryable_before_the_sweep()
     enqueue_in(&app, &token, vec![keyed.clone()]).await.unwrap();
     t1.rollback().await.unwrap();
 
-    let mut t2 = first.begin().await.unwrap();
-    let token = token_of(&mut t2).await;
-    let status = enqueue_in(&app, &token, vec![keyed]).await.unwrap_err();
-    assert_status(&status, Code::Aborted, "CONFLICT", &[]);
-    assert!(
-        status.message().contains("rolled back"),
-        "{}",
-        status.message()
-    );
+    // Redone with the same content, or another (a new timestamp): retryable either way.
+    let mut changed = keyed.clone();
+    changed.payload = br#"{"at":2}"#.to_vec();
+    for intents in [vec![keyed], vec![changed]] {
+        let mut t2 = first.begin().await.unwrap();
+        let token = token_of(&mut t2).await;
+        let status = enqueue_in(&app, &token, intents).await.unwrap_err();
+        assert_status(&status, Code::Aborted, "CONFLICT", &[]);
+        assert!(
+            status.message().contains("rolled back"),
+            "{}",
+            status.message()
+        );
+        t2.rollback().await.unwrap();
+    }
 }
 
 #[tokio::test]

@@ -223,6 +223,14 @@ def test_the_async_producer_refuses_a_failed_asyncpg_transaction_with_transactio
                     with pytest.raises(TransactionRequired, match="roll it back"):
                         await aoutbox.enqueue(session, kind=k, payload=b"x")
                     await session.rollback()
+                # AUTOCOMMIT: each statement commits alone, the token's too.
+                autocommit = create_async_engine(url, isolation_level="AUTOCOMMIT")
+                try:
+                    async with autocommit.begin() as connection:
+                        with pytest.raises(TransactionRequired, match="AUTOCOMMIT"):
+                            await aoutbox.enqueue(connection, kind=k, payload=b"x")
+                finally:
+                    await autocommit.dispose()
                 return kept.id
         finally:
             await engine.dispose()

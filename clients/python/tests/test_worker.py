@@ -445,11 +445,11 @@ class Claims:
         self.sent: list[int] = []
         claim = worker._claim
 
-        async def recorded(n: int) -> tuple[Sequence[pb.Lease], float]:
+        async def recorded(n: int) -> tuple[Sequence[pb.Lease], float, bool]:
             self.sent.append(n)
-            leases, sent = await claim(n)
+            leases, sent, late = await claim(n)
             self.answered.append((n, len(leases)))
-            return leases, sent
+            return leases, sent, late
 
         worker._claim = recorded  # type: ignore[method-assign]
 

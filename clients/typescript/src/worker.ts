@@ -398,7 +398,6 @@ export class Worker {
         await backOff();
         continue;
       }
-      this.reserved -= max;
       this.backlog = leases.length >= max;
       if (leases.length > 0) {
         this.counters.claimed += leases.length;
@@ -410,6 +409,8 @@ export class Worker {
       const margin = Math.min(1_000, this.leaseMs / 4);
       let leasedAt = sentAt;
       if (Date.now() - sentAt > margin) ({ leases, leasedAt } = await this.renewClaimed(leases, sentAt));
+      // Reserved until started: a slot freed meanwhile must not be claimed twice.
+      this.reserved -= max;
       for (const lease of leases) this.start(lease, leasedAt, tracing);
       // A full reply lets the other claimers claim; a short one ends another claimer's
       // wait for company (the queue is short).
@@ -440,7 +441,7 @@ export class Worker {
           ),
         {
           budgetMs: this.heartbeatMs,
-          tryTimeoutMs: Math.max(50, Math.min(this.heartbeatMs, 5_000)),
+          tryTimeoutMs: this.heartbeatTryTimeoutMs(),
           signal: this.graceOver.signal,
         },
       );
@@ -505,8 +506,8 @@ export class Worker {
 
   private start(lease: Lease, leasedAt: number, tracing: Awaited<ReturnType<typeof loadTracing>>): void {
     if (leasedAt + this.leaseMs <= Date.now()) {
-      // The answer came after the lease's local expiry (a Claim replayed after long
-      // retries): it may be leased again by now, so the side effect is not begun.
+      // Past its local expiry before it started (a late answer whose renewal failed): it
+      // may be leased again by now, so the side effect is not begun.
       this.counters.leaseLost++;
       const reason = "the lease expired before the Claim's answer arrived";
       this.emit({ type: "leaseLost", intent: intentOf(lease), reason });
@@ -623,6 +624,14 @@ export class Worker {
   }
 
   /**
+   * One try of an ExtendLease: a third of the interval (at least 0.5 s), so that a replica
+   * that never answers (two in a row) leaves time for the next endpoint within the round.
+   */
+  private heartbeatTryTimeoutMs(): number {
+    return Math.min(5_000, this.heartbeatMs, Math.max(this.heartbeatMs / 3, 500));
+  }
+
+  /**
    * One try of a settle or MarkSubmitted: short enough that a replica that never answers
    * leaves time within the lease for a retry on the next one.
    */
@@ -695,7 +704,7 @@ export class Worker {
           ),
         {
           budgetMs: Math.max(0, earliest - sentAt),
-          tryTimeoutMs: Math.max(50, Math.min(this.heartbeatMs, 5_000)),
+          tryTimeoutMs: this.heartbeatTryTimeoutMs(),
           signal: this.graceOver.signal,
         },
       );
@@ -704,7 +713,10 @@ export class Worker {
         if (live === undefined || live.done) return;
         // Settled meanwhile: the settle's answer counts, not this one.
         if (result.error && live.settled !== undefined) return;
-        if (result.error) {
+        if (result.error && !LOST_REASONS.has(result.error.reason)) {
+          // Not extended, but not lost either: it holds until its current expiry.
+          this.counters.heartbeatFailures++;
+        } else if (result.error) {
           if (!live.lost) {
             live.lost = true;
             this.counters.leaseLost++;

@@ -233,23 +233,25 @@ pub async fn insert_intents(
             },
             _ => find_by_key(conn, params.tenant_id, key, intent).await?,
         };
+        // Held by another producer transaction: if it rolls back, that intent never
+        // existed. One that rolled back holds the key until the promotion discards it
+        // (within its interval): a producer redoing its transaction at once, with the same
+        // content or not, may go ahead then.
+        let ours = params.txn_xid.map(|x| x.to_string());
+        let staged_elsewhere = holder.state == IntentState::Staged && holder.txn != ours;
+        if staged_elsewhere && holder_rolled_back(conn, holder.txn.as_deref()).await? {
+            return Err(Error::KeyHolderGone {
+                key: key.to_owned(),
+            });
+        }
         if !holder.same_content {
             return Err(Error::IdempotencyConflict {
                 key: key.to_owned(),
                 existing: IntentId(holder.id),
             });
         }
-        // Held by another producer transaction still open: if it rolls back, that intent
-        // never existed, so answering "deduplicated" now could lose this one.
-        let ours = params.txn_xid.map(|x| x.to_string());
-        if holder.state == IntentState::Staged && holder.txn != ours {
-            // One that rolled back holds the key until the promotion discards it (within
-            // its interval): a producer redoing its transaction at once may go ahead.
-            if holder_rolled_back(conn, holder.txn.as_deref()).await? {
-                return Err(Error::KeyHolderGone {
-                    key: key.to_owned(),
-                });
-            }
+        // Still open: answering "deduplicated" now could lose this one.
+        if staged_elsewhere {
             return Err(Error::IdempotencyKeyInUse {
                 key: key.to_owned(),
                 existing: IntentId(holder.id),

@@ -167,8 +167,11 @@ def _check_sqlalchemy(conn: Any) -> None:
     # An AUTOCOMMIT engine or connection: SQLAlchemy reports a transaction, but each
     # statement commits alone (the token's too).
     options = getattr(connection, "get_execution_options", None)
-    if (callable(options) and options().get("isolation_level") == "AUTOCOMMIT") or (
-        dbapi is not None and getattr(dbapi, "autocommit", False) is True
+    # The DBAPI connection (an adapter under an async engine, asyncpg's among them) or the
+    # driver's own says whether it autocommits.
+    dbapi_connections = (getattr(getattr(connection, "connection", None), "dbapi_connection", None), dbapi)
+    if (callable(options) and options().get("isolation_level") == "AUTOCOMMIT") or any(
+        c is not None and getattr(c, "autocommit", False) is True for c in dbapi_connections
     ):
         raise TransactionRequired(
             "enqueue(...) needs a transaction, and this SQLAlchemy connection is in AUTOCOMMIT "

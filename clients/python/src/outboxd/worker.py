@@ -468,7 +468,7 @@ class Worker:
         # The last Claim got fewer leases than it asked for: the queue is short, so waiting
         # for company would only add latency.
         short = True
-        claim: Optional[asyncio.Task[tuple[Sequence[pb.Lease], float]]] = None
+        claim: Optional[asyncio.Task[tuple[Sequence[pb.Lease], float, bool]]] = None
         try:
             while not self._stop.is_set():
                 free = self.concurrency - self._running
@@ -499,7 +499,7 @@ class Worker:
                     break
                 done, claim = claim, None
                 try:
-                    leases, sent = done.result()
+                    leases, sent, late = done.result()
                 except OutboxError as error:
                     # Not transient (refused key, scope, bad request): stop loudly.
                     self._fatal = error
@@ -507,6 +507,14 @@ class Worker:
                     self._stop.set()
                     break
                 short = len(leases) < asked
+                if late:
+                    # Not cut short by a stop: these leases are held, and are run or given
+                    # back, never left to expire unseen.
+                    try:
+                        leases, sent = await self._renew_claimed(leases, sent)
+                    except asyncio.CancelledError:
+                        self._give_back(leases, sent)
+                        raise
                 # Leases already taken are run even if a stop came meanwhile: they were
                 # claimed before it, and they get the grace like any other.
                 for lease in leases:
@@ -519,7 +527,8 @@ class Worker:
                 claim.cancel()
                 await asyncio.gather(claim, return_exceptions=True)
                 if not claim.cancelled() and claim.exception() is None:
-                    self._give_back(*claim.result())
+                    leases, sent, _ = claim.result()
+                    self._give_back(leases, sent)
 
     async def _slot_or_stop(self, stop_wait: asyncio.Task[bool], timeout: Optional[float] = None) -> None:
         """Waits until a handler frees its slot, the worker stops, or `timeout` passes."""
@@ -528,9 +537,10 @@ class Worker:
         await asyncio.wait({slot, stop_wait}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         slot.cancel()
 
-    async def _claim(self, n: int) -> tuple[Sequence[pb.Lease], float]:
+    async def _claim(self, n: int) -> tuple[Sequence[pb.Lease], float, bool]:
         """One logical Claim: retried with the same request_id until it is answered, so a
-        lost answer's leases are returned by the replay instead of stranded."""
+        lost answer's leases are returned by the replay instead of stranded. Returns its
+        leases, its first send, and whether it was answered late (`_renew_claimed`)."""
         request = pb.ClaimRequest(
             worker_id=self.worker_id,
             region=self.region,
@@ -560,9 +570,7 @@ class Worker:
                 # before the answer. Later (a long poll's wait, a retry, or an answer held
                 # on its way back), they may have begun long before it.
                 margin = min(1.0, self.lease / 4)
-                if time.monotonic() - sent > margin:
-                    return await self._renew_claimed(answer.leases, sent)
-                return answer.leases, sent
+                return answer.leases, sent, time.monotonic() - sent > margin
             except OutboxError as error:
                 if not transient(error.code, error.reason):
                     raise
@@ -598,11 +606,12 @@ class Worker:
             return leases, sent
         kept = []
         unsure = False
-        for lease, item in zip(leases, answer.results):
-            if not item.HasField("error"):
+        for i, lease in enumerate(leases):
+            item = answer.results[i] if i < len(answer.results) else None
+            if item is not None and not item.HasField("error"):
                 kept.append(lease)
                 continue
-            if item.error.reason not in _LOST_REASONS:
+            if item is None or item.error.reason not in _LOST_REASONS:
                 # Not renewed, but not lost either: it holds until its first expiry.
                 self._count("heartbeat_failures")
                 kept.append(lease)
@@ -633,8 +642,8 @@ class Worker:
     def _start(self, lease: pb.Lease, sent: float) -> None:
         self._count("claimed")
         if time.monotonic() >= sent + self.lease:
-            # The answer came after the lease's local expiry (a Claim replayed after long
-            # retries): it may be leased again by now, so the side effect is not begun.
+            # Past its local expiry before it started (a late answer whose renewal failed):
+            # it may be leased again by now, so the side effect is not begun.
             self._count("lease_lost")
             log.warning(
                 "outboxd worker %s: lease of %s expired before the Claim's answer arrived",
@@ -741,9 +750,10 @@ class Worker:
         return _Settle(lease, outcome, _describe(e))
 
     def _heartbeat_try_timeout(self) -> float:
-        """One try of an ExtendLease: a third of the interval, so that a replica that never
-        answers (two in a row) leaves time for the next endpoint before the next round."""
-        return min(self.call_timeout, self.heartbeat_interval, max(self.heartbeat_interval / 3, 0.25))
+        """One try of an ExtendLease: a third of the interval (at least 0.5 s), so that a
+        replica that never answers (two in a row) leaves time for the next endpoint within
+        the round."""
+        return min(self.call_timeout, self.heartbeat_interval, max(self.heartbeat_interval / 3, 0.5))
 
     def _lease_call_timeout(self) -> float:
         """One try of a settle or MarkSubmitted: short enough that a replica that never

@@ -15,8 +15,8 @@ use crate::proto::LeaseRef;
 pub(crate) struct LeaseState {
     pub(crate) intent_id: String,
     pub(crate) lease_id: String,
-    /// Local expiry, on this process's clock (no skew): from the Claim's answer less 1 s
-    /// (a retried Claim's first send), or from when an ExtendLease was sent.
+    /// Local expiry, on this process's clock (no skew): from the Claim's send, or from
+    /// when an ExtendLease was sent.
     expires: Mutex<Instant>,
     submitted: AtomicBool,
     /// The server refused it, or its local expiry passed: nothing more is reported.

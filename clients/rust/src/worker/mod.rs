@@ -376,8 +376,8 @@ impl WorkerBuilder {
 ///   [`WorkerBuilder::replay_claims`] turned it off).
 /// - **Heartbeats**: every third of the lease, live leases are extended in one
 ///   `ExtendLease` call. A lease answered `LEASE_LOST`, or whose local expiry (counted
-///   from the Claim's answer less 1 s, a retried Claim's from its first send) passes
-///   without an extension, is lost: its handler is cancelled
+///   from the Claim's send, or for a late answer from the `ExtendLease` that renewed it)
+///   passes without an extension, is lost: its handler is cancelled
 ///   ([`Job::cancellation_token`] fires, then its task is aborted) and nothing is
 ///   reported for it.
 /// - **Batched settles**: Acks and Fails go out in one call each; each item's result is
@@ -565,8 +565,15 @@ impl Shared {
                 () = stop.cancelled() => return None,
             };
             match claimed {
-                Ok((leases, leased_at)) => {
+                Ok((leases, first_sent, late)) => {
                     short = leases.len() < asked;
+                    // Renewed even if a stop comes meanwhile: these leases are held, and
+                    // run like the others, never left to expire unseen.
+                    let (leases, leased_at) = if late {
+                        self.renew_claimed(leases, first_sent).await
+                    } else {
+                        (leases, first_sent)
+                    };
                     for lease in leases {
                         self.start(lease, leased_at, permits.pop(), jobs, settles);
                     }
@@ -581,8 +588,9 @@ impl Shared {
 
     /// One logical Claim of up to `n` leases: retried with the same `request_id` until
     /// it is answered, so a lost answer's leases are returned by the replay. Also returns
-    /// when the leases began, on this clock.
-    async fn claim(&self, n: usize) -> Result<(Vec<proto::Lease>, Instant), Error> {
+    /// its first send, on this clock, and whether it was answered late (its leases are
+    /// then renewed before they start: [`Self::renew_claimed`]).
+    async fn claim(&self, n: usize) -> Result<(Vec<proto::Lease>, Instant, bool), Error> {
         let config = &self.config;
         let request_id = config.replay_claims.then(|| Uuid::new_v4().to_string());
         let request = proto::ClaimRequest {
@@ -627,10 +635,7 @@ impl Shared {
                     // long before the answer. Later (a long poll's wait, a retry, or an
                     // answer held on its way back), they may have begun long before it.
                     let margin = Duration::from_secs(1).min(config.lease / 4);
-                    if first_sent.elapsed() > margin {
-                        return Ok(self.renew_claimed(answer.leases, first_sent).await);
-                    }
-                    return Ok((answer.leases, first_sent));
+                    return Ok((answer.leases, first_sent, first_sent.elapsed() > margin));
                 }
                 Err(Error::Status(status)) if Retry::Transient.allows(&status) => {
                     // The budget is spent: keep the request_id and keep trying, slower.
@@ -712,9 +717,9 @@ impl Shared {
             lease.lease_id.clone(),
             leased_at + self.config.lease,
         ));
-        // An answer that came after the lease's local expiry (a Claim replayed after its
-        // retries took longer than the lease): the lease may be rescued and leased again
-        // by now, so the side effect is not begun. The intent comes back after expiry.
+        // Past its local expiry before it started (a late answer whose renewal failed):
+        // the lease may be rescued and leased again by now, so the side effect is not
+        // begun. The intent comes back after expiry.
         if Instant::now() >= state.expires() {
             self.lose(&state, "it expired before the Claim's answer arrived");
             return;
@@ -986,11 +991,11 @@ impl Shared {
             leases: leases.iter().map(|l| l.reference()).collect(),
             lease_duration: Some(proto_duration(self.config.lease)),
         };
-        // A third of the interval a try, so that a replica that never answers (two in a
-        // row) leaves time for the next endpoint before the next round.
+        // A third of the interval a try (at least 0.5 s), so that a replica that never
+        // answers (two in a row) leaves time for the next endpoint within the round.
         let heartbeat = self.config.heartbeat;
         let try_timeout = (heartbeat / 3)
-            .max(Duration::from_millis(250))
+            .max(Duration::from_millis(500))
             .min(heartbeat)
             .min(self.connection.call_timeout());
         let options = CallOptions::new(try_timeout).budget(heartbeat);

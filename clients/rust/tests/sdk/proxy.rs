@@ -4,6 +4,7 @@
 //! nothing at all, or holds every answer for a while. Requests get through, so the server
 //! has acted when an answer is lost.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -12,6 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 /// How many large answers to lose.
 pub struct Cuts {
@@ -111,6 +113,8 @@ async fn relay(
     let _ = server.set_nodelay(true);
     let mut up = vec![0u8; 65536];
     let mut down = vec![0u8; 65536];
+    // Answers held (delay_answers), each until its own time: delays do not add up.
+    let mut held: VecDeque<(Instant, Vec<u8>)> = VecDeque::new();
     loop {
         while *frozen.borrow_and_update() {
             if frozen.changed().await.is_err() {
@@ -138,11 +142,16 @@ async fn relay(
                     let _ = server.set_zero_linger();
                     return;
                 }
-                let held = *delay.borrow();
-                if !held.is_zero() {
-                    tokio::time::sleep(held).await;
+                let hold = *delay.borrow();
+                if !hold.is_zero() || !held.is_empty() {
+                    held.push_back((Instant::now() + hold, down[..n].to_vec()));
+                } else if client.write_all(&down[..n]).await.is_err() {
+                    break;
                 }
-                if client.write_all(&down[..n]).await.is_err() {
+            }
+            () = sleep_until(held.front().map(|(due, _)| *due)), if !held.is_empty() => {
+                let (_, chunk) = held.pop_front().expect("not empty");
+                if client.write_all(&chunk).await.is_err() {
                     break;
                 }
             }
@@ -151,4 +160,12 @@ async fn relay(
     }
     let _ = client.shutdown().await;
     let _ = server.shutdown().await;
+}
+
+/// Sleeps until `due` (never, without one: the branch is off then).
+async fn sleep_until(due: Option<Instant>) {
+    match due {
+        Some(due) => tokio::time::sleep_until(due).await,
+        None => std::future::pending().await,
+    }
 }

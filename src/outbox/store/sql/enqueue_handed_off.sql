@@ -45,7 +45,11 @@ inserted AS (
            -- fresh lease id.
            CASE WHEN hand.worker IS NOT NULL THEN 1 ELSE 0 END,
            CASE WHEN hand.worker IS NOT NULL THEN gen_random_uuid() END,
-           CASE WHEN hand.worker IS NOT NULL THEN clock.now + input.lease_ms * interval '1 ms' END,
+           -- From this statement, not the transaction's start: the claimer was taken
+           -- since, and its worker counts the lease from no earlier than its Claim's send.
+           CASE WHEN hand.worker IS NOT NULL
+                THEN coalesce($12::timestamptz, statement_timestamp())
+                     + input.lease_ms * interval '1 ms' END,
            hand.worker,
            input.ordering_key,
            CASE WHEN input.ordering_key IS NOT NULL

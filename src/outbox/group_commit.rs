@@ -289,6 +289,12 @@ mod tests {
         matches!(e, sqlx::Error::Io(_)).then(|| sqlx::Error::Io(std::io::Error::other("lost")))
     }
 
+    /// A crashed batch's calls: their outcome unknown (an I/O error stands for it).
+    fn crash_unknown(e: &sqlx::Error) -> Option<sqlx::Error> {
+        matches!(e, sqlx::Error::WorkerCrashed)
+            .then(|| sqlx::Error::Io(std::io::Error::other("outcome unknown")))
+    }
+
     fn waiting(grouper: &Grouper, key: &str) -> usize {
         lock(&grouper.groups).get(key).map_or(0, Vec::len)
     }
@@ -314,10 +320,6 @@ mod tests {
     /// and get `WorkerCrashed` itself.
     #[tokio::test]
     async fn a_panicked_batch_may_have_committed_and_its_waiters_never_ran() {
-        fn crash_unknown(e: &sqlx::Error) -> Option<sqlx::Error> {
-            matches!(e, sqlx::Error::WorkerCrashed)
-                .then(|| sqlx::Error::Io(std::io::Error::other("outcome unknown")))
-        }
         let grouper = Arc::new(Grouper::new(|_, _| false, crash_unknown, Gauge::default()));
         let gate = Arc::new(Notify::new());
         let run = {
@@ -356,10 +358,6 @@ mod tests {
     /// committed; those after it never ran.
     #[tokio::test]
     async fn a_panic_running_a_call_alone_leaves_the_calls_after_it_never_run() {
-        fn crash_unknown(e: &sqlx::Error) -> Option<sqlx::Error> {
-            matches!(e, sqlx::Error::WorkerCrashed)
-                .then(|| sqlx::Error::Io(std::io::Error::other("outcome unknown")))
-        }
         let grouper = Arc::new(Grouper::new(at_most_three, crash_unknown, Gauge::default()));
         let gate = Arc::new(Notify::new());
         let run = {

@@ -499,6 +499,28 @@ async fn a_lost_claim_answer_is_replayed_with_its_request_id_and_strands_no_leas
     assert!(list(&connection, &k).await.iter().all(|i| i.attempts == 1));
 }
 
+/// Runs `worker` until it acked one intent, then stops it; its stats.
+async fn until_one_ack(worker: Worker) -> outboxd_client::WorkerStats {
+    let running = Running::start(worker);
+    wait_for("an ack", Duration::from_secs(30), || {
+        (running.worker.stats().acked == 1).then_some(())
+    })
+    .await;
+    let stats = running.worker.stats();
+    running.stop().await.unwrap();
+    stats
+}
+
+/// `id` was handled once, the only one `seen`, and delivered at its first attempt.
+async fn delivered_once_at_first_attempt(seen: &Seen, id: &str) {
+    assert_eq!(*seen.lock().unwrap(), HashMap::from([(id.to_owned(), 1)]));
+    let delivered = intent(&connection(), id).await;
+    assert_eq!(
+        (delivered.state(), delivered.attempts),
+        (IntentState::Delivered, 1)
+    );
+}
+
 /// A Claim whose first try spent its whole budget on a frozen replica, longer than a lease,
 /// is retried on the next: the leases that retry takes are fresh, renewed before their
 /// handlers start, not dropped as expired since the first send.
@@ -528,21 +550,10 @@ async fn a_claim_retried_after_a_frozen_try_runs_the_leases_its_retry_took() {
         })
         .build()
         .unwrap();
-    let running = Running::start(worker);
-    wait_for("an ack", Duration::from_secs(20), || {
-        (running.worker.stats().acked == 1).then_some(())
-    })
-    .await;
-    let stats = running.worker.stats();
-    running.stop().await.unwrap();
+    let stats = until_one_ack(worker).await;
     assert!(stats.claim_retries >= 1, "{stats:?}");
     assert_eq!(stats.lease_lost, 0, "{stats:?}");
-    assert_eq!(*seen.lock().unwrap(), HashMap::from([(ids[0].clone(), 1)]));
-    let delivered = intent(&crate::harness::connection(), &ids[0]).await;
-    assert_eq!(
-        (delivered.state(), delivered.attempts),
-        (IntentState::Delivered, 1)
-    );
+    delivered_once_at_first_attempt(&seen, &ids[0]).await;
 }
 
 /// A replica that froze while a handler ran: its Ack tries there for a fraction of the
@@ -567,20 +578,9 @@ async fn an_ack_to_a_replica_that_froze_goes_to_the_next_within_a_short_lease() 
         })
         .build()
         .unwrap();
-    let running = Running::start(worker);
-    wait_for("an ack", Duration::from_secs(20), || {
-        (running.worker.stats().acked == 1).then_some(())
-    })
-    .await;
-    let stats = running.worker.stats();
-    running.stop().await.unwrap();
+    let stats = until_one_ack(worker).await;
     assert_eq!((stats.lease_lost, stats.settle_errors), (0, 0), "{stats:?}");
-    assert_eq!(*seen.lock().unwrap(), HashMap::from([(ids[0].clone(), 1)]));
-    let delivered = intent(&crate::harness::connection(), &ids[0]).await;
-    assert_eq!(
-        (delivered.state(), delivered.attempts),
-        (IntentState::Delivered, 1)
-    );
+    delivered_once_at_first_attempt(&seen, &ids[0]).await;
 }
 
 /// Heartbeats of a long handler whose replica froze, with another that never answers next
@@ -616,20 +616,9 @@ async fn heartbeats_pass_two_endpoints_that_never_answer_within_one_round() {
         })
         .build()
         .unwrap();
-    let running = Running::start(worker);
-    wait_for("an ack", Duration::from_secs(30), || {
-        (running.worker.stats().acked == 1).then_some(())
-    })
-    .await;
-    let stats = running.worker.stats();
-    running.stop().await.unwrap();
+    let stats = until_one_ack(worker).await;
     assert_eq!(stats.lease_lost, 0, "{stats:?}");
-    assert_eq!(*seen.lock().unwrap(), HashMap::from([(ids[0].clone(), 1)]));
-    let delivered = intent(&crate::harness::connection(), &ids[0]).await;
-    assert_eq!(
-        (delivered.state(), delivered.attempts),
-        (IntentState::Delivered, 1)
-    );
+    delivered_once_at_first_attempt(&seen, &ids[0]).await;
 }
 
 /// A Claim answer held on its way back past its lease: the intent may have been rescued and

@@ -661,6 +661,40 @@ async fn a_claim_answer_held_past_its_lease_is_not_run_beside_a_rescue() {
     assert_eq!(late_stats.acked, 0, "{late_stats:?}");
 }
 
+/// A stop while a late answer's leases are being renewed: they are still run (with the
+/// grace), not left leased until they expire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_during_a_late_answers_renewal_still_runs_its_leases() {
+    let stack = stack();
+    let k = kind("renewing");
+    let ids = enqueue(&Outbox::new(connection()), &k, 1, 0).await;
+    let slow = Proxy::start(&stack.endpoints[0], Cuts::new(0, usize::MAX)).await;
+    slow.delay_answers(Duration::from_secs(2));
+    let recorder = Recorder::default();
+    let worker = Worker::builder(connect(std::slice::from_ref(&slow.addr)))
+        .lease(Duration::from_secs(8))
+        .observer(recorder.clone())
+        .handler(&k, |_job: Job| async { Ok::<_, Failure>(()) })
+        .build()
+        .unwrap();
+    let running = Running::start(worker);
+    wait_for("the renewal sent", Duration::from_secs(20), || {
+        recorder
+            .events()
+            .iter()
+            .any(|e| matches!(e, Observed::Sending(_, LeaseCall::ExtendLease)))
+            .then_some(())
+    })
+    .await;
+    running.stop().await.unwrap();
+    assert_eq!(
+        state(&connection(), &ids[0]).await,
+        IntentState::Delivered,
+        "{:?}",
+        recorder.events()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_sent_again_with_its_request_id_returns_the_same_leases() {
     let connection = connection();

@@ -411,6 +411,9 @@ export class Worker {
       if (Date.now() - sentAt > margin) ({ leases, leasedAt } = await this.renewClaimed(leases, sentAt));
       // Reserved until started: a slot freed meanwhile must not be claimed twice.
       this.reserved -= max;
+      // The grace ended (a second signal) during the renewal: nothing more starts; the
+      // leases expire unstarted.
+      if (this.graceOver.signal.aborted) break;
       for (const lease of leases) this.start(lease, leasedAt, tracing);
       // A full reply lets the other claimers claim; a short one ends another claimer's
       // wait for company (the queue is short).

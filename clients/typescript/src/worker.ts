@@ -431,29 +431,11 @@ export class Worker {
   private async renewClaimed(leases: Lease[], sentAt: number): Promise<{ leases: Lease[]; leasedAt: number }> {
     if (leases.length === 0) return { leases, leasedAt: sentAt };
     const renewedAt = Date.now();
-    let results: LeaseResult[];
-    try {
-      const reply = await this.connection.call(
-        (client, options) =>
-          client.extendLease(
-            {
-              leases: leases.map((l) => create(LeaseRefSchema, { intentId: l.intent?.id ?? "", leaseId: l.leaseId })),
-              leaseDuration: durationFromMs(this.leaseMs),
-            },
-            options,
-          ),
-        {
-          budgetMs: this.heartbeatMs,
-          tryTimeoutMs: this.heartbeatTryTimeoutMs(),
-          signal: this.graceOver.signal,
-        },
-      );
-      results = reply.results;
-    } catch (thrown) {
-      this.counters.heartbeatFailures++;
-      this.emit({ type: "heartbeatFailed", error: OutboxError.from(thrown), leases: leases.length });
-      return { leases, leasedAt: sentAt };
-    }
+    const results = await this.extendLeases(
+      leases.map((l) => ({ intentId: l.intent?.id ?? "", leaseId: l.leaseId })),
+      this.heartbeatMs,
+    );
+    if (results === undefined) return { leases, leasedAt: sentAt };
     const kept: Lease[] = [];
     let unsure = false;
     for (const [i, lease] of leases.entries()) {
@@ -696,22 +678,12 @@ export class Worker {
     const sentAt = Date.now();
     const earliest = Math.min(...leases.map((l) => l.expiresAt));
     try {
-      const reply = await this.connection.call(
-        (client, options) =>
-          client.extendLease(
-            {
-              leases: leases.map((l) => create(LeaseRefSchema, { intentId: l.intent.id, leaseId: l.leaseId })),
-              leaseDuration: durationFromMs(this.leaseMs),
-            },
-            options,
-          ),
-        {
-          budgetMs: Math.max(0, earliest - sentAt),
-          tryTimeoutMs: this.heartbeatTryTimeoutMs(),
-          signal: this.graceOver.signal,
-        },
+      const results = await this.extendLeases(
+        leases.map((l) => ({ intentId: l.intent.id, leaseId: l.leaseId })),
+        Math.max(0, earliest - sentAt),
       );
-      reply.results.forEach((result, i) => {
+      if (results === undefined) return;
+      results.forEach((result, i) => {
         const live = leases[i];
         if (live === undefined || live.done) return;
         // Settled meanwhile: the settle's answer counts, not this one.
@@ -731,11 +703,33 @@ export class Worker {
           live.expiresAt = sentAt + this.leaseMs;
         }
       });
-    } catch (thrown) {
-      this.counters.heartbeatFailures++;
-      this.emit({ type: "heartbeatFailed", error: OutboxError.from(thrown), leases: leases.length });
     } finally {
       for (const live of leases) live.extending = false;
+    }
+  }
+
+  /**
+   * One ExtendLease of `refs` by a lease's length, given up at the end of the grace. On a
+   * failure it is counted and reported, and the answer is undefined.
+   */
+  private async extendLeases(
+    refs: { intentId: string; leaseId: string }[],
+    budgetMs: number,
+  ): Promise<LeaseResult[] | undefined> {
+    try {
+      const reply = await this.connection.call(
+        (client, options) =>
+          client.extendLease(
+            { leases: refs.map((r) => create(LeaseRefSchema, r)), leaseDuration: durationFromMs(this.leaseMs) },
+            options,
+          ),
+        { budgetMs, tryTimeoutMs: this.heartbeatTryTimeoutMs(), signal: this.graceOver.signal },
+      );
+      return reply.results;
+    } catch (thrown) {
+      this.counters.heartbeatFailures++;
+      this.emit({ type: "heartbeatFailed", error: OutboxError.from(thrown), leases: refs.length });
+      return undefined;
     }
   }
 

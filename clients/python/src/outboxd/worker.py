@@ -589,20 +589,9 @@ class Worker:
         if not leases:
             return leases, sent
         renewed = time.monotonic()
-        try:
-            answer = await self._client.call(
-                "ExtendLease",
-                pb.ExtendLeaseRequest(
-                    leases=[pb.LeaseRef(intent_id=x.intent.id, lease_id=x.lease_id) for x in leases],
-                    lease_duration=duration(self.lease),
-                ),
-                pb.ExtendLeaseResponse,
-                timeout=self._heartbeat_try_timeout(),
-                budget=self.heartbeat_interval,
-            )
-        except (OutboxError, grpc.RpcError) as error:
-            self._count("heartbeat_failures")
-            log.warning("outboxd worker %s: ExtendLease of a late Claim's leases: %s", self.worker_id, error)
+        refs = [pb.LeaseRef(intent_id=x.intent.id, lease_id=x.lease_id) for x in leases]
+        answer = await self._extend_leases(refs, "a late Claim's leases")
+        if answer is None:
             return leases, sent
         kept = []
         unsure = False
@@ -824,22 +813,29 @@ class Worker:
                 last = now
                 await self._extend_all()
 
+    async def _extend_leases(self, refs: Sequence[pb.LeaseRef], what: str) -> Optional[pb.ExtendLeaseResponse]:
+        """One ExtendLease of `refs` by a lease's length, within a heartbeat interval; None
+        if it failed (counted and logged, `what` naming the leases for the log)."""
+        try:
+            return await self._client.call(
+                "ExtendLease",
+                pb.ExtendLeaseRequest(leases=refs, lease_duration=duration(self.lease)),
+                pb.ExtendLeaseResponse,
+                timeout=self._heartbeat_try_timeout(),
+                budget=self.heartbeat_interval,
+            )
+        except (OutboxError, grpc.RpcError) as error:
+            self._count("heartbeat_failures")
+            log.warning("outboxd worker %s: ExtendLease of %s: %s", self.worker_id, what, error)
+            return None
+
     async def _extend_all(self) -> None:
         leases = [x for x in self._active.values() if not x.lost]
         for start in range(0, len(leases), 1000):
             chunk = leases[start : start + 1000]
             sent = time.monotonic()
-            try:
-                answer = await self._client.call(
-                    "ExtendLease",
-                    pb.ExtendLeaseRequest(leases=[x.ref() for x in chunk], lease_duration=duration(self.lease)),
-                    pb.ExtendLeaseResponse,
-                    timeout=self._heartbeat_try_timeout(),
-                    budget=self.heartbeat_interval,
-                )
-            except (OutboxError, grpc.RpcError) as error:
-                self._count("heartbeat_failures")
-                log.warning("outboxd worker %s: ExtendLease: %s", self.worker_id, error)
+            answer = await self._extend_leases([x.ref() for x in chunk], "live leases")
+            if answer is None:
                 continue
             for lease, item in zip(chunk, answer.results):
                 if not item.HasField("error"):

@@ -1,15 +1,22 @@
-"""Trace context from the producer's span to the handler's, and the worker's counters."""
+"""Trace context from the producer's span to the handler's, the calls' trace metadata,
+and the worker's counters."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+import grpc
+import pytest
 from conftest import Running
 from harness import Stack, wait_for
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 
-from outboxd import Intent, Outbox, Worker
+from outboxd import AsyncOutbox, Intent, NewIntent, Outbox, Worker, pb
 
 
 def test_the_handler_span_continues_the_producers_trace_and_counters_reach_the_callback(
@@ -42,3 +49,83 @@ def test_the_handler_span_continues_the_producers_trace_and_counters_reach_the_c
     assert f"{trace_id:032x}" in seen[0][1]
     assert counts == {"claimed": 1, "acked": 1}
     assert outbox.get_intent(intent_id).intent.state == 5  # DELIVERED
+
+
+TRACE_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736
+SPAN_ID = 0x00F067AA0BA902B7
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+class FakeOutboxd:
+    """A gRPC server that answers Enqueue with an empty response and records its metadata."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[dict[str, str], pb.EnqueueRequest]] = []
+
+        def enqueue(request: pb.EnqueueRequest, context: grpc.ServicerContext) -> pb.EnqueueResponse:
+            metadata = {key: value for key, value in context.invocation_metadata() if isinstance(value, str)}
+            self.calls.append((metadata, request))
+            return pb.EnqueueResponse()
+
+        handler = grpc.unary_unary_rpc_method_handler(
+            enqueue,
+            request_deserializer=pb.EnqueueRequest.FromString,
+            response_serializer=pb.EnqueueResponse.SerializeToString,
+        )
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=2))
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("outbox.v1.OutboxService", {"Enqueue": handler}),)
+        )
+        self.endpoint = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeOutboxd]:
+    f = FakeOutboxd()
+    yield f
+    f.server.stop(None)
+
+
+def a_span() -> NonRecordingSpan:
+    return NonRecordingSpan(
+        SpanContext(
+            trace_id=TRACE_ID,
+            span_id=SPAN_ID,
+            is_remote=False,
+            trace_flags=TraceFlags(TraceFlags.SAMPLED),
+            trace_state=TraceState([("vendor", "opaque")]),
+        )
+    )
+
+
+def test_calls_carry_the_active_span_as_trace_metadata_and_none_without_one(fake: FakeOutboxd) -> None:
+    with Outbox(fake.endpoint, "obx_test") as outbox:
+        with trace.use_span(a_span()):
+            assert outbox.enqueue_direct_many([NewIntent("traced")]) == []
+        assert outbox.enqueue_direct_many([NewIntent("untraced")]) == []
+    (inside, request), (outside, _) = fake.calls
+    assert inside["traceparent"] == TRACEPARENT
+    assert inside["tracestate"] == "vendor=opaque"
+    assert inside["authorization"] == "Bearer obx_test"
+    # The intent's header carries the same context, for the worker's handler span.
+    assert request.intents[0].headers["traceparent"] == TRACEPARENT
+    assert "traceparent" not in outside and "tracestate" not in outside
+    assert outside["authorization"] == "Bearer obx_test"
+
+
+def test_async_calls_carry_the_active_span_as_trace_metadata_and_none_without_one(fake: FakeOutboxd) -> None:
+    async def main() -> None:
+        outbox = AsyncOutbox(fake.endpoint, "obx_test")
+        try:
+            with trace.use_span(a_span()):
+                assert await outbox.enqueue_direct_many([NewIntent("traced")]) == []
+            assert await outbox.enqueue_direct_many([NewIntent("untraced")]) == []
+        finally:
+            await outbox.close()
+
+    asyncio.run(main())
+    (inside, _), (outside, _) = fake.calls
+    assert inside["traceparent"] == TRACEPARENT
+    assert inside["tracestate"] == "vendor=opaque"
+    assert "traceparent" not in outside and "tracestate" not in outside

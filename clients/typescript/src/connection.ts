@@ -3,6 +3,7 @@ import { Code, ConnectError, createClient, type CallOptions, type Client, type I
 import { Http2SessionManager, createGrpcTransport, type GrpcTransportOptions } from "@connectrpc/connect-node";
 import { OutboxService } from "./gen/outbox/v1/outbox_pb.js";
 import { OutboxError } from "./errors.js";
+import { activeTraceContext, loadTracing } from "./tracing.js";
 
 /** The generated Connect client of `outbox.v1.OutboxService`. */
 export type OutboxServiceClient = Client<typeof OutboxService>;
@@ -135,6 +136,8 @@ export class Connection {
    * the call safe to repeat (the same request_id, lease or idempotency key).
    */
   async call<T>(call: (client: OutboxServiceClient, options: CallOptions) => Promise<T>, policy: RetryPolicy): Promise<T> {
+    // The caller's trace context, so that the server's span of the call is a child of it.
+    const headers = activeTraceContext(await loadTracing());
     const started = Date.now();
     const retryable = policy.retryable ?? transient;
     for (let attempt = 0; ; attempt++) {
@@ -144,7 +147,7 @@ export class Connection {
       const left = policy.budgetMs - (Date.now() - started);
       const timeoutMs = attempt === 0 || policy.bounded !== true ? policy.tryTimeoutMs : Math.max(1, Math.min(policy.tryTimeoutMs, left));
       try {
-        return await call(client, { timeoutMs, signal: policy.signal });
+        return await call(client, { timeoutMs, signal: policy.signal, headers });
       } catch (thrown) {
         const error = OutboxError.from(thrown);
         if (policy.signal?.aborted === true) throw error;

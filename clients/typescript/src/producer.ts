@@ -5,7 +5,7 @@ import { durationFromMs, timestampFromDate } from "@bufbuild/protobuf/wkt";
 import { IntentState, NewIntentSchema, type EnqueueResult, type NewIntent } from "./gen/outbox/v1/outbox_pb.js";
 import { Connection, notApplied, transient, type ConnectionOptions } from "./connection.js";
 import { OutboxError } from "./errors.js";
-import { loadTracing } from "./tracing.js";
+import { activeTraceContext, loadTracing } from "./tracing.js";
 
 /** One intent to enqueue. */
 export interface IntentInput {
@@ -305,11 +305,6 @@ export function stateName(state: IntentState): IntentStateName {
 }
 
 async function activeTraceparent(): Promise<string | undefined> {
-  const tracing = await loadTracing();
-  const span = tracing?.trace.getActiveSpan();
-  if (span === undefined) return undefined;
-  const context = span.spanContext();
-  if (!tracing?.isSpanContextValid(context)) return undefined;
-  return `00-${context.traceId}-${context.spanId}-0${(context.traceFlags & 1).toString(16)}`;
+  return activeTraceContext(await loadTracing()).traceparent;
 }
 

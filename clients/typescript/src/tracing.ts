@@ -1,5 +1,6 @@
 // OpenTelemetry, when the application has @opentelemetry/api: each handler runs in a
-// consumer span whose parent is the intent's `traceparent`.
+// consumer span whose parent is the intent's `traceparent`, and every call carries the
+// active span as `traceparent` (and `tracestate`) gRPC metadata.
 import type * as otel from "@opentelemetry/api";
 
 type Api = typeof otel;
@@ -12,6 +13,18 @@ export function loadTracing(): Promise<Api | undefined> {
     () => undefined,
   );
   return api;
+}
+
+/**
+ * The active span's W3C `traceparent` and `tracestate` (formatted here, so no propagator
+ * needs to be registered); empty without the API or a valid active span.
+ */
+export function activeTraceContext(tracing: Api | undefined): { traceparent?: string; tracestate?: string } {
+  const span = tracing?.trace.getActiveSpan()?.spanContext();
+  if (span === undefined || tracing?.isSpanContextValid(span) !== true) return {};
+  const traceparent = `00-${span.traceId}-${span.spanId}-0${(span.traceFlags & 1).toString(16)}`;
+  const tracestate = span.traceState?.serialize();
+  return tracestate ? { traceparent, tracestate } : { traceparent };
 }
 
 const TRACEPARENT = /^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$/;

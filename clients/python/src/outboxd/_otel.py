@@ -1,6 +1,7 @@
 """OpenTelemetry, when `opentelemetry-api` is installed: the intent's `traceparent` becomes
 the parent of the handler's span, a producer's current context is carried in the headers,
-and the worker's counters are OpenTelemetry counters. Without it, all of this is a no-op."""
+every call carries the current context as gRPC metadata, and the worker's counters are
+OpenTelemetry counters. Without it, all of this is a no-op."""
 
 from __future__ import annotations
 
@@ -38,6 +39,17 @@ def inject(headers: MutableMapping[str, str]) -> None:
     """Adds the current trace context (`traceparent`, …) unless the caller set one."""
     if AVAILABLE and "traceparent" not in headers:
         _propagate.inject(headers)
+
+
+def metadata() -> tuple[tuple[str, str], ...]:
+    """The current trace context as gRPC metadata (`traceparent`, `tracestate`, …, from the
+    global propagator), so that the server's span of the call is a child of it; empty
+    without the API or an active valid span."""
+    if not AVAILABLE:
+        return ()
+    carrier: dict[str, str] = {}
+    _propagate.inject(carrier)
+    return tuple((key.lower(), value) for key, value in carrier.items())
 
 
 class Counters:

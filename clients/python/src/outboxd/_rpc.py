@@ -18,6 +18,7 @@ import grpc
 import grpc.aio
 from google.protobuf.message import Message
 
+from . import _otel
 from ._errors import OutboxError, describe
 from ._proto.outbox.v1 import outbox_pb2 as pb
 
@@ -166,11 +167,12 @@ class AsyncClient:
         deadline = time.monotonic() + budget
         backoff = Backoff()
         first = True
+        metadata = self.config.metadata + _otel.metadata()
         while True:
             index = self.index
             try_timeout = _try_timeout(timeout, deadline, first or not bounded)
             try:
-                answer = await self._method(index, name)(request, timeout=try_timeout, metadata=self.config.metadata)
+                answer = await self._method(index, name)(request, timeout=try_timeout, metadata=metadata)
                 assert isinstance(answer, response)
                 return answer
             except grpc.RpcError as error:
@@ -241,11 +243,12 @@ class SyncClient:
         deadline = time.monotonic() + budget
         backoff = Backoff()
         first = True
+        metadata = self.config.metadata + _otel.metadata()
         while True:
             index = self.index
             try_timeout = _try_timeout(timeout, deadline, first or not bounded)
             try:
-                answer = self._method(index, name)(request, timeout=try_timeout, metadata=self.config.metadata)
+                answer = self._method(index, name)(request, timeout=try_timeout, metadata=metadata)
                 assert isinstance(answer, response)
                 return answer
             except grpc.RpcError as error:

@@ -240,6 +240,54 @@ def test_the_async_producer_refuses_a_failed_asyncpg_transaction_with_transactio
     assert list_intents(outbox, k).keys() == {kept}
 
 
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
+def test_the_async_producer_refuses_sqlalchemy_in_autocommit_before_any_call(
+    stack: Stack, outbox: Outbox, kind: Callable[[str], str], orders: None, driver: str
+) -> None:
+    k = kind(f"autocommit-{driver}")
+    url = stack.cluster.url("app").replace("postgres://", f"postgresql+{driver}://")
+    # The client's own refusal (the server's, TXN_COMMITTED, names no AUTOCOMMIT).
+    refused = pytest.raises(TransactionRequired, match="AUTOCOMMIT")
+
+    async def produce() -> None:
+        engine = create_async_engine(url)
+        autocommit = create_async_engine(url, isolation_level="AUTOCOMMIT")
+        try:
+            async with AsyncOutbox(stack.endpoints, stack.api_key) as aoutbox:
+                # An AsyncSession: SQLAlchemy calls it a transaction, with no connection yet
+                # (session.begin() opens none) and once a statement ran.
+                async with AsyncSession(autocommit) as session, session.begin():
+                    with refused:
+                        await aoutbox.enqueue(session, kind=k, payload=b"x")
+                    await session.execute(text("INSERT INTO orders (customer) VALUES ('hal')"))
+                    with refused:
+                        await aoutbox.enqueue(session, kind=k, payload=b"x")
+                # AUTOCOMMIT as the engine's execution option, and as the session's.
+                async with AsyncSession(engine.execution_options(isolation_level="AUTOCOMMIT")) as session:
+                    async with session.begin():
+                        with refused:
+                            await aoutbox.enqueue(session, kind=k, payload=b"x")
+                async with AsyncSession(engine) as session, session.begin():
+                    await session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+                    with refused:
+                        await aoutbox.enqueue(session, kind=k, payload=b"x")
+                # An AsyncConnection: of the AUTOCOMMIT engine, or set so itself.
+                async with autocommit.connect() as connection, connection.begin():
+                    with refused:
+                        await aoutbox.enqueue(connection, kind=k, payload=b"x")
+                async with engine.connect() as connection:
+                    await connection.execution_options(isolation_level="AUTOCOMMIT")
+                    async with connection.begin():
+                        with refused:
+                            await aoutbox.enqueue(connection, kind=k, payload=b"x")
+        finally:
+            await autocommit.dispose()
+            await engine.dispose()
+
+    asyncio.run(produce())
+    assert list_intents(outbox, k) == {}
+
+
 def test_refusals_carry_the_servers_reason(stack: Stack, outbox: Outbox, kind: Callable[[str], str]) -> None:
     k = kind("refused")
     outbox.enqueue_direct(k, b"a", idempotency_key=f"{k}/1")

@@ -1,5 +1,5 @@
-"""Trace context from the producer's span to the handler's, the calls' trace metadata,
-and the worker's counters."""
+"""Trace context from the producer's span to the handler's (named and attributed after
+OpenTelemetry's messaging conventions), the calls' trace metadata, and the worker's counters."""
 
 from __future__ import annotations
 
@@ -13,19 +13,38 @@ import pytest
 from conftest import Running
 from harness import Stack, wait_for
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
 
 from outboxd import AsyncOutbox, Intent, NewIntent, Outbox, Worker, pb
 
+# One SDK provider for the process (the global one can be set once), its spans kept here.
+_SPANS = InMemorySpanExporter()
+
+
+@pytest.fixture
+def spans() -> InMemorySpanExporter:
+    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(_SPANS))
+        trace.set_tracer_provider(provider)
+    _SPANS.clear()
+    return _SPANS
+
+
+def handler_span(spans: InMemorySpanExporter) -> ReadableSpan:
+    """The one CONSUMER span finished: a handler's."""
+    (span,) = [s for s in spans.get_finished_spans() if s.kind == SpanKind.CONSUMER]
+    return span
+
 
 def test_the_handler_span_continues_the_producers_trace_and_counters_reach_the_callback(
-    stack: Stack, outbox: Outbox, kind: Callable[[str], str]
+    stack: Stack, outbox: Outbox, kind: Callable[[str], str], spans: InMemorySpanExporter
 ) -> None:
     k = kind("traced")
-    provider = TracerProvider()
-    trace.set_tracer_provider(provider)
-    tracer = provider.get_tracer("test")
+    tracer = trace.get_tracer("test")
     with tracer.start_as_current_span("place order") as producer_span:
         intent_id = outbox.enqueue_direct(k, b"{}").id
     seen: list[tuple[int, str]] = []
@@ -34,6 +53,7 @@ def test_the_handler_span_continues_the_producers_trace_and_counters_reach_the_c
         stack.endpoints,
         stack.api_key,
         concurrency=1,
+        worker_id="traced-worker",
         on_count=lambda name, n: counts.__setitem__(name, counts.get(name, 0) + n),
     )
 
@@ -49,6 +69,48 @@ def test_the_handler_span_continues_the_producers_trace_and_counters_reach_the_c
     assert f"{trace_id:032x}" in seen[0][1]
     assert counts == {"claimed": 1, "acked": 1}
     assert outbox.get_intent(intent_id).intent.state == 5  # DELIVERED
+    # OpenTelemetry's messaging conventions, as the TypeScript and Rust SDKs' spans.
+    span = handler_span(spans)
+    assert span.name == f"process {k}"
+    assert span.parent is not None and span.parent.span_id == producer_span.get_span_context().span_id
+    assert span.context is not None and span.context.trace_id == trace_id
+    assert dict(span.attributes or {}) == {
+        "messaging.system": "outboxd",
+        "messaging.operation.type": "process",
+        "messaging.destination.name": k,
+        "messaging.message.id": intent_id,
+        "messaging.consumer.group.name": "traced-worker",
+        "outboxd.attempt": 1,
+    }
+    assert span.status.status_code == StatusCode.UNSET
+    assert not span.events
+
+
+def test_a_handlers_exception_is_recorded_on_its_span_with_an_error_status(
+    stack: Stack, outbox: Outbox, kind: Callable[[str], str], spans: InMemorySpanExporter
+) -> None:
+    k = kind("failing")
+    intent_id = outbox.enqueue_direct(k, b"{}", max_attempts=1).id
+    worker = Worker(stack.endpoints, stack.api_key, concurrency=1, worker_id="failing-worker")
+
+    @worker.handler(k)
+    async def handle(intent: Intent) -> None:
+        raise ValueError("the mail server said no")
+
+    with Running(worker):
+        wait_for("the failure", lambda: worker.stats.failed == 1, timeout=15)
+    span = handler_span(spans)
+    assert span.name == f"process {k}"
+    assert span.parent is None  # no producer's span: a root
+    assert span.attributes is not None
+    assert span.attributes["messaging.message.id"] == intent_id
+    assert span.attributes["messaging.consumer.group.name"] == "failing-worker"
+    assert span.status.status_code == StatusCode.ERROR
+    (event,) = span.events
+    assert event.name == "exception"
+    assert event.attributes is not None
+    assert event.attributes["exception.type"] == "ValueError"
+    assert event.attributes["exception.message"] == "the mail server said no"
 
 
 TRACE_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736

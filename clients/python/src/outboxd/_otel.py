@@ -19,20 +19,39 @@ except ImportError:  # pragma: no cover
 
 
 @contextlib.contextmanager
-def handler_span(kind: str, intent_id: str, attempt: int, headers: Mapping[str, str]) -> Iterator[None]:
-    """A CONSUMER span around one handler call, child of the producer's traceparent."""
+def handler_span(kind: str, intent_id: str, attempt: int, worker_id: str, headers: Mapping[str, str]) -> Iterator[None]:
+    """A `process {kind}` CONSUMER span around one handler call, child of the producer's
+    traceparent, named and attributed after OpenTelemetry's messaging conventions (as the
+    TypeScript and Rust SDKs' spans). An exception of the handler's is recorded on the span
+    and sets its status to ERROR."""
     if not AVAILABLE:
         yield
         return
     parent = _propagate.extract(dict(headers))
     tracer = _trace.get_tracer("outboxd")
     with tracer.start_as_current_span(
-        f"outboxd handle {kind}",
+        f"process {kind}",
         context=parent,
         kind=_trace.SpanKind.CONSUMER,
-        attributes={"intent.id": intent_id, "intent.kind": kind, "intent.attempt": attempt},
-    ):
-        yield
+        attributes={
+            "messaging.system": "outboxd",
+            "messaging.operation.type": "process",
+            "messaging.destination.name": kind,
+            "messaging.message.id": intent_id,
+            "messaging.consumer.group.name": worker_id,
+            "outboxd.attempt": attempt,
+        },
+        # Done below for whatever ends the call unfinished (as the worker fails an intent on
+        # SystemExit or a cancellation too), where recent APIs record Exception's only.
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            yield
+        except BaseException as error:
+            span.record_exception(error)
+            span.set_status(_trace.Status(_trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+            raise
 
 
 def inject(headers: MutableMapping[str, str]) -> None:

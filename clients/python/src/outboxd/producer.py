@@ -154,14 +154,8 @@ def _check_sqlalchemy(conn: Any) -> None:
         )
     # SQLAlchemy still reports a transaction whose statement failed: ask the driver (whose
     # transaction may not have begun yet: SQLAlchemy sends BEGIN with the first statement).
-    try:
-        connection = conn.connection() if callable(getattr(conn, "connection", None)) else conn
-    except Exception as error:
-        # An AsyncSession that has no connection yet cannot open one here, outside its
-        # greenlet; with none, nothing ran in its transaction, so nothing failed.
-        if type(error).__name__ == "MissingGreenlet":
-            return
-        raise
+    # An AsyncSession's connection is already open (_connect_async_session): no IO here.
+    connection = conn.connection() if callable(getattr(conn, "connection", None)) else conn
     # The driver's own connection (under an async engine, dbapi_connection is an adapter).
     dbapi = getattr(getattr(connection, "connection", None), "driver_connection", None)
     # An AUTOCOMMIT engine or connection: SQLAlchemy reports a transaction, but each
@@ -179,6 +173,14 @@ def _check_sqlalchemy(conn: Any) -> None:
         )
     if dbapi is not None and _reports_libpq_status(dbapi):
         _refuse_failed(dbapi)
+
+
+async def _connect_async_session(conn: Any) -> None:
+    """Opens the connection of an AsyncSession in a transaction (as its first statement would;
+    `session.begin()` opens none), so that `_check_sqlalchemy` sees whether it is in
+    AUTOCOMMIT or failed: the synchronous session cannot open one outside its greenlet."""
+    if getattr(conn, "sync_session", None) is not None and conn.in_transaction():
+        await conn.connection()
 
 
 def _cache_key(conn: Any) -> Any:
@@ -463,6 +465,7 @@ class AsyncOutbox(_Base):
                     raise
                 return row[0] if row else None
         else:
+            await _connect_async_session(conn)
             _check_sqlalchemy(conn)
             from sqlalchemy import text
 

@@ -678,7 +678,7 @@ class Worker:
         intent = lease.intent
         try:
             if _is_async(handler):
-                with _otel.handler_span(intent.kind, intent.id, intent.attempt, intent.headers):
+                with _otel.handler_span(intent.kind, intent.id, intent.attempt, self.worker_id, intent.headers):
                     result = handler(intent)
                     if result is not None:
                         await result
@@ -687,7 +687,7 @@ class Worker:
                 loop = self._loop
 
                 def run() -> None:
-                    with _otel.handler_span(intent.kind, intent.id, intent.attempt, intent.headers):
+                    with _otel.handler_span(intent.kind, intent.id, intent.attempt, self.worker_id, intent.headers):
                         result = handler(intent)
                         if inspect.isawaitable(result):
                             # An async handler that did not look like one (a sync decorator

@@ -33,7 +33,8 @@ const TENANT_HEADER: &str = "x-outbox-tenant";
 const BACKOFF_BASE: Duration = Duration::from_millis(50);
 const BACKOFF_CAP: Duration = Duration::from_secs(2);
 
-/// Adds `authorization: Bearer <key>`, the tenant and `grpc-timeout` to each request.
+/// Adds `authorization: Bearer <key>`, the tenant, `grpc-timeout` and (with the `otel`
+/// feature) the caller's trace context to each request.
 ///
 /// Part of the [`Client`] type; made by [`Connection`], not by hand.
 #[derive(Clone, Debug)]
@@ -49,6 +50,17 @@ impl Interceptor for Credentials {
         metadata.insert("authorization", self.authorization.clone());
         if let Some(tenant) = &self.tenant {
             metadata.insert(TENANT_HEADER, tenant.clone());
+        }
+        // Runs in the caller's poll: its span is current, and outboxd's span of the call
+        // becomes that span's child.
+        for (name, value) in crate::trace::current_context() {
+            if let (Ok(name), Ok(value)) = (
+                tonic::metadata::AsciiMetadataKey::from_bytes(name.as_bytes()),
+                AsciiMetadataValue::try_from(value),
+            ) && !metadata.contains_key(&name)
+            {
+                metadata.insert(name, value);
+            }
         }
         // A deadline the caller set on the request wins; tonic enforces it on this side
         // too, and the server answers before it.
@@ -244,6 +256,10 @@ impl ConnectionBuilder {
             }
             #[cfg(feature = "tls")]
             let https = uri.starts_with("https://");
+            #[cfg_attr(
+                not(feature = "tls"),
+                expect(unused_mut, reason = "set up again for TLS")
+            )]
             let mut channel = Endpoint::from_shared(uri)
                 .map_err(|e| Error::Invalid(format!("outboxd: endpoint {endpoint}: {e}")))?
                 .connect_timeout(self.connect_timeout)

@@ -35,7 +35,8 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Features: `sqlx` (default; the transactional producer), `tls` (default; rustls).
+//! Features: `sqlx` (default; the transactional producer), `tls` (default; rustls),
+//! `otel` (handlers' spans join their producers' traces, calls carry the trace context).
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -43,6 +44,7 @@
 mod connection;
 mod error;
 mod producer;
+mod trace;
 mod worker;
 
 /// The generated messages and client of `outbox.v1` (`proto/outbox/v1/outbox.proto`).

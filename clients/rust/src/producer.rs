@@ -389,7 +389,17 @@ impl Outbox {
 }
 
 fn messages(intents: impl IntoIterator<Item = NewIntent>) -> Result<Vec<proto::NewIntent>, Error> {
-    let messages: Vec<_> = intents.into_iter().map(NewIntent::into_proto).collect();
+    let mut messages: Vec<_> = intents.into_iter().map(NewIntent::into_proto).collect();
+    // The producer's span is each intent's creation context, unless it names its own.
+    let context = crate::trace::current_context();
+    if !context.is_empty() {
+        for message in messages
+            .iter_mut()
+            .filter(|m| !m.headers.contains_key("traceparent"))
+        {
+            message.headers.extend(context.clone());
+        }
+    }
     if messages.is_empty() {
         return Err(Error::Invalid("outboxd: nothing to enqueue".into()));
     }

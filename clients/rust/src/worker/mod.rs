@@ -19,6 +19,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 use uuid::Uuid;
 
 use self::job::FailureKind;
@@ -779,7 +780,16 @@ impl Shared {
             lease.finish();
             return Some(fail(FailOutcome::Permanent, error, None));
         };
-        let mut task = AbortOnDrop(tokio::spawn(async move { handler(job).await }));
+        let span = crate::trace::handler_span(
+            &kind,
+            job.id(),
+            job.attempt(),
+            &self.config.worker_id,
+            job.headers(),
+        );
+        let mut task = AbortOnDrop(tokio::spawn(
+            async move { handler(job).await }.instrument(span),
+        ));
         lease.set_handler(task.0.abort_handle());
         let result = (&mut task.0).await;
         lease.finish();

@@ -8,6 +8,8 @@ mod harness;
 mod observer;
 mod producer;
 mod proxy;
+#[cfg(feature = "otel")]
+mod trace;
 mod worker;
 
 use std::sync::Arc;

@@ -112,6 +112,10 @@ impl From<Error> for Status {
                     HashMap::from([("setting".to_owned(), "track_commit_timestamp".to_owned())]),
                 ),
             ),
+            Error::KeyHolderCommitted { key, existing } => (
+                Reason::Conflict,
+                key_holder(Reason::Conflict, key, existing),
+            ),
             Error::KeyHolderGone { key } => (
                 Reason::Conflict,
                 error_info(

@@ -559,6 +559,18 @@ pub enum Error {
         /// The intent that holds it.
         existing: IntentId,
     },
+    /// An idempotency key is held by a STAGED intent whose producer transaction committed:
+    /// it becomes PENDING within the promotion's interval, and a retry is its replay.
+    #[error(
+        "idempotency key {key:?} is held by intent {existing}, whose producer transaction has \
+         committed; it is being promoted: retry, and the call is answered as its replay"
+    )]
+    KeyHolderCommitted {
+        /// The key.
+        key: String,
+        /// The intent that holds it.
+        existing: IntentId,
+    },
     /// [`Self::IdempotencyConflict`] or [`Self::IdempotencyKeyInUse`] (`reason`) for a caller
     /// bound to regions the holding intent is not of: its id is not the caller's to see.
     #[error(

@@ -749,6 +749,46 @@ async fn a_key_held_by_a_rolled_back_transaction_is_retryable_before_the_sweep()
     }
 }
 
+/// A retry right after the producer committed, before the promotion ran: the intent
+/// exists, so the retry is told to come back (CONFLICT, retried by the SDKs) and is then
+/// its replay, not told that a transaction still open holds the key.
+#[tokio::test]
+async fn a_key_held_by_a_committed_transaction_not_yet_promoted_is_retryable_then_replayed() {
+    let app = TestApp::spawn_with(|s| s.txn.resolve_interval = Duration::from_secs(3600)).await;
+    let mut keyed = intent("order.created", "{}");
+    keyed.idempotency_key = "order-11".into();
+    let mut first = app.producer().await;
+    let mut t1 = first.begin().await.unwrap();
+    // The plain token: no NOTIFY, so nothing promotes it until asked.
+    let token: String = sqlx::query_scalar(PLAIN_TOKEN_SQL)
+        .fetch_one(&mut *t1)
+        .await
+        .unwrap();
+    let held = enqueue_in(&app, &token, vec![keyed.clone()]).await.unwrap()[0]
+        .id
+        .clone();
+    t1.commit().await.unwrap();
+
+    let status = app.enqueue(vec![keyed.clone()]).await.unwrap_err();
+    assert_status(&status, Code::Aborted, "CONFLICT", &[]);
+    assert!(
+        status.message().contains("committed"),
+        "{}",
+        status.message()
+    );
+    // Another content is a conflict whatever the holder's state.
+    let mut changed = keyed.clone();
+    changed.payload = br#"{"at":2}"#.to_vec();
+    let status = app.enqueue(vec![changed]).await.unwrap_err();
+    assert_status(&status, Code::AlreadyExists, "IDEMPOTENCY_CONFLICT", &[]);
+
+    app.promote().await;
+    let replayed = app.enqueue(vec![keyed]).await.unwrap().remove(0);
+    assert!(replayed.deduplicated);
+    assert_eq!(replayed.id, held);
+    assert_eq!(replayed.state(), IntentState::Pending);
+}
+
 #[tokio::test]
 async fn an_intent_of_a_transaction_held_open_is_available_from_its_commit_and_claimed_at_once() {
     // Claims look from a floor behind the newest intent their group took: an intent that

@@ -239,13 +239,26 @@ pub async fn insert_intents(
         // content or not, may go ahead then.
         let ours = params.txn_xid.map(|x| x.to_string());
         let staged_elsewhere = holder.state == IntentState::Staged && holder.txn != ours;
-        if staged_elsewhere && holder_rolled_back(conn, holder.txn.as_deref()).await? {
+        let holder_txn = if staged_elsewhere {
+            holder_txn_status(conn, holder.txn.as_deref()).await?
+        } else {
+            None
+        };
+        if holder_txn.as_deref() == Some("aborted") {
             return Err(Error::KeyHolderGone {
                 key: key.to_owned(),
             });
         }
         if !holder.same_content {
             return Err(Error::IdempotencyConflict {
+                key: key.to_owned(),
+                existing: IntentId(holder.id),
+            });
+        }
+        // Committed, not yet promoted: it exists, and is PENDING within the promotion's
+        // interval, when a retry is answered as its replay.
+        if holder_txn.as_deref() == Some("committed") {
+            return Err(Error::KeyHolderCommitted {
                 key: key.to_owned(),
                 existing: IntentId(holder.id),
             });
@@ -276,14 +289,14 @@ pub async fn insert_intents(
     })
 }
 
-/// Whether the producer transaction `txn` (an xid8 as text) rolled back.
-async fn holder_rolled_back(conn: &mut PgConnection, txn: Option<&str>) -> Result<bool> {
-    let Some(txn) = txn else { return Ok(false) };
-    let status: Option<String> = sqlx::query_scalar("SELECT outbox.xact_status($1::xid8)")
+/// The status of the producer transaction `txn` (an xid8 as text): `in progress`,
+/// `committed` or `aborted` (see `outbox.xact_status`).
+async fn holder_txn_status(conn: &mut PgConnection, txn: Option<&str>) -> Result<Option<String>> {
+    let Some(txn) = txn else { return Ok(None) };
+    Ok(sqlx::query_scalar("SELECT outbox.xact_status($1::xid8)")
         .bind(txn)
         .fetch_one(&mut *conn)
-        .await?;
-    Ok(status.as_deref() == Some("aborted"))
+        .await?)
 }
 
 /// The state a new intent was inserted in: `unordered` (STAGED or PENDING) unless it is a

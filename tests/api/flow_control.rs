@@ -616,9 +616,25 @@ async fn leases_a_limit_refuses_are_counted_in_the_metrics() {
     assert_eq!(app.claim_n("w", 5).await.len(), 2);
     app.wait_for_metric("outbox_leases_refused_by_limit_total 3")
         .await;
-    // At its limit the queue refuses every lease a claim asks for.
+    // At its limit the queue refuses every due intent a claim asks for: the other 3, not
+    // the 5 it asked for.
     assert!(app.claim_n("w", 5).await.is_empty());
-    app.wait_for_metric("outbox_leases_refused_by_limit_total 8")
+    app.wait_for_metric("outbox_leases_refused_by_limit_total 6")
+        .await;
+    // A long poll looks again when an intent arrives, and at its deadline: its looks
+    // refuse it 3, then 4 of the same intents, counted once as 4 (not 3 + 4 + 4).
+    let poll = tokio::spawn({
+        let mut client = app.client();
+        async move {
+            let mut request = claim_request("w", 5);
+            request.wait = Some(duration(Duration::from_secs(2)));
+            client.claim(request).await.unwrap().into_inner().leases
+        }
+    });
+    wait_until_claims_are_waiting(&app, 1, 1).await;
+    app.enqueue(vec![intent("pay", "{}")]).await.unwrap();
+    assert!(poll.await.unwrap().is_empty());
+    app.wait_for_metric("outbox_leases_refused_by_limit_total 10")
         .await;
 }
 

@@ -93,6 +93,8 @@ struct Look {
     again_in: Duration,
     /// Its intents are an earlier call's leases (same request id), not newly claimed.
     replayed: bool,
+    /// Leases a queue's limit refused it (see `outbox_leases_refused_by_limit_total`).
+    refused_by_limit: u64,
 }
 
 impl Claims {
@@ -157,6 +159,9 @@ impl Claims {
         });
         // Answering an earlier call's leases again (same request id): not claimed anew.
         let mut replayed = false;
+        // The looks of one Claim refused it the same leases again and again: counted once,
+        // their most, when it answers.
+        let mut refused_by_limit = 0;
         let intents = loop {
             // Mark the signal and the turns seen before looking, so a commit landing in
             // between still wakes us.
@@ -174,6 +179,7 @@ impl Claims {
                 Some(until) => until,
                 None => {
                     let look = self.look(scope, &group, params, whole_look, seen).await?;
+                    refused_by_limit = refused_by_limit.max(look.refused_by_limit);
                     let now = Instant::now();
                     if !look.intents.is_empty()
                         || now >= deadline
@@ -232,6 +238,7 @@ impl Claims {
                 break Vec::new();
             }
         };
+        self.counters.refused_by_limit.inc_by(refused_by_limit);
         // The caller went away (while we looked, or as an enqueue handed it intents): nobody
         // receives these leases, so they go back at once, attempts uncounted, instead of
         // waiting out their expiry. A replay's belong to an earlier call that may have had
@@ -282,7 +289,6 @@ impl Claims {
             ran_out,
             refused_by_limit,
         } = store::claim_intents(&self.pools, scope, params).await?;
-        self.counters.refused_by_limit.inc_by(refused_by_limit);
         let recheck = self.settings.recheck;
         let again_in = next_due_in.map_or(recheck, |due| due.min(recheck));
         let filled = !ran_out;
@@ -307,6 +313,7 @@ impl Claims {
             filled,
             again_in,
             replayed,
+            refused_by_limit,
         })
     }
 

@@ -262,7 +262,12 @@ pub async fn enqueue(
         // id in the WAL, cannot have given the producer's id to anyone else. One still
         // open is a prepared transaction (two-phase commit) that outlived the crash: its
         // staged intents follow its COMMIT PREPARED. New intents are refused.
-        TxnStatus::InProgress | TxnStatus::Committed | TxnStatus::Forgotten if !same_life => {
+        TxnStatus::InProgress
+        | TxnStatus::Prepared
+        | TxnStatus::Committed
+        | TxnStatus::Forgotten
+            if !same_life =>
+        {
             return store::find_replay(&mut tx, token.xid, &intents)
                 .await?
                 .ok_or_else(|| stale_token(token.xid));
@@ -288,6 +293,19 @@ pub async fn enqueue(
                 "the producer transaction {} is too old to look up; enqueue inside an open transaction",
                 token.xid
             )));
+        }
+        // Its transaction manager may have voted on what it held: a replay only.
+        TxnStatus::Prepared => {
+            return store::find_replay(&mut tx, token.xid, &intents)
+                .await?
+                .ok_or_else(|| {
+                    Error::TxnFinished(format!(
+                        "the producer transaction {} is prepared (PREPARE TRANSACTION); enqueue \
+                         must happen before PREPARE (only a replay with the same idempotency \
+                         keys is accepted)",
+                        token.xid
+                    ))
+                });
         }
         TxnStatus::Committed => {
             return store::find_replay(&mut tx, token.xid, &intents)
@@ -336,10 +354,13 @@ async fn commit(tx: sqlx::Transaction<'static, sqlx::Postgres>) -> Result<()> {
 /// with that server life without committing anything outboxd recorded.
 fn stale_token(xid: u64) -> Error {
     Error::TxnAborted(format!(
-        "PostgreSQL recovered from a crash (or a restore, or a standby was promoted) after \
-         this token was taken, which ended the producer transaction {xid}; its intents must \
-         not exist (transaction ids are handed out again after a crash, so this id may now \
-         name another transaction)"
+        "the token names an earlier life of the cluster than the current one: PostgreSQL \
+         recovered from a crash (or a restore, or a standby was promoted) after it was \
+         taken, which ended the producer transaction {xid} (transaction ids are handed out \
+         again after a crash, so this id may now name another), or an operator reset both \
+         the bgwriter and archiver statistics (pg_stat_reset_shared), which the incarnation \
+         is read from; either way no intent is staged on it: redo the transaction with a \
+         new token"
     ))
 }
 

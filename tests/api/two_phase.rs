@@ -873,6 +873,59 @@ async fn an_intent_staged_under_a_transaction_id_this_cluster_never_handed_out_g
     );
 }
 
+/// A prepared transaction (two-phase commit) is past taking intents: the retry of an
+/// Enqueue it staged is answered with them, a new intent is refused (it would join a
+/// transaction its manager may have voted on), and COMMIT PREPARED delivers what was staged.
+#[tokio::test]
+async fn a_prepared_transaction_takes_only_replays() {
+    let settings = vec![("max_prepared_transactions".to_owned(), "4".to_owned())];
+    let (app, cluster) = app_on_own_cluster_with(settings).await;
+    let mut producer = app.producer().await;
+    sqlx::raw_sql("BEGIN").execute(&mut producer).await.unwrap();
+    let token: String = sqlx::query_scalar(PLAIN_TOKEN_SQL)
+        .fetch_one(&mut producer)
+        .await
+        .unwrap();
+    let keyed = |key: &str| {
+        let mut i = intent("ledger.post", "{}");
+        i.idempotency_key = key.to_owned();
+        i
+    };
+    let staged = enqueue_in(&app, &token, vec![keyed("post-1")])
+        .await
+        .unwrap()[0]
+        .id
+        .clone();
+    sqlx::raw_sql("PREPARE TRANSACTION 'posting-2'")
+        .execute(&mut producer)
+        .await
+        .unwrap();
+
+    let replayed = enqueue_in(&app, &token, vec![keyed("post-1")])
+        .await
+        .unwrap();
+    assert_eq!(replayed[0].id, staged);
+    assert!(replayed[0].deduplicated);
+    for late in [keyed("post-2"), intent("ledger.post", "{}")] {
+        let refused = enqueue_in(&app, &token, vec![late]).await.unwrap_err();
+        assert_status(&refused, Code::FailedPrecondition, "TXN_COMMITTED", &[]);
+        assert!(refused.message().contains("prepared"), "{refused:?}");
+    }
+
+    sqlx::raw_sql("COMMIT PREPARED 'posting-2'")
+        .execute(&mut producer)
+        .await
+        .unwrap();
+    app.promote().await;
+    assert_eq!(app.state(&staged).await, IntentState::Pending);
+    assert_eq!(
+        app.snapshot().await.len(),
+        1,
+        "only the staged intent exists"
+    );
+    stop_own_cluster(app, cluster).await;
+}
+
 /// A prepared transaction (two-phase commit) outlives a crash: the retry of an Enqueue
 /// whose intents it staged before the crash is answered with them, intents it would add
 /// are refused as for any transaction of an earlier server life, and COMMIT PREPARED

@@ -14,6 +14,9 @@ use crate::outbox::{Enqueued, IntentId, IntentState, NewIntent, Result};
 pub enum TxnStatus {
     /// Still open: intents enqueued with it are STAGED.
     InProgress,
+    /// Prepared for two-phase commit (`PREPARE TRANSACTION`): in doubt, and past taking
+    /// new intents.
+    Prepared,
     /// Committed.
     Committed,
     /// Rolled back, or its backend or the server crashed before it committed.
@@ -53,13 +56,20 @@ pub async fn cluster_identifier(db: impl PgExecutor<'_>) -> Result<String> {
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn check_token(conn: &mut PgConnection, xid: u64) -> Result<TokenCheck> {
-    let (status, incarnation): (String, i64) =
-        sqlx::query_as("SELECT outbox.xact_status($1::text::xid8), outbox.server_incarnation()")
-            .bind(xid.to_string())
-            .fetch_one(conn)
-            .await?;
+    let (status, incarnation): (String, i64) = sqlx::query_as(
+        "SELECT CASE WHEN s.status = 'in progress'
+                      AND EXISTS (SELECT 1 FROM pg_prepared_xacts p
+                                  WHERE p.transaction = xid($1::text::xid8))
+                     THEN 'prepared' ELSE s.status END,
+                outbox.server_incarnation()
+         FROM outbox.xact_status($1::text::xid8) AS s (status)",
+    )
+    .bind(xid.to_string())
+    .fetch_one(conn)
+    .await?;
     let status = match status.as_str() {
         "in progress" => TxnStatus::InProgress,
+        "prepared" => TxnStatus::Prepared,
         "committed" => TxnStatus::Committed,
         "future" => TxnStatus::Future,
         "forgotten" => TxnStatus::Forgotten,

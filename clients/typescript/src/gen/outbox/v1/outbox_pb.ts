@@ -84,13 +84,14 @@ export type NewIntent = Message<"outbox.v1.NewIntent"> & {
   maxAttempts: number;
 
   /**
-   * When the intent becomes claimable. Unset: immediately.
+   * When the intent becomes claimable. Unset: immediately. At most 366 days ahead
+   * (OUTBOX_LIMITS__MAX_DELAY); INVALID_ARGUMENT past it.
    *
    * @generated from oneof outbox.v1.NewIntent.schedule
    */
   schedule: {
     /**
-     * Claimable this long after the call.
+     * Claimable this long after the call. Negative: INVALID_ARGUMENT.
      *
      * @generated from field: google.protobuf.Duration delay = 8;
      */
@@ -121,8 +122,8 @@ export type NewIntent = Message<"outbox.v1.NewIntent"> & {
   orderingKey: string;
 
   /**
-   * Higher first among the claimable intents of its tenant and kind, from -10 to 10;
-   * equal priorities oldest first. Default 0.
+   * Higher first among the claimable intents of its tenant and kind, from -10 to 10
+   * (INVALID_ARGUMENT outside); equal priorities oldest first. Default 0.
    *
    * @generated from field: int32 priority = 11;
    */

@@ -873,33 +873,47 @@ async fn an_intent_staged_under_a_transaction_id_this_cluster_never_handed_out_g
     );
 }
 
+/// A cluster setting that allows two-phase commit.
+fn prepared_transactions() -> Vec<(String, String)> {
+    vec![("max_prepared_transactions".to_owned(), "4".to_owned())]
+}
+
+/// A ledger posting with idempotency key `key`.
+fn keyed(key: &str) -> v1::NewIntent {
+    let mut i = intent("ledger.post", "{}");
+    i.idempotency_key = key.to_owned();
+    i
+}
+
+/// A producer transaction that staged `keyed("post-1")`, then was prepared as `gid`: the
+/// producer's connection, its token and the staged intent's id.
+async fn prepared_with_one_intent(app: &TestApp, gid: &str) -> (PgConnection, String, String) {
+    let mut producer = app.producer().await;
+    sqlx::raw_sql("BEGIN").execute(&mut producer).await.unwrap();
+    // A transaction to be prepared takes the plain-SQL token (outbox.txn_token() notifies).
+    let token: String = sqlx::query_scalar(PLAIN_TOKEN_SQL)
+        .fetch_one(&mut producer)
+        .await
+        .unwrap();
+    let staged = enqueue_in(app, &token, vec![keyed("post-1")])
+        .await
+        .unwrap()[0]
+        .id
+        .clone();
+    sqlx::raw_sql(&format!("PREPARE TRANSACTION '{gid}'"))
+        .execute(&mut producer)
+        .await
+        .unwrap();
+    (producer, token, staged)
+}
+
 /// A prepared transaction (two-phase commit) is past taking intents: the retry of an
 /// Enqueue it staged is answered with them, a new intent is refused (it would join a
 /// transaction its manager may have voted on), and COMMIT PREPARED delivers what was staged.
 #[tokio::test]
 async fn a_prepared_transaction_takes_only_replays() {
-    let settings = vec![("max_prepared_transactions".to_owned(), "4".to_owned())];
-    let (app, cluster) = app_on_own_cluster_with(settings).await;
-    let mut producer = app.producer().await;
-    sqlx::raw_sql("BEGIN").execute(&mut producer).await.unwrap();
-    let token: String = sqlx::query_scalar(PLAIN_TOKEN_SQL)
-        .fetch_one(&mut producer)
-        .await
-        .unwrap();
-    let keyed = |key: &str| {
-        let mut i = intent("ledger.post", "{}");
-        i.idempotency_key = key.to_owned();
-        i
-    };
-    let staged = enqueue_in(&app, &token, vec![keyed("post-1")])
-        .await
-        .unwrap()[0]
-        .id
-        .clone();
-    sqlx::raw_sql("PREPARE TRANSACTION 'posting-2'")
-        .execute(&mut producer)
-        .await
-        .unwrap();
+    let (app, cluster) = app_on_own_cluster_with(prepared_transactions()).await;
+    let (mut producer, token, staged) = prepared_with_one_intent(&app, "posting-2").await;
 
     let replayed = enqueue_in(&app, &token, vec![keyed("post-1")])
         .await
@@ -932,29 +946,8 @@ async fn a_prepared_transaction_takes_only_replays() {
 /// delivers what was staged.
 #[tokio::test]
 async fn a_prepared_transaction_that_outlives_a_crash_keeps_what_it_staged() {
-    let settings = vec![("max_prepared_transactions".to_owned(), "4".to_owned())];
-    let (app, cluster) = app_on_own_cluster_with(settings).await;
-    let mut producer = app.producer().await;
-    sqlx::raw_sql("BEGIN").execute(&mut producer).await.unwrap();
-    // A transaction to be prepared takes the plain-SQL token (outbox.txn_token() notifies).
-    let token: String = sqlx::query_scalar(PLAIN_TOKEN_SQL)
-        .fetch_one(&mut producer)
-        .await
-        .unwrap();
-    let keyed = |key: &str| {
-        let mut i = intent("ledger.post", "{}");
-        i.idempotency_key = key.to_owned();
-        i
-    };
-    let staged = enqueue_in(&app, &token, vec![keyed("post-1")])
-        .await
-        .unwrap()[0]
-        .id
-        .clone();
-    sqlx::raw_sql("PREPARE TRANSACTION 'posting-1'")
-        .execute(&mut producer)
-        .await
-        .unwrap();
+    let (app, cluster) = app_on_own_cluster_with(prepared_transactions()).await;
+    let (producer, token, staged) = prepared_with_one_intent(&app, "posting-1").await;
 
     let cluster = crash_and_restart(cluster).await;
     drop(producer);

@@ -49,6 +49,30 @@ fn key_holder(reason: Reason, key: String, holder: IntentId) -> ErrorDetails {
     )
 }
 
+/// A gRPC code's name, as the protocol and the docs spell it (`RESOURCE_EXHAUSTED`).
+pub fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
 /// A whole-call refusal for `reason`: its code, and the `ErrorInfo` every outboxd error
 /// carries.
 pub fn refusal(reason: Reason, message: impl Into<String>) -> Status {

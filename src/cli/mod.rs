@@ -180,21 +180,25 @@ pub enum Command {
 /// Queue policy commands.
 #[derive(Debug, Subcommand)]
 pub enum QueuesCommand {
-    /// Set a queue's whole policy (what is not given is lifted), recorded with who and why.
+    /// Set a queue's whole policy, recorded with who and why: what is not given is lifted
+    /// (a pause or limit set before ends unless given again).
     Set {
         /// The queue's kind.
         #[arg(long)]
         kind: String,
-        /// No leases until set again without --paused.
+        /// No leases until set again without --paused. Left out: not paused (a pause set
+        /// before is lifted).
         #[arg(long)]
         paused: bool,
-        /// At most this many intents LEASED or SUBMITTED at once.
+        /// At most this many intents LEASED or SUBMITTED at once. 0 or left out: no limit
+        /// (a limit set before is lifted).
         #[arg(long)]
         max_in_flight: Option<i32>,
-        /// At most this many leases per second on average.
+        /// At most this many leases per second on average. 0 or left out: no rate limit
+        /// (a rate set before is lifted).
         #[arg(long)]
         rate: Option<f64>,
-        /// With --rate: leases allowed at once (default: the rate rounded up).
+        /// With --rate: leases allowed at once. 0 or left out: the rate rounded up.
         #[arg(long, requires = "rate")]
         burst: Option<i32>,
         /// Who decides.
@@ -327,16 +331,21 @@ pub enum ReconcileCommand {
         /// Most intents.
         #[arg(long, default_value_t = 50)]
         limit: i32,
+        /// Continue after this page token (the `more:` line of the previous page).
+        #[arg(long, default_value = "")]
+        page_token: String,
         #[command(flatten)]
         client: ClientArgs,
     },
-    /// Record a decision, by id (--id, repeatable) or by filter (--state ...).
+    /// Record a decision, by id (--id, repeatable) or by filter (--state, with --kind,
+    /// --region, --limit); the filter's flags are refused with --id.
     Resolve {
-        /// Intents to resolve.
-        #[arg(long = "id", conflicts_with = "state")]
+        /// Intents to resolve (not with the filter's flags: --state, --kind, --region,
+        /// --limit).
+        #[arg(long = "id", conflicts_with_all = ["state", "kind", "region", "limit"])]
         ids: Vec<String>,
-        /// Resolve every intent in these states (needs_reconcile, dead_lettered; for cancel:
-        /// staged, waiting, pending).
+        /// Filter: resolve every intent in these states (needs_reconcile, dead_lettered;
+        /// for cancel: staged, waiting, pending).
         #[arg(long, value_parser = parse_state)]
         state: Vec<IntentState>,
         /// Filter: only this kind.
@@ -345,7 +354,7 @@ pub enum ReconcileCommand {
         /// Filter: only this region.
         #[arg(long, default_value = "")]
         region: String,
-        /// Filter: most intents in this call.
+        /// Filter: most intents in this call (0: the server's default, 100).
         #[arg(long, default_value_t = 0)]
         limit: i32,
         /// The ruling.
@@ -420,7 +429,7 @@ pub fn run(cli: Cli) -> ExitCode {
     match runtime.block_on(dispatch(command, &cli.overrides)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", output::error_line(&e));
             ExitCode::FAILURE
         }
     }
@@ -482,8 +491,78 @@ async fn dispatch(command: Command, overrides: &[String]) -> anyhow::Result<()> 
 
 #[cfg(test)]
 mod tests {
-    use super::load_settings;
+    use super::{Cli, load_settings};
+    use clap::Parser;
+    use clap::error::ErrorKind;
     use std::time::Duration;
+
+    #[test]
+    fn resolve_by_id_refuses_the_filters_flags_instead_of_dropping_them() {
+        let by_id = [
+            "outboxd",
+            "reconcile",
+            "resolve",
+            "--id",
+            "0193a8f2-5c1e-7b3a-9d4e-2f6a1b7c8d90",
+            "--decision",
+            "delivered",
+            "--reason",
+            "t",
+        ];
+        let filters: [&[&str]; 4] = [
+            &["--kind", "other.kind"],
+            &["--region", "eu"],
+            &["--limit", "5"],
+            &["--state", "needs_reconcile"],
+        ];
+        for filter in filters {
+            let args = by_id.iter().chain(filter);
+            let refused = Cli::try_parse_from(args).unwrap_err();
+            assert_eq!(refused.kind(), ErrorKind::ArgumentConflict, "{filter:?}");
+        }
+        assert!(Cli::try_parse_from(by_id).is_ok());
+        let by_filter = [
+            "outboxd",
+            "reconcile",
+            "resolve",
+            "--state",
+            "needs_reconcile",
+            "--kind",
+            "k",
+            "--region",
+            "eu",
+            "--limit",
+            "5",
+            "--decision",
+            "delivered",
+            "--reason",
+            "t",
+        ];
+        assert!(Cli::try_parse_from(by_filter).is_ok());
+    }
+
+    #[test]
+    fn queues_set_help_says_what_0_and_a_left_out_flag_mean() {
+        let help = Cli::try_parse_from(["outboxd", "queues", "set", "--help"]).unwrap_err();
+        assert_eq!(help.kind(), ErrorKind::DisplayHelp);
+        let help = help.to_string();
+        for line in [
+            "a pause or limit set before ends unless given again",
+            "Left out: not paused (a pause set before is lifted)",
+            "LEASED or SUBMITTED at once. 0 or left out: no limit",
+            "on average. 0 or left out: no rate limit",
+            "leases allowed at once. 0 or left out: the rate rounded up",
+        ] {
+            assert!(help.contains(line), "{line:?} not in:\n{help}");
+        }
+    }
+
+    #[test]
+    fn reconcile_list_takes_the_page_token_it_prints() {
+        let args = ["outboxd", "reconcile", "list", "--limit", "1"];
+        let paged = args.iter().chain(&["--page-token", "x"]);
+        assert!(Cli::try_parse_from(paged).is_ok());
+    }
 
     #[test]
     fn a_set_flag_names_its_variable_with_or_without_prefix_in_any_case() {

@@ -316,11 +316,17 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
             )
         }
         Command::Reconcile {
-            command: ReconcileCommand::List { limit, client },
+            command:
+                ReconcileCommand::List {
+                    limit,
+                    page_token,
+                    client,
+                },
         } => {
             let request = v1::ListIntentsRequest {
                 awaiting_decision: true,
                 page_size: limit,
+                page_token,
                 ..Default::default()
             };
             let response = connect(&client).await?.list_intents(request).await?;
@@ -340,7 +346,10 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                     client,
                 },
         } => {
-            let target = if ids.is_empty() {
+            // clap refuses the filter's flags with --id: none is dropped here.
+            let by_filter = ids.is_empty();
+            let asked = ids.len();
+            let target = if by_filter {
                 v1::reconcile_request::Target::Filter(v1::ReconcileFilter {
                     states: state
                         .into_iter()
@@ -383,7 +392,11 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                     lease_expires_at: None,
                 })
                 .collect();
-            print_results(&client, &results)
+            let printed = print_results(&client, &results);
+            if !client.json {
+                println!("{}", resolve_summary(&results, by_filter, asked, limit));
+            }
+            printed
         }
         Command::Stats { client } => {
             let stats = connect(&client)
@@ -521,6 +534,31 @@ fn print_list(
             summary();
         },
     )
+}
+
+/// The line after `reconcile resolve`'s results: how many intents it resolved, 0 too (a
+/// filter that matched nothing prints no result), and whether a filter may match more.
+fn resolve_summary(
+    results: &[v1::LeaseResult],
+    by_filter: bool,
+    asked: usize,
+    limit: i32,
+) -> String {
+    let resolved = results.iter().filter(|r| r.error.is_none()).count();
+    let plural = |n: usize| if n == 1 { "intent" } else { "intents" };
+    if !by_filter {
+        return format!("resolved {resolved} of {asked} {}", plural(asked));
+    }
+    let intents = plural(resolved);
+    // The server's default when no --limit is given.
+    let limit = if limit > 0 { limit as usize } else { 100 };
+    if results.is_empty() {
+        "resolved 0 intents: none matched the filter".to_owned()
+    } else if results.len() >= limit {
+        format!("resolved {resolved} {intents} (the limit, {limit}: more may match; run it again)")
+    } else {
+        format!("resolved {resolved} {intents}")
+    }
 }
 
 /// The WAITING intents of a key that one page listed.
@@ -723,6 +761,31 @@ mod tests {
         );
         assert_eq!(queue_hold(&[policy(false, 4, 3)], "mail"), None);
         assert_eq!(queue_hold(&[policy(true, 0, 0)], "sms"), None);
+    }
+
+    #[test]
+    fn resolve_says_how_many_it_resolved_none_too() {
+        let ok = |id: &str| v1::LeaseResult {
+            intent_id: id.to_owned(),
+            ..Default::default()
+        };
+        let refused = v1::LeaseResult {
+            error: Some(v1::ItemError::default()),
+            ..ok("c")
+        };
+        assert_eq!(
+            resolve_summary(&[], true, 0, 0),
+            "resolved 0 intents: none matched the filter"
+        );
+        assert_eq!(resolve_summary(&[ok("a")], true, 0, 0), "resolved 1 intent");
+        assert_eq!(
+            resolve_summary(&[ok("a"), ok("b")], true, 0, 2),
+            "resolved 2 intents (the limit, 2: more may match; run it again)"
+        );
+        assert_eq!(
+            resolve_summary(&[ok("a"), ok("b"), refused], false, 3, 0),
+            "resolved 2 of 3 intents"
+        );
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! How the operator commands print: text a person can read, or JSON with `--json`.
 
 use serde_json::{Value, json};
+use tonic_types::StatusExt;
 
 use super::ClientArgs;
 use crate::proto::{from_timestamp, v1};
@@ -111,4 +112,84 @@ pub(super) fn time(t: Option<&prost_types::Timestamp>) -> String {
     t.and_then(from_timestamp)
         .map(|t| t.to_rfc3339())
         .unwrap_or_else(|| "-".to_owned())
+}
+
+/// An error as one line, its causes after it (`outer: inner`); a gRPC status as its code
+/// and the reason of its `ErrorInfo`, as docs/api.md names them
+/// (`RESOURCE_EXHAUSTED/BATCH_TOO_LARGE: <message>`), the reason left out where it is the
+/// code's own name (`INVALID_ARGUMENT: <message>`).
+pub(super) fn error_line(e: &anyhow::Error) -> String {
+    e.chain()
+        .map(|cause| match cause.downcast_ref::<tonic::Status>() {
+            Some(status) => status_line(status),
+            None => cause.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(": ")
+}
+
+fn status_line(status: &tonic::Status) -> String {
+    let code = crate::status::code_name(status.code());
+    let reason = status
+        .get_error_details()
+        .error_info()
+        .map(|info| info.reason.clone())
+        .filter(|reason| !reason.is_empty() && reason != code);
+    let message = if status.message().is_empty() {
+        status.code().description()
+    } else {
+        status.message()
+    };
+    let message = message.replace(['\r', '\n'], " ");
+    match reason {
+        Some(reason) => format!("{code}/{reason}: {message}"),
+        None => format!("{code}: {message}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use anyhow::Context;
+    use tonic::{Code, Status};
+    use tonic_types::{ErrorDetails, StatusExt};
+
+    use super::error_line;
+
+    fn refusal(code: Code, reason: &str, message: &str) -> anyhow::Error {
+        let details = ErrorDetails::with_error_info(reason, "outboxd", HashMap::new());
+        Status::with_error_details(code, message, details).into()
+    }
+
+    #[test]
+    fn a_refusal_prints_its_code_and_reason_on_one_line() {
+        let e = refusal(
+            Code::ResourceExhausted,
+            "BATCH_TOO_LARGE",
+            "limit exceeded: page_size: at most 1000",
+        );
+        assert_eq!(
+            error_line(&e),
+            "RESOURCE_EXHAUSTED/BATCH_TOO_LARGE: limit exceeded: page_size: at most 1000"
+        );
+        let e = refusal(
+            Code::InvalidArgument,
+            "INVALID_ARGUMENT",
+            "invalid\nrequest",
+        );
+        assert_eq!(error_line(&e), "INVALID_ARGUMENT: invalid request");
+        let e = anyhow::Error::from(Status::unavailable("")).context("calling outboxd");
+        assert_eq!(
+            error_line(&e),
+            format!(
+                "calling outboxd: UNAVAILABLE: {}",
+                Code::Unavailable.description()
+            )
+        );
+        let e: anyhow::Error = Err::<(), _>(std::io::Error::other("gone"))
+            .context("cannot read ca.pem")
+            .unwrap_err();
+        assert_eq!(error_line(&e), "cannot read ca.pem: gone");
+    }
 }

@@ -10,7 +10,7 @@ use outboxd::startup::{self, Database};
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use crate::helpers::{TestApp, fresh_database, other_database};
+use crate::helpers::{TENANT, TestApp, fresh_database, id_of, other_database};
 
 /// `outboxd <args>` with only `env` of the OUTBOX_* variables (it refuses unknown ones,
 /// and the tests' own are not its).
@@ -248,4 +248,178 @@ async fn keys_and_migrate_as_the_service_role_say_to_set_the_owners_url() {
             text(&output)
         );
     }
+}
+
+/// `outboxd <args>` against `app`'s server with `key`, whatever its exit.
+async fn client_command(app: &TestApp, key: &str, args: &[&str]) -> Output {
+    let server = format!("http://{}", app.addr);
+    let args = [args, &["--server", &server, "--api-key", key]].concat();
+    outboxd(&args, &[]).await
+}
+
+/// Puts `n` intents of `kind` into NEEDS_RECONCILE (Fail UNKNOWN); their ids, sorted.
+async fn awaiting_decision(app: &TestApp, kind: &str, n: i32) -> Vec<String> {
+    app.enqueue_n(kind, n as usize).await;
+    let leases = app.claim_n("w", n).await;
+    for lease in &leases {
+        app.fail(lease, v1::FailOutcome::Unknown).await;
+    }
+    let mut ids: Vec<String> = leases.iter().map(|l| id_of(l).to_owned()).collect();
+    ids.sort();
+    ids
+}
+
+#[tokio::test]
+async fn reconcile_resolve_by_id_refuses_the_filters_flags_and_sends_nothing() {
+    let app = TestApp::spawn().await;
+    let key = app.key(&[TENANT], &["operate"], &[]).await;
+    let id = awaiting_decision(&app, "charge", 1).await.remove(0);
+    let by_id = [
+        "reconcile",
+        "resolve",
+        "--id",
+        &id,
+        "--decision",
+        "delivered",
+        "--reason",
+        "t",
+    ];
+    let filters: [&[&str]; 4] = [
+        &["--kind", "other.kind", "--region", "eu"],
+        &["--kind", "other.kind"],
+        &["--region", "eu"],
+        &["--limit", "5"],
+    ];
+    for filter in filters {
+        let args = [&by_id[..], filter].concat();
+        let refused = client_command(&app, &key, &args).await;
+        assert!(!refused.status.success(), "{filter:?}: {}", text(&refused));
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert!(
+            stderr.contains("cannot be used with") && stderr.contains("--id"),
+            "{filter:?}: {}",
+            text(&refused)
+        );
+        let got = app.get(&id).await;
+        assert_eq!(got.intent.unwrap().state(), v1::IntentState::NeedsReconcile);
+        assert!(
+            got.resolutions.is_empty(),
+            "{filter:?}: {:?}",
+            got.resolutions
+        );
+    }
+
+    let resolved = client_command(&app, &key, &by_id).await;
+    assert!(resolved.status.success(), "{}", text(&resolved));
+    let stdout = String::from_utf8_lossy(&resolved.stdout);
+    assert!(
+        stdout.contains(&format!("{id}  ok  now DELIVERED")),
+        "{stdout}"
+    );
+    assert!(stdout.contains("resolved 1 of 1 intent\n"), "{stdout}");
+}
+
+#[tokio::test]
+async fn reconcile_list_pages_through_by_the_token_it_prints() {
+    let app = TestApp::spawn().await;
+    let key = app.key(&[TENANT], &["operate"], &[]).await;
+    let ids = awaiting_decision(&app, "charge", 3).await;
+    let mut listed = Vec::new();
+    let mut next: Option<String> = None;
+    for _ in 0..ids.len() + 1 {
+        let mut args = vec!["reconcile", "list", "--limit", "1"];
+        if let Some(token) = &next {
+            args.extend(["--page-token", token]);
+        }
+        let page = client_command(&app, &key, &args).await;
+        assert!(page.status.success(), "{args:?}: {}", text(&page));
+        let stdout = String::from_utf8_lossy(&page.stdout).into_owned();
+        listed.extend(
+            ids.iter()
+                .filter(|id| stdout.contains(id.as_str()))
+                .cloned(),
+        );
+        // The hint is the flag and its value, to paste after the same command.
+        next = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("more: --page-token "))
+            .map(str::to_owned);
+        if next.is_none() {
+            break;
+        }
+    }
+    listed.sort();
+    assert_eq!(listed, ids, "each intent once");
+    assert_eq!(next, None, "the last page prints no token");
+}
+
+#[tokio::test]
+async fn a_refused_call_prints_its_code_and_errorinfo_reason_on_one_line() {
+    let app = TestApp::spawn().await;
+    let key = app.key(&[TENANT], &["admin"], &[]).await;
+    let refused = client_command(&app, &key, &["intents", "list", "--limit", "1000000"]).await;
+    assert!(!refused.status.success(), "{}", text(&refused));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.starts_with("error: RESOURCE_EXHAUSTED/BATCH_TOO_LARGE: ")
+            && stderr.contains("page_size"),
+        "{}",
+        text(&refused)
+    );
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+
+    // A reason that is its code's own name is not repeated.
+    let missing = Uuid::now_v7().to_string();
+    let refused = client_command(&app, &key, &["intents", "get", &missing]).await;
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.starts_with("error: NOT_FOUND: ") && stderr.contains(&missing),
+        "{}",
+        text(&refused)
+    );
+}
+
+#[tokio::test]
+async fn reconcile_resolve_by_filter_says_how_many_it_resolved_none_too() {
+    let app = TestApp::spawn().await;
+    let key = app.key(&[TENANT], &["operate"], &[]).await;
+    let ids = awaiting_decision(&app, "charge", 2).await;
+    let by_filter = |kind: &'static str| {
+        [
+            "reconcile",
+            "resolve",
+            "--state",
+            "needs_reconcile",
+            "--kind",
+            kind,
+            "--decision",
+            "delivered",
+            "--reason",
+            "t",
+        ]
+    };
+
+    let none = client_command(&app, &key, &by_filter("other.kind")).await;
+    assert!(none.status.success(), "{}", text(&none));
+    assert_eq!(
+        String::from_utf8_lossy(&none.stdout),
+        "resolved 0 intents: none matched the filter\n"
+    );
+    // --json keeps its shape: the results, and nothing else.
+    let json = [&by_filter("other.kind")[..], &["--json"]].concat();
+    let none = client_command(&app, &key, &json).await;
+    assert!(none.status.success(), "{}", text(&none));
+    let results: serde_json::Value = serde_json::from_slice(&none.stdout).unwrap();
+    assert_eq!(results, serde_json::json!([]));
+
+    let both = client_command(&app, &key, &by_filter("charge")).await;
+    assert!(both.status.success(), "{}", text(&both));
+    let stdout = String::from_utf8_lossy(&both.stdout);
+    for id in &ids {
+        assert!(
+            stdout.contains(&format!("{id}  ok  now DELIVERED")),
+            "{stdout}"
+        );
+    }
+    assert!(stdout.ends_with("resolved 2 intents\n"), "{stdout}");
 }

@@ -230,6 +230,7 @@ impl From<Resolution> for v1::Resolution {
             actor: r.actor,
             reason: r.reason,
             resolved_at: Some(timestamp(r.resolved_at)),
+            api_key: r.api_key,
         }
     }
 }
@@ -267,6 +268,7 @@ impl From<outbox::store::QueuePolicy> for v1::QueuePolicy {
             rate_per_second: p.rate_per_second.unwrap_or(0.0),
             burst: p.burst.unwrap_or(0),
             actor: p.updated_by,
+            api_key: p.updated_by_key.unwrap_or_default(),
             reason: p.reason,
             updated_at: Some(timestamp(p.updated_at)),
             in_flight: p.in_flight,

@@ -9,7 +9,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 
 use super::output::{
     decision_name, intent_json, print, print_intent_detail, print_results, state_name, time,
-    time_json,
+    time_json, who,
 };
 use super::queues::{policy_json, print_policy_table};
 use super::{
@@ -295,7 +295,8 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
             let intent = response.intent.unwrap_or_default();
             let resolutions: Vec<Value> = response.resolutions.iter().map(|r| json!({
                 "decision": decision_name(r.decision), "from_state": state_name(r.from_state),
-                "actor": r.actor, "reason": r.reason, "resolved_at": time_json(r.resolved_at.as_ref()),
+                "actor": r.actor, "api_key": r.api_key, "reason": r.reason,
+                "resolved_at": time_json(r.resolved_at.as_ref()),
             })).collect();
             print(
                 &client,
@@ -307,7 +308,7 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                             "resolution:      {} (was {}) by {} at {}: {}",
                             decision_name(r.decision),
                             state_name(r.from_state),
-                            r.actor,
+                            who(&r.actor, &r.api_key),
                             time(r.resolved_at.as_ref()),
                             r.reason
                         );

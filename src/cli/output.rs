@@ -114,6 +114,16 @@ pub(super) fn time(t: Option<&prost_types::Timestamp>) -> String {
         .unwrap_or_else(|| "-".to_owned())
 }
 
+/// Who made a decision: the actor the caller named, and the API key that made the call
+/// when it is another name.
+pub(super) fn who(actor: &str, api_key: &str) -> String {
+    if api_key.is_empty() || api_key == actor {
+        actor.to_owned()
+    } else {
+        format!("{actor} (key {api_key})")
+    }
+}
+
 /// An error as one line, its causes after it (`outer: inner`); a gRPC status as its code
 /// and the reason of its `ErrorInfo`, as docs/api.md names them
 /// (`RESOURCE_EXHAUSTED/BATCH_TOO_LARGE: <message>`), the reason left out where it is the

@@ -3,7 +3,7 @@
 use serde_json::{Value, json};
 
 use super::operator::connect;
-use super::output::{print, time, time_json};
+use super::output::{print, time, time_json, who};
 use super::{ClientArgs, QueuesCommand};
 use crate::proto::v1;
 
@@ -60,7 +60,7 @@ pub(super) fn policy_json(p: &v1::QueuePolicy) -> Value {
         "tenant": p.tenant, "kind": p.kind, "paused": p.paused,
         "max_in_flight": p.max_in_flight, "rate_per_second": p.rate_per_second,
         "burst": p.burst, "in_flight": p.in_flight, "tokens": p.tokens,
-        "actor": p.actor, "reason": p.reason,
+        "actor": p.actor, "api_key": p.api_key, "reason": p.reason,
         "updated_at": time_json(p.updated_at.as_ref()),
     })
 }
@@ -93,7 +93,7 @@ pub(super) fn print_policy_table(policies: &[v1::QueuePolicy]) {
             format!("{}/{max}", p.in_flight),
             rate,
             bucket,
-            p.actor,
+            who(&p.actor, &p.api_key),
             time(p.updated_at.as_ref()),
             p.reason,
         );

@@ -273,6 +273,8 @@ struct Resolution {
     decision: String,
     from_state: String,
     actor: String,
+    /// The API key that made the call, when the actor names someone else.
+    key: String,
     reason: String,
     at: String,
 }
@@ -318,6 +320,11 @@ pub(super) async fn one(
                 decision: view::decision(r.decision),
                 from_state: view::state(r.from_state),
                 actor: r.actor.clone(),
+                key: if r.api_key == r.actor {
+                    String::new()
+                } else {
+                    r.api_key.clone()
+                },
                 reason: r.reason.clone(),
                 at: view::timestamp(r.resolved_at.as_ref()),
             })

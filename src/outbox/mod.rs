@@ -343,8 +343,10 @@ pub struct Resolution {
     pub decision: Decision,
     /// State before the ruling.
     pub from_state: IntentState,
-    /// Who.
+    /// Who, as the caller named them.
     pub actor: String,
+    /// The name of the API key that made the call (empty for decisions recorded before outboxd kept it).
+    pub api_key: String,
     /// Why.
     pub reason: String,
     /// When.

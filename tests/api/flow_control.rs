@@ -201,6 +201,8 @@ async fn a_paused_queue_leases_nothing_until_resumed_and_the_changes_are_recorde
     .await;
     assert!(paused.paused);
     assert_eq!(paused.actor, "ops@example.com");
+    // The caller's word, and the key outboxd authenticated (the test key, "test").
+    assert_eq!(paused.api_key, "test");
     let mail = app.enqueue_ids(vec![intent("mail", "{}")]).await;
     let other = app.enqueue_ids(vec![intent("other", "{}")]).await;
     let leases = app.claim_n("w", 10).await;
@@ -261,26 +263,17 @@ async fn a_paused_queue_leases_nothing_until_resumed_and_the_changes_are_recorde
         .policies;
     assert_eq!(listed.len(), 1);
     assert!(!listed[0].paused);
-    let changes: Vec<(bool, String, String)> =
-        sqlx::query_as("SELECT paused, actor, reason FROM outbox.queue_policy_change ORDER BY id")
-            .fetch_all(&app.pool)
-            .await
-            .unwrap();
-    assert_eq!(
-        changes,
-        [
-            (
-                true,
-                "ops@example.com".to_owned(),
-                "provider limit".to_owned()
-            ),
-            (
-                false,
-                "ops@example.com".to_owned(),
-                "provider limit".to_owned()
-            ),
-        ]
-    );
+    let changes: Vec<(bool, String, String, String)> = sqlx::query_as(
+        "SELECT paused, actor, api_key, reason FROM outbox.queue_policy_change ORDER BY id",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    let change = |paused| {
+        let (actor, key, reason) = ("ops@example.com", "test", "provider limit");
+        (paused, actor.to_owned(), key.to_owned(), reason.to_owned())
+    };
+    assert_eq!(changes, [change(true), change(false)]);
 }
 
 /// Logs every change of an intent of `kind` into or out of LEASED/SUBMITTED, in the

@@ -46,6 +46,8 @@ async fn each_decision_moves_the_intent_and_records_who_when_and_why() {
         assert_eq!(r.decision(), decision);
         assert_eq!(r.from_state(), IntentState::NeedsReconcile);
         assert_eq!(r.actor, "alice");
+        // The key that made the call, whatever the actor says.
+        assert_eq!(r.api_key, "test");
         assert_eq!(r.reason, "checked the PSP dashboard");
         assert!(r.resolved_at.is_some());
     }

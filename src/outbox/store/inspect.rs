@@ -34,13 +34,21 @@ pub async fn get_intent(
     let Some(intent) = intent else {
         return Ok(None);
     };
-    let rows: Vec<(String, IntentState, String, String, DateTime<Utc>)> = sqlx::query_as(
+    type Row = (
+        String,
+        IntentState,
+        String,
+        Option<String>,
+        String,
+        DateTime<Utc>,
+    );
+    let rows: Vec<Row> = sqlx::query_as(
         r#"
-        SELECT decision, from_state, actor, reason, resolved_at
+        SELECT decision, from_state, actor, api_key, reason, resolved_at
         FROM (
             -- The last ones: a reply of every decision (of reasons of up to 16 KiB) could
             -- pass what a client may receive.
-            SELECT id, decision, from_state, actor, reason, resolved_at
+            SELECT id, decision, from_state, actor, api_key, reason, resolved_at
             FROM outbox.resolution
             WHERE intent_id = $1
             ORDER BY id DESC
@@ -54,15 +62,18 @@ pub async fn get_intent(
     .await?;
     let resolutions = rows
         .into_iter()
-        .filter_map(|(decision, from_state, actor, reason, resolved_at)| {
-            Some(Resolution {
-                decision: Decision::from_db(&decision)?,
-                from_state,
-                actor,
-                reason,
-                resolved_at,
-            })
-        })
+        .filter_map(
+            |(decision, from_state, actor, api_key, reason, resolved_at)| {
+                Some(Resolution {
+                    decision: Decision::from_db(&decision)?,
+                    from_state,
+                    actor,
+                    api_key: api_key.unwrap_or_default(),
+                    reason,
+                    resolved_at,
+                })
+            },
+        )
         .collect();
     Ok(Some((intent, resolutions)))
 }

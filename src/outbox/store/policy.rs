@@ -24,8 +24,10 @@ pub struct PolicyParams<'a> {
     pub max_in_flight: Option<i32>,
     /// Leases per second and the bucket's size.
     pub rate: Option<(f64, i32)>,
-    /// Who.
+    /// Who, as the caller named them.
     pub actor: &'a str,
+    /// The name of the API key that made the call.
+    pub api_key: &'a str,
     /// Why.
     pub reason: &'a str,
     /// Current time override (tests).
@@ -47,8 +49,10 @@ pub struct QueuePolicy {
     pub rate_per_second: Option<f64>,
     /// The bucket's size.
     pub burst: Option<i32>,
-    /// Who set it last.
+    /// Who set it last, as the caller named them.
     pub updated_by: String,
+    /// The name of the API key that set it last (NULL for policies set before outboxd kept it).
+    pub updated_by_key: Option<String>,
     /// Why.
     pub reason: String,
     /// When.
@@ -62,7 +66,7 @@ pub struct QueuePolicy {
 /// The policies of the transaction's tenants with their live figures; `$1` a kind or NULL.
 const POLICIES: &str = r#"
     SELECT p.tenant_id, p.kind, p.paused, p.max_in_flight, p.rate_per_second, p.burst,
-           p.updated_by, p.reason, p.updated_at,
+           p.updated_by, p.updated_by_key, p.reason, p.updated_at,
            outbox.queue_in_flight(p.tenant_id, p.kind) AS in_flight,
            outbox.bucket_tokens(p, coalesce($2, now())) AS tokens
     FROM outbox.queue_policy p
@@ -111,8 +115,8 @@ pub async fn set_queue_policy(conn: &mut PgConnection, p: PolicyParams<'_>) -> R
         changed AS (
             INSERT INTO outbox.queue_policy AS q
                 (tenant_id, kind, paused, max_in_flight, rate_per_second, burst,
-                 updated_by, reason, updated_at)
-            SELECT $1, $2, $3, $4, $5, $6, $7, $9, clock.now FROM clock
+                 updated_by, updated_by_key, reason, updated_at)
+            SELECT $1, $2, $3, $4, $5, $6, $7, $10, $9, clock.now FROM clock
             ON CONFLICT (tenant_id, kind) DO UPDATE
             SET paused = excluded.paused,
                 max_in_flight = excluded.max_in_flight,
@@ -122,15 +126,16 @@ pub async fn set_queue_policy(conn: &mut PgConnection, p: PolicyParams<'_>) -> R
                 tokens_at = CASE WHEN excluded.rate_per_second IS NULL THEN NULL
                                  ELSE q.tokens_at END,
                 updated_by = excluded.updated_by,
+                updated_by_key = excluded.updated_by_key,
                 reason = excluded.reason,
                 updated_at = excluded.updated_at
             RETURNING q.*
         )
         INSERT INTO outbox.queue_policy_change
             (tenant_id, kind, paused, max_in_flight, rate_per_second, burst, actor, reason,
-             changed_at)
+             changed_at, api_key)
         SELECT tenant_id, kind, paused, max_in_flight, rate_per_second, burst, updated_by,
-               reason, updated_at
+               reason, updated_at, updated_by_key
         FROM changed
         "#,
     )
@@ -143,6 +148,7 @@ pub async fn set_queue_policy(conn: &mut PgConnection, p: PolicyParams<'_>) -> R
     .bind(p.actor)
     .bind(p.now)
     .bind(p.reason)
+    .bind(p.api_key)
     .execute(&mut *conn)
     .await?;
     let policy = sqlx::query_as(&format!("{POLICIES} AND p.tenant_id = $3"))

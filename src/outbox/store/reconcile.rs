@@ -41,8 +41,10 @@ pub struct ReconcileParams<'a> {
     /// Only intents in these regions, the caller's API key's (empty: any); the others are
     /// NOT_FOUND.
     pub key_regions: &'a [String],
-    /// Who decided.
+    /// Who decided, as the caller named them.
     pub actor: &'a str,
+    /// The name of the API key that made the call.
+    pub api_key: &'a str,
     /// Why.
     pub reason: &'a str,
     /// Current time override (tests).
@@ -114,6 +116,7 @@ pub async fn resolve_intents(
             decision_statement(RESOLVE_BY_IDS, allowed, &params)
                 .bind(ids)
                 .bind(seen)
+                .bind(params.api_key)
         }
         ReconcileTarget::Filter {
             states,
@@ -145,6 +148,7 @@ pub async fn resolve_intents(
                 .bind(created_before)
                 .bind(limit)
                 .bind(locked)
+                .bind(params.api_key)
         }
     };
     let rows = query.fetch_all(&mut *conn).await?;

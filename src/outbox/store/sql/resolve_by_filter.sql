@@ -3,7 +3,8 @@
 -- $1-$7 as in resolve_by_ids.sql; $8 states to match, $9 kind (or NULL), $10 region (or
 -- NULL), $11 enqueued before (or NULL), $12 most intents, $13 for a CANCEL the locks of
 -- ordering keys filter_key_locks.sql took (an ordered intent of another key is left for
--- the next call), otherwise NULL. One row per intent resolved.
+-- the next call), otherwise NULL, $14 the caller's API key (its name). One row per intent
+-- resolved.
 WITH target AS (
     SELECT i.id, i.state
     FROM outbox.intent i
@@ -50,8 +51,8 @@ resolved AS (
 ),
 recorded AS (
     INSERT INTO outbox.resolution (tenant_id, intent_id, from_state, decision, actor, reason,
-                                   resolved_at)
-    SELECT tenant_id, id, from_state, $2, $3, $4, coalesce($5::timestamptz, now())
+                                   resolved_at, api_key)
+    SELECT tenant_id, id, from_state, $2, $3, $4, coalesce($5::timestamptz, now()), $14
     FROM resolved
     RETURNING intent_id
 ),

@@ -3,8 +3,9 @@
 -- $2 the decision ('delivered', 'requeue', 'dead' or 'cancel'), $3 actor, $4 reason, $5
 -- now (or NULL), $6 the pending channel (a requeue wakes claimers), $7 the API key's regions
 -- (empty: any), $8 the intent ids, $9 each one's updated_at as the caller saw it (or
--- empty: any). One row per id, in request order: whether it applied, the state it left the
--- intent in, and its tenant and ordering key (to advance).
+-- empty: any), $10 the caller's API key (its name). One row per id, in request order:
+-- whether it applied, the state it left the intent in, and its tenant and ordering key (to
+-- advance).
 WITH input AS (
     SELECT * FROM unnest($8::uuid[], $9::timestamptz[]) WITH ORDINALITY AS t(id, seen, ord)
 ),
@@ -48,8 +49,8 @@ resolved AS (
 ),
 recorded AS (
     INSERT INTO outbox.resolution (tenant_id, intent_id, from_state, decision, actor, reason,
-                                   resolved_at)
-    SELECT tenant_id, id, from_state, $2, $3, $4, coalesce($5::timestamptz, now())
+                                   resolved_at, api_key)
+    SELECT tenant_id, id, from_state, $2, $3, $4, coalesce($5::timestamptz, now()), $10
     FROM resolved
     RETURNING intent_id
 ),

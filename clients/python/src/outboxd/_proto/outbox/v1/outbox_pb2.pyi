@@ -342,18 +342,20 @@ class ReconcileResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[ReconcileResult, _Mapping]]] = ...) -> None: ...
 
 class Resolution(_message.Message):
-    __slots__ = ("decision", "from_state", "actor", "reason", "resolved_at")
+    __slots__ = ("decision", "from_state", "actor", "reason", "resolved_at", "api_key")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     FROM_STATE_FIELD_NUMBER: _ClassVar[int]
     ACTOR_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     RESOLVED_AT_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
     decision: Decision
     from_state: IntentState
     actor: str
     reason: str
     resolved_at: _timestamp_pb2.Timestamp
-    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., from_state: _Optional[_Union[IntentState, str]] = ..., actor: _Optional[str] = ..., reason: _Optional[str] = ..., resolved_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    api_key: str
+    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., from_state: _Optional[_Union[IntentState, str]] = ..., actor: _Optional[str] = ..., reason: _Optional[str] = ..., resolved_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., api_key: _Optional[str] = ...) -> None: ...
 
 class GetIntentRequest(_message.Message):
     __slots__ = ("id",)
@@ -432,7 +434,7 @@ class GetQueueStatsResponse(_message.Message):
     def __init__(self, counts: _Optional[_Iterable[_Union[StateCount, _Mapping]]] = ..., oldest_pending_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., oldest_staged_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., reconcile_backlog: _Optional[int] = ..., blocked_keys: _Optional[int] = ..., oldest_blocked_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., policies: _Optional[_Iterable[_Union[QueuePolicy, _Mapping]]] = ..., regions_left_out: bool = ...) -> None: ...
 
 class QueuePolicy(_message.Message):
-    __slots__ = ("tenant", "kind", "paused", "max_in_flight", "rate_per_second", "burst", "actor", "reason", "updated_at", "in_flight", "tokens")
+    __slots__ = ("tenant", "kind", "paused", "max_in_flight", "rate_per_second", "burst", "actor", "reason", "updated_at", "in_flight", "tokens", "api_key")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
@@ -444,6 +446,7 @@ class QueuePolicy(_message.Message):
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     kind: str
     paused: bool
@@ -455,7 +458,8 @@ class QueuePolicy(_message.Message):
     updated_at: _timestamp_pb2.Timestamp
     in_flight: int
     tokens: float
-    def __init__(self, tenant: _Optional[str] = ..., kind: _Optional[str] = ..., paused: bool = ..., max_in_flight: _Optional[int] = ..., rate_per_second: _Optional[float] = ..., burst: _Optional[int] = ..., actor: _Optional[str] = ..., reason: _Optional[str] = ..., updated_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., in_flight: _Optional[int] = ..., tokens: _Optional[float] = ...) -> None: ...
+    api_key: str
+    def __init__(self, tenant: _Optional[str] = ..., kind: _Optional[str] = ..., paused: bool = ..., max_in_flight: _Optional[int] = ..., rate_per_second: _Optional[float] = ..., burst: _Optional[int] = ..., actor: _Optional[str] = ..., reason: _Optional[str] = ..., updated_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., in_flight: _Optional[int] = ..., tokens: _Optional[float] = ..., api_key: _Optional[str] = ...) -> None: ...
 
 class SetQueuePolicyRequest(_message.Message):
     __slots__ = ("kind", "paused", "max_in_flight", "rate_per_second", "burst", "actor", "reason")

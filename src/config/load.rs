@@ -55,6 +55,50 @@ const MOVED: [(&str, &str); 8] = [
 
 const UNKNOWN: &str = "unknown variable (see `outboxd --help` for the list)";
 
+/// Whether `name=value` is one of the variables the kubelet sets in every pod for each
+/// Service of its namespace ("service links": `{SVC}_SERVICE_HOST`,
+/// `{SVC}_SERVICE_PORT[_{NAME}]`, `{SVC}_PORT`, `{SVC}_PORT_{N}_{PROTO}[_PROTO|_PORT|_ADDR]`):
+/// a Service named `outbox…` gives `OUTBOX_…` ones, which must not stop the server. Told
+/// apart by name and value, so a misspelt variable of outboxd's is still refused.
+fn is_service_link(name: &str, value: &str) -> bool {
+    // A Service's name ends with a letter or digit, and sections of outboxd's names are
+    // joined by `__`.
+    let service = |svc: &str| !svc.ends_with('_') && !svc.contains("__");
+    let ip = || value.parse::<std::net::IpAddr>().is_ok();
+    let port = || value.parse::<u16>().is_ok();
+    let protocol = |p: &str| matches!(p, "TCP" | "UDP" | "SCTP");
+    let url = || {
+        value.split_once("://").is_some_and(|(scheme, _)| {
+            protocol(&scheme.to_ascii_uppercase()) && scheme == scheme.to_ascii_lowercase()
+        })
+    };
+    if let Some(svc) = name.strip_suffix("_SERVICE_HOST") {
+        return service(svc) && ip();
+    }
+    if let Some((svc, rest)) = name.split_once("_SERVICE_PORT") {
+        return service(svc) && (rest.is_empty() || rest.starts_with('_')) && port();
+    }
+    let whole = name
+        .strip_suffix("_PORT")
+        .is_some_and(|svc| service(svc) && url());
+    whole
+        || name.match_indices("_PORT_").any(|(at, _)| {
+            let svc = &name[..at];
+            let fields: Vec<&str> = name[at + "_PORT_".len()..].split('_').collect();
+            let numbered = |n: &str| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit());
+            service(svc)
+                && match fields[..] {
+                    [n, p] => numbered(n) && protocol(p) && url(),
+                    [n, p, "PROTO"] => {
+                        numbered(n) && protocol(p) && protocol(&value.to_ascii_uppercase())
+                    }
+                    [n, p, "PORT"] => numbered(n) && protocol(p) && port(),
+                    [n, p, "ADDR"] => numbered(n) && protocol(p) && ip(),
+                    _ => false,
+                }
+        })
+}
+
 impl Settings {
     /// Reads the process environment.
     ///
@@ -74,10 +118,11 @@ impl Settings {
     ) -> Result<Self, ConfigError> {
         let given: BTreeMap<String, String> = vars
             .into_iter()
-            .filter(|(name, _)| {
+            .filter(|(name, value)| {
                 name.starts_with("OUTBOX_")
                     && !CLIENT_ONLY.contains(&&**name)
                     && !TESTS_AND_EXAMPLES.contains(&&**name)
+                    && !is_service_link(name, value)
             })
             .map(|(name, value)| (name, value.trim().to_owned()))
             .collect();
@@ -402,6 +447,37 @@ mod tests {
             Duration::from_secs(30 * 86_400)
         );
         assert_eq!(s.database.url.as_deref(), Some("postgres://x@db/outbox"));
+    }
+
+    #[test]
+    fn the_kubelets_service_links_of_a_service_named_outbox_are_ignored() {
+        // A Service `outbox-outboxd` (ports grpc 50051/TCP and metrics 9464/TCP).
+        let links = [
+            ("OUTBOX_OUTBOXD_SERVICE_HOST", "10.96.0.12"),
+            ("OUTBOX_OUTBOXD_SERVICE_PORT", "50051"),
+            ("OUTBOX_OUTBOXD_SERVICE_PORT_GRPC", "50051"),
+            ("OUTBOX_OUTBOXD_PORT", "tcp://10.96.0.12:50051"),
+            ("OUTBOX_OUTBOXD_PORT_50051_TCP", "tcp://10.96.0.12:50051"),
+            ("OUTBOX_OUTBOXD_PORT_50051_TCP_PROTO", "tcp"),
+            ("OUTBOX_OUTBOXD_PORT_50051_TCP_PORT", "50051"),
+            ("OUTBOX_OUTBOXD_PORT_9464_TCP_ADDR", "10.96.0.12"),
+            ("OUTBOX_SERVICE_HOST", "fd00::12"),
+        ];
+        assert_eq!(
+            Settings::from_vars(vars(&links)).unwrap(),
+            Settings::default()
+        );
+        // Names or values no Service gives: still refused, and outboxd's own still read.
+        let err = Settings::from_vars(vars(&[
+            ("OUTBOX_OUTBOXD_SERVICE_HOST", "db.internal"),
+            ("OUTBOX_OUTBOXD_PORT", "50051"),
+            ("OUTBOX_OUTBOXD_PORT_50051_TCP_ADDR", "somewhere"),
+            ("OUTBOX_LISTEN_PORT_1_TCP", "1"),
+        ]))
+        .unwrap_err();
+        assert_eq!(err.0.len(), 4, "{err}");
+        let s = Settings::from_vars(vars(&[("OUTBOX_EMBEDDED__PORT", "5433")])).unwrap();
+        assert_eq!(s.embedded.port, Some(5433));
     }
 
     #[test]

@@ -18,6 +18,7 @@ import shlex
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -106,11 +107,11 @@ def header(path: Path, key: str) -> str | None:
     return None
 
 
-def render(chart: helm.Chart, values: dict, api_versions=(), kube_version="v1.30.0"):
-    """Renders like `helm template --api-versions … --kube-version …` (the SDK's C options;
-    the Python wrapper does not expose them). Returns (documents, NOTES.txt)."""
+def render(chart: helm.Chart, values: dict, api_versions=(), kube_version="v1.30.0", release=RELEASE):
+    """Renders like `helm template RELEASE --api-versions … --kube-version …` (the SDK's C
+    options; the Python wrapper does not expose them). Returns (documents, NOTES.txt)."""
     opts = {
-        "name": RELEASE,
+        "name": release,
         "namespace": NAMESPACE,
         "is_install": True,
         "kube_version": kube_version,
@@ -149,6 +150,26 @@ def pod_specs(docs):
             t = d["spec"]["template"]
             out.append((f"{d['kind']}/{d['metadata']['name']}", t["spec"], t["metadata"].get("labels", {})))
     return out
+
+
+def service_link_variables(services) -> list[str]:
+    """The variables the kubelet injects into every container of a pod with service links on
+    (pkg/kubelet/envvars): per Service with a cluster IP (headless ones have none), its name
+    upper-cased with `-` as `_`, then _SERVICE_HOST, _SERVICE_PORT[_<PORT NAME>] and the
+    Docker-link _PORT, _PORT_<port>_<PROTO>[_PROTO|_PORT|_ADDR]."""
+    names = []
+    for svc in services:
+        if svc["spec"].get("clusterIP") == "None":
+            continue
+        prefix = svc["metadata"]["name"].upper().replace("-", "_")
+        ports = svc["spec"]["ports"]
+        names += [f"{prefix}_SERVICE_HOST", f"{prefix}_SERVICE_PORT", f"{prefix}_PORT"]
+        for p in ports:
+            if p.get("name"):
+                names.append(f"{prefix}_SERVICE_PORT_{p['name'].upper().replace('-', '_')}")
+            port = f"{prefix}_PORT_{p['port']}_{p.get('protocol', 'TCP').upper()}"
+            names += [port, f"{port}_PROTO", f"{port}_PORT", f"{port}_ADDR"]
+    return names
 
 
 def server_container(deployment):
@@ -245,8 +266,19 @@ def check_wiring(docs, image, binary):
                 check(ep["port"] in {p["name"] for p in s["spec"]["ports"]}, f"ServiceMonitor port {ep['port']} not on Service")
         check(sm["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE], "ServiceMonitor watches another namespace")
 
+    constraints = pod["spec"].get("topologySpreadConstraints", [])
+    pairs = [(c["topologyKey"], c["whenUnsatisfiable"]) for c in constraints]
+    # The API server refuses two constraints of one topologyKey and whenUnsatisfiable.
+    check(len(pairs) == len(set(pairs)), f"duplicate topology spread constraints {pairs}")
+    for c in constraints:
+        check(subset(c.get("labelSelector", {}).get("matchLabels", {}), pod_labels),
+              f"topology spread constraint over {c['topologyKey']} does not count the server pods")
+
     for owner, spec, _ in pod_specs(docs):
         check(spec.get("automountServiceAccountToken") is False, f"{owner} mounts an API token")
+        # A Service named outbox or outbox-* in the namespace would otherwise inject
+        # OUTBOX_*_SERVICE_HOST and the like (outboxd ignores them; the pod needs only DNS).
+        check(spec.get("enableServiceLinks") is False, f"{owner} does not set enableServiceLinks: false")
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         psc = spec.get("securityContext", {})
         ours = [c for c in spec.get("initContainers", []) + spec["containers"] if c["image"] == image]
@@ -324,6 +356,14 @@ def expect_default(docs, notes):
     check(job["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade", "Job is not a pre-install hook")
     check(job["spec"]["template"]["spec"]["containers"][0]["args"] == ["migrate"], "Job does not run migrate")
     check("serviceAccountName" not in job["spec"]["template"]["spec"], "hook Job uses the not-yet-created ServiceAccount")
+    # Namespaces whose ResourceQuota requires requests admit the Job.
+    requests = job["spec"]["template"]["spec"]["containers"][0].get("resources", {}).get("requests", {})
+    check(requests == {"cpu": "50m", "memory": "64Mi"}, f"migrate container requests {requests}")
+    # The two default replicas prefer different nodes, and only prefer.
+    spread = one(docs, "Deployment")["spec"]["template"]["spec"].get("topologySpreadConstraints")
+    check(spread == [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+                      "labelSelector": {"matchLabels": one(docs, "Deployment")["spec"]["selector"]["matchLabels"]}}],
+          f"default topology spread {spread}")
     owner = env_map(job["spec"]["template"]["spec"]["containers"][0])["OUTBOX_DATABASE__MIGRATION_URL"]
     check(owner["valueFrom"]["secretKeyRef"] == {"name": "ci-outboxd-database-owner", "key": "url"}, f"owner URL {owner}")
     check("OUTBOX_DATABASE__MIGRATION_URL" not in env, "the server got the owner's URL")
@@ -362,6 +402,9 @@ def expect_tls(docs, notes):
     for flag in ("--cacert ca.crt", "--cert client.crt", "--key client.key", "--servername ci-outboxd.outboxd-ci.svc", "https://127.0.0.1:50051/"):
         check(flag in " ".join(buf.split()), f"NOTES' buf curl lacks {flag}: {buf}")
     check("jsonpath='{.data.ca\\.crt}'" in notes, "NOTES do not say where ca.crt comes from")
+    # outboxd reads the certificate once: NOTES say a renewal needs a restart, and how.
+    check("once, at start" in notes and "rollout restart deployment/ci-outboxd" in notes
+          and "secret.reloader.stakater.com/reload" in notes, "NOTES do not say a renewed certificate needs a restart")
 
 
 def expect_metrics_off(docs, notes):
@@ -470,6 +513,18 @@ def expect_kitchen_sink(docs, notes):
     check(pdb.get("maxUnavailable") == "50%" and "minAvailable" not in pdb, f"PDB {pdb}")
     check(server["lifecycle"]["preStop"]["sleep"]["seconds"] == 5, "lifecycle")
     check([c["name"] for c in d["spec"]["template"]["spec"]["containers"]] == ["outboxd", "log-shipper"], "extraContainers")
+    check(d["metadata"].get("annotations") == {"secret.reloader.stakater.com/reload": "outbox-tls"},
+          f"deploymentAnnotations: {d['metadata'].get('annotations')}")
+    check("secret.reloader.stakater.com/reload" not in d["spec"]["template"]["metadata"].get("annotations", {}),
+          "deploymentAnnotations reached the pods")
+    # The user's zone spread, and the chart's node spread (no user constraint over nodes).
+    keys = [c["topologyKey"] for c in d["spec"]["template"]["spec"]["topologySpreadConstraints"]]
+    check(keys == ["topology.kubernetes.io/zone", "kubernetes.io/hostname"], f"topology spread over {keys}")
+    # The pod extras reach the hook Job's pod, not the extra containers (which would never end).
+    job = one(docs, "Job")["spec"]["template"]
+    check(job["metadata"]["annotations"] == {"example.com/team": "payments"}, f"Job pod annotations {job['metadata']}")
+    check(job["metadata"]["labels"].get("example.com/tier") == "backend", "podLabels not on the Job's pod")
+    check([c["name"] for c in job["spec"]["containers"]] == ["migrate"], "extraContainers in the Job")
 
 
 def expect_api_keys(docs, notes):
@@ -502,6 +557,38 @@ def expect_api_keys(docs, notes):
     check("openssl rand" not in notes, "NOTES offer a first key although keys are set")
 
 
+def expect_jobs_pod_extras(docs, notes):
+    """The migration and key Jobs' pods get what the server's get to reach PostgreSQL (the
+    native sidecar proxy of extraInitContainers, podAnnotations, podLabels), each Job's own
+    podAnnotations and podLabels over them, and keep their own component label (wiring
+    checks that no Service selects them)."""
+    deployment = one(docs, "Deployment")
+    jobs = {j["metadata"]["name"]: j["spec"]["template"] for j in by_kind(docs, "Job")}
+    check(sorted(jobs) == ["ci-outboxd-api-keys", "ci-outboxd-migrate"], f"Jobs {sorted(jobs)}")
+    pods = {"server": deployment["spec"]["template"], "migrate": jobs["ci-outboxd-migrate"],
+            "api-keys": jobs["ci-outboxd-api-keys"]}
+    for component, pod in pods.items():
+        inits = pod["spec"].get("initContainers", [])
+        check([c["name"] for c in inits][:1] == ["db-proxy"] and inits[0]["restartPolicy"] == "Always",
+              f"{component}: no db-proxy native sidecar first: {[c['name'] for c in inits]}")
+        labels = pod["metadata"]["labels"]
+        check(labels["app.kubernetes.io/component"] == component, f"{component}: component label {labels}")
+        check(labels["example.com/tier"] == "backend", f"{component}: podLabels missing: {labels}")
+    annotations = {k: p["metadata"].get("annotations", {}) for k, p in pods.items()}
+    check(annotations["server"] == {"example.com/team": "payments", "proxy.example.com/inject": "true"},
+          f"server annotations {annotations['server']}")
+    check(annotations["migrate"] == {"example.com/team": "payments", "proxy.example.com/inject": "true",
+                                     "sidecar.istio.io/inject": "false"}, f"migrate annotations {annotations['migrate']}")
+    check(annotations["api-keys"] == {"example.com/team": "payments", "proxy.example.com/inject": "false"},
+          f"api-keys annotations {annotations['api-keys']}")
+    check(pods["migrate"]["metadata"]["labels"].get("example.com/job") == "migrate", "migrations.job.podLabels")
+    check("example.com/job" not in pods["server"]["metadata"]["labels"], "a Job's podLabels reached the server")
+    # The Jobs' volumes hold what the sidecar mounts.
+    for component, pod in pods.items():
+        volumes = {v["name"] for v in pod["spec"]["volumes"]}
+        check("proxy-config" in volumes, f"{component}: the sidecar's volume is missing")
+
+
 def expect_single_replica(docs, notes):
     check(not by_kind(docs, "PodDisruptionBudget"), "a PDB on one replica blocks node drains")
 
@@ -520,6 +607,7 @@ EXPECTATIONS = {
     "kitchen-sink.yaml": expect_kitchen_sink,
     "single-replica.yaml": expect_single_replica,
     "api-keys.yaml": expect_api_keys,
+    "jobs-pod-extras.yaml": expect_jobs_pod_extras,
 }
 
 
@@ -602,8 +690,36 @@ class Binary:
             text = p.stdout + p.stderr
             check(p.returncode != 0 and "OUTBOX_LISTEN_ADDR" in text, f"unexpected configuration probe result: {text}")
             for n in todo:
-                self._unknown[n] = bool(re.search(rf"^\s*{n}=.*unknown variable", text, re.M))
+                # `NAME: unknown variable` (src/config/load.rs); `NAME="value": …` for a known
+                # variable with a bad value.
+                self._unknown[n] = bool(re.search(rf"^\s*{re.escape(n)}(=.*)?:\s*unknown variable", text, re.M))
         return sorted(n for n in names if self._unknown.get(n))
+
+    def refused_service_links(self, names) -> list[str]:
+        """Of the service-link variables `names`, with the values the kubelet gives them,
+        those this build refuses."""
+        env = {"PATH": os.environ.get("PATH", ""), **{n: service_link_value(n) for n in names},
+               "OUTBOX_LISTEN_ADDR": "not-an-address"}
+        p = subprocess.run([self.path, "migrate"], env=env, capture_output=True, text=True, timeout=60)
+        text = p.stdout + p.stderr
+        check(p.returncode != 0 and "OUTBOX_LISTEN_ADDR" in text, f"unexpected configuration probe result: {text}")
+        return sorted(n for n in names if re.search(rf"^\s*{re.escape(n)}(=.*)?:", text, re.M))
+
+
+def service_link_value(name: str) -> str:
+    """What the kubelet sets `name` to (pkg/kubelet/envvars), for a cluster IP 10.96.0.12."""
+    if name.endswith(("_SERVICE_HOST", "_ADDR")):
+        return "10.96.0.12"
+    if name.endswith("_PROTO"):
+        return "tcp"
+    if re.search(r"_SERVICE_PORT(_[A-Z0-9_]+)?$", name):
+        return "50051"
+    port = re.search(r"_PORT_(\d+)_[A-Z]+(_PORT)?$", name)
+    if port and port.group(2):
+        return port.group(1)
+    if port or name.endswith("_PORT"):
+        return f"tcp://10.96.0.12:{port.group(1) if port else 50051}"
+    raise ValueError(f"not a service-link variable: {name}")
 
 
 def image_runtime(dockerfile: Path):
@@ -933,6 +1049,13 @@ def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool
             except grpc.RpcError:
                 pass
             results["mTLS"] = "client certificate required"
+            # What docs/kubernetes.md, values.yaml and NOTES tell operators: the certificate
+            # is read once, so a renewal (the Secret volume's files replaced) is served only
+            # after a restart.
+            served = renewal_served(work / "tls-material", Path(values["tls"]["mountPath"]), port_names["grpc"])
+            check(not served, "outboxd served a renewed certificate without a restart: the chart's docs (a restart "
+                              "after each renewal) are out of date")
+            results["renewal"] = "not served until a restart, as documented"
             # NOTES' buf curl line, as written (files and port aside), passes TLS and mTLS.
             results["NOTES buf curl"] = run_notes_buf_curl(install_notes, work / "tls-material", port_names["grpc"],
                                                            chart.values["service"]["port"])
@@ -986,6 +1109,35 @@ def find_buf() -> str | None:
         if candidate and os.access(candidate, os.X_OK):
             return candidate
     return None
+
+
+def renewal_served(material: Path, mount: Path, port: int) -> bool:
+    """Replaces the mounted server certificate and key with a newly issued pair, as the
+    kubelet does when cert-manager renews the Secret, then tells whether a new TLS
+    connection gets the new certificate."""
+    def sh(*a):
+        subprocess.run(["openssl", *a], cwd=material, check=True, capture_output=True)
+    sh("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj", "/CN=server-renewed",
+       "-keyout", "renewed.key", "-out", "renewed.csr")
+    sh("x509", "-req", "-in", "renewed.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+       "-days", "2", "-extfile", "server.ext", "-out", "renewed.crt")
+    sh("pkcs8", "-topk8", "-nocrypt", "-in", "renewed.key", "-out", "renewed.pk8")
+    for name, source in (("tls.crt", "renewed.crt"), ("tls.key", "renewed.pk8")):
+        target = mount / name
+        mode = target.stat().st_mode & 0o777
+        target.chmod(mode | 0o200)
+        target.write_bytes((material / source).read_bytes())
+        target.chmod(mode)
+    context = ssl.create_default_context(cafile=str(material / "ca.crt"))
+    context.load_cert_chain(str(material / "client.crt"), str(material / "client.pk8"))
+    context.set_alpn_protocols(["h2"])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        with context.wrap_socket(raw, server_hostname="localhost") as tls:
+            served = tls.getpeercert(binary_form=True)
+    renewed = ssl.PEM_cert_to_DER_cert((material / "renewed.crt").read_text())
+    original = ssl.PEM_cert_to_DER_cert((material / "server.crt").read_text())
+    check(served in (renewed, original), "the server serves a certificate the test never issued")
+    return served == renewed
 
 
 def run_notes_buf_curl(notes: str, material: Path, port: int, service_port: int) -> str:
@@ -1078,6 +1230,9 @@ def main() -> int:
                                "or another order")
         unknown = binary.unknown(listed)
         check(not unknown, f"the schema accepts variables this outboxd refuses: {unknown}")
+        # The probe itself: a misspelt name must register as refused, or every such check is void.
+        check(binary.unknown(["OUTBOX_DATABASE_URL"]) == ["OUTBOX_DATABASE_URL"],
+              "Binary.unknown does not recognise outboxd's refusal of an unknown variable (its message changed?)")
         return len(listed)
     count = r.run("values.schema.json: OUTBOX_* names = docs/configuration.md, all accepted by outboxd", schema_variables)
     if count:
@@ -1152,6 +1307,87 @@ def main() -> int:
         check("console" not in {p["name"] for p in one(off, "Service")["spec"]["ports"]}, "console Service port while disabled")
         check("console" not in off_notes, "NOTES mention a disabled console")
     r.run("console: unset while disabled, HTTPS with tls.enabled", console_tls)
+
+    # Release `outbox`: its Services (outbox-outboxd, …) give every pod of the namespace
+    # OUTBOX_OUTBOXD_SERVICE_HOST and the like. outboxd tells them from its own variables by
+    # name and value and leaves them alone; every pod of the chart (server, migration Job,
+    # key Job) turns service links off anyway.
+    def service_links():
+        values = {"apiKeys": load_values(HERE / "values" / "api-keys.yaml")["apiKeys"], "service": {"headless": True}}
+        docs, _ = render(chart, values, MONITORING_API, release="outbox")
+        links = [n for n in service_link_variables(by_kind(docs, "Service")) if n.startswith("OUTBOX_")]
+        check("OUTBOX_OUTBOXD_SERVICE_HOST" in links, f"kubelet variables of release outbox: {links}")
+        refused = binary.refused_service_links(links)
+        check(not refused, f"this outboxd refuses service-link variables with the kubelet's values: {refused}")
+        owners = [owner for owner, _, _ in pod_specs(docs)]
+        check(len(owners) == 3, f"expected the Deployment and two Jobs: {owners}")
+        for owner, spec, _ in pod_specs(docs):
+            check(spec.get("enableServiceLinks") is False, f"{owner} keeps service links ({links[:3]}…)")
+        return f"outboxd leaves alone all {len(links)} OUTBOX_* service-link variables of release outbox; no pod gets them"
+    done = r.run("service links: ignored by outboxd, and off in every pod (release outbox)", service_links)
+    if done:
+        print(f"     {done}")
+
+    # terminationGracePeriodSeconds covers a preStop sleep too: SIGTERM comes after it.
+    def pre_stop_counted():
+        base = {"terminationGracePeriodSeconds": 30, "shutdown": {"drainDelaySeconds": 5, "graceSeconds": 20}}
+        cases = [  # (lifecycle, seconds it holds SIGTERM back)
+            ({"preStop": {"sleep": {"seconds": 5}}}, 5),
+            ({"preStop": {"exec": {"command": ["sleep", "5"]}}}, 5),
+            ({"preStop": {"exec": {"command": ["/bin/sleep", "5s"]}}}, 5),
+            ({"preStop": {"exec": {"command": ["sh", "-c", "sleep 2; /usr/bin/sleep 3"]}}}, 5),
+            ({"preStop": {"exec": {"command": ["sh", "-c", "sleep 0.5 && sleep 4"]}}}, 4.5),
+            ({"preStop": {"exec": {"command": ["sleep", "1m"]}}}, 60),
+            ({"preStop": {"httpGet": {"path": "/quit", "port": 8080}}}, 0),  # unknowable: documented
+            ({"postStart": {"exec": {"command": ["sleep", "10"]}}}, 0),
+        ]
+        for lifecycle, held in cases:
+            for grace, ok in ((int(25 + held + 1), True), (int(25 + held), False)):
+                values = {**base, "lifecycle": lifecycle, "terminationGracePeriodSeconds": grace}
+                try:
+                    render(chart, values)
+                    check(ok, f"{lifecycle} with terminationGracePeriodSeconds={grace} rendered: the {held}s preStop "
+                              "sleep is not counted")
+                except (helm.HelmValuesError, helm.HelmRenderError) as e:
+                    check(not ok and "terminationGracePeriodSeconds must exceed" in str(e),
+                          f"{lifecycle} with terminationGracePeriodSeconds={grace} refused: {e}")
+        return len(cases)
+    r.run("terminationGracePeriodSeconds check counts lifecycle.preStop's sleep (action or exec)", pre_stop_counted)
+
+    # defaultTopologySpread: on by default (expect_default), kept when the user spreads over
+    # another key (kitchen-sink), replaced by the user's own over nodes, and off at will.
+    def topology_spread_defaults():
+        own = [{"maxSkew": 2, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
+                "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "outboxd"}}}]
+        docs, _ = render(chart, {"topologySpreadConstraints": own})
+        validate_k8s(docs)
+        check_wiring(docs, image_of(docs), binary)
+        got = one(docs, "Deployment")["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        check(got == own, f"the user's own constraint over nodes should replace the default: {got}")
+        docs, _ = render(chart, {"defaultTopologySpread": {"enabled": False}})
+        check("topologySpreadConstraints" not in one(docs, "Deployment")["spec"]["template"]["spec"],
+              "defaultTopologySpread.enabled=false still spreads")
+        docs, _ = render(chart, {"defaultTopologySpread": {"topologyKey": "topology.kubernetes.io/zone", "maxSkew": 2,
+                                                           "whenUnsatisfiable": "DoNotSchedule"}})
+        validate_k8s(docs)
+        got = one(docs, "Deployment")["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        check([(c["topologyKey"], c["maxSkew"], c["whenUnsatisfiable"]) for c in got]
+              == [("topology.kubernetes.io/zone", 2, "DoNotSchedule")], f"defaultTopologySpread values ignored: {got}")
+    r.run("defaultTopologySpread: replaced by a user constraint of its key, configurable, off at will",
+          topology_spread_defaults)
+
+    # The Jobs' default requests can be removed (null) and made into requests + limits.
+    def job_resources():
+        docs, _ = render(chart, {"migrations": {"resources": None}, "apiKeys": load_values(HERE / "values" / "api-keys.yaml")["apiKeys"]})
+        for owner, spec, _ in pod_specs(docs):
+            if owner.startswith("Job/"):
+                for c in spec["containers"]:
+                    check("resources" not in c, f"{owner} {c['name']}: resources despite migrations.resources=null")
+        docs, _ = render(chart, {"migrations": {"resources": {"limits": {"memory": "128Mi"}}}})
+        validate_k8s(docs)
+        res = one(docs, "Job")["spec"]["template"]["spec"]["containers"][0]["resources"]
+        check(res == {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}}, f"merged resources {res}")
+    r.run("migrations.resources: default requests on the Jobs, null removes them", job_resources)
 
     # Bad values: each must be rejected, by the schema or by a template guard.
     for path in sorted((HERE / "bad-values").glob("*.yaml")):

@@ -143,8 +143,11 @@ only as an ImagePullBackOff.
 {{- if not (or .Values.tls.enabled .Values.tls.allowPlaintext) }}
 {{- fail "outboxd serves plaintext off loopback only when told to: set tls.enabled (with tls.existingSecret) or tls.allowPlaintext" }}
 {{- end }}
-{{- if le (int .Values.terminationGracePeriodSeconds) (add .Values.shutdown.drainDelaySeconds .Values.shutdown.graceSeconds) }}
-{{- fail "terminationGracePeriodSeconds must exceed shutdown.drainDelaySeconds + shutdown.graceSeconds, or the kubelet kills outboxd mid-drain" }}
+{{- /* The kubelet sends SIGTERM only once preStop has returned, within the same grace period. */}}
+{{- $preStop := include "outbox.preStopSeconds" . | float64 }}
+{{- $needed := addf $preStop .Values.shutdown.drainDelaySeconds .Values.shutdown.graceSeconds }}
+{{- if le (float64 .Values.terminationGracePeriodSeconds) $needed }}
+{{- fail (printf "terminationGracePeriodSeconds must exceed the preStop sleep (lifecycle.preStop) + shutdown.drainDelaySeconds + shutdown.graceSeconds (here %v + %v + %v = %v s), or the kubelet kills outboxd mid-drain" $preStop (int .Values.shutdown.drainDelaySeconds) (int .Values.shutdown.graceSeconds) $needed) }}
 {{- end }}
 {{- if and .Values.serviceMonitor.enabled (not .Values.metrics.enabled) }}
 {{- fail "serviceMonitor.enabled needs metrics.enabled (there is nothing to scrape otherwise)" }}
@@ -157,6 +160,74 @@ only as an ImagePullBackOff.
 {{- end }}
 {{- if and .Values.console.enabled .Values.metrics.enabled (eq (int .Values.console.port) (int .Values.metrics.port)) }}
 {{- fail "console.port must differ from metrics.port" }}
+{{- end }}
+{{- end }}
+
+{{/*
+Seconds lifecycle.preStop holds the container before the kubelet sends SIGTERM, where it
+can be known: the `sleep` action (seconds), or `sleep N[s|m|h]` in an exec command (as its
+argv, or in a `sh -c` script; several sleeps add up). Other hooks (httpGet, another
+command) count as 0: their duration is unknowable here, see terminationGracePeriodSeconds
+in values.yaml. Note that the image has no shell and no `sleep` binary: only the action
+works in the outboxd container.
+*/}}
+{{- define "outbox.preStopSeconds" -}}
+{{- $total := 0.0 }}
+{{- $preStop := (.Values.lifecycle | default dict).preStop | default dict }}
+{{- with $preStop.sleep }}
+{{- $total = addf $total (.seconds | default 0) }}
+{{- end }}
+{{- with $preStop.exec }}
+{{- $command := join " " (.command | default list) }}
+{{- range regexFindAll "(^|[\\s/;&|(])sleep\\s+[0-9]+(\\.[0-9]+)?[smh]?($|[\\s;&|)])" $command -1 }}
+{{- $arg := regexFind "[0-9]+(\\.[0-9]+)?[smh]?($|[\\s;&|)])" . | trimAll " ;&|)" }}
+{{- $unit := get (dict "s" 1 "m" 60 "h" 3600) (regexFind "[smh]$" $arg) | default 1 }}
+{{- $total = addf $total (mulf (regexFind "^[0-9]+(\\.[0-9]+)?" $arg) $unit) }}
+{{- end }}
+{{- end }}
+{{- $total }}
+{{- end }}
+
+{{/*
+Metadata of a pod template: podAnnotations and podLabels (every pod of the chart), a Job's
+own podAnnotations and podLabels over them, and the chart's labels over all (they hold
+the selectors, which keep Job pods out of the Service; the schema refuses them in
+podLabels anyway). Call with (list $ "<the chart's labels as YAML>" <a Job's values, or dict>).
+*/}}
+{{- define "outbox.podMetadata" -}}
+{{- $root := index . 0 }}
+{{- $own := index . 2 }}
+{{- $annotations := merge (dict) ($own.podAnnotations | default dict) ($root.Values.podAnnotations | default dict) }}
+{{- $labels := merge (fromYaml (index . 1)) ($own.podLabels | default dict) ($root.Values.podLabels | default dict) }}
+{{- with $annotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+labels:
+  {{- toYaml $labels | nindent 2 }}
+{{- end }}
+
+{{/*
+Topology spread of the server pods: topologySpreadConstraints, plus defaultTopologySpread
+(over the server's own pods) unless a constraint of its topologyKey is already there.
+*/}}
+{{- define "outbox.topologySpreadConstraints" -}}
+{{- $constraints := .Values.topologySpreadConstraints | default list }}
+{{- with .Values.defaultTopologySpread }}
+{{- $keys := list }}
+{{- range $constraints }}
+{{- $keys = append $keys .topologyKey }}
+{{- end }}
+{{- if and .enabled (not (has .topologyKey $keys)) }}
+{{- $constraints = append $constraints (dict
+      "maxSkew" .maxSkew
+      "topologyKey" .topologyKey
+      "whenUnsatisfiable" .whenUnsatisfiable
+      "labelSelector" (dict "matchLabels" (include "outbox.selectorLabels" $ | fromYaml))) }}
+{{- end }}
+{{- end }}
+{{- with $constraints }}
+{{- toYaml . }}
 {{- end }}
 {{- end }}
 

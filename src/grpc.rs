@@ -621,6 +621,12 @@ impl OutboxHandler {
         self.limits.max_batch
     }
 
+    /// Longest text a request may carry (`OUTBOX_LIMITS__MAX_TEXT_LENGTH`): the console's
+    /// reason boxes take as much.
+    pub(crate) fn max_text_length(&self) -> usize {
+        self.limits.max_text_length
+    }
+
     /// An operator call's transaction: its statements end at the operator timeout.
     pub(crate) async fn begin_operator(
         &self,
@@ -781,11 +787,33 @@ impl OutboxHandler {
                 actor: &change.actor,
                 api_key: &caller.key_name,
                 reason: &change.reason,
+                expected_updated_at: change.expected_updated_at,
                 now: self.clock.now(),
             },
         )
         .await?;
         tx.commit().await.map_err(Error::from)?;
+        // Not the policy the caller read: nothing was changed (as a Reconcile by ids on an
+        // intent changed since it was read).
+        let policy = policy.map_err(|current| {
+            let now = match &current {
+                Some(p) => format!(
+                    "it was set at {} by {}",
+                    p.updated_at
+                        .to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true),
+                    p.updated_by
+                ),
+                None => "the queue has no policy".to_owned(),
+            };
+            crate::status::refusal(
+                outbox::Reason::Conflict,
+                format!(
+                    "the policy of queue {tenant}/{} changed after it was read ({now}); read it \
+                     again before changing it; nothing was changed",
+                    change.kind
+                ),
+            )
+        })?;
         // A pause or a limit lifted makes intents claimable: claims waiting here and on
         // the other replicas look again.
         self.pending.announce();

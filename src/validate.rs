@@ -890,6 +890,9 @@ pub struct QueuePolicyChange {
     pub actor: String,
     /// Why.
     pub reason: String,
+    /// The `updated_at` of the policy the caller read: the change applies only to that
+    /// version (None: to whatever policy the queue has).
+    pub expected_updated_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 /// Most leases per second a rate limit may allow (the database's CHECK).
@@ -954,6 +957,14 @@ pub fn queue_policy(req: v1::SetQueuePolicyRequest, limits: &Limits) -> Result<Q
         };
         (rate, burst.max(1))
     });
+    let expected_updated_at = req.expected_updated_at.as_ref().and_then(|t| {
+        c.instant(
+            "expected_updated_at",
+            t,
+            latest_after(Duration::MAX),
+            "must be a valid instant between the years 1 and 9999",
+        )
+    });
     c.done(QueuePolicyChange {
         kind: req.kind,
         paused: req.paused,
@@ -961,5 +972,6 @@ pub fn queue_policy(req: v1::SetQueuePolicyRequest, limits: &Limits) -> Result<Q
         rate,
         actor: req.actor,
         reason: req.reason,
+        expected_updated_at,
     })
 }

@@ -207,6 +207,11 @@ pub enum QueuesCommand {
         /// Why.
         #[arg(long)]
         reason: String,
+        /// Change the policy only if it is still the one last updated at this instant
+        /// (RFC 3339, its `updated_at` as `queues list --json` prints it): a policy
+        /// changed since is left as it is (ABORTED, CONFLICT). Left out: whatever it is.
+        #[arg(long, value_parser = parse_instant)]
+        expected_updated_at: Option<chrono::DateTime<chrono::Utc>>,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -393,6 +398,13 @@ pub enum DecisionArg {
     Dead,
     /// Never deliver (STAGED, WAITING or PENDING intents).
     Cancel,
+}
+
+/// Parses an instant given in RFC 3339.
+fn parse_instant(value: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
+    chrono::DateTime::parse_from_rfc3339(value)
+        .map(|t| t.with_timezone(&chrono::Utc))
+        .map_err(|e| format!("not an RFC 3339 instant (2026-12-05T04:22:18.123456Z): {e}"))
 }
 
 /// Parses a state name as the CLI shows it (`needs_reconcile` or `needs-reconcile`).

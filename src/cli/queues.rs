@@ -18,6 +18,7 @@ pub(super) async fn run(command: QueuesCommand) -> anyhow::Result<()> {
             burst,
             actor,
             reason,
+            expected_updated_at,
             client,
         } => {
             let policy = connect(&client)
@@ -30,6 +31,7 @@ pub(super) async fn run(command: QueuesCommand) -> anyhow::Result<()> {
                     burst: burst.unwrap_or(0),
                     actor,
                     reason,
+                    expected_updated_at: expected_updated_at.map(crate::proto::timestamp),
                 })
                 .await?
                 .into_inner()

@@ -67,6 +67,9 @@ pub(super) async fn page(
 #[template(path = "console/resolved.html")]
 struct ResolvedPage {
     chrome: Chrome,
+    /// What happened, as the page's title says it.
+    title: &'static str,
+    applied: usize,
     decision: String,
     reason: String,
     actor: String,
@@ -111,13 +114,7 @@ pub(super) async fn resolve(
             .filter(|(k, _)| k == "seen")
             .filter_map(|(_, v)| v.split_once(' '))
             .find(|(seen_id, _)| *seen_id == id)
-            .and_then(|(_, at)| at.split_once('.'))
-            .and_then(|(seconds, nanos)| {
-                Some(prost_types::Timestamp {
-                    seconds: seconds.parse().ok()?,
-                    nanos: nanos.parse().ok()?,
-                })
-            })
+            .and_then(|(_, at)| view::parse_seen(at))
     };
     let updated_at: Option<Vec<prost_types::Timestamp>> = ids.iter().map(|id| seen(id)).collect();
     let Some(updated_at) = updated_at else {
@@ -168,7 +165,7 @@ pub(super) async fn resolve(
         Ok(answer) => answer.into_inner().results,
         Err(status) => return view::failure(&status),
     };
-    let outcomes = results
+    let outcomes: Vec<Outcome> = results
         .into_iter()
         .map(|r| Outcome {
             applied: r.error.is_none(),
@@ -182,8 +179,18 @@ pub(super) async fn resolve(
             id: r.intent_id,
         })
         .collect();
+    let applied = outcomes.iter().filter(|o| o.applied).count();
+    let title = if applied == outcomes.len() {
+        "Decision recorded"
+    } else if applied == 0 {
+        "Decision not applied"
+    } else {
+        "Decision partly applied"
+    };
     let page = ResolvedPage {
         chrome: session.chrome("desk"),
+        title,
+        applied,
         decision: view::decision(decision as i32),
         reason,
         actor,

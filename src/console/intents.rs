@@ -69,11 +69,7 @@ impl Row {
             attempts: format!("{}/{}", i.attempts, i.max_attempts),
             created_at: view::timestamp(i.created_at.as_ref()),
             updated_at: view::timestamp(i.updated_at.as_ref()),
-            seen: i
-                .updated_at
-                .as_ref()
-                .map(|t| format!("{}.{:09}", t.seconds, t.nanos))
-                .unwrap_or_default(),
+            seen: view::seen(i.updated_at.as_ref()),
             worker: i.worker_id.clone(),
             last_error: i.last_error.chars().take(300).collect(),
         }
@@ -266,6 +262,8 @@ struct IntentPage {
     trace_id: String,
     payload: Payload,
     resolutions: Vec<Resolution>,
+    /// An ordered dead letter given up with DEAD: final, whatever its state says.
+    given_up: bool,
     decisions: Vec<&'static str>,
 }
 
@@ -296,6 +294,7 @@ pub(super) async fn one(
     let Some(intent) = found.intent else {
         return view::error_page(StatusCode::NOT_FOUND, "no such intent");
     };
+    let given_up = given_up(&intent, &found.resolutions);
     let mut headers: Vec<(String, String)> = intent.headers.clone().into_iter().collect();
     headers.sort();
     // The list cuts the last error; its own page shows it whole.
@@ -329,7 +328,12 @@ pub(super) async fn one(
                 at: view::timestamp(r.resolved_at.as_ref()),
             })
             .collect(),
-        decisions: decisions_for(intent.state, !intent.ordering_key.is_empty()),
+        given_up,
+        decisions: if given_up {
+            Vec::new()
+        } else {
+            decisions_for(intent.state, !intent.ordering_key.is_empty())
+        },
     };
     view::render(StatusCode::OK, &page)
 }
@@ -345,6 +349,19 @@ pub(super) fn decisions_for(state: i32, ordered: bool) -> Vec<&'static str> {
         Ok(S::Staged | S::Waiting | S::Pending) => vec!["CANCEL"],
         _ => Vec::new(),
     }
+}
+
+/// Whether `intent` is an ordered dead letter given up with DEAD: its key moved on, it is
+/// final, and every decision on it is refused (`INVALID_STATE`). The API does not show its
+/// finish time, but only that decision finishes an ordered intent and leaves it
+/// DEAD_LETTERED, and nothing is decided after it: so its last decision is DEAD.
+/// (`resolutions` oldest first, as GetIntent answers them.)
+fn given_up(intent: &v1::Intent, resolutions: &[v1::Resolution]) -> bool {
+    intent.state == v1::IntentState::DeadLettered as i32
+        && !intent.ordering_key.is_empty()
+        && resolutions
+            .last()
+            .is_some_and(|r| r.decision == v1::Decision::Dead as i32)
 }
 
 /// Every state's name, in the API's order.
@@ -374,5 +391,33 @@ mod tests {
         );
         assert_eq!(offered(S::Pending, true), ["CANCEL"]);
         assert!(offered(S::Leased, false).is_empty());
+    }
+
+    #[test]
+    fn an_ordered_dead_letter_whose_last_decision_is_dead_is_given_up() {
+        let intent = |state: v1::IntentState, key: &str| v1::Intent {
+            state: state as i32,
+            ordering_key: key.to_owned(),
+            ..Default::default()
+        };
+        let decided = |decisions: &[v1::Decision]| -> Vec<v1::Resolution> {
+            decisions
+                .iter()
+                .map(|d| v1::Resolution {
+                    decision: *d as i32,
+                    ..Default::default()
+                })
+                .collect()
+        };
+        use v1::{Decision as D, IntentState as S};
+        let dead = decided(&[D::Requeue, D::Dead]);
+        assert!(given_up(&intent(S::DeadLettered, "k"), &dead));
+        // Unordered: DEAD changes nothing, and REQUEUE still applies.
+        assert!(!given_up(&intent(S::DeadLettered, ""), &dead));
+        // Requeued since, and dead-lettered again: it holds its key.
+        let requeued = decided(&[D::Dead, D::Requeue]);
+        assert!(!given_up(&intent(S::DeadLettered, "k"), &requeued));
+        assert!(!given_up(&intent(S::DeadLettered, "k"), &[]));
+        assert!(!given_up(&intent(S::Pending, "k"), &dead));
     }
 }

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, Request};
-use axum::http::{HeaderValue, header};
+use axum::http::{HeaderValue, Method, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{get, post};
@@ -114,17 +114,18 @@ pub async fn serve(
 /// browser that goes away mid-request must not stop a change half way (the gRPC
 /// handler's own rule, `grpc::to_completion`).
 async fn hardened(request: Request, next: Next) -> Response {
+    let change = !matches!(*request.method(), Method::GET | Method::HEAD);
     let mut response = if from_another_site(&request) {
         view::error_page(
-            axum::http::StatusCode::FORBIDDEN,
+            StatusCode::FORBIDDEN,
             "a change sent from another site's page is refused",
         )
     } else {
         match tokio::spawn(next.run(request)).await {
-            Ok(response) => response,
+            Ok(response) => as_page(response, change).await,
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
             Err(_) => view::error_page(
-                axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                StatusCode::SERVICE_UNAVAILABLE,
                 "the server is shutting down",
             ),
         }
@@ -152,6 +153,40 @@ async fn hardened(request: Request, next: Next) -> Response {
     response
 }
 
+/// Longest plain-text refusal read to be shown on a page.
+const REFUSAL_SHOWN: usize = 4096;
+
+/// A refusal axum's extractors answer in plain text (a form over [`MAX_FORM_BYTES`], a
+/// form or query that does not parse) as the console's own error page, saying that a
+/// change (`change`: not a GET) was not made. Every other answer as it is.
+async fn as_page(response: Response, change: bool) -> Response {
+    let plain = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|t| t.as_bytes().starts_with(b"text/plain"));
+    let status = response.status();
+    if !(status.is_client_error() && plain) {
+        return response;
+    }
+    let why = if status == StatusCode::PAYLOAD_TOO_LARGE {
+        format!(
+            "the form is larger than the console takes ({} KiB)",
+            MAX_FORM_BYTES / 1024
+        )
+    } else {
+        let body = axum::body::to_bytes(response.into_body(), REFUSAL_SHOWN)
+            .await
+            .unwrap_or_default();
+        String::from_utf8_lossy(&body).trim().to_owned()
+    };
+    let message = if change {
+        format!("{why}; nothing was changed")
+    } else {
+        why
+    };
+    view::error_page(status, &message)
+}
+
 /// A reason typed in a form's text area, as one line: the API refuses control characters,
 /// and a browser sends the area's line breaks as CR LF.
 fn one_line(text: &str) -> String {
@@ -171,7 +206,6 @@ fn one_line(text: &str) -> String {
 /// hides its referrer sends, refused. A client that sends neither is no browser, and no
 /// page can make it send anything.
 fn from_another_site(request: &Request) -> bool {
-    use axum::http::Method;
     if matches!(*request.method(), Method::GET | Method::HEAD) {
         return false;
     }

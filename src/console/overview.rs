@@ -26,7 +26,11 @@ struct OverviewPage {
     oldest_pending: String,
     oldest_staged: String,
     chart: Chart,
+    /// Some count stopped at its cap: the page says where counts stop.
     at_least: bool,
+    /// The caps, as the note says them (`10,000`).
+    count_cap: String,
+    pending_cap: String,
 }
 
 /// A count and the intents page that lists what it counts (none for intents of any
@@ -42,7 +46,8 @@ struct Group {
     tenant: String,
     kind: String,
     region: String,
-    count: i64,
+    /// `≥ n` when the group's state stopped at its cap.
+    count: String,
     /// None for intents without a region: the list filters by one region or by none.
     href: Option<String>,
 }
@@ -125,8 +130,11 @@ pub(super) async fn page(State(console): State<Shared>, session: Session) -> Res
         Ok(read) => read,
         Err(e) => return view::failure(&e.into()),
     };
-    let shown = |state: IntentState, n: i64| {
-        if overview.capped.contains(&state) {
+    // A count is "at least" when it counts a state whose rows stopped at their cap; the
+    // others are exact.
+    let capped = |state: IntentState| overview.capped.contains(&state);
+    let shown = |n: i64, cut: bool| {
+        if cut {
             format!("≥ {n}")
         } else {
             n.to_string()
@@ -138,21 +146,19 @@ pub(super) async fn page(State(console): State<Shared>, session: Session) -> Res
     for g in &overview.counts {
         by_state.entry(name(g.state)).or_insert((g.state, 0)).1 += g.count;
         for (map, key) in by.iter_mut().zip([&g.tenant, &g.kind, &g.region]) {
-            *map.entry(key.clone()).or_insert(0i64) += g.count;
+            let (count, cut) = map.entry(key.clone()).or_insert((0i64, false));
+            *count += g.count;
+            *cut |= capped(g.state);
         }
     }
     let at_least = !overview.capped.is_empty();
     let [tenants, kinds, regions] = by;
-    let tally = |param: &str, map: BTreeMap<String, i64>| -> Vec<Tally> {
+    let tally = |param: &str, map: BTreeMap<String, (i64, bool)>| -> Vec<Tally> {
         map.into_iter()
-            .map(|(label, count)| Tally {
+            .map(|(label, (count, cut))| Tally {
                 href: (!label.is_empty())
                     .then(|| format!("/intents?{param}={}", query_value(&label))),
-                count: if at_least {
-                    format!("≥ {count}")
-                } else {
-                    count.to_string()
-                },
+                count: shown(count, cut),
                 label: if label.is_empty() {
                     "(any)".to_owned()
                 } else {
@@ -167,7 +173,7 @@ pub(super) async fn page(State(console): State<Shared>, session: Session) -> Res
             .into_iter()
             .map(|(label, (state, count))| Tally {
                 href: Some(format!("/intents?state={label}")),
-                count: shown(state, count),
+                count: shown(count, capped(state)),
                 label,
             })
             .collect(),
@@ -191,7 +197,7 @@ pub(super) async fn page(State(console): State<Shared>, session: Session) -> Res
                 tenant: g.tenant.clone(),
                 kind: g.kind.clone(),
                 region: g.region.clone(),
-                count: g.count,
+                count: shown(g.count, capped(g.state)),
             })
             .collect(),
         oldest_pending: overview
@@ -204,8 +210,23 @@ pub(super) async fn page(State(console): State<Shared>, session: Session) -> Res
             .unwrap_or_else(|| "none".to_owned()),
         chart: Chart::of(&minutes),
         at_least,
+        count_cap: thousands(store::OVERVIEW_COUNT_CAP),
+        pending_cap: thousands(store::OVERVIEW_PENDING_CAP),
     };
     view::render(StatusCode::OK, &page)
+}
+
+/// `n` with its thousands set apart: `10,000`.
+fn thousands(n: i64) -> String {
+    let digits = n.unsigned_abs().to_string();
+    let mut out = String::new();
+    for (i, digit) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(digit);
+    }
+    if n < 0 { format!("-{out}") } else { out }
 }
 
 /// A value for a URL's query (escaped for HTML by the template).
@@ -219,4 +240,18 @@ pub(super) fn query_value(value: &str) -> String {
             _ => format!("%{b:02X}"),
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::thousands;
+
+    #[test]
+    fn thousands_are_set_apart() {
+        assert_eq!(thousands(0), "0");
+        assert_eq!(thousands(999), "999");
+        assert_eq!(thousands(5_000), "5,000");
+        assert_eq!(thousands(10_000), "10,000");
+        assert_eq!(thousands(-1_234_567), "-1,234,567");
+    }
 }

@@ -1,14 +1,21 @@
 //! `GET /queues`: queue policies (paused, limited) with their live figures, and the
 //! ordering keys held back by their first intent; `POST /queues`: set a queue's policy.
+//!
+//! A policy is changed on what the page showed: the form to change one carries the
+//! policy's `updated_at`, and the change applies only to that version
+//! (`SetQueuePolicyRequest.expected_updated_at`); the blank form gives a queue its first
+//! policy, and is refused for a queue that has one. A saved change answers with a
+//! redirect to the page (post/redirect/get), so a reload sends nothing again.
 
 use askama::Template;
 use axum::Form;
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::StatusCode;
-use axum::response::Response;
+use axum::response::{IntoResponse, Redirect, Response};
 use serde::Deserialize;
 
 use super::Shared;
+use super::overview::query_value;
 use super::session::Session;
 use super::view::{self, Chrome};
 use crate::outbox::store;
@@ -21,6 +28,7 @@ struct QueuesPage {
     policies: Vec<Policy>,
     blocked: Vec<Blocked>,
     saved: Option<String>,
+    form: PolicyForm,
 }
 
 struct Policy {
@@ -33,6 +41,25 @@ struct Policy {
     actor: String,
     reason: String,
     updated_at: String,
+    /// The page that changes this policy: the form filled with it.
+    change: String,
+}
+
+/// The policy form: blank (a queue's first policy), or filled with the policy it changes.
+#[derive(Default)]
+struct PolicyForm {
+    /// Changes the policy shown (tenant and kind fixed), rather than giving one.
+    changing: bool,
+    tenant: String,
+    kind: String,
+    paused: bool,
+    max_in_flight: String,
+    rate_per_second: String,
+    burst: String,
+    /// The changed policy's `updated_at` exactly (`seconds.nanos`).
+    expected: String,
+    /// When and by whom it was set, as shown.
+    set: String,
 }
 
 struct Blocked {
@@ -47,12 +74,28 @@ struct Blocked {
 /// Blocked keys shown, the longest blocked first.
 const BLOCKED_SHOWN: i64 = 100;
 
-/// `GET /queues`.
-pub(super) async fn page(State(console): State<Shared>, session: Session) -> Response {
-    render(&console, &session, None).await
+/// What `GET /queues` is asked: a policy to change (`tenant`, `kind`), or the one a saved
+/// change set (`saved_tenant`, `saved_kind`, `saved_at`).
+#[derive(Deserialize, Default)]
+pub(super) struct Shown {
+    #[serde(default)]
+    tenant: String,
+    #[serde(default)]
+    kind: String,
+    #[serde(default)]
+    saved_tenant: String,
+    #[serde(default)]
+    saved_kind: String,
+    #[serde(default)]
+    saved_at: String,
 }
 
-async fn render(console: &Shared, session: &Session, saved: Option<String>) -> Response {
+/// `GET /queues`.
+pub(super) async fn page(
+    State(console): State<Shared>,
+    session: Session,
+    Query(shown): Query<Shown>,
+) -> Response {
     let request = match session.request(v1::ListQueuePoliciesRequest::default(), None) {
         Ok(r) => r,
         Err(e) => return e,
@@ -74,6 +117,44 @@ async fn render(console: &Shared, session: &Session, saved: Option<String>) -> R
         Ok(keys) => keys,
         Err(e) => return view::failure(&e.into()),
     };
+    let of = |tenant: &str, kind: &str| {
+        policies
+            .iter()
+            .find(|p| p.tenant == tenant && p.kind == kind)
+    };
+    // Said only while the policy is the one that change set: a link names no change that
+    // did not happen, and a change made since is shown as it is.
+    let saved = of(&shown.saved_tenant, &shown.saved_kind)
+        .filter(|p| {
+            !shown.saved_at.is_empty() && view::seen(p.updated_at.as_ref()) == shown.saved_at
+        })
+        .map(|p| format!("policy of {}/{} saved", p.tenant, p.kind));
+    let form = match of(&shown.tenant, &shown.kind) {
+        Some(p) => PolicyForm {
+            changing: true,
+            tenant: p.tenant.clone(),
+            kind: p.kind.clone(),
+            paused: p.paused,
+            max_in_flight: positive(f64::from(p.max_in_flight)),
+            rate_per_second: positive(p.rate_per_second),
+            burst: if p.rate_per_second > 0.0 {
+                positive(f64::from(p.burst))
+            } else {
+                String::new()
+            },
+            expected: view::seen(p.updated_at.as_ref()),
+            set: format!(
+                "set by {} at {}",
+                p.actor,
+                view::timestamp(p.updated_at.as_ref())
+            ),
+        },
+        None => PolicyForm {
+            tenant: shown.tenant,
+            kind: shown.kind,
+            ..PolicyForm::default()
+        },
+    };
     let page = QueuesPage {
         chrome: session.chrome("queues"),
         policies: policies
@@ -88,6 +169,11 @@ async fn render(console: &Shared, session: &Session, saved: Option<String>) -> R
                     String::new()
                 },
                 updated_at: view::timestamp(p.updated_at.as_ref()),
+                change: format!(
+                    "/queues?tenant={}&kind={}#policy",
+                    query_value(&p.tenant),
+                    query_value(&p.kind)
+                ),
                 tenant: p.tenant,
                 kind: p.kind,
                 paused: p.paused,
@@ -109,8 +195,18 @@ async fn render(console: &Shared, session: &Session, saved: Option<String>) -> R
             })
             .collect(),
         saved,
+        form,
     };
     view::render(StatusCode::OK, &page)
+}
+
+/// A limit as the form shows it: empty for none (0).
+fn positive(n: f64) -> String {
+    if n > 0.0 {
+        n.to_string()
+    } else {
+        String::new()
+    }
 }
 
 #[derive(Deserialize)]
@@ -131,6 +227,9 @@ pub(super) struct SetPolicy {
     burst: String,
     #[serde(default)]
     reason: String,
+    /// The changed policy's `updated_at` as the page showed it; empty: the blank form.
+    #[serde(default)]
+    expected: String,
 }
 
 fn number<T: std::str::FromStr + Default>(field: &str, value: &str) -> Result<T, Response> {
@@ -146,7 +245,8 @@ fn number<T: std::str::FromStr + Default>(field: &str, value: &str) -> Result<T,
     })
 }
 
-/// `POST /queues`: replaces the policy of one queue (a tenant's kind).
+/// `POST /queues`: replaces the policy of one queue (a tenant's kind): the one the form
+/// showed, or none; then back to the page.
 pub(super) async fn set(
     State(console): State<Shared>,
     session: Session,
@@ -164,25 +264,92 @@ pub(super) async fn set(
         (Ok(m), Ok(r), Ok(b)) => (m, r, b),
         (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return e,
     };
+    let expected_updated_at = match form.expected.trim() {
+        "" => None,
+        seen => match view::parse_seen(seen) {
+            Some(at) => Some(at),
+            None => {
+                return view::error_page(
+                    StatusCode::BAD_REQUEST,
+                    "the form did not say which policy it changes (reload the page); nothing \
+                     was changed",
+                );
+            }
+        },
+    };
+    let tenant = form.tenant.trim();
+    let kind = form.kind.trim().to_owned();
+    if expected_updated_at.is_none()
+        && let Err(refused) = has_no_policy(&console, &session, tenant, &kind).await
+    {
+        return refused;
+    }
     let request = v1::SetQueuePolicyRequest {
-        kind: form.kind.trim().to_owned(),
+        kind,
         paused: form.paused.is_some(),
         max_in_flight,
         rate_per_second,
         burst,
         actor: session.caller.key_name.clone(),
         reason: super::one_line(&form.reason),
+        expected_updated_at,
     };
-    let request = match session.request(request, Some(form.tenant.trim())) {
+    let request = match session.request(request, Some(tenant)) {
         Ok(r) => r,
         Err(e) => return e,
     };
     match console.handler.set_queue_policy(request).await {
         Ok(answer) => {
             let policy = answer.into_inner().policy.unwrap_or_default();
-            let saved = format!("policy of {}/{} saved", policy.tenant, policy.kind);
-            render(&console, &session, Some(saved)).await
+            Redirect::to(&format!(
+                "/queues?saved_tenant={}&saved_kind={}&saved_at={}",
+                query_value(&policy.tenant),
+                query_value(&policy.kind),
+                query_value(&view::seen(policy.updated_at.as_ref()))
+            ))
+            .into_response()
         }
         Err(status) => view::failure(&status),
+    }
+}
+
+/// Refuses the blank form for a queue that has a policy: that form showed none, and
+/// would replace it unseen. (Checked just before the change, not with it: two first
+/// policies of one queue given at the same instant are both applied, the later standing.)
+async fn has_no_policy(
+    console: &Shared,
+    session: &Session,
+    tenant: &str,
+    kind: &str,
+) -> Result<(), Response> {
+    // Without a tenant, a key of several tenants is told to name one by the change itself.
+    let Some(tenant) = Some(tenant)
+        .filter(|t| !t.is_empty())
+        .or_else(|| session.caller.tenants.single())
+    else {
+        return Ok(());
+    };
+    let request = session.request(
+        v1::ListQueuePoliciesRequest {
+            kind: kind.to_owned(),
+        },
+        Some(tenant),
+    )?;
+    let listed = match console.handler.list_queue_policies(request).await {
+        Ok(answer) => answer.into_inner().policies,
+        Err(status) => return Err(view::failure(&status)),
+    };
+    match listed.iter().find(|p| p.tenant == tenant && p.kind == kind) {
+        None => Ok(()),
+        Some(p) => Err(view::error_page(
+            StatusCode::CONFLICT,
+            &format!(
+                "queue {tenant}/{kind} has a policy (set at {} by {}), which this form did \
+                 not show: it gives a queue its first policy. Change that one from its row's \
+                 \"change\" link, on the policy as it is; nothing was changed",
+                view::timestamp(p.updated_at.as_ref()),
+                p.actor
+            ),
+        )),
     }
 }

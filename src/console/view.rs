@@ -14,6 +14,9 @@ pub(super) struct Chrome {
     pub admin: bool,
     pub csrf: String,
     pub active: &'static str,
+    /// The longest reason the API takes (`OUTBOX_LIMITS__MAX_TEXT_LENGTH`): the reason
+    /// boxes' `maxlength`.
+    pub max_text: usize,
 }
 
 /// Renders `page` with `status`.
@@ -84,11 +87,13 @@ pub(super) fn failure(status: &tonic::Status) -> Response {
 #[template(path = "console/sign_in.html")]
 struct SignInPage<'a> {
     error: Option<&'a str>,
+    next: &'a str,
 }
 
-/// The sign-in page, with why the last try failed.
-pub(super) fn sign_in(status: StatusCode, error: Option<&str>) -> Response {
-    render(status, &SignInPage { error })
+/// The sign-in page, with why the last try failed (or why a session ended), and the page
+/// to return to once signed in (checked by `session::safe_next`; "" for the overview).
+pub(super) fn sign_in(status: StatusCode, error: Option<&str>, next: &str) -> Response {
+    render(status, &SignInPage { error, next })
 }
 
 /// A wire timestamp as `2026-12-05 04:22:18 UTC` ("" when unset).
@@ -96,6 +101,22 @@ pub(super) fn timestamp(t: Option<&prost_types::Timestamp>) -> String {
     t.and_then(|t| DateTime::<Utc>::from_timestamp(t.seconds, u32::try_from(t.nanos).ok()?))
         .map(|t| time(&t))
         .unwrap_or_default()
+}
+
+/// A wire timestamp exactly, `seconds.nanos` ("" when unset): what a form sends back so
+/// that a change is not made on a value changed since the page was read.
+pub(super) fn seen(t: Option<&prost_types::Timestamp>) -> String {
+    t.map(|t| format!("{}.{:09}", t.seconds, t.nanos))
+        .unwrap_or_default()
+}
+
+/// The timestamp a form sent back in the form of [`seen`].
+pub(super) fn parse_seen(seen: &str) -> Option<prost_types::Timestamp> {
+    let (seconds, nanos) = seen.trim().split_once('.')?;
+    Some(prost_types::Timestamp {
+        seconds: seconds.parse().ok()?,
+        nanos: nanos.parse().ok()?,
+    })
 }
 
 /// An instant as `2026-12-05 04:22:18 UTC`.

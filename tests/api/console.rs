@@ -65,6 +65,10 @@ async fn an_operator_resolves_an_intent_a_worker_left_unknown_and_sees_the_audit
         !outcome.contains(&ids[1]),
         "only the selected intent is decided"
     );
+    assert_eq!(
+        browser.client.title().await.unwrap(),
+        "Decision recorded · outboxd"
+    );
 
     browser.goto(&format!("/intents/{}", ids[0])).await;
     assert_eq!(browser.text("#intent-state").await, "DELIVERED");
@@ -375,6 +379,10 @@ async fn a_decision_another_operator_took_first_answers_clearly_and_applies_once
     assert!(outcome.contains("not applied"), "{outcome}");
     assert!(outcome.contains("changed after it was read"), "{outcome}");
     assert!(outcome.contains("DEAD_LETTERED"), "{outcome}");
+    assert_eq!(
+        browser.client.title().await.unwrap(),
+        "Decision not applied · outboxd"
+    );
     let got = app.get(&ids[0]).await;
     assert_eq!(got.intent.unwrap().state(), IntentState::DeadLettered);
     assert_eq!(got.resolutions.len(), 1, "one decision applied");
@@ -551,7 +559,7 @@ async fn an_operator_pauses_a_queue_and_sees_the_blocked_ordering_keys() {
 
     // A bad policy is refused with the API's own message, and changes nothing.
     browser.goto("/queues").await;
-    browser.fill("#policy input[name=kind]", "mail").await;
+    change_policy(&browser, "mail").await;
     browser.fill("#policy input[name=burst]", "3").await;
     browser
         .fill("#policy textarea[name=reason]", "burst without a rate")
@@ -637,5 +645,343 @@ async fn an_intents_page_shows_its_whole_last_error() {
         .goto(&format!("/intents/{}", id_of(&leases[0])))
         .await;
     assert_eq!(browser.text("#last-error").await.trim(), error.trim());
+    browser.close().await;
+}
+
+/// Rows of `outbox.queue_policy_change` for `kind`: one per change applied.
+async fn policy_changes(app: &TestApp, kind: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM outbox.queue_policy_change WHERE kind = $1")
+        .bind(kind)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+}
+
+/// Another operator's policy change, through the API, a second after the last one.
+async fn set_by_carol(app: &TestApp, kind: &str, paused: bool) {
+    app.advance(std::time::Duration::from_secs(1));
+    app.client()
+        .set_queue_policy(v1::SetQueuePolicyRequest {
+            kind: kind.to_owned(),
+            paused,
+            actor: "carol".to_owned(),
+            reason: "carol's call".to_owned(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+}
+
+/// Sets the policy form's pause and concurrency limit (over what it showed), gives a
+/// reason, and sends it.
+async fn send_policy(browser: &Browser, paused: bool, max_in_flight: &str) {
+    let find = |css: &'static str| browser.client.find(fantoccini::Locator::Css(css));
+    let paused_box = find("#policy input[name=paused]").await.unwrap();
+    if paused_box.is_selected().await.unwrap() != paused {
+        paused_box.click().await.unwrap();
+    }
+    let max = find("#policy input[name=max_in_flight]").await.unwrap();
+    max.clear().await.unwrap();
+    max.send_keys(max_in_flight).await.unwrap();
+    browser
+        .fill("#policy textarea[name=reason]", "the relay is down")
+        .await;
+    browser.submit("#policy button").await;
+}
+
+/// The blank form (a queue's first policy), for `kind`.
+async fn submit_policy(browser: &Browser, kind: &str, paused: bool, max_in_flight: &str) {
+    browser.fill("#policy input[name=kind]", kind).await;
+    send_policy(browser, paused, max_in_flight).await;
+}
+
+/// Opens the form that changes `kind`'s policy, from its row on the queues page.
+async fn change_policy(browser: &Browser, kind: &str) {
+    browser
+        .submit_xpath(&format!(
+            "//table[@id='policies']//tr[td[2][text()='{kind}']]//a[@class='change']"
+        ))
+        .await;
+    let changing = browser.text("#changing").await;
+    assert!(changing.contains(&format!("acme/{kind}")), "{changing}");
+}
+
+#[tokio::test]
+async fn a_reload_after_saving_a_policy_sends_nothing_and_a_stale_page_overwrites_no_newer_policy()
+{
+    let app = console_app().await;
+    let key = crate::helpers::create_key(&app.pool, "dora-ops", &["acme"], &["operate"], &[]).await;
+    let browser = Browser::open(app.console_addr.unwrap()).await;
+    browser.sign_in(&key).await;
+    browser.goto("/queues").await;
+    submit_policy(&browser, "mail", true, "").await;
+    assert!(browser.text("#saved").await.contains("acme/mail"));
+    assert_eq!(policy_changes(&app, "mail").await, 1);
+    // A reload of the answer asks for the page again: the form is not sent twice.
+    tokio::time::timeout(std::time::Duration::from_secs(30), browser.client.refresh())
+        .await
+        .expect("the reload answers")
+        .expect("the reload shows a page");
+    assert_eq!(browser.path().await, "/queues");
+    assert!(
+        browser
+            .text("#policies")
+            .await
+            .contains("the relay is down")
+    );
+    assert_eq!(
+        policy_changes(&app, "mail").await,
+        1,
+        "a reload sends nothing again"
+    );
+
+    // The form to change it shows it as it is.
+    change_policy(&browser, "mail").await;
+    let paused_box = browser
+        .client
+        .find(fantoccini::Locator::Css("#policy input[name=paused]"))
+        .await
+        .unwrap();
+    assert!(paused_box.is_selected().await.unwrap());
+    // Meanwhile another operator resumes the queue: this page, read before, still shows
+    // the pause, and a change made on it is refused rather than undoing carol's.
+    set_by_carol(&app, "mail", false).await;
+    send_policy(&browser, true, "2").await;
+    assert!(browser.text("h1").await.contains("409"));
+    let error = browser.text("#error").await;
+    assert!(error.contains("changed after it was read"), "{error}");
+    assert!(error.contains("nothing was changed"), "{error}");
+    let policies = queue_policies(&app).await;
+    assert!(!policies[0].paused, "carol's policy stands");
+    assert_eq!(policies[0].actor, "carol");
+    assert_eq!(policy_changes(&app, "mail").await, 2);
+
+    // Read again, the same change applies.
+    browser.goto("/queues").await;
+    change_policy(&browser, "mail").await;
+    send_policy(&browser, true, "2").await;
+    assert!(browser.text("#saved").await.contains("acme/mail"));
+    let policies = queue_policies(&app).await;
+    assert!(policies[0].paused);
+    assert_eq!(policies[0].max_in_flight, 2);
+
+    // The blank form gives a queue its first policy: one set meanwhile is not overwritten.
+    browser.goto("/queues").await;
+    set_by_carol(&app, "sms", true).await;
+    submit_policy(&browser, "sms", false, "5").await;
+    assert!(browser.text("h1").await.contains("409"));
+    let error = browser.text("#error").await;
+    assert!(
+        error.contains("has a policy") && error.contains("nothing was changed"),
+        "{error}"
+    );
+    let policies = queue_policies(&app).await;
+    let sms = policies.iter().find(|p| p.kind == "sms").unwrap();
+    assert!(sms.paused && sms.max_in_flight == 0, "{sms:?}");
+    browser.close().await;
+}
+
+#[tokio::test]
+async fn an_ordered_dead_letter_given_up_offers_no_decision() {
+    let app = console_app().await;
+    let head = v1::NewIntent {
+        ordering_key: "customer-42".to_owned(),
+        max_attempts: 1,
+        ..intent("order.event", "{}")
+    };
+    let ids = app.enqueue_ids(vec![head]).await;
+    let leases = app.claim_n("w", 1).await;
+    app.fail(&leases[0], FailOutcome::Retry).await;
+    assert_eq!(app.state(&ids[0]).await, IntentState::DeadLettered);
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let browser = Browser::open(app.console_addr.unwrap()).await;
+    browser.sign_in(&key).await;
+    browser.goto(&format!("/intents/{}", ids[0])).await;
+    let offered = browser.text("#decision").await;
+    assert!(offered.contains("DEAD"), "it holds its key: {offered}");
+
+    app.reconcile(v1::ReconcileRequest {
+        target: Some(v1::reconcile_request::Target::Ids(v1::ReconcileIds {
+            ids: ids.clone(),
+            updated_at: Vec::new(),
+        })),
+        decision: Decision::Dead as i32,
+        actor: "carol".to_owned(),
+        reason: "the customer closed the account".to_owned(),
+        limit: 0,
+    })
+    .await
+    .unwrap();
+    browser.goto(&format!("/intents/{}", ids[0])).await;
+    assert_eq!(browser.text("#intent-state").await, "DEAD_LETTERED");
+    assert!(
+        browser
+            .client
+            .find(fantoccini::Locator::Css("#decide"))
+            .await
+            .is_err(),
+        "every decision on it would be refused"
+    );
+    assert!(browser.text("#final").await.contains("Given up (DEAD)"));
+    browser.close().await;
+}
+
+#[tokio::test]
+async fn a_decision_sent_after_the_session_expired_says_so_and_a_new_sign_in_returns_to_the_page() {
+    let app = console_app().await;
+    let ids = left_unknown(&app, "charge", 1).await;
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let browser = Browser::open(app.console_addr.unwrap()).await;
+    browser.sign_in(&key).await;
+    let page = format!("/intents/{}", ids[0]);
+    browser.goto(&page).await;
+    sqlx::query("UPDATE outbox.console_session SET expires_at = now() - interval '1 second'")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    browser.select("#decision", "REQUEUE").await;
+    browser.fill("#reason", "the provider lost it").await;
+    browser.submit("#resolve").await;
+    assert_eq!(browser.path().await, "/sign-in");
+    let notice = browser.text("#error").await;
+    assert!(
+        notice.contains("expired") && notice.contains("nothing was changed"),
+        "{notice}"
+    );
+    assert_eq!(app.state(&ids[0]).await, IntentState::NeedsReconcile);
+    assert!(app.get(&ids[0]).await.resolutions.is_empty());
+    browser.fill("#key", &key).await;
+    browser.submit("#sign-in").await;
+    assert_eq!(
+        browser.path().await,
+        page,
+        "back on the page of the decision"
+    );
+
+    // A sign-in link that names another site leads to the overview, never away.
+    for next in [
+        "%2F%2Fattacker.example%2Fx",
+        "https%3A%2F%2Fattacker.example%2F",
+        "%2F%5Cattacker.example%2F",
+        "%2F%09%2Fattacker.example%2F",
+    ] {
+        browser.goto(&format!("/sign-in?next={next}")).await;
+        browser.fill("#key", &key).await;
+        browser.submit("#sign-in").await;
+        let url = browser.client.current_url().await.unwrap();
+        assert_eq!(url.host_str(), Some("127.0.0.1"), "{next}: {url}");
+        assert_eq!(url.path(), "/", "{next}: {url}");
+    }
+    browser.close().await;
+}
+
+/// A table's visible text, its cells separated by one space.
+async fn table_text(browser: &Browser, xpath: &str) -> String {
+    let table = browser
+        .client
+        .find(fantoccini::Locator::XPath(xpath))
+        .await
+        .unwrap_or_else(|e| panic!("{xpath}: {e}"));
+    table.text().await.unwrap().replace('\t', " ")
+}
+
+#[tokio::test]
+async fn the_overview_says_where_its_counts_stop_and_marks_only_the_counts_cut_short() {
+    let app = console_app().await;
+    left_unknown(&app, "charge", 1).await;
+    // Two queues: each one's PENDING backlog is counted up to 2,000 (of 5,000 in all).
+    for _ in 0..2 {
+        app.enqueue_n("bulk", 1000).await;
+    }
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let browser = Browser::open(app.console_addr.unwrap()).await;
+    browser.sign_in(&key).await;
+    let note = browser.text("#capped").await;
+    assert!(
+        note.contains("PENDING") && note.contains("5,000") && note.contains("10,000"),
+        "{note}"
+    );
+    let kinds = table_text(&browser, "//div[h2='By kind']//table").await;
+    let kinds: Vec<&str> = kinds.lines().collect();
+    assert_eq!(
+        kinds,
+        ["bulk ≥ 2000", "charge 1"],
+        "an exact count has no ≥"
+    );
+    let groups = table_text(&browser, "//table[@id='groups']").await;
+    assert!(groups.contains("PENDING acme bulk ≥ 2000"), "{groups}");
+    assert!(groups.contains("NEEDS_RECONCILE acme charge 1"), "{groups}");
+    browser.close().await;
+}
+
+#[tokio::test]
+async fn a_reason_box_takes_as_long_a_reason_as_the_api_allows() {
+    let app = console_app().await;
+    let ids = left_unknown(&app, "charge", 1).await;
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let browser = Browser::open(app.console_addr.unwrap()).await;
+    browser.sign_in(&key).await;
+    let intent_page = format!("/intents/{}", ids[0]);
+    for (page, css) in [
+        ("/desk", "#reason"),
+        (intent_page.as_str(), "#reason"),
+        ("/queues", "#policy textarea[name=reason]"),
+    ] {
+        browser.goto(page).await;
+        let element = browser
+            .client
+            .find(fantoccini::Locator::Css(css))
+            .await
+            .unwrap();
+        assert_eq!(
+            element.attr("maxlength").await.unwrap().as_deref(),
+            Some("4096"),
+            "{page}: OUTBOX_LIMITS__MAX_TEXT_LENGTH"
+        );
+    }
+
+    // A reason of 4,096 characters is recorded whole.
+    browser.goto(&intent_page).await;
+    browser
+        .client
+        .execute(
+            "document.querySelector('#reason').value = 'r'.repeat(4096)",
+            vec![],
+        )
+        .await
+        .unwrap();
+    browser.select("#decision", "DELIVERED").await;
+    browser.submit("#resolve").await;
+    assert!(browser.text("#outcomes").await.contains("applied"));
+    assert_eq!(app.get(&ids[0]).await.resolutions[0].reason.len(), 4096);
+    browser.close().await;
+}
+
+#[tokio::test]
+async fn a_form_over_the_size_limit_gets_the_consoles_error_page_and_changes_nothing() {
+    let app = console_app().await;
+    let ids = left_unknown(&app, "charge", 1).await;
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let browser = Browser::open(app.console_addr.unwrap()).await;
+    browser.sign_in(&key).await;
+    browser.goto(&format!("/intents/{}", ids[0])).await;
+    browser
+        .client
+        .execute(
+            "const r = document.querySelector('#reason'); r.removeAttribute('maxlength'); \
+             r.value = 'x'.repeat(70000)",
+            vec![],
+        )
+        .await
+        .unwrap();
+    browser.select("#decision", "REQUEUE").await;
+    browser.submit("#resolve").await;
+    assert!(browser.text("h1").await.contains("413"));
+    let error = browser.text("#error").await;
+    assert!(
+        error.contains("64 KiB") && error.contains("nothing was changed"),
+        "{error}"
+    );
+    assert_eq!(app.state(&ids[0]).await, IntentState::NeedsReconcile);
     browser.close().await;
 }

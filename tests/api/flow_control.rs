@@ -1130,3 +1130,186 @@ async fn new_queue_policies_set_at_once_never_pass_the_tenants_thousand() {
         .unwrap();
     assert_eq!(policies, 1000);
 }
+
+/// Rows of `outbox.queue_policy_change`: one per change applied.
+async fn policy_changes(app: &TestApp) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM outbox.queue_policy_change")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+}
+
+async fn policies(client: &mut Client) -> Vec<v1::QueuePolicy> {
+    client
+        .list_queue_policies(v1::ListQueuePoliciesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .policies
+}
+
+#[tokio::test]
+async fn a_policy_change_made_on_a_stale_read_is_refused_with_conflict_and_changes_nothing() {
+    let app = TestApp::spawn().await;
+    let mut client = app.client();
+    let expecting = |at: &Option<prost_types::Timestamp>| v1::SetQueuePolicyRequest {
+        paused: true,
+        expected_updated_at: *at,
+        ..policy("mail")
+    };
+    // No policy yet: an expected one is not there.
+    let never = Some(prost_types::Timestamp {
+        seconds: 1_700_000_000,
+        nanos: 0,
+    });
+    let refused = client
+        .set_queue_policy(expecting(&never))
+        .await
+        .unwrap_err();
+    assert_status(&refused, Code::Aborted, "CONFLICT", &[]);
+    assert!(
+        refused.message().contains("changed after it was read")
+            && refused.message().contains("no policy"),
+        "{refused:?}"
+    );
+    assert!(policies(&mut client).await.is_empty());
+    assert_eq!(policy_changes(&app).await, 0);
+
+    // Unset: the first policy applies; then carol changes it, a second later, on what
+    // she read.
+    let read = set(&mut client, expecting(&None)).await;
+    app.advance(Duration::from_secs(1));
+    let carols = set(
+        &mut client,
+        v1::SetQueuePolicyRequest {
+            max_in_flight: 3,
+            actor: "carol".to_owned(),
+            expected_updated_at: read.updated_at,
+            ..policy("mail")
+        },
+    )
+    .await;
+    assert!(!carols.paused && carols.max_in_flight == 3);
+
+    // The first read is stale now: refused, and carol's policy stands, not recorded again.
+    let refused = client
+        .set_queue_policy(expecting(&read.updated_at))
+        .await
+        .unwrap_err();
+    assert_status(&refused, Code::Aborted, "CONFLICT", &[]);
+    assert!(
+        refused.message().contains("changed after it was read")
+            && refused.message().contains("by carol")
+            && refused.message().contains("nothing was changed"),
+        "{refused:?}"
+    );
+    let now = policies(&mut client).await;
+    assert_eq!(now.len(), 1);
+    assert!(!now[0].paused && now[0].max_in_flight == 3 && now[0].actor == "carol");
+    assert_eq!(now[0].updated_at, carols.updated_at);
+    assert_eq!(policy_changes(&app).await, 2);
+
+    // On a fresh read it applies; and a change at the same instant (the clock did not
+    // move) is still a later version, so the read before it is stale.
+    let fresh = set(&mut client, expecting(&carols.updated_at)).await;
+    assert!(fresh.paused && fresh.max_in_flight == 0);
+    let same_instant = set(&mut client, expecting(&fresh.updated_at)).await;
+    let instant = |t: &Option<prost_types::Timestamp>| t.as_ref().map(|t| (t.seconds, t.nanos));
+    assert!(instant(&same_instant.updated_at) > instant(&fresh.updated_at));
+    let refused = client
+        .set_queue_policy(expecting(&fresh.updated_at))
+        .await
+        .unwrap_err();
+    assert_status(&refused, Code::Aborted, "CONFLICT", &[]);
+    assert_eq!(policy_changes(&app).await, 4);
+
+    // Several at once on the same read: one applies.
+    let calls = (0..6).map(|_| {
+        let mut client = app.client();
+        let request = expecting(&same_instant.updated_at);
+        async move { client.set_queue_policy(request).await }
+    });
+    let results = futures::future::join_all(calls).await;
+    assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1);
+    for refused in results.iter().filter_map(|r| r.as_ref().err()) {
+        assert_status(refused, Code::Aborted, "CONFLICT", &[]);
+    }
+    assert_eq!(policy_changes(&app).await, 5);
+
+    let bad = client
+        .set_queue_policy(expecting(&Some(prost_types::Timestamp {
+            seconds: i64::MAX,
+            nanos: 0,
+        })))
+        .await
+        .unwrap_err();
+    assert_status(
+        &bad,
+        Code::InvalidArgument,
+        "INVALID_ARGUMENT",
+        &["expected_updated_at"],
+    );
+}
+
+#[tokio::test]
+async fn the_cli_changes_a_policy_only_as_it_was_listed_with_expected_updated_at() {
+    let app = TestApp::spawn().await;
+    let key = app.key(&[crate::helpers::TENANT], &["admin"], &[]).await;
+    let set = |expected: &str| {
+        [
+            "queues",
+            "set",
+            "--kind",
+            "pay",
+            "--paused",
+            "--actor",
+            "alice",
+            "--reason",
+            "PSP incident",
+            "--expected-updated-at",
+            expected,
+            "--json",
+        ]
+        .map(str::to_owned)
+    };
+    set_policy_by(&app, "pay", "bob").await;
+    let listed = cli(&app, &key, &["queues", "list", "--json"]).await;
+    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    let read = listed[0]["updated_at"].as_str().unwrap().to_owned();
+    app.advance(Duration::from_secs(1));
+    set_policy_by(&app, "pay", "carol").await;
+
+    let server = format!("http://{}", app.addr);
+    let stale = set(&read);
+    let args: Vec<&str> = stale.iter().map(String::as_str).collect();
+    let args = [&args[..], &["--server", &server, "--api-key", &key]].concat();
+    let output = crate::commands::outboxd(&args, &[]).await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("CONFLICT") && stderr.contains("changed after it was read"),
+        "{stderr}"
+    );
+    assert!(!policies(&mut app.client()).await[0].paused);
+
+    let listed = cli(&app, &key, &["queues", "list", "--json"]).await;
+    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    let fresh = set(listed[0]["updated_at"].as_str().unwrap());
+    let args: Vec<&str> = fresh.iter().map(String::as_str).collect();
+    let out = cli(&app, &key, &args).await;
+    let applied: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(applied[0]["paused"], true, "{out}");
+    assert_eq!(applied[0]["actor"], "alice", "{out}");
+}
+
+/// A policy of `kind` set through the API, not paused, by `actor`.
+async fn set_policy_by(app: &TestApp, kind: &str, actor: &str) {
+    set(
+        &mut app.client(),
+        v1::SetQueuePolicyRequest {
+            actor: actor.to_owned(),
+            ..policy(kind)
+        },
+    )
+    .await;
+}

@@ -30,6 +30,9 @@ pub struct PolicyParams<'a> {
     pub api_key: &'a str,
     /// Why.
     pub reason: &'a str,
+    /// The `updated_at` of the policy the caller read: the change applies only while the
+    /// queue's policy is that one (None: whatever it is, or none).
+    pub expected_updated_at: Option<DateTime<Utc>>,
     /// Current time override (tests).
     pub now: Option<DateTime<Utc>>,
 }
@@ -73,14 +76,22 @@ const POLICIES: &str = r#"
     WHERE ($1::text IS NULL OR p.kind = $1)
 "#;
 
-/// Replaces the policy of a queue and records the change; returns the policy now in force.
+/// Replaces the policy of a queue and records the change; returns the policy now in force
+/// (`Ok(Ok(policy))`). With `expected_updated_at`, only if the queue's policy is still the
+/// one last updated then, checked by the upsert itself: otherwise nothing is changed nor
+/// recorded, and the answer is `Ok(Err(current))`, the policy in force (None: the queue
+/// has none). Each change's `updated_at` is later than the one before (by a microsecond
+/// at least, whatever the clock says), so an instant names one version of the policy.
 /// The bucket keeps its tokens (at most the new burst), so that setting a policy again
 /// grants no burst.
 ///
 /// # Errors
 /// [`Error::LimitExceeded`] (`TOO_MANY_QUEUES`) for a new policy of a tenant that has
 /// `MAX_POLICIES` (1,000); [`Error::Database`].
-pub async fn set_queue_policy(conn: &mut PgConnection, p: PolicyParams<'_>) -> Result<QueuePolicy> {
+pub async fn set_queue_policy(
+    conn: &mut PgConnection,
+    p: PolicyParams<'_>,
+) -> Result<std::result::Result<QueuePolicy, Option<QueuePolicy>>> {
     // New policies of one tenant take turns to the commit, and the count below, a statement
     // after the lock, sees the last one's: two at once could both find room for one.
     sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('outbox.queue_policy/' || $1, 0))")
@@ -95,7 +106,8 @@ pub async fn set_queue_policy(conn: &mut PgConnection, p: PolicyParams<'_>) -> R
     .bind(p.kind)
     .fetch_one(&mut *conn)
     .await?;
-    if policies >= MAX_POLICIES && !this_one {
+    // A change expecting a policy the queue does not have is refused below, not counted.
+    if policies >= MAX_POLICIES && !this_one && p.expected_updated_at.is_none() {
         return Err(Error::LimitExceeded(
             Reason::TooManyQueues,
             vec![FieldViolation::new(
@@ -109,7 +121,10 @@ pub async fn set_queue_policy(conn: &mut PgConnection, p: PolicyParams<'_>) -> R
         ));
     }
     let (rate, burst) = p.rate.unzip();
-    sqlx::query(
+    // With $11, a queue without a policy inserts nothing, and an update applies only to
+    // the version last updated at $11 (the row as it is now, locked: a change committed
+    // since is seen). No row changed: nothing is recorded.
+    let changed = sqlx::query(
         r#"
         WITH clock AS (SELECT coalesce($8::timestamptz, now()) AS now),
         changed AS (
@@ -117,6 +132,9 @@ pub async fn set_queue_policy(conn: &mut PgConnection, p: PolicyParams<'_>) -> R
                 (tenant_id, kind, paused, max_in_flight, rate_per_second, burst,
                  updated_by, updated_by_key, reason, updated_at)
             SELECT $1, $2, $3, $4, $5, $6, $7, $10, $9, clock.now FROM clock
+            WHERE $11::timestamptz IS NULL
+               OR EXISTS (SELECT 1 FROM outbox.queue_policy e
+                          WHERE e.tenant_id = $1 AND e.kind = $2)
             ON CONFLICT (tenant_id, kind) DO UPDATE
             SET paused = excluded.paused,
                 max_in_flight = excluded.max_in_flight,
@@ -128,7 +146,8 @@ pub async fn set_queue_policy(conn: &mut PgConnection, p: PolicyParams<'_>) -> R
                 updated_by = excluded.updated_by,
                 updated_by_key = excluded.updated_by_key,
                 reason = excluded.reason,
-                updated_at = excluded.updated_at
+                updated_at = greatest(excluded.updated_at, q.updated_at + interval '1 microsecond')
+            WHERE $11::timestamptz IS NULL OR q.updated_at = $11
             RETURNING q.*
         )
         INSERT INTO outbox.queue_policy_change
@@ -149,15 +168,21 @@ pub async fn set_queue_policy(conn: &mut PgConnection, p: PolicyParams<'_>) -> R
     .bind(p.now)
     .bind(p.reason)
     .bind(p.api_key)
+    .bind(p.expected_updated_at)
     .execute(&mut *conn)
-    .await?;
-    let policy = sqlx::query_as(&format!("{POLICIES} AND p.tenant_id = $3"))
+    .await?
+    .rows_affected()
+        == 1;
+    let policy: Option<QueuePolicy> = sqlx::query_as(&format!("{POLICIES} AND p.tenant_id = $3"))
         .bind(p.kind)
         .bind(p.now)
         .bind(p.tenant)
-        .fetch_one(&mut *conn)
+        .fetch_optional(&mut *conn)
         .await?;
-    Ok(policy)
+    match policy {
+        Some(policy) if changed => Ok(Ok(policy)),
+        current => Ok(Err(current)),
+    }
 }
 
 /// The policies of the transaction's tenants (of `kind`, if given), by tenant and kind.

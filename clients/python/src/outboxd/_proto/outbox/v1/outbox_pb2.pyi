@@ -462,7 +462,7 @@ class QueuePolicy(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., kind: _Optional[str] = ..., paused: bool = ..., max_in_flight: _Optional[int] = ..., rate_per_second: _Optional[float] = ..., burst: _Optional[int] = ..., actor: _Optional[str] = ..., reason: _Optional[str] = ..., updated_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., in_flight: _Optional[int] = ..., tokens: _Optional[float] = ..., api_key: _Optional[str] = ...) -> None: ...
 
 class SetQueuePolicyRequest(_message.Message):
-    __slots__ = ("kind", "paused", "max_in_flight", "rate_per_second", "burst", "actor", "reason")
+    __slots__ = ("kind", "paused", "max_in_flight", "rate_per_second", "burst", "actor", "reason", "expected_updated_at")
     KIND_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -470,6 +470,7 @@ class SetQueuePolicyRequest(_message.Message):
     BURST_FIELD_NUMBER: _ClassVar[int]
     ACTOR_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     kind: str
     paused: bool
     max_in_flight: int
@@ -477,7 +478,8 @@ class SetQueuePolicyRequest(_message.Message):
     burst: int
     actor: str
     reason: str
-    def __init__(self, kind: _Optional[str] = ..., paused: bool = ..., max_in_flight: _Optional[int] = ..., rate_per_second: _Optional[float] = ..., burst: _Optional[int] = ..., actor: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    expected_updated_at: _timestamp_pb2.Timestamp
+    def __init__(self, kind: _Optional[str] = ..., paused: bool = ..., max_in_flight: _Optional[int] = ..., rate_per_second: _Optional[float] = ..., burst: _Optional[int] = ..., actor: _Optional[str] = ..., reason: _Optional[str] = ..., expected_updated_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class SetQueuePolicyResponse(_message.Message):
     __slots__ = ("policy",)

@@ -194,7 +194,9 @@ class OutboxServiceServicer(object):
     def SetQueuePolicy(self, request, context):
         """SetQueuePolicy sets the flow control of a queue (a tenant's kind): paused, a
         concurrency limit, a rate limit. It replaces the queue's whole policy, takes effect at
-        the next Claim of every replica, and is recorded with who and why. Scope operate.
+        the next Claim of every replica, and is recorded with who and why; with
+        expected_updated_at, only if the policy is still the one the caller read. Scope
+        operate.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -24,6 +24,13 @@ impl Browser {
         Self::start(format!("http://{addr}"), false).await
     }
 
+    /// A fresh browser at the console at `addr`, signed in with `key`.
+    pub async fn signed_in(addr: std::net::SocketAddr, key: &str) -> Self {
+        let browser = Self::open(addr).await;
+        browser.sign_in(key).await;
+        browser
+    }
+
     /// The same over HTTPS, trusting the test's own certificate authority's certificate.
     pub async fn open_https(addr: std::net::SocketAddr) -> Self {
         Self::start(format!("https://localhost:{}", addr.port()), true).await
@@ -172,6 +179,11 @@ impl Browser {
             .select_by_value(value)
             .await
             .unwrap();
+    }
+
+    /// Runs `script` in the page (to tamper with a form as a hostile page could).
+    pub async fn run(&self, script: &str) {
+        self.client.execute(script, vec![]).await.unwrap();
     }
 
     pub async fn sign_in(&self, key: &str) {

@@ -38,8 +38,7 @@ async fn an_operator_resolves_an_intent_a_worker_left_unknown_and_sees_the_audit
     let ids = left_unknown(&app, "charge", 2).await;
     let key =
         crate::helpers::create_key(&app.pool, "alice-desk", &["acme"], &["operate"], &[]).await;
-    let browser = Browser::open(app.console_addr.unwrap()).await;
-    browser.sign_in(&key).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
     assert_eq!(browser.path().await, "/");
     assert_eq!(browser.text("#who").await, "alice-desk");
     assert!(browser.text("#states").await.contains("NEEDS_RECONCILE"));
@@ -96,8 +95,7 @@ async fn a_key_of_another_tenant_sees_none_of_it() {
     let ids = left_unknown(&app, "charge", 1).await;
     let other =
         crate::helpers::create_key(&app.pool, "globex-ops", &["globex"], &["operate"], &[]).await;
-    let browser = Browser::open(app.console_addr.unwrap()).await;
-    browser.sign_in(&other).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &other).await;
     assert!(!browser.text("#states").await.contains("NEEDS_RECONCILE"));
     browser.goto("/desk").await;
     assert!(browser.body().await.contains("Nothing awaits a decision"));
@@ -115,8 +113,7 @@ async fn a_key_of_another_tenant_sees_none_of_it() {
 async fn signing_out_ends_the_session_and_a_revoked_key_ends_its_sessions() {
     let app = console_app().await;
     let key = crate::helpers::create_key(&app.pool, "bob", &["acme"], &["operate"], &[]).await;
-    let browser = Browser::open(app.console_addr.unwrap()).await;
-    browser.sign_in(&key).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
     assert_eq!(browser.path().await, "/");
     let cookies = browser.client.get_all_cookies().await.unwrap();
     let session = cookies
@@ -158,8 +155,7 @@ async fn signing_out_ends_the_session_and_a_revoked_key_ends_its_sessions() {
 async fn a_key_without_the_operate_scope_cannot_sign_in() {
     let app = console_app().await;
     let producer = app.key(&["acme"], &["produce", "consume"], &[]).await;
-    let browser = Browser::open(app.console_addr.unwrap()).await;
-    browser.sign_in(&producer).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &producer).await;
     assert!(browser.text("#error").await.contains("operate or admin"));
     browser.goto("/").await;
     assert_eq!(browser.path().await, "/sign-in");
@@ -206,8 +202,7 @@ async fn claims_and_hand_offs_show_on_the_chart_as_claimed() {
     tallied(&app, 4).await;
 
     let key = app.key(&["acme"], &["operate"], &[]).await;
-    let browser = Browser::open(app.console_addr.unwrap()).await;
-    browser.sign_in(&key).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
     assert_eq!(browser.text("#enqueued").await, "enqueued 4");
     assert_eq!(browser.text("#claimed").await, "claimed 4");
     browser.close().await;
@@ -282,8 +277,7 @@ async fn hostile_payloads_render_inert() {
     );
     let ids = app.enqueue_ids(vec![hostile, binary, huge]).await;
     let key = app.key(&["acme"], &["operate"], &[]).await;
-    let browser = Browser::open(app.console_addr.unwrap()).await;
-    browser.sign_in(&key).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
 
     browser.goto(&format!("/intents/{}", ids[0])).await;
     assert_eq!(browser.text("#payload").await, script, "shown as text");
@@ -326,17 +320,11 @@ async fn a_change_without_the_csrf_token_is_refused_and_changes_nothing() {
     let app = console_app().await;
     let ids = left_unknown(&app, "charge", 1).await;
     let key = app.key(&["acme"], &["operate"], &[]).await;
-    let browser = Browser::open(app.console_addr.unwrap()).await;
-    browser.sign_in(&key).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
     browser.goto(&format!("/intents/{}", ids[0])).await;
     browser
-        .client
-        .execute(
-            "document.querySelector('#decide input[name=csrf]').remove()",
-            vec![],
-        )
-        .await
-        .unwrap();
+        .run("document.querySelector('#decide input[name=csrf]').remove()")
+        .await;
     browser.select("#decision", "REQUEUE").await;
     browser.fill("#reason", "forged").await;
     browser.submit("#resolve").await;
@@ -352,8 +340,7 @@ async fn a_decision_another_operator_took_first_answers_clearly_and_applies_once
     let app = console_app().await;
     let ids = left_unknown(&app, "charge", 1).await;
     let key = app.key(&["acme"], &["operate"], &[]).await;
-    let browser = Browser::open(app.console_addr.unwrap()).await;
-    browser.sign_in(&key).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
     browser.goto("/desk").await;
     browser.click(&format!("input[value='{}']", ids[0])).await;
     // Meanwhile, a second later, another operator decides it through the API.
@@ -411,8 +398,7 @@ async fn an_admin_creates_a_key_whose_secret_is_shown_once_and_revokes_it() {
     })
     .await;
     let admin = crate::helpers::create_key(&app.pool, "root-ops", &["acme"], &["admin"], &[]).await;
-    let browser = Browser::open(app.console_addr.unwrap()).await;
-    browser.sign_in(&admin).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &admin).await;
     browser.goto("/keys").await;
     submit_key_form(
         &browser,
@@ -485,8 +471,7 @@ async fn an_admin_creates_a_key_whose_secret_is_shown_once_and_revokes_it() {
 async fn without_the_owners_connection_the_keys_page_only_lists() {
     let app = console_app().await;
     let admin = crate::helpers::create_key(&app.pool, "root-ops", &["acme"], &["admin"], &[]).await;
-    let browser = Browser::open(app.console_addr.unwrap()).await;
-    browser.sign_in(&admin).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &admin).await;
     browser.goto("/keys").await;
     assert!(browser.text("#keys").await.contains("root-ops"));
     assert!(browser.text("#read-only").await.contains("outboxd keys"));
@@ -528,8 +513,7 @@ async fn an_operator_pauses_a_queue_and_sees_the_blocked_ordering_keys() {
     assert_eq!(app.state(&ids[0]).await, IntentState::DeadLettered);
 
     let key = crate::helpers::create_key(&app.pool, "dora-ops", &["acme"], &["operate"], &[]).await;
-    let browser = Browser::open(app.console_addr.unwrap()).await;
-    browser.sign_in(&key).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
     browser.goto("/queues").await;
     let blocked = browser.text("#blocked").await;
     assert!(
@@ -589,8 +573,7 @@ async fn an_intent_is_found_by_its_id_or_idempotency_key_and_listed_by_filter() 
         ])
         .await;
     let key = app.key(&["acme"], &["operate"], &[]).await;
-    let browser = Browser::open(app.console_addr.unwrap()).await;
-    browser.sign_in(&key).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
     // The overview's groups link to their list; the list filters by one region or by
     // none, so a group of intents without a region has no link (it would list every region).
     let groups = browser.html("#groups").await;
@@ -639,8 +622,7 @@ async fn an_intents_page_shows_its_whole_last_error() {
     })
     .await;
     let key = crate::helpers::create_key(&app.pool, "alice", &["acme"], &["operate"], &[]).await;
-    let browser = Browser::open(app.console_addr.unwrap()).await;
-    browser.sign_in(&key).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
     browser
         .goto(&format!("/intents/{}", id_of(&leases[0])))
         .await;
@@ -711,8 +693,7 @@ async fn a_reload_after_saving_a_policy_sends_nothing_and_a_stale_page_overwrite
 {
     let app = console_app().await;
     let key = crate::helpers::create_key(&app.pool, "dora-ops", &["acme"], &["operate"], &[]).await;
-    let browser = Browser::open(app.console_addr.unwrap()).await;
-    browser.sign_in(&key).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
     browser.goto("/queues").await;
     submit_policy(&browser, "mail", true, "").await;
     assert!(browser.text("#saved").await.contains("acme/mail"));
@@ -794,8 +775,7 @@ async fn an_ordered_dead_letter_given_up_offers_no_decision() {
     app.fail(&leases[0], FailOutcome::Retry).await;
     assert_eq!(app.state(&ids[0]).await, IntentState::DeadLettered);
     let key = app.key(&["acme"], &["operate"], &[]).await;
-    let browser = Browser::open(app.console_addr.unwrap()).await;
-    browser.sign_in(&key).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
     browser.goto(&format!("/intents/{}", ids[0])).await;
     let offered = browser.text("#decision").await;
     assert!(offered.contains("DEAD"), "it holds its key: {offered}");
@@ -831,8 +811,7 @@ async fn a_decision_sent_after_the_session_expired_says_so_and_a_new_sign_in_ret
     let app = console_app().await;
     let ids = left_unknown(&app, "charge", 1).await;
     let key = app.key(&["acme"], &["operate"], &[]).await;
-    let browser = Browser::open(app.console_addr.unwrap()).await;
-    browser.sign_in(&key).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
     let page = format!("/intents/{}", ids[0]);
     browser.goto(&page).await;
     sqlx::query("UPDATE outbox.console_session SET expires_at = now() - interval '1 second'")
@@ -894,8 +873,7 @@ async fn the_overview_says_where_its_counts_stop_and_marks_only_the_counts_cut_s
         app.enqueue_n("bulk", 1000).await;
     }
     let key = app.key(&["acme"], &["operate"], &[]).await;
-    let browser = Browser::open(app.console_addr.unwrap()).await;
-    browser.sign_in(&key).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
     let note = browser.text("#capped").await;
     assert!(
         note.contains("PENDING") && note.contains("5,000") && note.contains("10,000"),
@@ -919,8 +897,7 @@ async fn a_reason_box_takes_as_long_a_reason_as_the_api_allows() {
     let app = console_app().await;
     let ids = left_unknown(&app, "charge", 1).await;
     let key = app.key(&["acme"], &["operate"], &[]).await;
-    let browser = Browser::open(app.console_addr.unwrap()).await;
-    browser.sign_in(&key).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
     let intent_page = format!("/intents/{}", ids[0]);
     for (page, css) in [
         ("/desk", "#reason"),
@@ -943,13 +920,8 @@ async fn a_reason_box_takes_as_long_a_reason_as_the_api_allows() {
     // A reason of 4,096 characters is recorded whole.
     browser.goto(&intent_page).await;
     browser
-        .client
-        .execute(
-            "document.querySelector('#reason').value = 'r'.repeat(4096)",
-            vec![],
-        )
-        .await
-        .unwrap();
+        .run("document.querySelector('#reason').value = 'r'.repeat(4096)")
+        .await;
     browser.select("#decision", "DELIVERED").await;
     browser.submit("#resolve").await;
     assert!(browser.text("#outcomes").await.contains("applied"));
@@ -962,18 +934,14 @@ async fn a_form_over_the_size_limit_gets_the_consoles_error_page_and_changes_not
     let app = console_app().await;
     let ids = left_unknown(&app, "charge", 1).await;
     let key = app.key(&["acme"], &["operate"], &[]).await;
-    let browser = Browser::open(app.console_addr.unwrap()).await;
-    browser.sign_in(&key).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
     browser.goto(&format!("/intents/{}", ids[0])).await;
     browser
-        .client
-        .execute(
+        .run(
             "const r = document.querySelector('#reason'); r.removeAttribute('maxlength'); \
              r.value = 'x'.repeat(70000)",
-            vec![],
         )
-        .await
-        .unwrap();
+        .await;
     browser.select("#decision", "REQUEUE").await;
     browser.submit("#resolve").await;
     assert!(browser.text("h1").await.contains("413"));

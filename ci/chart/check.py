@@ -681,14 +681,10 @@ class Binary:
         self._unknown: dict[str, bool] = {}
 
     def unknown(self, names) -> list[str]:
-        """Names this build refuses as unknown. It reports every bad variable at once, and
-        a bad listen address makes sure it stops at configuration (no database needed)."""
+        """Names this build refuses as unknown."""
         todo = [n for n in names if n not in self._unknown and n != "OUTBOX_LISTEN_ADDR"]
         if todo:
-            env = {"PATH": os.environ.get("PATH", ""), **{n: "x" for n in todo}, "OUTBOX_LISTEN_ADDR": "not-an-address"}
-            p = subprocess.run([self.path, "migrate"], env=env, capture_output=True, text=True, timeout=60)
-            text = p.stdout + p.stderr
-            check(p.returncode != 0 and "OUTBOX_LISTEN_ADDR" in text, f"unexpected configuration probe result: {text}")
+            text = self._configuration_errors({n: "x" for n in todo})
             for n in todo:
                 # `NAME: unknown variable` (src/config/load.rs); `NAME="value": …` for a known
                 # variable with a bad value.
@@ -698,12 +694,17 @@ class Binary:
     def refused_service_links(self, names) -> list[str]:
         """Of the service-link variables `names`, with the values the kubelet gives them,
         those this build refuses."""
-        env = {"PATH": os.environ.get("PATH", ""), **{n: service_link_value(n) for n in names},
-               "OUTBOX_LISTEN_ADDR": "not-an-address"}
+        text = self._configuration_errors({n: service_link_value(n) for n in names})
+        return sorted(n for n in names if re.search(rf"^\s*{re.escape(n)}(=.*)?:", text, re.M))
+
+    def _configuration_errors(self, variables: dict) -> str:
+        """What this build says of `variables`. It reports every bad variable at once, and a
+        bad listen address makes sure it stops at configuration (no database needed)."""
+        env = {"PATH": os.environ.get("PATH", ""), **variables, "OUTBOX_LISTEN_ADDR": "not-an-address"}
         p = subprocess.run([self.path, "migrate"], env=env, capture_output=True, text=True, timeout=60)
         text = p.stdout + p.stderr
         check(p.returncode != 0 and "OUTBOX_LISTEN_ADDR" in text, f"unexpected configuration probe result: {text}")
-        return sorted(n for n in names if re.search(rf"^\s*{re.escape(n)}(=.*)?:", text, re.M))
+        return text
 
 
 def service_link_value(name: str) -> str:

@@ -11,8 +11,6 @@ use sqlx::{Connection, PgPool};
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
-use tokio_stream::StreamExt;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use tonic_health::server::HealthReporter;
@@ -415,13 +413,19 @@ pub async fn verify_fleet_role(pool: &PgPool) -> anyhow::Result<()> {
 }
 
 /// What every session outboxd opens is set to (see [`connect`]); `variable` names the
-/// setting a malformed `url` came from.
+/// setting a malformed `url` came from. `client_connection_check_interval`: a statement
+/// still running when this process is gone (a call cut at the end of the shutdown grace,
+/// waiting on a lock) is rolled back within a second instead of committing for nobody.
 fn session_options(url: &str, variable: &str) -> anyhow::Result<PgConnectOptions> {
     let options: PgConnectOptions = url
         .parse()
         .with_context(|| format!("{variable} is not a valid PostgreSQL URL"))?;
     Ok(options
-        .options([("synchronous_commit", "on"), ("jit", "off")])
+        .options([
+            ("synchronous_commit", "on"),
+            ("jit", "off"),
+            ("client_connection_check_interval", "1s"),
+        ])
         .application_name("outboxd"))
 }
 
@@ -655,10 +659,19 @@ impl Application {
             }
             None => None,
         };
-        // hyper's guard against floods of resets it must answer with errors ("rapid
-        // reset"), which tonic's builder turns off unless it is given.
-        let mut builder =
-            tonic::transport::Server::builder().http2_max_local_error_reset_streams(Some(1024));
+        // hyper's guards against "rapid reset" floods: resets it must answer with errors
+        // (which tonic's builder turns off unless it is given), and streams reset before
+        // they were accepted, queued at once (hyper's 20 closed the connection of a client
+        // cancelling a few hundred calls a second on a busy server, cutting the other
+        // calls on it).
+        let mut builder = tonic::transport::Server::builder()
+            .http2_max_local_error_reset_streams(Some(RESET_STREAMS))
+            .http2_max_pending_accept_reset_streams(Some(RESET_STREAMS))
+            // Past it a client queues its calls; each stream holds a request being read.
+            .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
+            // A peer that stops answering pings (gone, or never reading) is closed.
+            .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+            .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT));
         if let Some(tls) = &settings.tls {
             builder = builder
                 .tls_config(tls_config(tls)?)
@@ -686,14 +699,7 @@ impl Application {
             .add_optional_service(reflection_v1alpha)
             .add_service(handler.into_server(settings.limits.max_message_bytes))
             .serve_with_incoming_shutdown(
-                TcpListenerStream::new(listener).map(|accepted| {
-                    // tonic sets TCP_NODELAY only on listeners it binds itself. Without it,
-                    // Nagle holds small responses for the peer's delayed ACK (~40 ms a call).
-                    if let Ok(stream) = &accepted {
-                        let _ = stream.set_nodelay(true);
-                    }
-                    accepted
-                }),
+                crate::incoming::admitted(listener, settings.limits.max_connections),
                 shutdown.clone().cancelled_owned(),
             );
         let server = tokio::spawn(server);
@@ -817,6 +823,18 @@ impl Application {
 
 /// How often readiness re-checks that the database answers and the service role may use it.
 const DATABASE_CHECK_INTERVAL: Duration = Duration::from_secs(2);
+
+/// The limit of each of hyper's guards against reset floods on one HTTP/2 connection (see
+/// where the gRPC server is built).
+const RESET_STREAMS: usize = 1024;
+
+/// Most calls at once on one HTTP/2 connection (hyper's own default for servers).
+const MAX_STREAMS_PER_CONNECTION: u32 = 200;
+
+/// How long a connection may be silent before it is pinged, and how long it then has to
+/// answer before it is closed.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Sets the status of the whole server ("") and of the outbox service.
 async fn set_health(health: &HealthReporter, status: tonic_health::ServingStatus) {

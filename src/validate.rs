@@ -24,11 +24,12 @@ pub const PRIORITIES: std::ops::RangeInclusive<i16> = -10..=10;
 const DEFAULT_RECONCILE_LIMIT: usize = 100;
 const DEFAULT_PAGE_SIZE: usize = 50;
 /// Most violations listed in one error, and most bytes of field paths and descriptions as
-/// they are sent ([`header_bytes`]): the message and the BadRequest both travel in HTTP/2
-/// headers, which clients cap (16 KiB for hyper and tonic by default). A request of 1000
-/// bad intents must still get its INVALID_ARGUMENT, not a protocol error.
+/// they are sent ([`header_bytes`]): the message and the BadRequest (base64, a third more)
+/// both travel in HTTP/2 trailers, which clients cap (8 KiB in grpcio, which past it drops
+/// the call; 16 KiB in hyper and tonic). A request of 1000 bad intents must still get its
+/// INVALID_ARGUMENT, not a protocol error.
 const MAX_VIOLATIONS: usize = 32;
-const MAX_VIOLATION_BYTES: usize = 4096;
+const MAX_VIOLATION_BYTES: usize = 1024;
 /// Longest list of states a filter may give (each state twice over).
 const MAX_STATES_IN_FILTER: usize = 2 * IntentState::ALL.len();
 /// Characters of a client-chosen map key quoted in a field path.

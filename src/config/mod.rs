@@ -160,6 +160,10 @@ pub struct Limits {
     #[serde(with = "humantime_serde")]
     #[default(Duration::from_secs(30))]
     pub operator_timeout: Duration,
+    /// Most gRPC connections open at once: past it a new one is closed as it is accepted,
+    /// before the process runs out of file descriptors.
+    #[default(10_000)]
+    pub max_connections: usize,
 }
 
 impl Limits {
@@ -400,6 +404,7 @@ impl Settings {
             ),
             (l.max_text_length, "OUTBOX_LIMITS__MAX_TEXT_LENGTH"),
             (l.max_kinds, "OUTBOX_LIMITS__MAX_KINDS"),
+            (l.max_connections, "OUTBOX_LIMITS__MAX_CONNECTIONS"),
             (
                 usize::try_from(l.default_max_attempts).unwrap_or(0),
                 "OUTBOX_RETRY__MAX_ATTEMPTS",

@@ -239,3 +239,55 @@ async fn a_claim_whose_caller_went_away_gives_its_leases_back_uncounted() {
         "the attempt nobody saw is not counted"
     );
 }
+
+/// A statement still running when its server process is gone (a call cut at the end of
+/// the shutdown grace, waiting on a lock) is rolled back by PostgreSQL, not committed for
+/// nobody once the lock is free.
+#[tokio::test]
+async fn a_statement_left_waiting_by_a_server_process_that_is_gone_is_rolled_back() {
+    let app = TestApp::spawn().await;
+    let id = app.enqueue_one("job", "{}").await;
+    let leases = app.claim_n("w", 1).await;
+    let mut blocker = app.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM outbox.intent WHERE id = $1::uuid FOR UPDATE")
+        .bind(&id)
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+
+    let server = crate::memory::Server::start(&app.url).await;
+    let key = app.key(&[TENANT], &["consume"], &[]).await;
+    let credentials = outboxd::client::Credentials::new(Some(&key), None).unwrap();
+    let mut client = outboxd::client::client(server.channel().await, credentials);
+    let lease = lease_ref(&leases[0]);
+    let ack = tokio::spawn(async move {
+        let request = v1::AckRequest {
+            leases: vec![lease],
+        };
+        client.ack(request).await
+    });
+    app.wait_for_lock_waiters(1).await;
+    drop(server); // killed, as a server is that exits with the call cut
+    assert!(ack.await.unwrap().is_err());
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        if waiting == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the gone server's Ack still waits for the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    blocker.commit().await.unwrap();
+    assert_eq!(committed_state(&app.pool, &id).await, "leased");
+}

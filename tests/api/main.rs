@@ -7,6 +7,7 @@ mod cancel;
 mod cancellation;
 mod claim;
 mod commands;
+mod connections;
 mod console;
 mod console_indexes;
 mod enqueue;

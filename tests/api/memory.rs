@@ -29,7 +29,7 @@ const BUDGET: u64 = 64 * MIB;
 const MESSAGE: usize = 8 * 1024 * 1024 - 64;
 
 /// An `outboxd serve` process, killed when dropped.
-struct Server {
+pub(crate) struct Server {
     child: Child,
     addr: String,
 }
@@ -42,7 +42,7 @@ impl Drop for Server {
 }
 
 impl Server {
-    async fn start(url: &str) -> Self {
+    pub(crate) async fn start(url: &str) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -129,7 +129,7 @@ impl Server {
             .expect("cannot reset VmHWM through /proc/<pid>/clear_refs");
     }
 
-    async fn channel(&self) -> Channel {
+    pub(crate) async fn channel(&self) -> Channel {
         Channel::from_shared(self.addr.clone())
             .unwrap()
             .connect()

@@ -110,6 +110,7 @@ pub fn reply_bytes_at_most(i: &Intent) -> usize {
         + bytes(i.worker_id.as_ref().map_or(0, String::len))
         + bytes(i.last_error.as_ref().map_or(0, String::len))
         + bytes(i.ordering_key.as_ref().map_or(0, String::len))
+        + bytes(i.tenant.len())
 }
 
 impl From<IntentState> for v1::IntentState {
@@ -165,6 +166,7 @@ impl From<Intent> for v1::Intent {
             last_error: i.last_error.unwrap_or_default(),
             ordering_key: i.ordering_key.unwrap_or_default(),
             priority: i32::from(i.priority),
+            tenant: i.tenant,
         }
     }
 }

@@ -236,12 +236,13 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
             let after_token = !page_token.is_empty();
             let request = v1::ListIntentsRequest {
                 states: vec![v1::IntentState::Waiting as i32],
-                ordering_key: key,
+                ordering_key: key.clone(),
                 page_size: limit,
                 page_token,
                 ..Default::default()
             };
             let waiting = service.list_intents(request).await?.into_inner();
+            one_tenant(&key, heads.iter().chain(&waiting.intents))?;
             // A DEAD_LETTERED intent given up by an operator (DEAD) no longer holds its
             // key; only its resolutions tell it from one that does.
             let mut given_up = HashSet::new();
@@ -273,7 +274,7 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                         kind: head.kind.clone(),
                     };
                     let policies = service.list_queue_policies(request).await?.into_inner();
-                    queue_hold(&policies.policies, &head.kind)
+                    queue_hold(&policies.policies, &head.tenant, &head.kind)
                 }
                 _ => None,
             };
@@ -582,10 +583,27 @@ fn key_holder<'a>(heads: &'a [v1::Intent], given_up: &HashSet<String>) -> Option
         .or_else(|| holding().next())
 }
 
-/// Why a PENDING intent of `kind` is not leased though due: its queue's policy, if one
-/// holds it back now.
-fn queue_hold(policies: &[v1::QueuePolicy], kind: &str) -> Option<String> {
-    let of_kind: Vec<_> = policies.iter().filter(|p| p.kind == kind).collect();
+/// An ordering key is a tenant's: a key acting for several tenants may find the same key
+/// in more than one, whose queues are apart.
+fn one_tenant<'a>(key: &str, intents: impl Iterator<Item = &'a v1::Intent>) -> anyhow::Result<()> {
+    let tenants: std::collections::BTreeSet<&str> = intents.map(|i| i.tenant.as_str()).collect();
+    if tenants.len() > 1 {
+        let tenants: Vec<&str> = tenants.into_iter().collect();
+        anyhow::bail!(
+            "ordering key {key:?} has intents in the tenants {}: name one with --tenant",
+            tenants.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Why a PENDING intent of `tenant`'s `kind` is not leased though due: its queue's policy,
+/// if one holds it back now.
+fn queue_hold(policies: &[v1::QueuePolicy], tenant: &str, kind: &str) -> Option<String> {
+    let of_kind: Vec<_> = policies
+        .iter()
+        .filter(|p| p.tenant == tenant && p.kind == kind)
+        .collect();
     if of_kind.is_empty() {
         None
     } else if of_kind.iter().all(|p| p.paused) {
@@ -743,13 +761,14 @@ mod tests {
         assert!(why.starts_with("first: d PENDING: not due until "), "{why}");
 
         let policy = |paused, max_in_flight, in_flight| v1::QueuePolicy {
+            tenant: "acme".to_owned(),
             kind: "mail".to_owned(),
             paused,
             max_in_flight,
             in_flight,
             ..Default::default()
         };
-        let paused = queue_hold(&[policy(true, 0, 0)], "mail");
+        let paused = queue_hold(&[policy(true, 0, 0)], "acme", "mail");
         let due = intent("p", v1::IntentState::Pending);
         let why = why_key_waits(Some(&due), &listed, paused);
         assert!(
@@ -757,11 +776,13 @@ mod tests {
             "{why}"
         );
         assert!(
-            queue_hold(&[policy(false, 4, 4)], "mail")
+            queue_hold(&[policy(false, 4, 4)], "acme", "mail")
                 .is_some_and(|h| h.contains("concurrency limit"))
         );
-        assert_eq!(queue_hold(&[policy(false, 4, 3)], "mail"), None);
-        assert_eq!(queue_hold(&[policy(true, 0, 0)], "sms"), None);
+        assert_eq!(queue_hold(&[policy(false, 4, 3)], "acme", "mail"), None);
+        assert_eq!(queue_hold(&[policy(true, 0, 0)], "acme", "sms"), None);
+        // Another tenant's pause of the same kind holds nothing back here.
+        assert_eq!(queue_hold(&[policy(true, 0, 0)], "globex", "mail"), None);
     }
 
     #[test]

@@ -179,7 +179,7 @@ async fn insert_direct(
     direct.transactions.inc();
     if let Some(taken) = taken {
         if let Some(tally) = &direct.tally {
-            tally.count(inserted.leased.iter().map(|i| (tenant_id, i)));
+            tally.count(&inserted.leased);
         }
         let ids: Vec<_> = inserted.enqueued.iter().map(|e| e.id).collect();
         taken.hand_over(&ids, inserted.leased);

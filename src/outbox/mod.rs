@@ -204,6 +204,8 @@ pub struct Intent {
     pub ordering_key: Option<String>,
     /// Priority (higher first within its tenant and kind).
     pub priority: i16,
+    /// Its tenant.
+    pub tenant: String,
 }
 
 impl Intent {
@@ -237,6 +239,7 @@ pub(crate) fn leased_intent(id: IntentId) -> Intent {
         last_error: None,
         ordering_key: None,
         priority: 0,
+        tenant: "t".to_owned(),
     }
 }
 

@@ -61,6 +61,7 @@ async fn a_waiting_claim_is_handed_the_intent_enqueued_for_it_and_acks_it_under_
     );
     let intent = lease.intent.as_ref().unwrap();
     assert_eq!(intent.state, v1::IntentState::Leased as i32);
+    assert_eq!(intent.tenant, crate::helpers::TENANT);
     assert!(
         secs(&lease.lease_expires_at) > secs(&intent.available_at) + 20.0,
         "the 30 s lease the claim asked for (by default)"

@@ -904,6 +904,74 @@ async fn the_cli_says_when_a_keys_first_intent_is_not_due_or_its_queue_is_paused
     assert!(out.contains("1 waiting behind it"), "{out}");
 }
 
+/// An ordering key is a tenant's: given a key of several tenants, `intents key` asks which
+/// one when the key is used in more than one, and reads only that tenant's queue.
+#[tokio::test]
+async fn the_cli_asks_which_tenants_key_to_show_when_several_use_it() {
+    let app = TestApp::spawn().await;
+    let both = app.key(&[TENANT, "globex"], &["admin"], &[]).await;
+    let acme = app
+        .enqueue_ids(vec![ordered("shared", "1"), ordered("shared", "2")])
+        .await;
+    let mut globex = app.client_with(Some(&both), Some("globex")).await;
+    globex
+        .enqueue(v1::EnqueueRequest {
+            intents: vec![ordered("shared", "1"), ordered("shared", "2")],
+            txn_token: String::new(),
+        })
+        .await
+        .unwrap();
+    globex
+        .set_queue_policy(v1::SetQueuePolicyRequest {
+            kind: "order.event".to_owned(),
+            paused: true,
+            actor: "ops".to_owned(),
+            reason: "globex's provider is down".to_owned(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+
+    let server = format!("http://{}", app.addr);
+    let args = [
+        "intents",
+        "key",
+        "shared",
+        "--server",
+        &server,
+        "--api-key",
+        &both,
+    ];
+    let output = crate::commands::outboxd(&args, &[]).await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("ordering key \"shared\" has intents in the tenants acme, globex: name one with --tenant"),
+        "{stderr}"
+    );
+
+    let out = cli(
+        &app,
+        &both,
+        &["intents", "key", "shared", "--tenant", TENANT],
+    )
+    .await;
+    assert!(
+        out.contains(&format!("first: {} PENDING: claimable", acme[0])),
+        "globex's pause is not acme's: {out}"
+    );
+    let out = cli(
+        &app,
+        &both,
+        &["intents", "key", "shared", "--tenant", "globex"],
+    )
+    .await;
+    assert!(
+        out.contains("PENDING: its queue \"order.event\" is paused"),
+        "{out}"
+    );
+}
+
 #[tokio::test]
 async fn the_cli_names_a_keys_first_intent_behind_pages_of_waiting_ones() {
     let app = TestApp::spawn().await;

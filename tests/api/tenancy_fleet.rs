@@ -10,7 +10,7 @@ use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
 use crate::helpers::{
-    SERVICE_ROLE, TestApp, assert_item_ok, claim_request, duration, failure, id_of, intent,
+    SERVICE_ROLE, TENANT, TestApp, assert_item_ok, claim_request, duration, failure, id_of, intent,
     lease_ref, populate_globex,
 };
 
@@ -395,6 +395,34 @@ async fn a_key_bound_to_all_tenants_claims_settles_and_rescues_across_them_throu
         k
     };
     assert_eq!(kinds(&leases), ["a", "a", "a", "b", "b", "b"]);
+    // Each intent says whose it is, in a claim, a listing and a read by id.
+    let tenant_of_kind = |kind: &str| if kind == "a" { TENANT } else { "globex" };
+    for lease in &leases {
+        let claimed = lease.intent.as_ref().unwrap();
+        assert_eq!(claimed.tenant, tenant_of_kind(&claimed.kind));
+    }
+    let operator = app.key(&["*"], &["operate"], &[]).await;
+    let mut operator = app.client_with(Some(&operator), None).await;
+    let listed = operator
+        .list_intents(v1::ListIntentsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .intents;
+    assert_eq!(listed.len(), 6);
+    for intent in &listed {
+        assert_eq!(intent.tenant, tenant_of_kind(&intent.kind));
+        let read = operator
+            .get_intent(v1::GetIntentRequest {
+                id: intent.id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .intent
+            .unwrap();
+        assert_eq!(read.tenant, intent.tenant);
+    }
 
     let by_kind = |kind: &str| -> Vec<&v1::Lease> {
         leases

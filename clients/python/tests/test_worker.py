@@ -42,15 +42,18 @@ def test_two_workers_of_concurrency_8_drain_2000_intents_across_two_replicas_exa
     with outboxd.Outbox([a], stack.api_key) as via_a, outboxd.Outbox([b], stack.api_key) as via_b:
         ids = enqueue(via_a, k, 1000) + enqueue(via_b, k, 1000)
     seen: collections.Counter[str] = collections.Counter()
+    tenants: set[str] = set()
     lock = threading.Lock()
     workers = [Worker([a, b], stack.api_key, concurrency=8), Worker([b, a], stack.api_key, concurrency=8)]
 
     def handle(intent: Intent) -> None:
         with lock:
             seen[intent.id] += 1
+            tenants.add(intent.tenant)
 
     async def handle_async(intent: Intent) -> None:
         seen[intent.id] += 1  # the loop thread: no lock needed against itself
+        tenants.add(intent.tenant)
 
     workers[0].add_handler(k, handle)
     workers[1].add_handler(k, handle_async)
@@ -58,6 +61,7 @@ def test_two_workers_of_concurrency_8_drain_2000_intents_across_two_replicas_exa
         wait_for("2000 acks", lambda: sum(w.stats.acked for w in workers) >= 2000, timeout=90)
     assert set(seen) == set(ids)
     assert max(seen.values()) == 1, "an intent was handled twice"
+    assert tenants == {"default"}, "the key's tenant"
     assert sum(w.stats.claimed for w in workers) == 2000
     assert all(w.stats.claimed > 0 for w in workers), [w.stats for w in workers]
     states = collections.Counter(i.state for i in list_intents(stack_outbox(stack), k).values())
@@ -773,6 +777,31 @@ def test_a_claim_answered_after_an_outage_longer_than_the_lease_runs_its_fresh_l
 def test_kinds_given_as_one_string_is_refused() -> None:
     with pytest.raises(TypeError, match="not a str"):
         Worker("127.0.0.1:1", "key", kinds="email.send")
+
+
+def test_an_empty_list_of_kinds_is_refused_not_read_as_every_kind() -> None:
+    with pytest.raises(ValueError, match="empty list"):
+        Worker("127.0.0.1:1", "key", kinds=[])
+
+
+def test_an_https_endpoint_is_spoken_to_in_tls_never_in_the_clear() -> None:
+    received: list[bytes] = []
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def first_bytes() -> None:
+            conn, _ = server.accept()
+            with conn:
+                received.append(conn.recv(4096))
+
+        listener = threading.Thread(target=first_bytes, daemon=True)
+        listener.start()
+        with outboxd.Outbox([f"https://127.0.0.1:{port}"], "obx_secret", timeout=2) as outbox:
+            with pytest.raises(outboxd.OutboxError):
+                outbox.enqueue_direct("k", b"x")
+        listener.join(10)
+    assert received and received[0][:1] == b"\x16", f"not a TLS handshake: {received!r}"
+    assert b"obx_secret" not in received[0]
 
 
 def _typing_only(worker: Worker) -> None:

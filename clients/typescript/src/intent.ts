@@ -12,6 +12,8 @@ export interface Intent {
   readonly payload: Buffer;
   /** Media type given at enqueue, e.g. `application/json`; empty if none. */
   readonly contentType: string;
+  /** The intent's tenant: which of its tenants a key acting for several claimed it for. */
+  readonly tenant: string;
   /** Region given at enqueue; empty means any. */
   readonly region: string;
   /** Idempotency key given at enqueue; empty if none. Handy as the target's own key. */
@@ -44,6 +46,7 @@ export function intentOf(lease: Lease): Intent {
     kind: wire?.kind ?? "",
     payload,
     contentType: wire?.contentType ?? "",
+    tenant: wire?.tenant ?? "",
     region: wire?.region ?? "",
     idempotencyKey: wire?.idempotencyKey ?? "",
     orderingKey: wire?.orderingKey ?? "",

@@ -50,10 +50,12 @@ describe("delivery", () => {
   test("two workers of concurrency 8 on two replicas drain 2,000 intents, each delivered exactly once", async () => {
     const ids = await enqueue("drain.exact", 2_000);
     const deliveries = new Map<string, number>();
+    const tenants = new Set<string>();
     const workers = fx.endpoints.map((endpoint) => {
       const w = worker({ endpoints: [endpoint], concurrency: 8 });
       w.handle("drain.exact", async (intent) => {
         deliveries.set(intent.id, (deliveries.get(intent.id) ?? 0) + 1);
+        tenants.add(intent.tenant);
         await new Promise((r) => setImmediate(r));
       });
       return w;
@@ -65,6 +67,7 @@ describe("delivery", () => {
     assert.equal(deliveries.size, 2_000);
     assert.deepEqual([...deliveries.keys()].sort(), [...ids].sort());
     assert.ok([...deliveries.values()].every((n) => n === 1), "an intent was delivered twice");
+    assert.deepEqual([...tenants], ["default"], "the key's tenant");
     for (const w of workers) {
       assert.ok(w.stats().acked > 0, `worker ${w.workerId} on its own replica acked nothing`);
       assert.equal(w.stats().leaseLost, 0);

@@ -62,12 +62,12 @@ pub struct Leased {
 }
 
 impl Leased {
-    /// What one look leased in each level, from the intents it leased and their tenants.
-    pub fn by_level(intents: &[Intent], tenants: &[String]) -> Vec<(QueueLevel, Self)> {
+    /// What one look leased in each level.
+    pub fn by_level(intents: &[Intent]) -> Vec<(QueueLevel, Self)> {
         let mut levels: HashMap<QueueLevel, Self> = HashMap::new();
-        for (intent, tenant) in intents.iter().zip(tenants) {
+        for intent in intents {
             let level = QueueLevel {
-                tenant: tenant.clone(),
+                tenant: intent.tenant.clone(),
                 kind: intent.kind.clone(),
                 priority: intent.priority,
             };
@@ -272,17 +272,13 @@ mod tests {
             updated_at: at(updated),
             ..crate::outbox::leased_intent(crate::outbox::IntentId(uuid::Uuid::nil()))
         };
-        assert_eq!(Leased::by_level(&[], &[]), Vec::new());
-        let tenants = vec!["t".to_owned(); 4];
-        let mut levels = Leased::by_level(
-            &[
-                intent("a", 5, 20),
-                intent("a", 7, 21),
-                intent("a", 3, 20),
-                intent("b", 9, 22),
-            ],
-            &tenants,
-        );
+        assert_eq!(Leased::by_level(&[]), Vec::new());
+        let mut levels = Leased::by_level(&[
+            intent("a", 5, 20),
+            intent("a", 7, 21),
+            intent("a", 3, 20),
+            intent("b", 9, 22),
+        ]);
         levels.sort_by(|x, y| x.0.kind.cmp(&y.0.kind));
         assert_eq!(
             levels,

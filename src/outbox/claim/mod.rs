@@ -283,7 +283,6 @@ impl Claims {
         };
         let store::Claimed {
             intents,
-            tenants,
             next_due_in,
             replayed,
             ran_out,
@@ -294,18 +293,14 @@ impl Claims {
         let filled = !ran_out;
         if !replayed {
             let now = Instant::now();
-            self.floors.record(
-                group,
-                look_from.is_none(),
-                Leased::by_level(&intents, &tenants),
-                now,
-            );
+            self.floors
+                .record(group, look_from.is_none(), Leased::by_level(&intents), now);
             // A queue a limit held back is not drained: a slot or token freed since
             // (an Ack, say) is for the group's next claim to find at once.
             let drained = !filled && refused_by_limit == 0;
             self.drained.record(group, seen, drained, again_in, now);
             if let Some(tally) = &self.counters.tally {
-                tally.count(tenants.iter().map(String::as_str).zip(&intents));
+                tally.count(&intents);
             }
         }
         Ok(Look {

@@ -20,15 +20,15 @@ const EVERY: Duration = Duration::from_secs(1);
 pub struct ClaimTally(Mutex<ClaimCounts>);
 
 impl ClaimTally {
-    /// Counts `leased`, each with its tenant, in the minute its lease began (its
-    /// `updated_at`, the database's clock, as the chart's other lines).
-    pub fn count<'a>(&self, leased: impl IntoIterator<Item = (&'a str, &'a Intent)>) {
+    /// Counts `leased` in the minute each lease began (its `updated_at`, the database's
+    /// clock, as the chart's other lines).
+    pub fn count(&self, leased: &[Intent]) {
         let mut counts = self.lock();
-        for (tenant, intent) in leased {
+        for intent in leased {
             let at = intent.updated_at;
             let minute = at.duration_trunc(TimeDelta::minutes(1)).unwrap_or(at);
             *counts
-                .entry((minute, tenant.to_owned(), intent.region.clone()))
+                .entry((minute, intent.tenant.clone(), intent.region.clone()))
                 .or_default() += 1;
         }
     }
@@ -88,18 +88,23 @@ mod tests {
     #[test]
     fn leases_are_counted_by_minute_tenant_and_region() {
         let at = |s: &str| DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc);
-        let intent = |updated: &str, region: &str| Intent {
+        let intent = |updated: &str, tenant: &str| Intent {
             updated_at: at(updated),
-            region: region.to_owned(),
+            region: "eu".to_owned(),
+            tenant: tenant.to_owned(),
             ..crate::outbox::leased_intent(crate::outbox::IntentId(uuid::Uuid::nil()))
         };
         let (a, b, c) = (
-            intent("2026-12-05T08:00:01Z", "eu"),
-            intent("2026-12-05T08:00:59Z", "eu"),
-            intent("2026-12-05T08:01:00Z", "eu"),
+            intent("2026-12-05T08:00:01Z", "acme"),
+            intent("2026-12-05T08:00:59Z", "acme"),
+            intent("2026-12-05T08:01:00Z", "acme"),
         );
+        let globex = Intent {
+            tenant: "globex".to_owned(),
+            ..a.clone()
+        };
         let tally = ClaimTally::default();
-        tally.count([("acme", &a), ("acme", &b), ("acme", &c), ("globex", &a)]);
+        tally.count(&[a, b, c, globex]);
         let counts = tally.lock();
         let minute = at("2026-12-05T08:00:00Z");
         assert_eq!(counts[&(minute, "acme".to_owned(), "eu".to_owned())], 2);

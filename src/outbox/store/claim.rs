@@ -69,8 +69,6 @@ pub const CLAIM_CALL: &str =
 pub struct Claimed {
     /// The leased intents, highest priority first, then oldest `available_at`.
     pub intents: Vec<Intent>,
-    /// The tenant of each of `intents`.
-    pub tenants: Vec<String>,
     /// When it leased fewer than asked: how long until the next PENDING intent matching
     /// the filters becomes due, if one is scheduled in the future, so that a long-polling
     /// claimer (or the next of its group, [`crate::outbox::claim::drained`]) sleeps exactly that
@@ -142,26 +140,24 @@ pub async fn claim_intents(
     .await?;
     let mut claimed = Claimed {
         intents: Vec::with_capacity(rows.len()),
-        tenants: Vec::with_capacity(rows.len()),
         next_due_in: None,
         replayed: false,
         ran_out: false,
         refused_by_limit: 0,
     };
-    // After the intent's columns: next_due_in, replayed, ran_out, tenant_id,
-    // refused_by_limit, unflushed, incarnation, backend, began.
-    let (next_due_in, replayed, ran_out, tenant, refused) = (
+    // After the intent's columns: next_due_in, replayed, ran_out, refused_by_limit,
+    // unflushed, incarnation, backend, began.
+    let (next_due_in, replayed, ran_out, refused) = (
         INTENT_COLUMNS,
         INTENT_COLUMNS + 1,
         INTENT_COLUMNS + 2,
         INTENT_COLUMNS + 3,
-        INTENT_COLUMNS + 4,
     );
     let (unflushed, incarnation, backend, began) = (
+        INTENT_COLUMNS + 4,
         INTENT_COLUMNS + 5,
         INTENT_COLUMNS + 6,
         INTENT_COLUMNS + 7,
-        INTENT_COLUMNS + 8,
     );
     if let Some(row) = rows.first() {
         let leased = !row.try_get_raw(0)?.is_null();
@@ -185,7 +181,6 @@ pub async fn claim_intents(
         claimed.ran_out = row.try_get(ran_out)?;
         claimed.refused_by_limit = u64::try_from(row.try_get::<i32, _>(refused)?).unwrap_or(0);
     }
-    let mut leased = Vec::with_capacity(rows.len());
     for (n, row) in rows.iter().enumerate() {
         // A single row of NULLs when nothing was leased.
         if row.try_get_raw(0)?.is_null() {
@@ -194,10 +189,9 @@ pub async fn claim_intents(
         if n == 0 {
             claimed.replayed = row.try_get(replayed)?;
         }
-        leased.push((intent_at(row, n == 0)?, row.try_get::<String, _>(tenant)?));
+        claimed.intents.push(intent_at(row, n == 0)?);
     }
-    leased.sort_by_key(|(i, _)| i.claim_order());
-    (claimed.intents, claimed.tenants) = leased.into_iter().unzip();
+    claimed.intents.sort_by_key(Intent::claim_order);
     Ok(claimed)
 }
 

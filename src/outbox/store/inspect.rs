@@ -22,7 +22,7 @@ pub async fn get_intent(
         SELECT i.id, i.state, i.kind, i.payload, i.content_type, i.region, i.idempotency_key,
                i.headers, i.attempts, i.max_attempts, i.available_at, i.created_at,
                i.updated_at, i.lease_id, i.lease_expires_at, i.worker_id, i.last_error,
-               i.ordering_key, i.priority
+               i.ordering_key, i.priority, i.tenant_id AS tenant
         FROM outbox.intents_by_id(ARRAY[$1]::uuid[]) i
         WHERE (cardinality($2::text[]) = 0 OR i.region = '' OR i.region = ANY($2::text[]))
         "#,

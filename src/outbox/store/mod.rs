@@ -117,7 +117,7 @@ pub async fn probe_listener(pool: &sqlx::PgPool, payload: &str) -> crate::outbox
 }
 
 /// The columns of `crate::outbox::Intent`, in the order in which every statement that
-/// returns intents selects them (`i.id, i.state, …, i.last_error`).
+/// returns intents selects them (`i.id, i.state, …, i.tenant_id AS tenant`).
 pub(crate) const INTENT_COLUMN_NAMES: [&str; INTENT_COLUMNS] = [
     "id",
     "state",
@@ -138,11 +138,12 @@ pub(crate) const INTENT_COLUMN_NAMES: [&str; INTENT_COLUMNS] = [
     "last_error",
     "ordering_key",
     "priority",
+    "tenant",
 ];
 
 /// How many columns of an intent a claim selects ([`INTENT_COLUMN_NAMES`]); the
 /// statement's own columns follow them.
-pub(crate) const INTENT_COLUMNS: usize = 19;
+pub(crate) const INTENT_COLUMNS: usize = 20;
 
 /// Decodes the [`Intent`](crate::outbox::Intent) in the first [`INTENT_COLUMNS`] columns of
 /// `row`, in the order of [`INTENT_COLUMN_NAMES`], by position. A claim decodes up to a thousand
@@ -190,6 +191,7 @@ pub(crate) fn intent_at(
         last_error: get(row, 16, checked)?,
         ordering_key: get(row, 17, checked)?,
         priority: get(row, 18, checked)?,
+        tenant: get(row, 19, checked)?,
     })
 }
 

@@ -91,6 +91,14 @@ def _target(endpoint: str) -> str:
     return endpoint
 
 
+def _credentials(endpoint: str, given: Optional[grpc.ChannelCredentials]) -> Optional[grpc.ChannelCredentials]:
+    """TLS when `given`, or when the endpoint says `https://` (then with the system's roots):
+    an API key is never sent in the clear to an endpoint written as TLS."""
+    if given is None and endpoint.startswith("https://"):
+        return grpc.ssl_channel_credentials()
+    return given
+
+
 @dataclass
 class Config:
     """What every client shares: endpoints, credentials and channel options."""
@@ -131,8 +139,8 @@ class AsyncClient:
         self.config = config
         opts = config.channel_options()
         self._channels = [
-            grpc.aio.secure_channel(_target(e), config.credentials, options=opts)
-            if config.credentials is not None
+            grpc.aio.secure_channel(_target(e), tls, options=opts)
+            if (tls := _credentials(e, config.credentials)) is not None
             else grpc.aio.insecure_channel(_target(e), options=opts)
             for e in config.endpoints
         ]
@@ -208,8 +216,8 @@ class SyncClient:
         self.config = config
         opts = config.channel_options()
         self._channels = [
-            grpc.secure_channel(_target(e), config.credentials, options=opts)
-            if config.credentials is not None
+            grpc.secure_channel(_target(e), tls, options=opts)
+            if (tls := _credentials(e, config.credentials)) is not None
             else grpc.insecure_channel(_target(e), options=opts)
             for e in config.endpoints
         ]

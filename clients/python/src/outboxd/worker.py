@@ -113,6 +113,7 @@ class Intent:
         self.payload: bytes = i.payload
         self.content_type: str = i.content_type
         self.headers: Mapping[str, str] = dict(i.headers)
+        self.tenant: str = i.tenant
         self.region: str = i.region
         self.idempotency_key: str = i.idempotency_key
         self.ordering_key: str = i.ordering_key
@@ -316,6 +317,10 @@ class Worker:
         if isinstance(kinds, str):
             # A str is a Sequence[str] too: it would claim one-letter kinds.
             raise TypeError(f"kinds takes a list of kinds, not a str: kinds=[{kinds!r}]")
+        if kinds is not None and not kinds:
+            # The server reads an empty filter as every kind: intents of kinds without a
+            # handler would be dead-lettered.
+            raise ValueError("kinds must not be an empty list (None claims the handlers' kinds)")
         self._config = Config(
             endpoints=[endpoints] if isinstance(endpoints, str) else list(endpoints),
             api_key=api_key,

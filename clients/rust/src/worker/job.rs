@@ -67,6 +67,11 @@ impl Job {
         &self.intent.headers
     }
 
+    /// The intent's tenant: which of its tenants a key acting for several claimed it for.
+    pub fn tenant(&self) -> &str {
+        &self.intent.tenant
+    }
+
     /// The intent's region (empty: any).
     pub fn region(&self) -> &str {
         &self.intent.region

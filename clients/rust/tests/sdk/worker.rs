@@ -32,16 +32,18 @@ async fn two_workers_handle_1500_intents_exactly_once_across_two_replicas() {
     let mut ids = enqueue(&Outbox::new(connect(std::slice::from_ref(&a))), &k, 750, 0).await;
     ids.extend(enqueue(&Outbox::new(connect(std::slice::from_ref(&b))), &k, 750, 0).await);
     let seen: Seen = Arc::default();
+    let tenants: Seen = Arc::default();
     let workers: Vec<Running> = [vec![a.clone(), b.clone()], vec![b, a]]
         .into_iter()
         .map(|endpoints| {
-            let seen = seen.clone();
+            let (seen, tenants) = (seen.clone(), tenants.clone());
             let worker = Worker::builder(connect(&endpoints))
                 .concurrency(8)
                 .handler(&k, move |job: Job| {
-                    let seen = seen.clone();
+                    let (seen, tenants) = (seen.clone(), tenants.clone());
                     async move {
                         count(&seen, job.id());
+                        count(&tenants, job.tenant());
                         Ok::<_, Failure>(())
                     }
                 })
@@ -64,6 +66,8 @@ async fn two_workers_handle_1500_intents_exactly_once_across_two_replicas() {
         ids.iter().all(|id| seen.get(id) == Some(&1)),
         "an intent was handled twice or never"
     );
+    let tenants: Vec<String> = tenants.lock().unwrap().keys().cloned().collect();
+    assert_eq!(tenants, ["default"], "the key's tenant");
     assert_eq!(
         stats.iter().map(|s| s.claimed).sum::<u64>(),
         1500,

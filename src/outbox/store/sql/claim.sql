@@ -6,7 +6,7 @@
 -- One row per leased intent (its columns in the order of store::INTENT_COLUMN_NAMES), or a
 -- single row of NULLs; each with next_due_in when fewer than asked were leased within the
 -- budget (the queue ran out), ran_out, replayed (a claim that leased has written, so its
--- transaction has an id, and a replay only reads), the intent's tenant, and the leases
+-- transaction has an id, and a replay only reads), and the leases
 -- limits refused (set by outbox.claim for the statement's transaction), whether the
 -- transaction commits without waiting for its flush (a limited queue's), and when the
 -- server it ran on started, its backend and when its statement began (store::flush: a
@@ -42,7 +42,7 @@ due AS MATERIALIZED (
 SELECT i.id, i.state, i.kind, i.payload, i.content_type, i.region, i.idempotency_key,
        i.headers, i.attempts, i.max_attempts, i.available_at, i.created_at, i.updated_at,
        i.lease_id, i.lease_expires_at, i.worker_id, i.last_error, i.ordering_key, i.priority,
-       due.seconds AS next_due_in, s.replayed, s.ran_out, i.tenant_id, s.refused_by_limit,
+       i.tenant_id AS tenant, due.seconds AS next_due_in, s.replayed, s.ran_out, s.refused_by_limit,
        s.unflushed, s.incarnation, s.backend, s.began
 FROM outcome s
 LEFT JOIN leased i ON true

@@ -71,6 +71,7 @@ inserted AS (
 )
 SELECT i.id, i.state, i.kind, i.payload, i.content_type, i.region, i.idempotency_key,
        i.headers, i.attempts, i.max_attempts, i.available_at, i.created_at, i.updated_at,
-       i.lease_id, i.lease_expires_at, i.worker_id, i.last_error, i.ordering_key, i.priority
+       i.lease_id, i.lease_expires_at, i.worker_id, i.last_error, i.ordering_key, i.priority,
+       i.tenant_id AS tenant
 FROM inserted i
 WHERE i.state = 'leased'

@@ -17,7 +17,7 @@ SELECT i.id, i.state, i.kind,
        i.content_type, i.region, i.idempotency_key, i.headers, i.attempts,
        i.max_attempts, i.available_at, i.created_at, i.updated_at, i.lease_id,
        i.lease_expires_at, i.worker_id, i.last_error, i.ordering_key, i.priority,
-       i.candidates
+       i.tenant_id AS tenant, i.candidates
 FROM (
     SELECT u.*, w.weight,
            sum(w.weight) OVER (ORDER BY u.id ROWS UNBOUNDED PRECEDING) AS through,

@@ -91,7 +91,7 @@ class NewIntent(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., payload: _Optional[bytes] = ..., content_type: _Optional[str] = ..., region: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ..., max_attempts: _Optional[int] = ..., delay: _Optional[_Union[_duration_pb2.Duration, _Mapping]] = ..., available_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., ordering_key: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class Intent(_message.Message):
-    __slots__ = ("id", "state", "kind", "payload", "content_type", "region", "idempotency_key", "headers", "attempts", "max_attempts", "available_at", "created_at", "updated_at", "lease_expires_at", "worker_id", "last_error", "ordering_key", "priority")
+    __slots__ = ("id", "state", "kind", "payload", "content_type", "region", "idempotency_key", "headers", "attempts", "max_attempts", "available_at", "created_at", "updated_at", "lease_expires_at", "worker_id", "last_error", "ordering_key", "priority", "tenant")
     class HeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class Intent(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     ORDERING_KEY_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: IntentState
     kind: str
@@ -135,7 +136,8 @@ class Intent(_message.Message):
     last_error: str
     ordering_key: str
     priority: int
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[IntentState, str]] = ..., kind: _Optional[str] = ..., payload: _Optional[bytes] = ..., content_type: _Optional[str] = ..., region: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ..., attempts: _Optional[int] = ..., max_attempts: _Optional[int] = ..., available_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., created_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., lease_expires_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., worker_id: _Optional[str] = ..., last_error: _Optional[str] = ..., ordering_key: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[IntentState, str]] = ..., kind: _Optional[str] = ..., payload: _Optional[bytes] = ..., content_type: _Optional[str] = ..., region: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ..., attempts: _Optional[int] = ..., max_attempts: _Optional[int] = ..., available_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., created_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., lease_expires_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., worker_id: _Optional[str] = ..., last_error: _Optional[str] = ..., ordering_key: _Optional[str] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class EnqueueRequest(_message.Message):
     __slots__ = ("intents", "txn_token")

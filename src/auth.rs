@@ -142,11 +142,20 @@ impl Caller {
     /// (which must be one of the key's), or all of the key's.
     ///
     /// # Errors
-    /// [`Error::PermissionDenied`] with reason `TENANT_NOT_ALLOWED`.
+    /// [`Error::InvalidArgument`] for a header given twice; [`Error::PermissionDenied`]
+    /// with reason `TENANT_NOT_ALLOWED`.
     pub fn scope(&self, metadata: &MetadataMap) -> Result<TenantScope> {
         let Some(value) = metadata.get(TENANT_HEADER) else {
             return Ok(self.tenants.clone());
         };
+        if metadata.get_all(TENANT_HEADER).iter().nth(1).is_some() {
+            return Err(Error::InvalidArgument(vec![
+                crate::outbox::FieldViolation::new(
+                    TENANT_HEADER,
+                    "given more than once: name one tenant",
+                ),
+            ]));
+        }
         let denied = || {
             Error::PermissionDenied(
                 Reason::TenantNotAllowed,
@@ -353,6 +362,12 @@ impl Authenticator {
     /// [`Error::Database`] when keys cannot be read.
     pub async fn authenticate(&self, metadata: &MetadataMap) -> Result<Caller> {
         let unauthenticated = |why: &str| Error::Unauthenticated(why.to_owned());
+        // Two keys would leave which one acts to the order of the headers.
+        if metadata.get_all("authorization").iter().nth(1).is_some() {
+            return Err(unauthenticated(
+                "`authorization` given more than once: send one API key",
+            ));
+        }
         let header = metadata
             .get("authorization")
             .ok_or_else(|| unauthenticated("missing `authorization: Bearer <API key>` metadata"))?;

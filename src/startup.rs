@@ -671,7 +671,10 @@ impl Application {
             .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
             // A peer that stops answering pings (gone, or never reading) is closed.
             .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
-            .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT));
+            .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+            // A call whose request never ends (a client stalling mid-message) would hold
+            // what it received for good: cut past twice the longest a call may take.
+            .timeout(2 * (settings.limits.max_wait + settings.limits.operator_timeout));
         if let Some(tls) = &settings.tls {
             builder = builder
                 .tls_config(tls_config(tls)?)

@@ -1635,6 +1635,33 @@ async fn hostile_requests_get_their_status_and_change_nothing() {
     );
     case!(
         cases,
+        "GetQueueStats: x-outbox-tenant given twice",
+        invalid("x-outbox-tenant"),
+        async move {
+            let body = frame(false, 0, "");
+            let twice: [(&str, &[u8]); 2] =
+                [("x-outbox-tenant", b"acme"), ("x-outbox-tenant", b"globex")];
+            s.raw.http("GetQueueStats", &body, &twice).await
+        }
+    );
+    case!(
+        cases,
+        "GetQueueStats: authorization given twice",
+        call(Code::Unauthenticated, "UNAUTHENTICATED", ""),
+        async move {
+            let body = frame(false, 0, "");
+            let other = format!("Bearer {}", s.produce_key);
+            s.raw
+                .http(
+                    "GetQueueStats",
+                    &body,
+                    &[("authorization", other.as_bytes())],
+                )
+                .await
+        }
+    );
+    case!(
+        cases,
         "Claim: with a produce-only key",
         call(Code::PermissionDenied, "MISSING_SCOPE", ""),
         async move {

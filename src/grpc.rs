@@ -321,6 +321,10 @@ impl OutboxHandler {
     }
 }
 
+/// At most what a `GetQueueStatsResponse` takes besides its policies: 100 regions of each
+/// state, a region's name at most 256 bytes.
+const STATS_COUNTS_BYTES: usize = 10 * 100 * 300 + 1024;
+
 /// Splits intents, in the order of their reply, where they would make it more than
 /// `budget` bytes: those that fit (at least one, whatever its size) and the rest.
 fn split_at_reply_budget(mut intents: Vec<Intent>, budget: usize) -> (Vec<Intent>, Vec<Intent>) {
@@ -750,7 +754,14 @@ impl OutboxHandler {
     ) -> RpcResult<v1::GetQueueStatsResponse> {
         let (caller, scope) = self.access(&request, Permission::Operate).await?;
         let mut tx = self.begin_operator(&scope).await?;
-        let stats = store::queue_stats(&mut tx, &caller.regions, self.clock.now()).await?;
+        // What the counts take (at most 100 regions of each state) is left out of the
+        // policies' share of the reply.
+        let policies_budget = self
+            .limits
+            .max_reply_bytes
+            .saturating_sub(STATS_COUNTS_BYTES);
+        let stats =
+            store::queue_stats(&mut tx, &caller.regions, policies_budget, self.clock.now()).await?;
         tx.commit().await.map_err(Error::from)?;
         Ok(Response::new(stats.into()))
     }
@@ -838,13 +849,28 @@ impl OutboxHandler {
         request: Request<v1::ListQueuePoliciesRequest>,
     ) -> RpcResult<v1::ListQueuePoliciesResponse> {
         let (_, scope) = self.access(&request, Permission::Operate).await?;
-        let kind = validate::queue_policies(request.into_inner(), &self.limits)?;
+        let (kind, after) = validate::queue_policies(request.into_inner(), &self.limits)?;
         let mut tx = self.begin_operator(&scope).await?;
-        let policies =
-            store::list_queue_policies(&mut tx, kind.as_deref(), self.clock.now()).await?;
+        let page = store::list_queue_policies(
+            &mut tx,
+            kind.as_deref(),
+            after.as_ref(),
+            self.limits.max_reply_bytes,
+            self.clock.now(),
+        )
+        .await?;
         tx.commit().await.map_err(Error::from)?;
+        let next_page_token = match page.policies.last() {
+            Some(last) if page.more => store::PolicyCursor {
+                tenant: last.tenant_id.clone(),
+                kind: last.kind.clone(),
+            }
+            .token(),
+            _ => String::new(),
+        };
         Ok(Response::new(v1::ListQueuePoliciesResponse {
-            policies: policies.into_iter().map(Into::into).collect(),
+            policies: page.policies.into_iter().map(Into::into).collect(),
+            next_page_token,
         }))
     }
 }

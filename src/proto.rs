@@ -256,6 +256,7 @@ impl From<outbox::store::QueueStats> for v1::GetQueueStatsResponse {
             blocked_keys: s.blocked_keys,
             oldest_blocked_at: s.oldest_blocked_at.map(timestamp),
             policies: s.policies.into_iter().map(Into::into).collect(),
+            policies_left_out: s.policies_left_out,
         }
     }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use crate::config::Limits;
-use crate::outbox::store::ReconcileTarget;
+use crate::outbox::store::{PolicyCursor, ReconcileTarget};
 use crate::outbox::token::TxnToken;
 use crate::outbox::{
     Decision, Error, FailOutcome, Failure, FieldViolation, IntentId, IntentState, LeaseId,
@@ -910,10 +910,19 @@ const MIN_RATE_PER_SECOND: f64 = 1.0 / 86_400.0;
 pub fn queue_policies(
     req: v1::ListQueuePoliciesRequest,
     limits: &Limits,
-) -> Result<Option<String>> {
+) -> Result<(Option<String>, Option<PolicyCursor>)> {
     let mut c = Check::default();
     c.name("kind", &req.kind, false, limits.max_name_length);
-    c.done((!req.kind.is_empty()).then_some(req.kind))
+    let after = if req.page_token.is_empty() {
+        None
+    } else {
+        let cursor = PolicyCursor::from_token(&req.page_token);
+        if cursor.is_none() {
+            c.fail("page_token", "is not a token returned by ListQueuePolicies");
+        }
+        cursor
+    };
+    c.done(((!req.kind.is_empty()).then_some(req.kind), after))
 }
 
 /// Validates a SetQueuePolicy request.

@@ -270,8 +270,10 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
             let holder = key_holder(&heads, &given_up);
             let hold = match holder {
                 Some(head) if head.state == v1::IntentState::Pending as i32 => {
+                    // One kind's policies: one a tenant, a page for all but thousands.
                     let request = v1::ListQueuePoliciesRequest {
                         kind: head.kind.clone(),
+                        ..Default::default()
                     };
                     let policies = service.list_queue_policies(request).await?.into_inner();
                     queue_hold(&policies.policies, &head.tenant, &head.kind)

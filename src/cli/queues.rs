@@ -40,12 +40,21 @@ pub(super) async fn run(command: QueuesCommand) -> anyhow::Result<()> {
             print_policies(&client, &[policy])
         }
         QueuesCommand::List { kind, client } => {
-            let policies = connect(&client)
-                .await?
-                .list_queue_policies(v1::ListQueuePoliciesRequest { kind })
-                .await?
-                .into_inner()
-                .policies;
+            let mut service = connect(&client).await?;
+            let mut policies = Vec::new();
+            let mut page_token = String::new();
+            loop {
+                let request = v1::ListQueuePoliciesRequest {
+                    kind: kind.clone(),
+                    page_token,
+                };
+                let page = service.list_queue_policies(request).await?.into_inner();
+                policies.extend(page.policies);
+                page_token = page.next_page_token;
+                if page_token.is_empty() {
+                    break;
+                }
+            }
             print_policies(&client, &policies)
         }
     }

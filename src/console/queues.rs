@@ -332,6 +332,7 @@ async fn has_no_policy(
     let request = session.request(
         v1::ListQueuePoliciesRequest {
             kind: kind.to_owned(),
+            ..Default::default()
         },
         Some(tenant),
     )?;

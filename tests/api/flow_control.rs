@@ -695,6 +695,7 @@ async fn a_rate_limit_leases_its_burst_then_its_rate() {
     let listed = client
         .list_queue_policies(v1::ListQueuePoliciesRequest {
             kind: "sms".to_owned(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -891,7 +892,10 @@ async fn bad_policies_are_refused_and_change_nothing() {
     assert_status(&status, Code::PermissionDenied, "REGION_NOT_ALLOWED", &[]);
     for kind in ["bad\u{1}kind".to_owned(), "k".repeat(300)] {
         let status = client
-            .list_queue_policies(v1::ListQueuePoliciesRequest { kind })
+            .list_queue_policies(v1::ListQueuePoliciesRequest {
+                kind,
+                ..Default::default()
+            })
             .await
             .unwrap_err();
         assert_status(
@@ -1312,4 +1316,77 @@ async fn set_policy_by(app: &TestApp, kind: &str, actor: &str) {
         },
     )
     .await;
+}
+
+/// Policies are listed page by page, each page within the reply limit (an all-tenant key's
+/// listing grows with the tenants); GetQueueStats shows as many as fit, and says so.
+#[tokio::test]
+async fn policies_are_listed_in_pages_within_the_reply_limit() {
+    use prost::Message as _;
+    const REPLY: usize = 20_000;
+    let app = TestApp::spawn_with(|s| {
+        s.limits.max_payload_bytes = 1024;
+        s.limits.max_reply_bytes = REPLY;
+    })
+    .await;
+    let mut client = app.client();
+    let mut kinds: Vec<String> = (0..10).map(|n| format!("kind-{n}")).collect();
+    for kind in &kinds {
+        let request = v1::SetQueuePolicyRequest {
+            kind: kind.clone(),
+            paused: true,
+            actor: "ops".to_owned(),
+            reason: "r".repeat(4096),
+            ..Default::default()
+        };
+        client.set_queue_policy(request).await.unwrap();
+    }
+    let (mut listed, mut pages, mut page_token) = (Vec::new(), 0, String::new());
+    loop {
+        let request = v1::ListQueuePoliciesRequest {
+            page_token,
+            ..Default::default()
+        };
+        let page = client
+            .list_queue_policies(request)
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(page.encoded_len() <= REPLY, "{} bytes", page.encoded_len());
+        assert!(!page.policies.is_empty());
+        listed.extend(page.policies.into_iter().map(|p| p.kind));
+        pages += 1;
+        page_token = page.next_page_token;
+        if page_token.is_empty() {
+            break;
+        }
+    }
+    kinds.sort();
+    assert_eq!(listed, kinds, "each policy once, by kind");
+    assert!(pages >= 3, "{pages} pages");
+
+    let stats = client
+        .get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(stats.policies_left_out);
+    assert!(!stats.policies.is_empty() && stats.policies.len() < 10);
+    assert!(
+        stats.encoded_len() <= REPLY,
+        "{} bytes",
+        stats.encoded_len()
+    );
+
+    let request = v1::ListQueuePoliciesRequest {
+        page_token: "not a token".to_owned(),
+        ..Default::default()
+    };
+    let refused = client.list_queue_policies(request).await.unwrap_err();
+    assert_status(
+        &refused,
+        Code::InvalidArgument,
+        "INVALID_ARGUMENT",
+        &["page_token"],
+    );
 }

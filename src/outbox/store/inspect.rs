@@ -180,8 +180,10 @@ pub struct QueueStats {
     pub blocked_keys: i64,
     /// The last state change of the longest-blocked head.
     pub oldest_blocked_at: Option<DateTime<Utc>>,
-    /// The queues with a policy, with their live figures.
+    /// The queues with a policy, with their live figures, as many as fit the budget.
     pub policies: Vec<super::QueuePolicy>,
+    /// Policies did not all fit.
+    pub policies_left_out: bool,
 }
 
 /// Most regions [`QueueStats::counts`] shows of one state: regions are whatever names
@@ -213,6 +215,7 @@ pub(super) const BLOCKED_HEADS: &str = r#"
 pub async fn queue_stats(
     conn: &mut PgConnection,
     regions: &[String],
+    policies_budget: usize,
     now: Option<DateTime<Utc>>,
 ) -> Result<QueueStats> {
     #[derive(sqlx::FromRow)]
@@ -275,7 +278,7 @@ pub async fn queue_stats(
     .bind(now)
     .fetch_one(&mut *conn)
     .await?;
-    let policies = super::list_queue_policies(conn, None, now).await?;
+    let policies = super::list_queue_policies(conn, None, None, policies_budget, now).await?;
     let given_up: i64 = sqlx::query_scalar(
         r#"
         SELECT count(*)
@@ -296,7 +299,8 @@ pub async fn queue_stats(
         oldest_staged_at,
         blocked_keys,
         oldest_blocked_at,
-        policies,
+        policies: policies.policies,
+        policies_left_out: policies.more,
     })
 }
 

@@ -52,7 +52,9 @@ pub use maintenance::{
     BackoffParams, forget_claim_requests, purge_finished_intents, rescue_expired_leases,
 };
 pub use ordering::{advance_keys, lock_ordering_keys};
-pub use policy::{PolicyParams, QueuePolicy, list_queue_policies, set_queue_policy};
+pub use policy::{
+    PolicyCursor, PolicyPage, PolicyParams, QueuePolicy, list_queue_policies, set_queue_policy,
+};
 pub use reconcile::{ReconcileParams, ReconcileTarget, resolve_intents};
 pub use settle::{
     ACK_AND_DELETE_CALL, ACK_CALL, DeliveredRows, SettleScope, Settled, ack_intents, extend_leases,

@@ -185,21 +185,72 @@ pub async fn set_queue_policy(
     }
 }
 
-/// The policies of the transaction's tenants (of `kind`, if given), by tenant and kind.
+/// Where a page of policies begins: after this tenant's queue.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PolicyCursor {
+    /// The tenant of the last policy of the previous page.
+    pub tenant: String,
+    /// Its kind.
+    pub kind: String,
+}
+
+impl PolicyCursor {
+    /// The page token naming it: its tenant and kind, which hold no comma.
+    pub fn token(&self) -> String {
+        format!("{},{}", self.tenant, self.kind)
+    }
+
+    /// The cursor a [`Self::token`] names, if `token` is one.
+    pub fn from_token(token: &str) -> Option<Self> {
+        let (tenant, kind) = token.split_once(',')?;
+        let names = crate::outbox::is_name(tenant, 64) && crate::outbox::is_name(kind, 256);
+        names.then(|| Self {
+            tenant: tenant.to_owned(),
+            kind: kind.to_owned(),
+        })
+    }
+}
+
+/// One page of [`list_queue_policies`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyPage {
+    /// The policies, by tenant and kind.
+    pub policies: Vec<QueuePolicy>,
+    /// More policies follow the last of them.
+    pub more: bool,
+}
+
+/// The policies of the transaction's tenants (of `kind`, if given) after `after`, by tenant
+/// and kind, as many as weigh at most `budget` bytes of a reply (at least one): an
+/// all-tenant key's listing grows with the tenants.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
 pub async fn list_queue_policies(
     conn: &mut PgConnection,
     kind: Option<&str>,
+    after: Option<&PolicyCursor>,
+    budget: usize,
     now: Option<DateTime<Utc>>,
-) -> Result<Vec<QueuePolicy>> {
-    let policies = sqlx::query_as(&format!("{POLICIES} ORDER BY p.tenant_id, p.kind"))
+) -> Result<PolicyPage> {
+    use sqlx::{FromRow, Row};
+    let rows = sqlx::query(include_str!("sql/policy_page.sql"))
         .bind(kind)
         .bind(now)
+        .bind(after.map(|a| a.tenant.as_str()))
+        .bind(after.map(|a| a.kind.as_str()))
+        .bind(i64::try_from(budget).unwrap_or(i64::MAX))
         .fetch_all(&mut *conn)
         .await?;
-    Ok(policies)
+    let more = match rows.first() {
+        Some(row) => row.try_get("more")?,
+        None => false,
+    };
+    let policies = rows
+        .iter()
+        .map(QueuePolicy::from_row)
+        .collect::<sqlx::Result<_>>()?;
+    Ok(PolicyPage { policies, more })
 }
 
 /// How many queues are paused, and how many are at their limit now (in flight at the

@@ -416,7 +416,7 @@ class StateCount(_message.Message):
     def __init__(self, state: _Optional[_Union[IntentState, str]] = ..., region: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class GetQueueStatsResponse(_message.Message):
-    __slots__ = ("counts", "oldest_pending_at", "oldest_staged_at", "reconcile_backlog", "blocked_keys", "oldest_blocked_at", "policies", "regions_left_out")
+    __slots__ = ("counts", "oldest_pending_at", "oldest_staged_at", "reconcile_backlog", "blocked_keys", "oldest_blocked_at", "policies", "regions_left_out", "policies_left_out")
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     OLDEST_PENDING_AT_FIELD_NUMBER: _ClassVar[int]
     OLDEST_STAGED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -425,6 +425,7 @@ class GetQueueStatsResponse(_message.Message):
     OLDEST_BLOCKED_AT_FIELD_NUMBER: _ClassVar[int]
     POLICIES_FIELD_NUMBER: _ClassVar[int]
     REGIONS_LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
+    POLICIES_LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
     counts: _containers.RepeatedCompositeFieldContainer[StateCount]
     oldest_pending_at: _timestamp_pb2.Timestamp
     oldest_staged_at: _timestamp_pb2.Timestamp
@@ -433,7 +434,8 @@ class GetQueueStatsResponse(_message.Message):
     oldest_blocked_at: _timestamp_pb2.Timestamp
     policies: _containers.RepeatedCompositeFieldContainer[QueuePolicy]
     regions_left_out: bool
-    def __init__(self, counts: _Optional[_Iterable[_Union[StateCount, _Mapping]]] = ..., oldest_pending_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., oldest_staged_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., reconcile_backlog: _Optional[int] = ..., blocked_keys: _Optional[int] = ..., oldest_blocked_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., policies: _Optional[_Iterable[_Union[QueuePolicy, _Mapping]]] = ..., regions_left_out: bool = ...) -> None: ...
+    policies_left_out: bool
+    def __init__(self, counts: _Optional[_Iterable[_Union[StateCount, _Mapping]]] = ..., oldest_pending_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., oldest_staged_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., reconcile_backlog: _Optional[int] = ..., blocked_keys: _Optional[int] = ..., oldest_blocked_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., policies: _Optional[_Iterable[_Union[QueuePolicy, _Mapping]]] = ..., regions_left_out: bool = ..., policies_left_out: bool = ...) -> None: ...
 
 class QueuePolicy(_message.Message):
     __slots__ = ("tenant", "kind", "paused", "max_in_flight", "rate_per_second", "burst", "actor", "reason", "updated_at", "in_flight", "tokens", "api_key")
@@ -490,13 +492,17 @@ class SetQueuePolicyResponse(_message.Message):
     def __init__(self, policy: _Optional[_Union[QueuePolicy, _Mapping]] = ...) -> None: ...
 
 class ListQueuePoliciesRequest(_message.Message):
-    __slots__ = ("kind",)
+    __slots__ = ("kind", "page_token")
     KIND_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     kind: str
-    def __init__(self, kind: _Optional[str] = ...) -> None: ...
+    page_token: str
+    def __init__(self, kind: _Optional[str] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListQueuePoliciesResponse(_message.Message):
-    __slots__ = ("policies",)
+    __slots__ = ("policies", "next_page_token")
     POLICIES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     policies: _containers.RepeatedCompositeFieldContainer[QueuePolicy]
-    def __init__(self, policies: _Optional[_Iterable[_Union[QueuePolicy, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, policies: _Optional[_Iterable[_Union[QueuePolicy, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...

@@ -248,12 +248,7 @@ async fn a_statement_left_waiting_by_a_server_process_that_is_gone_is_rolled_bac
     let app = TestApp::spawn().await;
     let id = app.enqueue_one("job", "{}").await;
     let leases = app.claim_n("w", 1).await;
-    let mut blocker = app.pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM outbox.intent WHERE id = $1::uuid FOR UPDATE")
-        .bind(&id)
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
+    let mut locker = app.lock_intent_row(&id).await;
 
     let server = crate::memory::Server::start(&app.url).await;
     let key = app.key(&[TENANT], &["consume"], &[]).await;
@@ -271,23 +266,13 @@ async fn a_statement_left_waiting_by_a_server_process_that_is_gone_is_rolled_bac
     assert!(ack.await.unwrap().is_err());
 
     let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity \
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-        if waiting == 0 {
-            break;
-        }
+    while app.lock_waiters().await > 0 {
         assert!(
             Instant::now() < deadline,
             "the gone server's Ack still waits for the lock"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    blocker.commit().await.unwrap();
+    sqlx::raw_sql("COMMIT").execute(&mut locker).await.unwrap();
     assert_eq!(committed_state(&app.pool, &id).await, "leased");
 }

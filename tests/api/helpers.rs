@@ -478,17 +478,35 @@ impl TestApp {
         locker
     }
 
+    /// A session holding intent `id`'s row locked (`FOR UPDATE`) in an open transaction:
+    /// every change of that intent waits behind it until `COMMIT` on that session.
+    pub async fn lock_intent_row(&self, id: &str) -> PgConnection {
+        let mut locker = PgConnection::connect(&self.url).await.unwrap();
+        sqlx::raw_sql("BEGIN").execute(&mut locker).await.unwrap();
+        sqlx::query("SELECT 1 FROM outbox.intent WHERE id = $1::uuid FOR UPDATE")
+            .bind(id)
+            .execute(&mut locker)
+            .await
+            .unwrap();
+        locker
+    }
+
+    /// How many sessions of the test database wait on a lock now.
+    pub async fn lock_waiters(&self) -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&self.pool)
+        .await
+        .unwrap()
+    }
+
     /// Waits (with a deadline) until `n` sessions of the test database wait on a lock.
     pub async fn wait_for_lock_waiters(&self, n: i64) {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         loop {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .fetch_one(&self.pool)
-            .await
-            .unwrap();
+            let waiting = self.lock_waiters().await;
             if waiting >= n {
                 return;
             }

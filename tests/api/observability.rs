@@ -606,12 +606,7 @@ async fn livez_and_readyz_answer_until_the_last_call_of_the_grace_has_finished()
     let id = app.enqueue_one("job", "{}").await;
     let leases = app.claim_n("w", 1).await;
     // An Ack held on a row lock keeps the server in its grace.
-    let mut blocker = app.pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM outbox.intent WHERE id = $1::uuid FOR UPDATE")
-        .bind(&id)
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
+    let mut locker = app.lock_intent_row(&id).await;
     let lease = crate::helpers::lease_ref(&leases[0]);
     let mut client = app.client();
     let ack = tokio::spawn(async move {
@@ -632,7 +627,7 @@ async fn livez_and_readyz_answer_until_the_last_call_of_the_grace_has_finished()
     assert_eq!(app.admin_get("/readyz", None).await.0, 503);
     assert_eq!(app.admin_get("/livez", None).await.0, 200);
     assert!(!stopping.is_finished(), "the Ack holds the grace");
-    blocker.commit().await.unwrap();
+    sqlx::raw_sql("COMMIT").execute(&mut locker).await.unwrap();
     assert!(ack.await.unwrap().is_ok());
     stopping.await.unwrap().unwrap();
 }

@@ -538,13 +538,7 @@ where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = v1::LeaseResult> + Send + 'static,
 {
-    let mut locker = app.producer().await;
-    sqlx::raw_sql("BEGIN").execute(&mut locker).await.unwrap();
-    sqlx::query("SELECT 1 FROM outbox.intent WHERE id = $1::uuid FOR UPDATE")
-        .bind(id)
-        .execute(&mut locker)
-        .await
-        .unwrap();
+    let mut locker = app.lock_intent_row(id).await;
     let first = tokio::spawn(call());
     app.wait_for_lock_waiters(1).await;
     let retry = tokio::spawn(call());

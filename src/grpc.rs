@@ -860,17 +860,9 @@ impl OutboxHandler {
         )
         .await?;
         tx.commit().await.map_err(Error::from)?;
-        let next_page_token = match page.policies.last() {
-            Some(last) if page.more => store::PolicyCursor {
-                tenant: last.tenant_id.clone(),
-                kind: last.kind.clone(),
-            }
-            .token(),
-            _ => String::new(),
-        };
         Ok(Response::new(v1::ListQueuePoliciesResponse {
             policies: page.policies.into_iter().map(Into::into).collect(),
-            next_page_token,
+            next_page_token: page.next.map(|c| c.token()).unwrap_or_default(),
         }))
     }
 }

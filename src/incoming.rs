@@ -21,7 +21,7 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
 /// How long an accepted connection has to send the HTTP/2 preface (or a TLS hello).
-pub const FIRST_BYTES_WITHIN: Duration = Duration::from_secs(10);
+const FIRST_BYTES_WITHIN: Duration = Duration::from_secs(10);
 
 /// Bytes of the HTTP/2 client preface: a connection that sent them is past the handshake,
 /// where keep-alive pings take over.

@@ -300,7 +300,7 @@ pub async fn queue_stats(
         blocked_keys,
         oldest_blocked_at,
         policies: policies.policies,
-        policies_left_out: policies.more,
+        policies_left_out: policies.next.is_some(),
     })
 }
 

@@ -76,6 +76,27 @@ const POLICIES: &str = r#"
     WHERE ($1::text IS NULL OR p.kind = $1)
 "#;
 
+/// Which of [`POLICIES`] make a page, by tenant and kind (`$3`, `$4`: the tenant and kind it
+/// begins after, or NULL; `$5` the reply's budget in bytes): up to the policy whose weight
+/// (its texts and 512 bytes for the rest, more than it takes on the wire) would pass the
+/// budget, at least one. Weighed before the live figures are read, for the page alone.
+const PAGE_OF_POLICIES: &str = r#"
+    weighed AS (
+        SELECT p.tenant_id, p.kind,
+               sum(512 + octet_length(p.tenant_id) + octet_length(p.kind)
+                   + octet_length(p.updated_by) + coalesce(octet_length(p.updated_by_key), 0)
+                   + octet_length(p.reason))
+                   OVER (ORDER BY p.tenant_id, p.kind ROWS UNBOUNDED PRECEDING) AS through,
+               row_number() OVER (ORDER BY p.tenant_id, p.kind) AS n
+        FROM outbox.queue_policy p
+        WHERE ($1::text IS NULL OR p.kind = $1)
+          AND ($3::text IS NULL OR (p.tenant_id, p.kind) > ($3::text, $4::text))
+    ),
+    kept AS (
+        SELECT tenant_id, kind FROM weighed WHERE n = 1 OR through <= $5
+    )
+"#;
+
 /// Replaces the policy of a queue and records the change; returns the policy now in force
 /// (`Ok(Ok(policy))`). With `expected_updated_at`, only if the queue's policy is still the
 /// one last updated then, checked by the upsert itself: otherwise nothing is changed nor
@@ -216,8 +237,8 @@ impl PolicyCursor {
 pub struct PolicyPage {
     /// The policies, by tenant and kind.
     pub policies: Vec<QueuePolicy>,
-    /// More policies follow the last of them.
-    pub more: bool,
+    /// Where the next page begins, when more policies follow.
+    pub next: Option<PolicyCursor>,
 }
 
 /// The policies of the transaction's tenants (of `kind`, if given) after `after`, by tenant
@@ -234,7 +255,14 @@ pub async fn list_queue_policies(
     now: Option<DateTime<Utc>>,
 ) -> Result<PolicyPage> {
     use sqlx::{FromRow, Row};
-    let rows = sqlx::query(include_str!("sql/policy_page.sql"))
+    let page = format!(
+        "WITH {PAGE_OF_POLICIES}
+         SELECT q.*, (SELECT count(*) FROM weighed) > (SELECT count(*) FROM kept) AS more
+         FROM ({POLICIES}) q
+         JOIN kept USING (tenant_id, kind)
+         ORDER BY q.tenant_id, q.kind"
+    );
+    let rows = sqlx::query(&page)
         .bind(kind)
         .bind(now)
         .bind(after.map(|a| a.tenant.as_str()))
@@ -246,11 +274,15 @@ pub async fn list_queue_policies(
         Some(row) => row.try_get("more")?,
         None => false,
     };
-    let policies = rows
+    let policies: Vec<QueuePolicy> = rows
         .iter()
         .map(QueuePolicy::from_row)
         .collect::<sqlx::Result<_>>()?;
-    Ok(PolicyPage { policies, more })
+    let next = policies.last().filter(|_| more).map(|last| PolicyCursor {
+        tenant: last.tenant_id.clone(),
+        kind: last.kind.clone(),
+    });
+    Ok(PolicyPage { policies, next })
 }
 
 /// How many queues are paused, and how many are at their limit now (in flight at the

@@ -66,7 +66,7 @@ pub async fn serve(
     readiness: Arc<Readiness>,
     listener: tokio::net::TcpListener,
     shutdown: CancellationToken,
-) -> std::io::Result<()> {
+) {
     let scrape = move |headers: HeaderMap| {
         let metrics = metrics.clone();
         async move {
@@ -91,9 +91,7 @@ pub async fn serve(
         .route("/metrics", axum::routing::get(scrape))
         .route("/livez", axum::routing::get(|| async { "ok\n" }))
         .route("/readyz", axum::routing::get(ready));
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await
+    crate::http_listener::serve(listener, app, shutdown).await;
 }
 
 /// Binds the admin listener.

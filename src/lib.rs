@@ -17,6 +17,7 @@ mod deadline;
 pub mod embedded;
 mod gate;
 mod grpc;
+mod http_listener;
 mod incoming;
 mod metrics;
 pub mod outbox;

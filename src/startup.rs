@@ -582,17 +582,12 @@ impl Application {
                     .await
                     .with_context(|| format!("cannot listen for metrics on {addr}"))?;
                 let bound = listener.local_addr()?;
-                let serve = admin::serve(
+                let task = tokio::spawn(admin::serve(
                     metrics.clone(),
                     readiness.clone(),
                     listener,
                     admin_stop.clone(),
-                );
-                let task = tokio::spawn(async move {
-                    if let Err(e) = serve.await {
-                        tracing::error!(error.message = %e, "metrics endpoint failed");
-                    }
-                });
+                ));
                 (Some(bound), Some(task))
             }
             None => (None, None),
@@ -648,12 +643,12 @@ impl Application {
                     .await
                     .with_context(|| format!("cannot listen for the console on {addr}"))?;
                 let bound = listener.local_addr()?;
-                let serve = crate::console::serve(console, listener, tls, shutdown.clone());
-                background.push(tokio::spawn(async move {
-                    if let Err(e) = serve.await {
-                        tracing::error!(error.message = %e, "the console failed");
-                    }
-                }));
+                background.push(tokio::spawn(crate::console::serve(
+                    console,
+                    listener,
+                    tls,
+                    shutdown.clone(),
+                )));
                 tracing::info!(console.addr = %bound, "outboxd serving the console");
                 Some(bound)
             }

@@ -32,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::auth::Authenticator;
 use crate::grpc::OutboxHandler;
+use crate::http_listener;
 use crate::outbox::Clock;
 use crate::outbox::store::Pools;
 
@@ -85,27 +86,18 @@ pub fn router(console: Console) -> Router {
 }
 
 /// Serves the console on `listener` (through `tls` when given) until `shutdown`.
-///
-/// # Errors
-/// The listener failed.
 pub async fn serve(
     console: Console,
     listener: tokio::net::TcpListener,
     tls: Option<tokio_rustls::TlsAcceptor>,
     shutdown: CancellationToken,
-) -> std::io::Result<()> {
+) {
     let app = router(console);
     match tls {
         Some(acceptor) => {
-            axum::serve(tls::TlsListener::new(listener, acceptor), app)
-                .with_graceful_shutdown(shutdown.cancelled_owned())
-                .await
+            http_listener::serve(tls::TlsListener::new(listener, acceptor), app, shutdown).await;
         }
-        None => {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(shutdown.cancelled_owned())
-                .await
-        }
+        None => http_listener::serve(listener, app, shutdown).await,
     }
 }
 

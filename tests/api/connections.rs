@@ -1,12 +1,12 @@
-//! The gRPC listener's connections are bounded: in number, and in how long one may stay
-//! open without speaking HTTP/2.
+//! The listeners' connections are bounded: in number, and in how long one may stay open
+//! without speaking (HTTP/2 on the gRPC listener, a request's head on the HTTP/1 ones).
 
 use std::convert::Infallible;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
 use outboxd::proto::v1;
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tower::Service as _;
 
@@ -98,4 +98,84 @@ async fn a_call_whose_request_never_ends_is_cut() {
         "{:?}",
         started.elapsed()
     );
+}
+
+/// The console and the admin endpoint, both on.
+async fn http_listeners() -> (TestApp, [std::net::SocketAddr; 2]) {
+    let app = TestApp::spawn_with(|s| {
+        s.console.listen_addr = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
+    })
+    .await;
+    let addrs = [app.metrics_addr.unwrap(), app.console_addr.unwrap()];
+    (app, addrs)
+}
+
+/// On the HTTP/1 listeners a request's head must arrive within ten seconds of the
+/// connection being ready for it: accepted, or done with its last answer.
+#[tokio::test]
+async fn an_http_connection_that_stalls_its_request_or_idles_is_closed_after_ten_seconds() {
+    let (app, addrs) = http_listeners().await;
+    let mut cases = Vec::new();
+    for addr in addrs {
+        cases.push(("silent", addr, String::new()));
+        cases.push((
+            "head cut short",
+            addr,
+            "GET /livez HTTP/1.1\r\nHost: x\r\n".to_owned(),
+        ));
+        cases.push((
+            "answered, then idle",
+            addr,
+            "GET /livez HTTP/1.1\r\nHost: x\r\n\r\n".to_owned(),
+        ));
+    }
+    let closed = cases.into_iter().map(|(case, addr, sent)| async move {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        stream.write_all(sent.as_bytes()).await.unwrap();
+        let took = closed_by_the_server(&mut stream, Duration::from_secs(30)).await;
+        assert!(
+            took >= Duration::from_secs(9),
+            "{case} on {addr}: closed after {took:?}"
+        );
+    });
+    futures::future::join_all(closed).await;
+    assert_eq!(app.admin_get("/livez", None).await.0, 200);
+}
+
+/// Each HTTP/1 listener keeps at most 512 connections open: past them a new one is closed
+/// as it is accepted, and once one closes the listener serves again.
+#[tokio::test]
+async fn past_512_http_connections_a_new_one_is_closed_until_one_closes() {
+    let (app, addrs) = http_listeners().await;
+    for addr in addrs {
+        let mut open = Vec::new();
+        for _ in 0..512 {
+            open.push(TcpStream::connect(addr).await.unwrap());
+        }
+        let mut one_more = TcpStream::connect(addr).await.unwrap();
+        let took = closed_by_the_server(&mut one_more, Duration::from_secs(5)).await;
+        assert!(took < Duration::from_secs(5), "{addr}");
+        drop(open.pop());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !answers(addr).await {
+            assert!(
+                Instant::now() < deadline,
+                "{addr} serves nobody after one closed"
+            );
+        }
+    }
+    drop(app);
+}
+
+/// Whether a GET of `/livez` on a new connection to `addr` is answered (the admin
+/// endpoint's 200, the console's 404).
+async fn answers(addr: std::net::SocketAddr) -> bool {
+    let Ok(mut stream) = TcpStream::connect(addr).await else {
+        return false;
+    };
+    let request = format!("GET /livez HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    let mut answer = Vec::new();
+    stream.write_all(request.as_bytes()).await.is_ok()
+        && stream.read_to_end(&mut answer).await.is_ok()
+        && answer.starts_with(b"HTTP/1.1 ")
 }

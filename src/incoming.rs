@@ -12,13 +12,17 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use futures_util::StreamExt as _;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Sleep;
+use tokio_rustls::server::TlsStream;
+use tokio_stream::Stream;
 use tokio_stream::wrappers::TcpListenerStream;
-use tokio_stream::{Stream, StreamExt};
 use tonic::transport::server::{Connected, TcpConnectInfo};
+
+use crate::tls::TlsFiles;
 
 /// How long an accepted connection has to send the HTTP/2 preface (or a TLS hello).
 const FIRST_BYTES_WITHIN: Duration = Duration::from_secs(10);
@@ -26,6 +30,11 @@ const FIRST_BYTES_WITHIN: Duration = Duration::from_secs(10);
 /// Bytes of the HTTP/2 client preface: a connection that sent them is past the handshake,
 /// where keep-alive pings take over.
 const FIRST_BYTES: usize = 24;
+
+/// How long a TLS handshake may take, and how many run at once: past them accepting waits,
+/// so clients that stall handshakes delay others by at most this long, never hold them.
+const HANDSHAKE_WITHIN: Duration = Duration::from_secs(10);
+const HANDSHAKES: usize = 1024;
 
 /// How long the listener pauses after a failed accept (out of file descriptors, say), so
 /// that a failure that lasts is not retried in a busy loop.
@@ -35,21 +44,47 @@ const AFTER_FAILED_ACCEPT: Duration = Duration::from_millis(50);
 /// closed as it is accepted (its client tries again, or another replica).
 pub fn admitted(listener: TcpListener, max: usize) -> impl Stream<Item = io::Result<Admitted>> {
     let slots = Arc::new(Semaphore::new(max));
-    TcpListenerStream::new(listener)
-        .then(move |accepted| {
-            let slots = slots.clone();
+    TcpListenerStream::new(listener).filter_map(move |accepted| {
+        let slots = slots.clone();
+        async move {
+            match accepted {
+                Ok(stream) => admit(stream, slots).map(Ok),
+                Err(e) => {
+                    tracing::warn!(error.message = %e, "accepting a connection failed");
+                    tokio::time::sleep(AFTER_FAILED_ACCEPT).await;
+                    None
+                }
+            }
+        }
+    })
+}
+
+/// The connections of `admitted` once their TLS handshake with `tls`'s files of the moment
+/// has finished; those that fail it or run out of time are closed.
+pub fn handshaken(
+    admitted: impl Stream<Item = io::Result<Admitted>>,
+    tls: Arc<TlsFiles>,
+) -> impl Stream<Item = io::Result<TlsStream<Admitted>>> {
+    admitted
+        .map(move |connection| {
+            let acceptor = tls.acceptor();
             async move {
-                match accepted {
-                    Ok(stream) => admit(stream, slots),
-                    Err(e) => {
-                        tracing::warn!(error.message = %e, "accepting a connection failed");
-                        tokio::time::sleep(AFTER_FAILED_ACCEPT).await;
+                let connection = connection.ok()?;
+                match tokio::time::timeout(HANDSHAKE_WITHIN, acceptor.accept(connection)).await {
+                    Ok(Ok(tls)) => Some(Ok(tls)),
+                    Ok(Err(e)) => {
+                        tracing::debug!(error.message = %e, "TLS handshake failed");
+                        None
+                    }
+                    Err(_) => {
+                        tracing::debug!("TLS handshake not finished in time");
                         None
                     }
                 }
             }
         })
-        .filter_map(|admitted| admitted.map(Ok))
+        .buffer_unordered(HANDSHAKES)
+        .filter_map(std::future::ready)
 }
 
 fn admit(stream: TcpStream, slots: Arc<Semaphore>) -> Option<Admitted> {

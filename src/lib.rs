@@ -25,6 +25,7 @@ pub mod proto;
 pub mod startup;
 mod status;
 pub mod telemetry;
+mod tls;
 pub mod validate;
 mod watch;
 

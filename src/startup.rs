@@ -12,12 +12,11 @@ use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use tonic_health::server::HealthReporter;
 
 use crate::admin::{self, Readiness};
 use crate::auth::Authenticator;
-use crate::config::{Settings, TlsSettings};
+use crate::config::Settings;
 use crate::embedded::{EmbeddedConfig, EmbeddedPostgres};
 use crate::grpc::OutboxHandler;
 use crate::metrics::{self, Metrics, RpcMetricsLayer};
@@ -636,7 +635,7 @@ impl Application {
                     owner: console_owner(settings)?,
                 };
                 let tls = match &settings.tls {
-                    Some(tls) => Some(crate::console::tls_acceptor(tls)?),
+                    Some(tls) => Some(Arc::new(crate::tls::TlsFiles::load(tls, b"http/1.1")?)),
                     None => None,
                 };
                 let listener = admin::bind(addr)
@@ -659,7 +658,7 @@ impl Application {
         // they were accepted, queued at once (hyper's 20 closed the connection of a client
         // cancelling a few hundred calls a second on a busy server, cutting the other
         // calls on it).
-        let mut builder = tonic::transport::Server::builder()
+        let builder = tonic::transport::Server::builder()
             .http2_max_local_error_reset_streams(Some(RESET_STREAMS))
             .http2_max_pending_accept_reset_streams(Some(RESET_STREAMS))
             // Past it a client queues its calls; each stream holds a request being read.
@@ -670,11 +669,11 @@ impl Application {
             // A call whose request never ends (a client stalling mid-message) would hold
             // what it received for good: cut past twice the longest a call may take.
             .timeout(2 * (settings.limits.max_wait + settings.limits.operator_timeout));
-        if let Some(tls) = &settings.tls {
-            builder = builder
-                .tls_config(tls_config(tls)?)
-                .context("invalid TLS configuration")?;
-        }
+        // Read again when its files change (src/tls.rs), which tonic's own TLS cannot.
+        let tls = match &settings.tls {
+            Some(tls) => Some(Arc::new(crate::tls::TlsFiles::load(tls, b"h2")?)),
+            None => None,
+        };
         let (reflection_v1, reflection_v1alpha) = if settings.grpc.reflection {
             let descriptors = crate::proto::reflection_descriptors()
                 .context("the API's file descriptors do not decode")?;
@@ -695,12 +694,17 @@ impl Application {
             .add_service(EndsAtShutdown::new(health_service, shutdown.clone()))
             .add_optional_service(reflection_v1)
             .add_optional_service(reflection_v1alpha)
-            .add_service(handler.into_server(settings.limits.max_message_bytes))
-            .serve_with_incoming_shutdown(
-                crate::incoming::admitted(listener, settings.limits.max_connections),
-                shutdown.clone().cancelled_owned(),
-            );
-        let server = tokio::spawn(server);
+            .add_service(handler.into_server(settings.limits.max_message_bytes));
+        let incoming = crate::incoming::admitted(listener, settings.limits.max_connections);
+        let stopped = shutdown.clone().cancelled_owned();
+        let server =
+            match tls {
+                Some(tls) => tokio::spawn(server.serve_with_incoming_shutdown(
+                    crate::incoming::handshaken(incoming, tls),
+                    stopped,
+                )),
+                None => tokio::spawn(server.serve_with_incoming_shutdown(incoming, stopped)),
+            };
         let metrics_shown = metrics_addr.map_or_else(|| "off".to_owned(), |a| a.to_string());
         tracing::info!(listen.addr = %local_addr, metrics.addr = %metrics_shown, "outboxd serving gRPC");
         if settings.maintenance.retention.is_zero() {
@@ -943,21 +947,6 @@ fn spawn_background(
         )));
     }
     tasks
-}
-
-fn tls_config(tls: &TlsSettings) -> anyhow::Result<ServerTlsConfig> {
-    let read = |path: &std::path::Path| {
-        std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))
-    };
-    let mut config = ServerTlsConfig::new().identity(Identity::from_pem(
-        read(&tls.cert_file)?,
-        read(&tls.key_file)?,
-    ));
-    if let Some(ca) = &tls.client_ca_file {
-        // With a client CA, tonic requires a client certificate chaining to it (mTLS).
-        config = config.client_ca_root(Certificate::from_pem(read(ca)?));
-    }
-    Ok(config)
 }
 
 async fn shutdown_signal() {

@@ -402,9 +402,9 @@ def expect_tls(docs, notes):
     for flag in ("--cacert ca.crt", "--cert client.crt", "--key client.key", "--servername ci-outboxd.outboxd-ci.svc", "https://127.0.0.1:50051/"):
         check(flag in " ".join(buf.split()), f"NOTES' buf curl lacks {flag}: {buf}")
     check("jsonpath='{.data.ca\\.crt}'" in notes, "NOTES do not say where ca.crt comes from")
-    # outboxd reads the certificate once: NOTES say a renewal needs a restart, and how.
-    check("once, at start" in notes and "rollout restart deployment/ci-outboxd" in notes
-          and "secret.reloader.stakater.com/reload" in notes, "NOTES do not say a renewed certificate needs a restart")
+    # outboxd reads the certificate files again when they change: NOTES say so.
+    check("again when the mounted files change" in notes and "without a restart" in notes,
+          "NOTES do not say a renewed certificate is served without a restart")
 
 
 def expect_metrics_off(docs, notes):

@@ -36,8 +36,6 @@ use crate::http_listener;
 use crate::outbox::Clock;
 use crate::outbox::store::Pools;
 
-pub use tls::tls_acceptor;
-
 /// What the console's pages work with.
 pub struct Console {
     /// The gRPC handler every read and decision goes through.
@@ -89,13 +87,13 @@ pub fn router(console: Console) -> Router {
 pub async fn serve(
     console: Console,
     listener: tokio::net::TcpListener,
-    tls: Option<tokio_rustls::TlsAcceptor>,
+    tls: Option<Arc<crate::tls::TlsFiles>>,
     shutdown: CancellationToken,
 ) {
     let app = router(console);
     match tls {
-        Some(acceptor) => {
-            http_listener::serve(tls::TlsListener::new(listener, acceptor), app, shutdown).await;
+        Some(files) => {
+            http_listener::serve(tls::TlsListener::new(listener, files), app, shutdown).await;
         }
         None => http_listener::serve(listener, app, shutdown).await,
     }

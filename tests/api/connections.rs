@@ -14,7 +14,7 @@ use crate::helpers::{TENANT, TestApp};
 
 /// Reads until the server closes the connection (end of stream, or a reset); how long
 /// that took. Panics if it is still open after `within`.
-async fn closed_by_the_server(stream: &mut TcpStream, within: Duration) -> Duration {
+pub(crate) async fn closed_by_the_server(stream: &mut TcpStream, within: Duration) -> Duration {
     let started = Instant::now();
     let mut buf = [0u8; 1024];
     loop {

@@ -201,3 +201,117 @@ async fn the_console_serves_https_with_the_grpc_certificate_and_a_secure_cookie(
     assert_eq!(session.http_only(), Some(true));
     browser.close().await;
 }
+
+/// A TLS handshake with `addr` by a client trusting only `pki`'s CA (the console's
+/// listener: what certificate it serves, whatever it speaks).
+async fn handshake(addr: std::net::SocketAddr, pki: &Pki) -> Result<(), String> {
+    use tokio_rustls::rustls;
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(rustls::pki_types::CertificateDer::from(
+            pki.ca.der().to_vec(),
+        ))
+        .unwrap();
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .map(drop)
+        .map_err(|e| e.to_string())
+}
+
+/// A certificate renewed on disk (a mounted Secret that cert-manager renewed) is served to
+/// new connections without a restart, on the gRPC listener and the console's; files caught
+/// half written leave the last good ones in place; connections open keep working.
+#[tokio::test]
+async fn a_certificate_renewed_on_disk_is_served_to_new_connections_without_a_restart() {
+    let pki = Pki::new();
+    let (cert_file, key_file) = pki.leaf("server", ExtendedKeyUsagePurpose::ServerAuth);
+    let app = TestApp::spawn_with(|s| {
+        s.tls = Some(TlsSettings {
+            cert_file: cert_file.clone(),
+            key_file: key_file.clone(),
+            client_ca_file: None,
+        });
+        s.console.listen_addr = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
+    })
+    .await;
+    let console = app.console_addr.unwrap();
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let trusting = |pki: &Pki| {
+        ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(pem(&pki.ca_path())))
+            .domain_name("localhost")
+    };
+    call(&app, &key, Some(trusting(&pki))).await.unwrap();
+    let open = Channel::from_shared(format!("https://localhost:{}", app.addr.port()))
+        .unwrap()
+        .tls_config(trusting(&pki))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut open = client::client(open, Credentials::new(Some(&key), None).unwrap());
+
+    // Half written: the files are read again (a second after the last look), found
+    // unusable, and the previous certificate is served on.
+    std::fs::write(&cert_file, "-----BEGIN CERTIFICATE-----\nMIIB").unwrap();
+    let written = std::time::Instant::now();
+    while written.elapsed() < std::time::Duration::from_millis(1500) {
+        call(&app, &key, Some(trusting(&pki))).await.unwrap();
+        handshake(console, &pki).await.unwrap();
+    }
+
+    // Renewed, here by another CA so that which certificate a connection got is plain.
+    let renewed = Pki::new();
+    let (new_cert, new_key) = renewed.leaf("server", ExtendedKeyUsagePurpose::ServerAuth);
+    std::fs::copy(&new_key, &key_file).unwrap();
+    std::fs::copy(&new_cert, &cert_file).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while call(&app, &key, Some(trusting(&renewed))).await.is_err()
+        || handshake(console, &renewed).await.is_err()
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the renewed certificate is not served"
+        );
+    }
+    assert!(call(&app, &key, Some(trusting(&pki))).await.is_err());
+    assert!(handshake(console, &pki).await.is_err());
+    open.get_queue_stats(v1::GetQueueStatsRequest {})
+        .await
+        .expect("a connection open before the renewal goes on");
+}
+
+/// A client that begins a handshake and stalls it (past the 24 bytes the listener awaits
+/// of every connection) is closed after ten seconds, not held.
+#[tokio::test]
+async fn a_tls_handshake_stalled_half_way_is_closed_after_ten_seconds() {
+    use tokio::io::AsyncWriteExt as _;
+    let pki = Pki::new();
+    let (cert_file, key_file) = pki.leaf("server", ExtendedKeyUsagePurpose::ServerAuth);
+    let app = TestApp::spawn_with(|s| {
+        s.tls = Some(TlsSettings {
+            cert_file,
+            key_file,
+            client_ca_file: None,
+        })
+    })
+    .await;
+    let mut stalled = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    // A handshake record announcing 512 bytes, of which 27 come.
+    let mut hello = vec![0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc];
+    hello.resize(32, 0);
+    stalled.write_all(&hello).await.unwrap();
+    let took =
+        crate::connections::closed_by_the_server(&mut stalled, std::time::Duration::from_secs(30))
+            .await;
+    assert!(took >= std::time::Duration::from_secs(9), "{took:?}");
+}

@@ -35,6 +35,8 @@ enum Mode {
 struct Proxy {
     addr: SocketAddr,
     state: Arc<Mutex<(Mode, CancellationToken)>>,
+    /// Connections held unanswered (`Mode::Hang`), announced as they come.
+    held: tokio::sync::watch::Receiver<usize>,
 }
 
 impl Proxy {
@@ -43,13 +45,17 @@ impl Proxy {
         let addr = listener.local_addr().unwrap();
         let state = Arc::new(Mutex::new((Mode::Forward, CancellationToken::new())));
         let shared = state.clone();
+        let (holding, held_count) = tokio::sync::watch::channel(0);
         tokio::spawn(async move {
             let mut held = Vec::new();
             while let Ok((mut client, _)) = listener.accept().await {
                 let (mode, cut) = shared.lock().unwrap().clone();
                 match mode {
                     Mode::Close => drop(client),
-                    Mode::Hang => held.push(client),
+                    Mode::Hang => {
+                        held.push(client);
+                        holding.send_replace(held.len());
+                    }
                     Mode::Forward => {
                         tokio::spawn(async move {
                             let Ok(mut server) = TcpStream::connect(backend).await else {
@@ -64,7 +70,17 @@ impl Proxy {
                 }
             }
         });
-        Self { addr, state }
+        Self {
+            addr,
+            state,
+            held: held_count,
+        }
+    }
+
+    /// Waits until the proxy holds `n` connections unanswered.
+    async fn holding(&self, n: usize) {
+        let mut held = self.held.clone();
+        held.wait_for(|held| *held >= n).await.unwrap();
     }
 
     /// From now on connections get `mode`; the forwarded ones are cut.
@@ -264,7 +280,8 @@ async fn the_server_stops_within_its_grace_with_the_database_gone() {
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The calls, or the background sweeps, wait for a connection that never answers.
+    proxy.holding(1).await;
 
     let started = Instant::now();
     app.take_application().stop().await.unwrap();

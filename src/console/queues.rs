@@ -26,6 +26,9 @@ use crate::proto::v1::{self, outbox_service_server::OutboxService};
 struct QueuesPage {
     chrome: Chrome,
     policies: Vec<Policy>,
+    /// The page after this one, when there is one; whether this is not the first.
+    next: Option<String>,
+    later_page: bool,
     blocked: Vec<Blocked>,
     saved: Option<String>,
     form: PolicyForm,
@@ -74,10 +77,13 @@ struct Blocked {
 /// Blocked keys shown, the longest blocked first.
 const BLOCKED_SHOWN: i64 = 100;
 
-/// What `GET /queues` is asked: a policy to change (`tenant`, `kind`), or the one a saved
-/// change set (`saved_tenant`, `saved_kind`, `saved_at`).
+/// What `GET /queues` is asked: a page of policies (`page`, a `next_page_token`), a policy
+/// to change (`tenant`, `kind`), or the one a saved change set (`saved_tenant`,
+/// `saved_kind`, `saved_at`).
 #[derive(Deserialize, Default)]
 pub(super) struct Shown {
+    #[serde(default)]
+    page: String,
     #[serde(default)]
     tenant: String,
     #[serde(default)]
@@ -96,13 +102,28 @@ pub(super) async fn page(
     session: Session,
     Query(shown): Query<Shown>,
 ) -> Response {
-    let request = match session.request(v1::ListQueuePoliciesRequest::default(), None) {
+    let listing = v1::ListQueuePoliciesRequest {
+        page_token: shown.page.clone(),
+        ..Default::default()
+    };
+    let request = match session.request(listing, None) {
         Ok(r) => r,
         Err(e) => return e,
     };
-    let policies = match console.handler.list_queue_policies(request).await {
-        Ok(answer) => answer.into_inner().policies,
+    let (policies, next) = match console.handler.list_queue_policies(request).await {
+        Ok(answer) => {
+            let answer = answer.into_inner();
+            (answer.policies, answer.next_page_token)
+        }
         Err(status) => return view::failure(&status),
+    };
+    // Looked up apart from the page shown, which may not hold them.
+    let (changed, saved) = match (
+        policy_of(&console, &session, &shown.tenant, &shown.kind).await,
+        policy_of(&console, &session, &shown.saved_tenant, &shown.saved_kind).await,
+    ) {
+        (Ok(changed), Ok(saved)) => (changed, saved),
+        (Err(e), _) | (_, Err(e)) => return e,
     };
     let caller = &session.caller;
     let read = async {
@@ -117,19 +138,14 @@ pub(super) async fn page(
         Ok(keys) => keys,
         Err(e) => return view::failure(&e.into()),
     };
-    let of = |tenant: &str, kind: &str| {
-        policies
-            .iter()
-            .find(|p| p.tenant == tenant && p.kind == kind)
-    };
     // Said only while the policy is the one that change set: a link names no change that
     // did not happen, and a change made since is shown as it is.
-    let saved = of(&shown.saved_tenant, &shown.saved_kind)
+    let saved = saved
         .filter(|p| {
             !shown.saved_at.is_empty() && view::seen(p.updated_at.as_ref()) == shown.saved_at
         })
         .map(|p| format!("policy of {}/{} saved", p.tenant, p.kind));
-    let form = match of(&shown.tenant, &shown.kind) {
+    let form = match changed {
         Some(p) => PolicyForm {
             changing: true,
             tenant: p.tenant.clone(),
@@ -157,6 +173,8 @@ pub(super) async fn page(
     };
     let page = QueuesPage {
         chrome: session.chrome("queues"),
+        next: (!next.is_empty()).then(|| format!("/queues?page={}#policies", query_value(&next))),
+        later_page: !shown.page.is_empty(),
         policies: policies
             .into_iter()
             .map(|p| Policy {
@@ -329,18 +347,7 @@ async fn has_no_policy(
     else {
         return Ok(());
     };
-    let request = session.request(
-        v1::ListQueuePoliciesRequest {
-            kind: kind.to_owned(),
-            ..Default::default()
-        },
-        Some(tenant),
-    )?;
-    let listed = match console.handler.list_queue_policies(request).await {
-        Ok(answer) => answer.into_inner().policies,
-        Err(status) => return Err(view::failure(&status)),
-    };
-    match listed.iter().find(|p| p.tenant == tenant && p.kind == kind) {
+    match policy_of(console, session, tenant, kind).await? {
         None => Ok(()),
         Some(p) => Err(view::error_page(
             StatusCode::CONFLICT,
@@ -352,5 +359,31 @@ async fn has_no_policy(
                 p.actor
             ),
         )),
+    }
+}
+
+/// The policy of queue `tenant`/`kind`, if it has one (none asked for: none): listed by
+/// its kind in its tenant, whatever page of the table is shown.
+async fn policy_of(
+    console: &Shared,
+    session: &Session,
+    tenant: &str,
+    kind: &str,
+) -> Result<Option<v1::QueuePolicy>, Response> {
+    if tenant.is_empty() || kind.is_empty() {
+        return Ok(None);
+    }
+    let listing = v1::ListQueuePoliciesRequest {
+        kind: kind.to_owned(),
+        ..Default::default()
+    };
+    let request = session.request(listing, Some(tenant))?;
+    match console.handler.list_queue_policies(request).await {
+        Ok(answer) => Ok(answer
+            .into_inner()
+            .policies
+            .into_iter()
+            .find(|p| p.tenant == tenant && p.kind == kind)),
+        Err(status) => Err(view::failure(&status)),
     }
 }

@@ -688,6 +688,80 @@ async fn change_policy(browser: &Browser, kind: &str) {
     assert!(changing.contains(&format!("acme/{kind}")), "{changing}");
 }
 
+/// Policies past the first page (each page within the reply limit) are reached by the
+/// page's links, and each can be changed from its row there.
+#[tokio::test]
+async fn policies_past_the_first_page_are_listed_and_changed_from_their_page() {
+    let app = TestApp::spawn_with(|s| {
+        s.console.listen_addr = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
+        s.embedded.data_dir = crate::helpers::scratch_dir().join("no-embedded-cluster");
+        s.limits.max_payload_bytes = 1024;
+        s.limits.max_reply_bytes = 20_000;
+    })
+    .await;
+    let mut kinds: Vec<String> = (0..10).map(|n| format!("kind-{n}")).collect();
+    for kind in &kinds {
+        let request = v1::SetQueuePolicyRequest {
+            kind: kind.clone(),
+            paused: true,
+            actor: "ops".to_owned(),
+            reason: "r".repeat(4096),
+            ..Default::default()
+        };
+        app.client().set_queue_policy(request).await.unwrap();
+    }
+    let key = crate::helpers::create_key(&app.pool, "dora-ops", &["acme"], &["operate"], &[]).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
+    browser.goto("/queues").await;
+    let (mut listed, mut pages) = (Vec::new(), 1);
+    loop {
+        let rows = browser
+            .client
+            .find_all(fantoccini::Locator::XPath(
+                "//table[@id='policies']//tr/td[2]",
+            ))
+            .await
+            .unwrap();
+        for row in rows {
+            listed.push(row.text().await.unwrap());
+        }
+        if browser
+            .client
+            .find(fantoccini::Locator::Id("next"))
+            .await
+            .is_err()
+        {
+            break;
+        }
+        browser.submit("#next").await;
+        pages += 1;
+        assert!(browser.html("#first").await.contains("/queues"));
+    }
+    kinds.sort();
+    assert_eq!(listed, kinds, "each policy once, by kind");
+    assert!(pages >= 3, "{pages} pages");
+
+    // The last page's policy, changed from its row there.
+    change_policy(&browser, "kind-9").await;
+    send_policy(&browser, false, "3").await;
+    assert!(browser.text("#saved").await.contains("acme/kind-9"));
+    let listed = app
+        .client()
+        .list_queue_policies(v1::ListQueuePoliciesRequest {
+            kind: "kind-9".to_owned(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .policies;
+    assert!(
+        matches!(listed.as_slice(), [p] if !p.paused && p.max_in_flight == 3),
+        "{listed:?}"
+    );
+    browser.close().await;
+}
+
 #[tokio::test]
 async fn a_reload_after_saving_a_policy_sends_nothing_and_a_stale_page_overwrites_no_newer_policy()
 {

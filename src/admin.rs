@@ -60,11 +60,13 @@ impl Readiness {
     }
 }
 
-/// Serves `GET /metrics`, `/livez` and `/readyz` on `listener` until `shutdown`.
+/// Serves `GET /metrics`, `/livez` and `/readyz` on `listener`, at most `max_connections`
+/// open at once, until `shutdown`.
 pub async fn serve(
     metrics: Arc<Metrics>,
     readiness: Arc<Readiness>,
     listener: tokio::net::TcpListener,
+    max_connections: usize,
     shutdown: CancellationToken,
 ) {
     let scrape = move |headers: HeaderMap| {
@@ -91,7 +93,8 @@ pub async fn serve(
         .route("/metrics", axum::routing::get(scrape))
         .route("/livez", axum::routing::get(|| async { "ok\n" }))
         .route("/readyz", axum::routing::get(ready));
-    crate::http_listener::serve(listener, app, shutdown).await;
+    let connections = crate::incoming::admitted(listener, max_connections, 0);
+    crate::http_listener::serve(connections, app, shutdown).await;
 }
 
 /// Binds the admin listener.

@@ -567,6 +567,11 @@ impl Application {
         let readiness = Arc::new(Readiness::default());
         let pool = pools.tenant().clone();
         let local_addr = listener.local_addr()?;
+        // One for both listeners, read again when its files change (src/tls.rs).
+        let tls = match &settings.tls {
+            Some(tls) => Some(Arc::new(crate::tls::TlsFiles::load(tls)?)),
+            None => None,
+        };
         let shutdown = CancellationToken::new();
         let pending = PendingSignal::default();
         let cluster_id = store::cluster_identifier(&pool).await?;
@@ -585,6 +590,7 @@ impl Application {
                     metrics.clone(),
                     readiness.clone(),
                     listener,
+                    settings.limits.max_http_connections,
                     admin_stop.clone(),
                 ));
                 (Some(bound), Some(task))
@@ -634,10 +640,6 @@ impl Application {
                     secure: settings.tls.is_some(),
                     owner: console_owner(settings)?,
                 };
-                let tls = match &settings.tls {
-                    Some(tls) => Some(Arc::new(crate::tls::TlsFiles::load(tls, b"http/1.1")?)),
-                    None => None,
-                };
                 let listener = admin::bind(addr)
                     .await
                     .with_context(|| format!("cannot listen for the console on {addr}"))?;
@@ -645,7 +647,8 @@ impl Application {
                 background.push(tokio::spawn(crate::console::serve(
                     console,
                     listener,
-                    tls,
+                    tls.clone(),
+                    settings.limits.max_http_connections,
                     shutdown.clone(),
                 )));
                 tracing::info!(console.addr = %bound, "outboxd serving the console");
@@ -669,11 +672,6 @@ impl Application {
             // A call whose request never ends (a client stalling mid-message) would hold
             // what it received for good: cut past twice the longest a call may take.
             .timeout(2 * (settings.limits.max_wait + settings.limits.operator_timeout));
-        // Read again when its files change (src/tls.rs), which tonic's own TLS cannot.
-        let tls = match &settings.tls {
-            Some(tls) => Some(Arc::new(crate::tls::TlsFiles::load(tls, b"h2")?)),
-            None => None,
-        };
         let (reflection_v1, reflection_v1alpha) = if settings.grpc.reflection {
             let descriptors = crate::proto::reflection_descriptors()
                 .context("the API's file descriptors do not decode")?;
@@ -695,16 +693,25 @@ impl Application {
             .add_optional_service(reflection_v1)
             .add_optional_service(reflection_v1alpha)
             .add_service(handler.into_server(settings.limits.max_message_bytes));
-        let incoming = crate::incoming::admitted(listener, settings.limits.max_connections);
+        let incoming = crate::incoming::admitted(
+            listener,
+            settings.limits.max_connections,
+            crate::incoming::HTTP2_PREFACE,
+        );
         let stopped = shutdown.clone().cancelled_owned();
-        let server =
-            match tls {
-                Some(tls) => tokio::spawn(server.serve_with_incoming_shutdown(
-                    crate::incoming::handshaken(incoming, tls),
-                    stopped,
-                )),
-                None => tokio::spawn(server.serve_with_incoming_shutdown(incoming, stopped)),
-            };
+        // tonic's own TLS reads its certificate once: outboxd does the handshakes itself.
+        let server = match tls {
+            Some(tls) => {
+                let incoming = crate::incoming::handshaken(
+                    incoming,
+                    tls,
+                    crate::tls::Listener::Grpc,
+                    crate::incoming::HTTP2_PREFACE,
+                );
+                tokio::spawn(server.serve_with_incoming_shutdown(incoming, stopped))
+            }
+            None => tokio::spawn(server.serve_with_incoming_shutdown(incoming, stopped)),
+        };
         let metrics_shown = metrics_addr.map_or_else(|| "off".to_owned(), |a| a.to_string());
         tracing::info!(listen.addr = %local_addr, metrics.addr = %metrics_shown, "outboxd serving gRPC");
         if settings.maintenance.retention.is_zero() {

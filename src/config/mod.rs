@@ -164,6 +164,10 @@ pub struct Limits {
     /// before the process runs out of file descriptors.
     #[default(10_000)]
     pub max_connections: usize,
+    /// Most connections each HTTP listener (the console, the admin endpoint) keeps open at
+    /// once: browsers and scrapers need a few.
+    #[default(512)]
+    pub max_http_connections: usize,
 }
 
 impl Limits {
@@ -405,6 +409,10 @@ impl Settings {
             (l.max_text_length, "OUTBOX_LIMITS__MAX_TEXT_LENGTH"),
             (l.max_kinds, "OUTBOX_LIMITS__MAX_KINDS"),
             (l.max_connections, "OUTBOX_LIMITS__MAX_CONNECTIONS"),
+            (
+                l.max_http_connections,
+                "OUTBOX_LIMITS__MAX_HTTP_CONNECTIONS",
+            ),
             (
                 usize::try_from(l.default_max_attempts).unwrap_or(0),
                 "OUTBOX_RETRY__MAX_ATTEMPTS",

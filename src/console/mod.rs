@@ -16,7 +16,6 @@ mod keys;
 mod overview;
 mod queues;
 mod session;
-mod tls;
 mod view;
 
 use std::sync::Arc;
@@ -32,9 +31,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::auth::Authenticator;
 use crate::grpc::OutboxHandler;
-use crate::http_listener;
 use crate::outbox::Clock;
 use crate::outbox::store::Pools;
+use crate::tls::{self, TlsFiles};
+use crate::{http_listener, incoming};
 
 /// What the console's pages work with.
 pub struct Console {
@@ -83,19 +83,23 @@ pub fn router(console: Console) -> Router {
         .with_state(Arc::new(console))
 }
 
-/// Serves the console on `listener` (through `tls` when given) until `shutdown`.
+/// Serves the console on `listener` (through `tls` when given), at most `max_connections`
+/// open at once, until `shutdown`.
 pub async fn serve(
     console: Console,
     listener: tokio::net::TcpListener,
-    tls: Option<Arc<crate::tls::TlsFiles>>,
+    tls: Option<Arc<TlsFiles>>,
+    max_connections: usize,
     shutdown: CancellationToken,
 ) {
     let app = router(console);
+    let connections = incoming::admitted(listener, max_connections, 0);
     match tls {
-        Some(files) => {
-            http_listener::serve(tls::TlsListener::new(listener, files), app, shutdown).await;
+        Some(tls) => {
+            let connections = incoming::handshaken(connections, tls, tls::Listener::Console, 0);
+            http_listener::serve(connections, app, shutdown).await;
         }
-        None => http_listener::serve(listener, app, shutdown).await,
+        None => http_listener::serve(connections, app, shutdown).await,
     }
 }
 

@@ -14,7 +14,10 @@ use crate::helpers::{TENANT, TestApp};
 
 /// Reads until the server closes the connection (end of stream, or a reset); how long
 /// that took. Panics if it is still open after `within`.
-pub(crate) async fn closed_by_the_server(stream: &mut TcpStream, within: Duration) -> Duration {
+pub(crate) async fn closed_by_the_server(
+    stream: &mut (impl tokio::io::AsyncRead + Unpin),
+    within: Duration,
+) -> Duration {
     let started = Instant::now();
     let mut buf = [0u8; 1024];
     loop {
@@ -100,10 +103,11 @@ async fn a_call_whose_request_never_ends_is_cut() {
     );
 }
 
-/// The console and the admin endpoint, both on.
+/// The console and the admin endpoint, both on, each keeping at most 4 connections open.
 async fn http_listeners() -> (TestApp, [std::net::SocketAddr; 2]) {
     let app = TestApp::spawn_with(|s| {
         s.console.listen_addr = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
+        s.limits.max_http_connections = 4;
     })
     .await;
     let addrs = [app.metrics_addr.unwrap(), app.console_addr.unwrap()];
@@ -142,14 +146,14 @@ async fn an_http_connection_that_stalls_its_request_or_idles_is_closed_after_ten
     assert_eq!(app.admin_get("/livez", None).await.0, 200);
 }
 
-/// Each HTTP/1 listener keeps at most 512 connections open: past them a new one is closed
-/// as it is accepted, and once one closes the listener serves again.
+/// Each HTTP/1 listener keeps at most `OUTBOX_LIMITS__MAX_HTTP_CONNECTIONS` open: past them
+/// a new one is closed as it is accepted, and once one closes the listener serves again.
 #[tokio::test]
-async fn past_512_http_connections_a_new_one_is_closed_until_one_closes() {
+async fn past_the_http_connection_limit_a_new_one_is_closed_until_one_closes() {
     let (app, addrs) = http_listeners().await;
     for addr in addrs {
         let mut open = Vec::new();
-        for _ in 0..512 {
+        for _ in 0..4 {
             open.push(TcpStream::connect(addr).await.unwrap());
         }
         let mut one_more = TcpStream::connect(addr).await.unwrap();

@@ -80,7 +80,10 @@ impl Proxy {
     /// Waits until the proxy holds `n` connections unanswered.
     async fn holding(&self, n: usize) {
         let mut held = self.held.clone();
-        held.wait_for(|held| *held >= n).await.unwrap();
+        tokio::time::timeout(Duration::from_secs(30), held.wait_for(|held| *held >= n))
+            .await
+            .expect("nothing asked the proxy for a connection")
+            .unwrap();
     }
 
     /// From now on connections get `mode`; the forwarded ones are cut.

@@ -35,6 +35,7 @@ fn tiny() -> Limits {
         default_max_attempts: 1,
         operator_timeout: Duration::from_secs(1),
         max_connections: 1,
+        max_http_connections: 1,
     }
 }
 

@@ -81,17 +81,24 @@ pub fn handshaken(
     tokio::spawn(async move {
         tokio::pin!(admitted);
         loop {
-            // Ends with the stream's reader, so that the listener is closed with it.
+            // Ends with the stream's reader, whatever it waits for, so that the listener is
+            // closed with it.
+            let permit = tokio::select! {
+                biased;
+                () = done.closed() => return,
+                permit = under_way.clone().acquire_owned() => match permit {
+                    Ok(permit) => permit,
+                    Err(_) => return,
+                },
+            };
             let connection = tokio::select! {
+                biased;
+                () = done.closed() => return,
                 next = admitted.next() => match next {
                     Some(Ok(connection)) => connection,
                     Some(Err(_)) => continue,
                     None => return,
                 },
-                () = done.closed() => return,
-            };
-            let Ok(permit) = under_way.clone().acquire_owned().await else {
-                return;
             };
             let (acceptor, done) = (tls.acceptor(listener), done.clone());
             tokio::spawn(async move {

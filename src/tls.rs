@@ -40,8 +40,10 @@ struct Current {
     grpc: Arc<ServerConfig>,
     console: Arc<ServerConfig>,
     checked: Instant,
-    /// The last problem reported, so that one that lasts is logged once.
+    /// The last problem reported, so that one that lasts is logged once; and the files'
+    /// contents it was found in, not built again while they stay.
     problem: Option<String>,
+    refused: Vec<Vec<u8>>,
 }
 
 impl TlsFiles {
@@ -60,6 +62,7 @@ impl TlsFiles {
                 console,
                 checked: Instant::now(),
                 problem: None,
+                refused: Vec::new(),
             }),
         })
     }
@@ -76,6 +79,7 @@ impl TlsFiles {
             current.checked = Instant::now();
             let problem = match read_files(&self.settings) {
                 Ok(read) if read == current.read => None,
+                Ok(read) if read == current.refused => current.problem.clone(),
                 Ok(read) => match server_configs(&self.settings, &read) {
                     Ok((grpc, console)) => {
                         tracing::info!(
@@ -86,7 +90,10 @@ impl TlsFiles {
                         current.read = read;
                         None
                     }
-                    Err(e) => Some(format!("{e:#}")),
+                    Err(e) => {
+                        current.refused = read;
+                        Some(format!("{e:#}"))
+                    }
                 },
                 Err(e) => Some(format!("{e:#}")),
             };
@@ -141,9 +148,13 @@ fn server_configs(
     let grpc = match client_ca {
         [] => builder()?.with_no_client_auth(),
         [ca, ..] => {
-            // As tonic did: certificates of the file that do not parse are skipped.
+            // As tonic did: a file that is not PEM is refused, certificates in it that do
+            // not parse are skipped.
+            let ca = CertificateDer::pem_slice_iter(ca)
+                .collect::<Result<Vec<_>, _>>()
+                .context("the client CA file is not PEM certificates")?;
             let mut roots = RootCertStore::empty();
-            roots.add_parsable_certificates(CertificateDer::pem_slice_iter(ca).flatten());
+            roots.add_parsable_certificates(ca);
             let verifier =
                 WebPkiClientVerifier::builder_with_provider(roots.into(), provider.clone())
                     .build()

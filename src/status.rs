@@ -169,7 +169,8 @@ impl From<Error> for Status {
                     Reason::Conflict => "a concurrent change conflicted; retry",
                     Reason::TooManyQueues => {
                         "this Enqueue would give its tenant more than 1,000 queues (kinds × \
-                         priorities, every one it ever had); nothing was recorded"
+                         priorities, those without a live intent forgotten after an hour); \
+                         nothing was recorded"
                     }
                     Reason::StatementTimeout => {
                         "the call ran past OUTBOX_LIMITS__OPERATOR_TIMEOUT (or was cancelled) and \

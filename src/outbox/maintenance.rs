@@ -1,6 +1,7 @@
-//! The background sweeps every replica runs: lease rescue and retention purge. They are
-//! safe to run concurrently on many replicas because the store takes rows `SKIP LOCKED`,
-//! and they are the explicitly cross-tenant work the row-level security policies allow.
+//! The background sweeps every replica runs: lease rescue, retention purge and forgetting
+//! empty queues. They are safe to run concurrently on many replicas because the store takes
+//! rows `SKIP LOCKED` (or its turn), and they are the explicitly cross-tenant work the
+//! row-level security policies allow.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -162,6 +163,26 @@ pub async fn purge_all(pools: &Pools, config: &MaintenanceConfig, clock: &Clock)
     }
 }
 
+/// How long a queue's level stays registered without a live intent (docs/flow-control.md).
+pub const EMPTY_QUEUE_GRACE: Duration = Duration::from_secs(3600);
+
+/// Queues a sweep forgets at most, each under its lock, held to the sweep's commit.
+const QUEUES_PER_SWEEP: i64 = 100;
+
+/// Forgets the queue levels found without a live intent for [`EMPTY_QUEUE_GRACE`] (up to
+/// 100 queues a pass) and notes which are empty now. Returns how many levels it forgot.
+///
+/// # Errors
+/// [`super::Error::Database`].
+pub async fn forget_empty_queues(pools: &Pools, clock: &Clock) -> Result<u64> {
+    let mut tx = store::begin_with(pools, &TenantScope::All, &[AlsoAtBegin::IndexPlans]).await?;
+    let forgotten =
+        store::forget_empty_queues(&mut tx, EMPTY_QUEUE_GRACE, QUEUES_PER_SWEEP, clock.now())
+            .await?;
+    tx.commit().await?;
+    Ok(forgotten)
+}
+
 /// Where the sweeps report what they did (the server's metrics).
 pub trait SweepObserver: Send + Sync {
     /// A lease rescue finished.
@@ -170,7 +191,7 @@ pub trait SweepObserver: Send + Sync {
     fn purged(&self, intents: u64);
 }
 
-/// Runs both sweeps on their intervals until `shutdown`. Failures are logged and retried
+/// Runs the sweeps on their intervals (empty queues with the purge) until `shutdown`. Failures are logged and retried
 /// on the next tick: a database outage must not stop the sweeps for good. Each sweep has
 /// its own schedule, so a long purge (a large backlog past retention) never holds up the
 /// lease rescue.
@@ -195,6 +216,13 @@ pub async fn run_until_stopped(
                 tracing::info!(intents.purged = n, "purged finished intents");
             }
             Err(e) => tracing::warn!(error.message = %e, "retention purge failed; will retry"),
+        }
+        match forget_empty_queues(&pools, &clock).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(queue_levels.forgotten = n, "forgot empty queues"),
+            Err(e) => {
+                tracing::warn!(error.message = %e, "forgetting empty queues failed; will retry")
+            }
         }
     });
     tokio::join!(rescue, purge);

@@ -591,6 +591,13 @@ impl TestApp {
             .unwrap()
     }
 
+    /// Runs a pass of the sweep that forgets empty queues, at the manual clock's time.
+    pub async fn forget_empty_queues(&self) -> u64 {
+        maintenance::forget_empty_queues(&self.service_pools, &self.clock)
+            .await
+            .unwrap()
+    }
+
     fn maintenance(&self) -> MaintenanceConfig {
         self.settings.maintenance.clone()
     }

@@ -10,6 +10,7 @@ mod commands;
 mod connections;
 mod console;
 mod console_indexes;
+mod empty_queues;
 mod enqueue;
 mod flow_control;
 mod group_commit;

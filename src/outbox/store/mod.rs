@@ -25,6 +25,7 @@ mod listeners;
 mod maintenance;
 mod ordering;
 mod policy;
+mod queue_levels;
 mod reconcile;
 mod settle;
 mod staged;
@@ -55,6 +56,7 @@ pub use ordering::{advance_keys, lock_ordering_keys};
 pub use policy::{
     PolicyCursor, PolicyPage, PolicyParams, QueuePolicy, list_queue_policies, set_queue_policy,
 };
+pub use queue_levels::forget_empty_queues;
 pub use reconcile::{ReconcileParams, ReconcileTarget, resolve_intents};
 pub use settle::{
     ACK_AND_DELETE_CALL, ACK_CALL, DeliveredRows, SettleScope, Settled, ack_intents, extend_leases,

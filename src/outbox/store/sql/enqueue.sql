@@ -22,10 +22,16 @@ levels AS (
     -- The levels of these intents, for claims to walk (flow-control.md): a probe of the
     -- key when the level is known; the insert trigger skips this transaction
     -- (AlsoAtBegin::LevelsRegistered). From the arrays, not `input`, which a second
-    -- reference would materialize, payloads and all.
+    -- reference would materialize, payloads and all. Each probe after its queue's lock,
+    -- held shared to the commit, which the sweep forgetting empty queues takes alone
+    -- (migration …07_empty_queues_are_forgotten).
     INSERT INTO outbox.queue_level (tenant_id, kind, priority)
-    SELECT DISTINCT $1, l.kind, coalesce(l.priority, 0)
-    FROM unnest($3::text[], $17::smallint[]) AS l (kind, priority)
+    SELECT l.tenant_id, l.kind, l.priority
+    FROM (SELECT DISTINCT $1::text AS tenant_id, l.kind, coalesce(l.priority, 0) AS priority
+          FROM unnest($3::text[], $17::smallint[]) AS l (kind, priority)) AS l
+    CROSS JOIN LATERAL (
+        SELECT pg_advisory_xact_lock_shared(outbox.queue_lock_key(l.tenant_id, l.kind))
+    ) AS held
     ON CONFLICT DO NOTHING
 ),
 clock AS (

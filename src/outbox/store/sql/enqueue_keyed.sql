@@ -21,8 +21,12 @@ WITH input AS (
 levels AS (
     -- As in enqueue.sql.
     INSERT INTO outbox.queue_level (tenant_id, kind, priority)
-    SELECT DISTINCT $1, l.kind, coalesce(l.priority, 0)
-    FROM unnest($3::text[], $17::smallint[]) AS l (kind, priority)
+    SELECT l.tenant_id, l.kind, l.priority
+    FROM (SELECT DISTINCT $1::text AS tenant_id, l.kind, coalesce(l.priority, 0) AS priority
+          FROM unnest($3::text[], $17::smallint[]) AS l (kind, priority)) AS l
+    CROSS JOIN LATERAL (
+        SELECT pg_advisory_xact_lock_shared(outbox.queue_lock_key(l.tenant_id, l.kind))
+    ) AS held
     ON CONFLICT DO NOTHING
 ),
 clock AS (

@@ -1,0 +1,18 @@
+-- Undoes …07_empty_queues_are_forgotten: the trigger function as …02_baseline_functions
+-- wrote it.
+REVOKE DELETE ON outbox.queue_level FROM outboxd_fleet;
+
+CREATE OR REPLACE FUNCTION outbox.register_queue_levels() RETURNS trigger
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    INSERT INTO outbox.queue_level (tenant_id, kind, priority)
+    SELECT DISTINCT n.tenant_id, n.kind, n.priority FROM new_intents n
+    ON CONFLICT DO NOTHING;
+    RETURN NULL;
+END
+$$;
+
+DROP INDEX outbox.intent_level_parked_idx;
+DROP FUNCTION outbox.queue_lock_key(text, text);
+ALTER TABLE outbox.queue_level DROP COLUMN empty_since;

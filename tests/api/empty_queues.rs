@@ -1,0 +1,195 @@
+//! Queues (their levels) without a live intent for an hour are forgotten: claims stop
+//! walking them and the tenant's cap of 1,000 counts the queues in use.
+
+use std::time::Duration;
+
+use outboxd::outbox::maintenance::EMPTY_QUEUE_GRACE;
+use outboxd::proto::v1::{self, FailOutcome};
+
+use crate::helpers::{TENANT, TestApp, claim_request, id_of, intent};
+use crate::two_phase::{enqueue_in, token_of};
+
+/// The registered levels' kinds, and whether each is noted empty.
+async fn levels(app: &TestApp) -> Vec<(String, bool)> {
+    sqlx::query_as(
+        "SELECT kind, empty_since IS NOT NULL FROM outbox.queue_level ORDER BY kind, priority",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap()
+}
+
+async fn claim_kind(app: &TestApp, kind: &str) -> v1::Lease {
+    let request = v1::ClaimRequest {
+        kinds: vec![kind.into()],
+        ..claim_request("w", 1)
+    };
+    app.claim(request).await.unwrap().remove(0)
+}
+
+/// Past the grace, as the sweeps see it: a pass notes the empty levels, a pass an hour
+/// later forgets them.
+async fn forget_after_the_grace(app: &TestApp) -> u64 {
+    app.forget_empty_queues().await;
+    app.advance(EMPTY_QUEUE_GRACE + Duration::from_secs(1));
+    app.forget_empty_queues().await
+}
+
+#[tokio::test]
+async fn a_queue_empty_for_an_hour_is_forgotten_and_its_next_intent_registers_it_again() {
+    let app = TestApp::spawn().await;
+    app.enqueue_n("mail", 1).await;
+    let lease = claim_kind(&app, "mail").await;
+    app.ack(&[&lease]).await;
+
+    assert_eq!(app.forget_empty_queues().await, 0);
+    assert_eq!(levels(&app).await, vec![("mail".into(), true)]);
+    app.advance(EMPTY_QUEUE_GRACE - Duration::from_secs(1));
+    assert_eq!(
+        app.forget_empty_queues().await,
+        0,
+        "not empty for an hour yet"
+    );
+    app.advance(Duration::from_secs(2));
+    assert_eq!(app.forget_empty_queues().await, 1);
+    assert!(levels(&app).await.is_empty());
+
+    let id = app.enqueue_one("mail", "{}").await;
+    assert_eq!(levels(&app).await, vec![("mail".into(), false)]);
+    assert_eq!(app.claim_ids("w", 10).await, vec![id]);
+}
+
+#[tokio::test]
+async fn a_queue_holding_an_intent_in_any_live_state_is_kept() {
+    let app = TestApp::spawn().await;
+    for kind in [
+        "pending",
+        "leased",
+        "submitted",
+        "reconcile",
+        "dead",
+        "delivered",
+    ] {
+        app.enqueue_n(kind, 1).await;
+    }
+    for kind in ["leased", "submitted", "reconcile", "dead", "delivered"] {
+        let lease = claim_kind(&app, kind).await;
+        match kind {
+            "submitted" => drop(app.mark_submitted(&[&lease]).await),
+            "reconcile" => drop(app.fail(&lease, FailOutcome::Unknown).await),
+            "dead" => drop(app.fail(&lease, FailOutcome::Permanent).await),
+            "delivered" => drop(app.ack(&[&lease]).await),
+            _ => {}
+        }
+    }
+    // WAITING behind its key's head, of another kind.
+    let mut head = intent("head", "{}");
+    head.ordering_key = "order-1".into();
+    let mut waiting = intent("waiting", "{}");
+    waiting.ordering_key = "order-1".into();
+    app.enqueue(vec![head, waiting]).await.unwrap();
+    // STAGED in a producer's open transaction.
+    let mut producer = app.producer().await;
+    let mut tx = sqlx::Connection::begin(&mut producer).await.unwrap();
+    let token = token_of(&mut tx).await;
+    enqueue_in(&app, &token, vec![intent("staged", "{}")])
+        .await
+        .unwrap();
+
+    assert_eq!(forget_after_the_grace(&app).await, 1);
+    let kinds: Vec<String> = levels(&app).await.into_iter().map(|(k, _)| k).collect();
+    let kept = [
+        "dead",
+        "head",
+        "leased",
+        "pending",
+        "reconcile",
+        "staged",
+        "submitted",
+        "waiting",
+    ];
+    assert_eq!(kinds, kept, "only the delivered queue is forgotten");
+    tx.rollback().await.unwrap();
+}
+
+/// An insert that has not committed is invisible to the sweep: the queue's lock, held from
+/// the insert's level probe to its commit, keeps the sweep from forgetting the level under it.
+#[tokio::test]
+async fn a_queue_is_not_forgotten_under_an_insert_that_has_not_committed() {
+    let app = TestApp::spawn().await;
+    app.enqueue_n("report", 1).await;
+    let lease = claim_kind(&app, "report").await;
+    app.ack(&[&lease]).await;
+    app.forget_empty_queues().await;
+    app.advance(EMPTY_QUEUE_GRACE + Duration::from_secs(1));
+
+    // SQL behind outboxd's back, registered by the insert trigger.
+    let mut producer = app.producer().await;
+    let mut tx = sqlx::Connection::begin(&mut producer).await.unwrap();
+    let id: String = sqlx::query_scalar(
+        "INSERT INTO outbox.intent (id, tenant_id, kind, payload, state, max_attempts, \
+                                    available_at, created_at, updated_at, level_key) \
+         VALUES (gen_random_uuid(), $1, 'report', '', 'pending', 5, $2, $2, $2, \
+                 hashtextextended($1 || '/report', 0)) \
+         RETURNING id::text",
+    )
+    .bind(TENANT)
+    .bind(app.clock.now())
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!(app.forget_empty_queues().await, 0);
+    tx.commit().await.unwrap();
+    assert_eq!(app.forget_empty_queues().await, 0);
+
+    assert_eq!(levels(&app).await, vec![("report".into(), false)]);
+    let leased = app.claim_n("w", 10).await;
+    assert_eq!(leased.iter().map(id_of).collect::<Vec<_>>(), vec![id]);
+}
+
+/// The same through outboxd's Enqueue: its level probe waits behind a session holding the
+/// level's row, its intent inserted and its queue's lock taken; the sweep must neither
+/// forget the queue nor wait for it.
+#[tokio::test]
+async fn a_queue_is_not_forgotten_under_an_enqueue_in_flight() {
+    let app = TestApp::spawn().await;
+    app.enqueue_n("invoice", 1).await;
+    let lease = claim_kind(&app, "invoice").await;
+    app.ack(&[&lease]).await;
+    app.forget_empty_queues().await;
+    app.advance(EMPTY_QUEUE_GRACE + Duration::from_secs(1));
+
+    let mut holder = app.producer().await;
+    let mut tx = sqlx::Connection::begin(&mut holder).await.unwrap();
+    sqlx::query("UPDATE outbox.queue_level SET empty_since = empty_since WHERE kind = 'invoice'")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let enqueue = app.spawn_enqueue(vec![intent("invoice", "{}")]);
+    app.wait_for_lock_waiters(1).await;
+    let sweep = tokio::time::timeout(Duration::from_secs(10), app.forget_empty_queues());
+    assert_eq!(sweep.await.expect("the sweep does not wait"), 0);
+    tx.commit().await.unwrap();
+    enqueue.await.unwrap().unwrap();
+    assert_eq!(app.forget_empty_queues().await, 0);
+
+    assert_eq!(levels(&app).await, vec![("invoice".into(), false)]);
+    assert_eq!(app.claim_n("w", 10).await.len(), 1);
+}
+
+#[tokio::test]
+async fn a_tenants_forgotten_queues_no_longer_count_toward_its_cap() {
+    let app = TestApp::spawn().await;
+    sqlx::query(
+        "INSERT INTO outbox.queue_level (tenant_id, kind, priority)
+         SELECT $1, 'kind.' || n, 0 FROM generate_series(1, 1000) n",
+    )
+    .bind(TENANT)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    assert!(app.enqueue(vec![intent("new", "{}")]).await.is_err());
+
+    assert_eq!(forget_after_the_grace(&app).await, 100, "100 queues a pass");
+    app.enqueue(vec![intent("new", "{}")]).await.unwrap();
+}

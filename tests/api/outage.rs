@@ -400,7 +400,10 @@ async fn waiting_for_the_standby(conn: &mut PgConnection) -> Vec<i32> {
 }
 
 /// Names a synchronous standby that never connects (`ghost`): every commit that writes
-/// WAL waits; `""` lets them all go.
+/// WAL waits; `""` lets them all go. Returns once the postmaster has signalled every
+/// session to reload (`admin` sees the setting): a session reloads before its next command,
+/// but pg_reload_conf() returns before the postmaster has read the file, and a one-statement
+/// call read before then committed without waiting.
 async fn synchronous_standby(admin: &mut PgConnection, names: &str) {
     sqlx::raw_sql(&format!(
         "ALTER SYSTEM SET synchronous_standby_names = '{names}'"
@@ -409,9 +412,21 @@ async fn synchronous_standby(admin: &mut PgConnection, names: &str) {
     .await
     .unwrap();
     sqlx::raw_sql("SELECT pg_reload_conf()")
-        .execute(admin)
+        .execute(&mut *admin)
         .await
         .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let now: String = sqlx::query_scalar("SELECT current_setting('synchronous_standby_names')")
+            .fetch_one(&mut *admin)
+            .await
+            .unwrap();
+        if now == names {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the reload never came: {now:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 /// Ends the session of the first commit that waits for the standby (its client loses the

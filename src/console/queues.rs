@@ -118,9 +118,9 @@ pub(super) async fn page(
         Err(status) => return view::failure(&status),
     };
     // Looked up apart from the page shown, which may not hold them.
-    let (changed, saved) = match (
-        policy_of(&console, &session, &shown.tenant, &shown.kind).await,
-        policy_of(&console, &session, &shown.saved_tenant, &shown.saved_kind).await,
+    let (changed, saved) = match tokio::join!(
+        policy_of(&console, &session, &shown.tenant, &shown.kind),
+        policy_of(&console, &session, &shown.saved_tenant, &shown.saved_kind),
     ) {
         (Ok(changed), Ok(saved)) => (changed, saved),
         (Err(e), _) | (_, Err(e)) => return e,

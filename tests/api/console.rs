@@ -699,17 +699,7 @@ async fn policies_past_the_first_page_are_listed_and_changed_from_their_page() {
         s.limits.max_reply_bytes = 20_000;
     })
     .await;
-    let mut kinds: Vec<String> = (0..10).map(|n| format!("kind-{n}")).collect();
-    for kind in &kinds {
-        let request = v1::SetQueuePolicyRequest {
-            kind: kind.clone(),
-            paused: true,
-            actor: "ops".to_owned(),
-            reason: "r".repeat(4096),
-            ..Default::default()
-        };
-        app.client().set_queue_policy(request).await.unwrap();
-    }
+    let mut kinds = app.pause_with_long_reasons(10).await;
     let key = crate::helpers::create_key(&app.pool, "dora-ops", &["acme"], &["operate"], &[]).await;
     let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
     browser.goto("/queues").await;

@@ -1330,17 +1330,7 @@ async fn policies_are_listed_in_pages_within_the_reply_limit() {
     })
     .await;
     let mut client = app.client();
-    let mut kinds: Vec<String> = (0..10).map(|n| format!("kind-{n}")).collect();
-    for kind in &kinds {
-        let request = v1::SetQueuePolicyRequest {
-            kind: kind.clone(),
-            paused: true,
-            actor: "ops".to_owned(),
-            reason: "r".repeat(4096),
-            ..Default::default()
-        };
-        client.set_queue_policy(request).await.unwrap();
-    }
+    let mut kinds = app.pause_with_long_reasons(10).await;
     let (mut listed, mut pages, mut page_token) = (Vec::new(), 0, String::new());
     loop {
         let request = v1::ListQueuePoliciesRequest {

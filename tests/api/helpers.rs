@@ -570,6 +570,23 @@ impl TestApp {
         }
     }
 
+    /// Pauses `n` kinds (`kind-0`, …), each policy with a reason of 4,096 bytes (the most),
+    /// so that a few fill a page; their kinds.
+    pub async fn pause_with_long_reasons(&self, n: usize) -> Vec<String> {
+        let kinds: Vec<String> = (0..n).map(|n| format!("kind-{n}")).collect();
+        for kind in &kinds {
+            let request = v1::SetQueuePolicyRequest {
+                kind: kind.clone(),
+                paused: true,
+                actor: "ops".to_owned(),
+                reason: "r".repeat(4096),
+                ..Default::default()
+            };
+            self.client().set_queue_policy(request).await.unwrap();
+        }
+        kinds
+    }
+
     /// Runs the lease rescue as the background sweep would, at the manual clock's time.
     pub async fn rescue(&self) -> SweepReport {
         maintenance::rescue_all(&self.service_pools, &self.maintenance(), &self.clock)

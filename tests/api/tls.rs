@@ -62,6 +62,25 @@ fn pem(path: &Path) -> Vec<u8> {
     std::fs::read(path).unwrap()
 }
 
+/// A server with TLS from a leaf of `pki`, asking clients for a certificate of `pki`'s CA
+/// with `mtls`, and its console on a loopback port with `console`; the leaf's files.
+async fn tls_app(pki: &Pki, mtls: bool, console: bool) -> (TestApp, PathBuf, PathBuf) {
+    let (cert_file, key_file) = pki.leaf("server", ExtendedKeyUsagePurpose::ServerAuth);
+    let tls = TlsSettings {
+        cert_file: cert_file.clone(),
+        key_file: key_file.clone(),
+        client_ca_file: mtls.then(|| pki.ca_path()),
+    };
+    let app = TestApp::spawn_with(|s| {
+        s.tls = Some(tls);
+        if console {
+            s.console.listen_addr = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
+        }
+    })
+    .await;
+    (app, cert_file, key_file)
+}
+
 /// Calls GetQueueStats over a channel built from `tls` (None: plaintext); Ok if it answered.
 async fn call(app: &TestApp, key: &str, tls: Option<ClientTlsConfig>) -> Result<(), String> {
     let scheme = if tls.is_some() { "https" } else { "http" };
@@ -84,15 +103,7 @@ async fn call(app: &TestApp, key: &str, tls: Option<ClientTlsConfig>) -> Result<
 #[tokio::test]
 async fn tls_serves_clients_that_trust_its_ca_and_refuses_plaintext() {
     let pki = Pki::new();
-    let (cert_file, key_file) = pki.leaf("server", ExtendedKeyUsagePurpose::ServerAuth);
-    let app = TestApp::spawn_with(|s| {
-        s.tls = Some(TlsSettings {
-            cert_file,
-            key_file,
-            client_ca_file: None,
-        })
-    })
-    .await;
+    let (app, _, _) = tls_app(&pki, false, false).await;
     let key = app.key(&["acme"], &["operate"], &[]).await;
 
     let trusted = ClientTlsConfig::new()
@@ -142,16 +153,7 @@ async fn tls_serves_clients_that_trust_its_ca_and_refuses_plaintext() {
 #[tokio::test]
 async fn mtls_refuses_clients_without_a_certificate_from_the_configured_ca() {
     let pki = Pki::new();
-    let (cert_file, key_file) = pki.leaf("server", ExtendedKeyUsagePurpose::ServerAuth);
-    let app = TestApp::spawn_with(|s| {
-        s.tls = Some(TlsSettings {
-            cert_file,
-            key_file,
-            client_ca_file: Some(pki.ca_path()),
-        });
-        s.console.listen_addr = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
-    })
-    .await;
+    let (app, _, _) = tls_app(&pki, true, true).await;
     // The console asks for no client certificate: it signs in with a key.
     handshake(app.console_addr.unwrap(), &pki).await.unwrap();
     let key = app.key(&["acme"], &["operate"], &[]).await;
@@ -181,16 +183,7 @@ async fn mtls_refuses_clients_without_a_certificate_from_the_configured_ca() {
 #[tokio::test]
 async fn the_console_serves_https_with_the_grpc_certificate_and_a_secure_cookie() {
     let pki = Pki::new();
-    let (cert_file, key_file) = pki.leaf("server", ExtendedKeyUsagePurpose::ServerAuth);
-    let app = TestApp::spawn_with(|s| {
-        s.tls = Some(TlsSettings {
-            cert_file,
-            key_file,
-            client_ca_file: None,
-        });
-        s.console.listen_addr = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
-    })
-    .await;
+    let (app, _, _) = tls_app(&pki, false, true).await;
     let key = app.key(&["acme"], &["operate"], &[]).await;
     let browser = crate::browser::Browser::open_https(app.console_addr.unwrap()).await;
     browser.sign_in(&key).await;
@@ -243,16 +236,7 @@ async fn tls_connection(
 #[tokio::test]
 async fn a_certificate_renewed_on_disk_is_served_to_new_connections_without_a_restart() {
     let pki = Pki::new();
-    let (cert_file, key_file) = pki.leaf("server", ExtendedKeyUsagePurpose::ServerAuth);
-    let app = TestApp::spawn_with(|s| {
-        s.tls = Some(TlsSettings {
-            cert_file: cert_file.clone(),
-            key_file: key_file.clone(),
-            client_ca_file: None,
-        });
-        s.console.listen_addr = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
-    })
-    .await;
+    let (app, cert_file, key_file) = tls_app(&pki, false, true).await;
     let console = app.console_addr.unwrap();
     let key = app.key(&["acme"], &["operate"], &[]).await;
     let trusting = |pki: &Pki| {
@@ -307,15 +291,7 @@ async fn a_certificate_renewed_on_disk_is_served_to_new_connections_without_a_re
 async fn a_tls_connection_stalled_in_or_after_its_handshake_is_closed_after_ten_seconds() {
     use tokio::io::AsyncWriteExt as _;
     let pki = Pki::new();
-    let (cert_file, key_file) = pki.leaf("server", ExtendedKeyUsagePurpose::ServerAuth);
-    let app = TestApp::spawn_with(|s| {
-        s.tls = Some(TlsSettings {
-            cert_file,
-            key_file,
-            client_ca_file: None,
-        })
-    })
-    .await;
+    let (app, _, _) = tls_app(&pki, false, false).await;
     let mut stalled = tokio::net::TcpStream::connect(app.addr).await.unwrap();
     // A handshake record announcing 512 bytes, of which 27 come.
     let mut hello = vec![0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc];

@@ -1,7 +1,5 @@
 -- Undoes …07_empty_queues_are_forgotten: the trigger function as …02_baseline_functions
 -- wrote it.
-REVOKE DELETE ON outbox.queue_level FROM outboxd_fleet;
-
 CREATE OR REPLACE FUNCTION outbox.register_queue_levels() RETURNS trigger
 LANGUAGE plpgsql
 AS $$
@@ -15,4 +13,5 @@ $$;
 
 DROP INDEX outbox.intent_level_parked_idx;
 DROP FUNCTION outbox.queue_lock_key(text, text);
-ALTER TABLE outbox.queue_level DROP COLUMN empty_since;
+REVOKE DELETE ON outbox.queue_level FROM outboxd_fleet;
+DROP TABLE outbox.queue_level_idle;

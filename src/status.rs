@@ -169,7 +169,7 @@ impl From<Error> for Status {
                     Reason::Conflict => "a concurrent change conflicted; retry",
                     Reason::TooManyQueues => {
                         "this Enqueue would give its tenant more than 1,000 queues (kinds × \
-                         priorities, those without a live intent forgotten after an hour); \
+                         priorities, each counted until found without a live intent for an hour); \
                          nothing was recorded"
                     }
                     Reason::StatementTimeout => {

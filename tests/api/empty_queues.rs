@@ -4,15 +4,20 @@
 use std::time::Duration;
 
 use outboxd::outbox::maintenance::EMPTY_QUEUE_GRACE;
-use outboxd::proto::v1::{self, FailOutcome};
+use outboxd::outbox::store::{self, EnqueueParams};
+use outboxd::outbox::{NewIntent, Schedule};
+use outboxd::proto::v1::{self, FailOutcome, IntentState};
 
-use crate::helpers::{TENANT, TestApp, claim_request, id_of, intent};
+use crate::helpers::{TENANT, TestApp, assert_item_ok, claim_request, id_of, intent};
 use crate::two_phase::{enqueue_in, token_of};
 
-/// The registered levels' kinds, and whether each is noted empty.
+/// The registered levels' kinds, and whether each is noted idle.
 async fn levels(app: &TestApp) -> Vec<(String, bool)> {
     sqlx::query_as(
-        "SELECT kind, empty_since IS NOT NULL FROM outbox.queue_level ORDER BY kind, priority",
+        "SELECT l.kind, d.since IS NOT NULL
+         FROM outbox.queue_level l
+         LEFT JOIN outbox.queue_level_idle d USING (tenant_id, kind, priority)
+         ORDER BY l.kind, l.priority",
     )
     .fetch_all(&app.pool)
     .await
@@ -38,12 +43,17 @@ async fn forget_after_the_grace(app: &TestApp) -> u64 {
 #[tokio::test]
 async fn a_queue_empty_for_an_hour_is_forgotten_and_its_next_intent_registers_it_again() {
     let app = TestApp::spawn().await;
-    app.enqueue_n("mail", 1).await;
-    let lease = claim_kind(&app, "mail").await;
-    app.ack(&[&lease]).await;
+    let mut urgent = intent("mail", "{}");
+    urgent.priority = 5;
+    app.enqueue(vec![intent("mail", "{}"), urgent])
+        .await
+        .unwrap();
+    let leases = app.claim_n("w", 10).await;
+    app.ack(&leases.iter().collect::<Vec<_>>()).await;
 
     assert_eq!(app.forget_empty_queues().await, 0);
-    assert_eq!(levels(&app).await, vec![("mail".into(), true)]);
+    let idle = vec![("mail".into(), true), ("mail".into(), true)];
+    assert_eq!(levels(&app).await, idle);
     app.advance(EMPTY_QUEUE_GRACE - Duration::from_secs(1));
     assert_eq!(
         app.forget_empty_queues().await,
@@ -51,7 +61,11 @@ async fn a_queue_empty_for_an_hour_is_forgotten_and_its_next_intent_registers_it
         "not empty for an hour yet"
     );
     app.advance(Duration::from_secs(2));
-    assert_eq!(app.forget_empty_queues().await, 1);
+    assert_eq!(
+        app.forget_empty_queues().await,
+        2,
+        "both priorities' levels"
+    );
     assert!(levels(&app).await.is_empty());
 
     let id = app.enqueue_one("mail", "{}").await;
@@ -74,13 +88,23 @@ async fn a_queue_holding_an_intent_in_any_live_state_is_kept() {
     }
     for kind in ["leased", "submitted", "reconcile", "dead", "delivered"] {
         let lease = claim_kind(&app, kind).await;
-        match kind {
-            "submitted" => drop(app.mark_submitted(&[&lease]).await),
-            "reconcile" => drop(app.fail(&lease, FailOutcome::Unknown).await),
-            "dead" => drop(app.fail(&lease, FailOutcome::Permanent).await),
-            "delivered" => drop(app.ack(&[&lease]).await),
-            _ => {}
-        }
+        let (result, state) = match kind {
+            "submitted" => (
+                app.mark_submitted(&[&lease]).await.remove(0),
+                IntentState::Submitted,
+            ),
+            "reconcile" => (
+                app.fail(&lease, FailOutcome::Unknown).await,
+                IntentState::NeedsReconcile,
+            ),
+            "dead" => (
+                app.fail(&lease, FailOutcome::Permanent).await,
+                IntentState::DeadLettered,
+            ),
+            "delivered" => (app.ack(&[&lease]).await.remove(0), IntentState::Delivered),
+            _ => continue,
+        };
+        assert_item_ok(&result, state);
     }
     // WAITING behind its key's head, of another kind.
     let mut head = intent("head", "{}");
@@ -147,11 +171,10 @@ async fn a_queue_is_not_forgotten_under_an_insert_that_has_not_committed() {
     assert_eq!(leased.iter().map(id_of).collect::<Vec<_>>(), vec![id]);
 }
 
-/// The same through outboxd's Enqueue: its level probe waits behind a session holding the
-/// level's row, its intent inserted and its queue's lock taken; the sweep must neither
-/// forget the queue nor wait for it.
+/// The same for an Enqueue's own statement: its level probed (the level there), its
+/// intent not committed yet when the sweep looks.
 #[tokio::test]
-async fn a_queue_is_not_forgotten_under_an_enqueue_in_flight() {
+async fn a_queue_is_not_forgotten_under_an_enqueue_that_has_not_committed() {
     let app = TestApp::spawn().await;
     app.enqueue_n("invoice", 1).await;
     let lease = claim_kind(&app, "invoice").await;
@@ -159,18 +182,35 @@ async fn a_queue_is_not_forgotten_under_an_enqueue_in_flight() {
     app.forget_empty_queues().await;
     app.advance(EMPTY_QUEUE_GRACE + Duration::from_secs(1));
 
-    let mut holder = app.producer().await;
-    let mut tx = sqlx::Connection::begin(&mut holder).await.unwrap();
-    sqlx::query("UPDATE outbox.queue_level SET empty_since = empty_since WHERE kind = 'invoice'")
+    let mut producer = app.service_connection().await;
+    let mut tx = sqlx::Connection::begin(&mut producer).await.unwrap();
+    let scope = app.scope_statement(TENANT).await;
+    sqlx::raw_sql(&format!("{scope}; SET LOCAL outbox.levels_registered = on"))
         .execute(&mut *tx)
         .await
         .unwrap();
-    let enqueue = app.spawn_enqueue(vec![intent("invoice", "{}")]);
-    app.wait_for_lock_waiters(1).await;
-    let sweep = tokio::time::timeout(Duration::from_secs(10), app.forget_empty_queues());
-    assert_eq!(sweep.await.expect("the sweep does not wait"), 0);
+    let invoice = NewIntent {
+        kind: "invoice".into(),
+        payload: b"{}".to_vec(),
+        content_type: String::new(),
+        region: String::new(),
+        idempotency_key: None,
+        ordering_key: None,
+        priority: 0,
+        headers: Default::default(),
+        max_attempts: 5,
+        schedule: Schedule::Now,
+    };
+    let params = EnqueueParams {
+        tenant_id: TENANT,
+        intents: std::slice::from_ref(&invoice),
+        txn_xid: None,
+        now: app.clock.now(),
+        leases: &[],
+    };
+    store::insert_intents(&mut tx, params).await.unwrap();
+    assert_eq!(app.forget_empty_queues().await, 0);
     tx.commit().await.unwrap();
-    enqueue.await.unwrap().unwrap();
     assert_eq!(app.forget_empty_queues().await, 0);
 
     assert_eq!(levels(&app).await, vec![("invoice".into(), false)]);
@@ -192,4 +232,36 @@ async fn a_tenants_forgotten_queues_no_longer_count_toward_its_cap() {
 
     assert_eq!(forget_after_the_grace(&app).await, 100, "100 queues a pass");
     app.enqueue(vec![intent("new", "{}")]).await.unwrap();
+}
+
+/// A queue whose lock an Enqueue holds is skipped, and the sweep goes on to the next: held
+/// queues of one tenant keep no other tenant's from being forgotten.
+#[tokio::test]
+async fn queues_held_by_enqueues_keep_no_other_queue_from_being_forgotten() {
+    let app = TestApp::spawn().await;
+    sqlx::query(
+        "INSERT INTO outbox.queue_level (tenant_id, kind, priority)
+         SELECT $1, 'kind.' || n, 0 FROM generate_series(1, 150) n
+         UNION ALL SELECT 'globex', 'report', 0",
+    )
+    .bind(TENANT)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    app.forget_empty_queues().await;
+    app.advance(EMPTY_QUEUE_GRACE + Duration::from_secs(1));
+
+    let mut holder = app.producer().await;
+    let mut held = sqlx::Connection::begin(&mut holder).await.unwrap();
+    sqlx::query(
+        "SELECT pg_advisory_xact_lock_shared(outbox.queue_lock_key($1, 'kind.' || n))
+         FROM generate_series(1, 150) n",
+    )
+    .bind(TENANT)
+    .execute(&mut *held)
+    .await
+    .unwrap();
+    assert_eq!(app.forget_empty_queues().await, 1, "globex's queue");
+    held.commit().await.unwrap();
+    assert_eq!(app.forget_empty_queues().await, 100, "100 queues a pass");
 }

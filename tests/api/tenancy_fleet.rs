@@ -256,6 +256,7 @@ async fn every_table_under_row_level_security_opens_to_the_fleet_grant_and_no_se
             "delivered_batch",
             "intent",
             "queue_level",
+            "queue_level_idle",
             "queue_policy",
             "queue_policy_change",
             "resolution"

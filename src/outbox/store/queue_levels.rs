@@ -9,11 +9,11 @@ use sqlx::PgConnection;
 use super::millis;
 use crate::outbox::Result;
 
-/// Notes which levels hold no live intent (`empty_since`: since when, as far as the sweeps
-/// saw) and forgets those found so for `grace`, of up to `limit` queues. Returns how many
-/// levels it forgot. Runs in the caller's transaction, cross-tenant; does nothing when
-/// another replica's sweep holds the turn, and skips a queue whose lock (one of 16 a tenant's
-/// queues share) an Enqueue holds.
+/// Notes which levels hold no live intent (`outbox.queue_level_idle`: since when, as far as
+/// the sweeps saw) and forgets those found so for `grace`, of up to `limit` queues. Returns
+/// how many levels it forgot. Runs in the caller's transaction, cross-tenant; does nothing
+/// when another replica's sweep holds the turn, and skips a queue whose lock (one of 16 a
+/// tenant's queues share) an Enqueue holds.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
@@ -33,21 +33,21 @@ pub async fn forget_empty_queues(
     }
     look_for_live_intents(conn, None, now).await?;
     // The queues' locks, without waiting (an Enqueue holding one shared is using a queue of
-    // it); then a second look at those queues alone, a statement of its own and so a
-    // snapshot taken after the locks, which sees every intent of theirs: any later one's
-    // Enqueue probes its level after this commit.
+    // it), the oldest idle first until `limit` are held; then a second look at those queues
+    // alone, a statement of its own and so a snapshot taken after the locks, which sees
+    // every intent of theirs: any later one's Enqueue probes its level after this commit.
     let locked: Vec<(String, String)> = sqlx::query_as(
         r#"
         SELECT q.tenant_id, q.kind
         FROM (
-            SELECT l.tenant_id, l.kind
-            FROM outbox.queue_level l
-            WHERE l.empty_since < (SELECT coalesce($1::timestamptz, now()) - $2 * interval '1 ms')
-            GROUP BY l.tenant_id, l.kind
-            ORDER BY min(l.empty_since)
-            LIMIT $3
+            SELECT d.tenant_id, d.kind, min(d.since) AS since
+            FROM outbox.queue_level_idle d
+            WHERE d.since < (SELECT coalesce($1::timestamptz, now()) - $2 * interval '1 ms')
+            GROUP BY d.tenant_id, d.kind
+            ORDER BY 3
         ) AS q
         WHERE pg_try_advisory_xact_lock(outbox.queue_lock_key(q.tenant_id, q.kind))
+        LIMIT $3
         "#,
     )
     .bind(now)
@@ -60,25 +60,36 @@ pub async fn forget_empty_queues(
     }
     let queues: (Vec<String>, Vec<String>) = locked.into_iter().unzip();
     look_for_live_intents(conn, Some(&queues), now).await?;
-    let forgotten = sqlx::query(
+    let (forgotten,): (i64,) = sqlx::query_as(
         r#"
-        DELETE FROM outbox.queue_level l
-        USING unnest($1::text[], $2::text[]) AS q (tenant_id, kind)
-        WHERE l.tenant_id = q.tenant_id AND l.kind = q.kind
-          AND l.empty_since < (SELECT coalesce($3::timestamptz, now()) - $4 * interval '1 ms')
+        WITH idle AS (
+            DELETE FROM outbox.queue_level_idle d
+            USING unnest($1::text[], $2::text[]) AS q (tenant_id, kind)
+            WHERE d.tenant_id = q.tenant_id AND d.kind = q.kind
+              AND d.since < (SELECT coalesce($3::timestamptz, now()) - $4 * interval '1 ms')
+            RETURNING d.tenant_id, d.kind, d.priority
+        ),
+        forgotten AS (
+            DELETE FROM outbox.queue_level l
+            USING idle
+            WHERE l.tenant_id = idle.tenant_id AND l.kind = idle.kind
+              AND l.priority = idle.priority
+            RETURNING 1
+        )
+        SELECT count(*) FROM forgotten
         "#,
     )
     .bind(&queues.0)
     .bind(&queues.1)
     .bind(now)
     .bind(millis(grace))
-    .execute(&mut *conn)
+    .fetch_one(&mut *conn)
     .await?;
-    Ok(forgotten.rows_affected())
+    Ok(forgotten as u64)
 }
 
 /// Notes the levels of `queues` (tenants and kinds; `None`: every queue) without a live
-/// intent as empty since now, unless they already are, and those with one as not empty.
+/// intent as idle since now, unless they already are, and those with one as not idle.
 async fn look_for_live_intents(
     conn: &mut PgConnection,
     queues: Option<&(Vec<String>, Vec<String>)>,
@@ -93,16 +104,24 @@ async fn look_for_live_intents(
     Ok(())
 }
 
-/// Sets `empty_since` (to now) of the levels that have no live intent and none set, and
-/// clears it on those that have one. Live: PENDING (the claimable index), LEASED or
-/// SUBMITTED (the leases' index, read once), STAGED, WAITING, NEEDS_RECONCILE or
-/// DEAD_LETTERED (`intent_level_parked_idx`). $1 now (or NULL); $2, $3 the queues' tenants
-/// and kinds (NULL: every queue).
+/// Records the levels (of the queues $2, $3: tenants and kinds; NULL: every queue) that
+/// have no live intent in `outbox.queue_level_idle`, since now unless already there, and
+/// removes those that have one, and those no longer registered. Live: PENDING (the
+/// claimable index), LEASED or SUBMITTED (the leases' index, read once), STAGED, WAITING,
+/// NEEDS_RECONCILE or DEAD_LETTERED (`intent_level_parked_idx`). $1 now (or NULL).
 const LOOK_FOR_LIVE_INTENTS: &str = r#"
-    WITH in_flight AS MATERIALIZED (
+    WITH queues AS MATERIALIZED (
+        SELECT l.tenant_id, l.kind, l.priority, l.level_key
+        FROM outbox.queue_level l
+        WHERE $2::text[] IS NULL
+           OR (l.tenant_id, l.kind) IN (SELECT * FROM unnest($2::text[], $3::text[]))
+    ),
+    in_flight AS MATERIALIZED (
         SELECT DISTINCT i.tenant_id, i.kind, i.priority
         FROM outbox.intent i
         WHERE i.state IN ('leased', 'submitted') AND i.lease_expires_at IS NOT NULL
+          AND ($2::text[] IS NULL
+               OR (i.tenant_id, i.kind) IN (SELECT * FROM unnest($2::text[], $3::text[])))
     ),
     looked AS MATERIALIZED (
         SELECT l.tenant_id, l.kind, l.priority,
@@ -124,13 +143,21 @@ const LOOK_FOR_LIVE_INTENTS: &str = r#"
                    WHERE f.tenant_id = l.tenant_id AND f.kind = l.kind
                      AND f.priority = l.priority
                ) AS live
-        FROM outbox.queue_level l
-        WHERE $2::text[] IS NULL
-           OR (l.tenant_id, l.kind) IN (SELECT * FROM unnest($2::text[], $3::text[]))
+        FROM queues l
+    ),
+    busy AS (
+        DELETE FROM outbox.queue_level_idle d
+        WHERE ($2::text[] IS NULL
+               OR (d.tenant_id, d.kind) IN (SELECT * FROM unnest($2::text[], $3::text[])))
+          AND NOT EXISTS (
+              SELECT 1 FROM looked k
+              WHERE k.tenant_id = d.tenant_id AND k.kind = d.kind
+                AND k.priority = d.priority AND NOT k.live
+          )
     )
-    UPDATE outbox.queue_level l
-    SET empty_since = CASE WHEN k.live THEN NULL ELSE coalesce($1::timestamptz, now()) END
+    INSERT INTO outbox.queue_level_idle (tenant_id, kind, priority, since)
+    SELECT k.tenant_id, k.kind, k.priority, coalesce($1::timestamptz, now())
     FROM looked k
-    WHERE l.tenant_id = k.tenant_id AND l.kind = k.kind AND l.priority = k.priority
-      AND k.live = (l.empty_since IS NOT NULL)
+    WHERE NOT k.live
+    ON CONFLICT DO NOTHING
 "#;

@@ -191,10 +191,10 @@ pub trait SweepObserver: Send + Sync {
     fn purged(&self, intents: u64);
 }
 
-/// Runs the sweeps on their intervals (empty queues with the purge) until `shutdown`. Failures are logged and retried
-/// on the next tick: a database outage must not stop the sweeps for good. Each sweep has
-/// its own schedule, so a long purge (a large backlog past retention) never holds up the
-/// lease rescue.
+/// Runs the sweeps on their intervals (empty queues with the purge) until `shutdown`.
+/// Failures are logged and retried on the next tick: a database outage must not stop the
+/// sweeps for good. The rescue has its own schedule, so a long purge (a large backlog past
+/// retention) never holds up the lease rescue.
 pub async fn run_until_stopped(
     pools: Pools,
     config: MaintenanceConfig,

@@ -148,6 +148,8 @@ pub struct Metrics {
     pub discarded: Counter,
     /// Finished intents purged.
     pub purged: Counter,
+    /// Queue levels forgotten by the sweeps (found without a live intent for an hour).
+    pub queue_levels_forgotten: Counter,
     /// Intents by state and region (live states only; finished ones are counters).
     pub intents: Family<DepthLabels, Gauge>,
     /// Seconds the oldest claimable PENDING intent has waited.
@@ -228,6 +230,7 @@ impl Metrics {
             promoted: Counter::default(),
             discarded: Counter::default(),
             purged: Counter::default(),
+            queue_levels_forgotten: Counter::default(),
             intents: Family::default(),
             oldest_pending_age: Gauge::default(),
             oldest_staged_age: Gauge::default(),
@@ -366,6 +369,11 @@ impl Metrics {
             "intents_purged",
             "Finished intents deleted after retention",
             m.purged.clone(),
+        );
+        r.register(
+            "queue_levels_forgotten",
+            "Queue levels forgotten after an hour without a live intent",
+            m.queue_levels_forgotten.clone(),
         );
         r.register(
             "intents",
@@ -569,6 +577,10 @@ impl SweepObserver for Metrics {
 
     fn purged(&self, intents: u64) {
         self.purged.inc_by(intents);
+    }
+
+    fn forgot_queue_levels(&self, levels: u64) {
+        self.queue_levels_forgotten.inc_by(levels);
     }
 }
 

@@ -189,6 +189,8 @@ pub trait SweepObserver: Send + Sync {
     fn rescued(&self, report: &SweepReport);
     /// A retention purge deleted `intents`.
     fn purged(&self, intents: u64);
+    /// A sweep forgot `levels` queue levels without a live intent.
+    fn forgot_queue_levels(&self, levels: u64);
 }
 
 /// Runs the sweeps on their intervals (empty queues with the purge) until `shutdown`.
@@ -219,7 +221,10 @@ pub async fn run_until_stopped(
         }
         match forget_empty_queues(&pools, &clock).await {
             Ok(0) => {}
-            Ok(n) => tracing::info!(queue_levels.forgotten = n, "forgot empty queues"),
+            Ok(n) => {
+                observer.forgot_queue_levels(n);
+                tracing::info!(queue_levels.forgotten = n, "forgot empty queues");
+            }
             Err(e) => {
                 tracing::warn!(error.message = %e, "forgetting empty queues failed; will retry")
             }

@@ -265,3 +265,26 @@ async fn queues_held_by_enqueues_keep_no_other_queue_from_being_forgotten() {
     held.commit().await.unwrap();
     assert_eq!(app.forget_empty_queues().await, 100, "100 queues a pass");
 }
+
+/// The server's own sweep, with the purge's: it notes the idle level, forgets it past the
+/// hour, and counts it.
+#[tokio::test]
+async fn the_servers_sweep_forgets_an_idle_queue_and_counts_it() {
+    let app = TestApp::spawn_with_tuned(
+        |s| s.maintenance.purge_interval = Duration::from_millis(20),
+        |r| r.maintenance = true,
+    )
+    .await;
+    app.enqueue_n("mail", 1).await;
+    let lease = claim_kind(&app, "mail").await;
+    app.ack(&[&lease]).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while levels(&app).await != vec![("mail".to_owned(), true)] {
+        assert!(std::time::Instant::now() < deadline, "never noted idle");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    app.advance(EMPTY_QUEUE_GRACE + Duration::from_secs(1));
+    app.wait_for_metric("outbox_queue_levels_forgotten_total 1")
+        .await;
+    assert!(levels(&app).await.is_empty());
+}

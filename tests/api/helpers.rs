@@ -261,6 +261,14 @@ impl TestApp {
         Self::spawn_on_tuned(fresh_database().await, |_| {}, tune).await
     }
 
+    /// [`Self::spawn_with`] and [`Self::spawn_tuned`] at once.
+    pub async fn spawn_with_tuned(
+        configure: impl FnOnce(&mut Settings),
+        tune: impl FnOnce(&mut Runtime),
+    ) -> Self {
+        Self::spawn_on_tuned(fresh_database().await, configure, tune).await
+    }
+
     async fn spawn_on_tuned(
         url: String,
         configure: impl FnOnce(&mut Settings),

@@ -8,7 +8,11 @@ use outboxd::outbox::store::{self, EnqueueParams};
 use outboxd::outbox::{NewIntent, Schedule};
 use outboxd::proto::v1::{self, FailOutcome, IntentState};
 
-use crate::helpers::{TENANT, TestApp, assert_item_ok, claim_request, id_of, intent};
+use tonic::Code;
+
+use crate::helpers::{
+    TENANT, TestApp, assert_item_ok, assert_status, claim_request, id_of, intent,
+};
 use crate::two_phase::{enqueue_in, token_of};
 
 /// The registered levels' kinds, and whether each is noted idle.
@@ -71,6 +75,34 @@ async fn a_queue_empty_for_an_hour_is_forgotten_and_its_next_intent_registers_it
     let id = app.enqueue_one("mail", "{}").await;
     assert_eq!(levels(&app).await, vec![("mail".into(), false)]);
     assert_eq!(app.claim_ids("w", 10).await, vec![id]);
+}
+
+/// A level noted idle that holds an intent again at the next look is kept, however long
+/// ago it was noted; of a queue's levels only the idle ones go.
+#[tokio::test]
+async fn a_level_busy_again_is_kept_and_only_a_queues_idle_levels_go() {
+    let app = TestApp::spawn().await;
+    let mut urgent = intent("mail", "{}");
+    urgent.priority = 5;
+    app.enqueue(vec![intent("mail", "{}"), urgent.clone()])
+        .await
+        .unwrap();
+    let leases = app.claim_n("w", 10).await;
+    app.ack(&leases.iter().collect::<Vec<_>>()).await;
+    app.forget_empty_queues().await;
+    app.advance(Duration::from_secs(60));
+    app.enqueue(vec![urgent]).await.unwrap();
+
+    assert_eq!(forget_after_the_grace(&app).await, 1, "priority 0 alone");
+    let urgent_level: Vec<(String, i16, bool)> = sqlx::query_as(
+        "SELECT l.kind, l.priority, d.since IS NOT NULL
+         FROM outbox.queue_level l
+         LEFT JOIN outbox.queue_level_idle d USING (tenant_id, kind, priority)",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(urgent_level, vec![("mail".to_owned(), 5, false)]);
 }
 
 #[tokio::test]
@@ -171,10 +203,16 @@ async fn a_queue_is_not_forgotten_under_an_insert_that_has_not_committed() {
     assert_eq!(leased.iter().map(id_of).collect::<Vec<_>>(), vec![id]);
 }
 
-/// The same for an Enqueue's own statement: its level probed (the level there), its
-/// intent not committed yet when the sweep looks.
+/// The same for an Enqueue's own statements (with and without idempotency keys): the level
+/// probed (there), the intent not committed yet when the sweep looks.
 #[tokio::test]
 async fn a_queue_is_not_forgotten_under_an_enqueue_that_has_not_committed() {
+    for key in [None, Some("invoice-1")] {
+        an_enqueue_not_committed_keeps_its_queue(key).await;
+    }
+}
+
+async fn an_enqueue_not_committed_keeps_its_queue(key: Option<&str>) {
     let app = TestApp::spawn().await;
     app.enqueue_n("invoice", 1).await;
     let lease = claim_kind(&app, "invoice").await;
@@ -194,7 +232,7 @@ async fn a_queue_is_not_forgotten_under_an_enqueue_that_has_not_committed() {
         payload: b"{}".to_vec(),
         content_type: String::new(),
         region: String::new(),
-        idempotency_key: None,
+        idempotency_key: key.map(str::to_owned),
         ordering_key: None,
         priority: 0,
         headers: Default::default(),
@@ -213,8 +251,12 @@ async fn a_queue_is_not_forgotten_under_an_enqueue_that_has_not_committed() {
     tx.commit().await.unwrap();
     assert_eq!(app.forget_empty_queues().await, 0);
 
-    assert_eq!(levels(&app).await, vec![("invoice".into(), false)]);
-    assert_eq!(app.claim_n("w", 10).await.len(), 1);
+    assert_eq!(
+        levels(&app).await,
+        vec![("invoice".into(), false)],
+        "{key:?}"
+    );
+    assert_eq!(app.claim_n("w", 10).await.len(), 1, "{key:?}");
 }
 
 #[tokio::test]
@@ -228,7 +270,8 @@ async fn a_tenants_forgotten_queues_no_longer_count_toward_its_cap() {
     .execute(&app.pool)
     .await
     .unwrap();
-    assert!(app.enqueue(vec![intent("new", "{}")]).await.is_err());
+    let refused = app.enqueue(vec![intent("new", "{}")]).await.unwrap_err();
+    assert_status(&refused, Code::ResourceExhausted, "TOO_MANY_QUEUES", &[]);
 
     assert_eq!(forget_after_the_grace(&app).await, 100, "100 queues a pass");
     app.enqueue(vec![intent("new", "{}")]).await.unwrap();
@@ -241,10 +284,18 @@ async fn queues_held_by_enqueues_keep_no_other_queue_from_being_forgotten() {
     let app = TestApp::spawn().await;
     sqlx::query(
         "INSERT INTO outbox.queue_level (tenant_id, kind, priority)
-         SELECT $1, 'kind.' || n, 0 FROM generate_series(1, 150) n
-         UNION ALL SELECT 'globex', 'report', 0",
+         SELECT $1, 'kind.' || n, 0 FROM generate_series(1, 150) n",
     )
     .bind(TENANT)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    app.forget_empty_queues().await;
+    // Noted idle a minute after the 150: the sweep comes to it after them.
+    app.advance(Duration::from_secs(60));
+    sqlx::query(
+        "INSERT INTO outbox.queue_level (tenant_id, kind, priority) VALUES ('globex', 'report', 0)",
+    )
     .execute(&app.pool)
     .await
     .unwrap();

@@ -36,6 +36,28 @@ async fn claim_kind(app: &TestApp, kind: &str) -> v1::Lease {
     app.claim(request).await.unwrap().remove(0)
 }
 
+/// One intent of `kind` delivered, its queue then noted idle and the grace past.
+async fn delivered_and_idle_past_the_grace(app: &TestApp, kind: &str) {
+    app.enqueue_n(kind, 1).await;
+    let lease = claim_kind(app, kind).await;
+    app.ack(&[&lease]).await;
+    app.forget_empty_queues().await;
+    app.advance(EMPTY_QUEUE_GRACE + Duration::from_secs(1));
+}
+
+/// Registers `n` queues `kind.1`, … of the tenant, with no intent, as SQL would.
+async fn register_kinds(app: &TestApp, n: i32) {
+    sqlx::query(
+        "INSERT INTO outbox.queue_level (tenant_id, kind, priority)
+         SELECT $1, 'kind.' || n, 0 FROM generate_series(1, $2) n",
+    )
+    .bind(TENANT)
+    .bind(n)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+}
+
 /// Past the grace, as the sweeps see it: a pass notes the empty levels, a pass an hour
 /// later forgets them.
 async fn forget_after_the_grace(app: &TestApp) -> u64 {
@@ -173,11 +195,7 @@ async fn a_queue_holding_an_intent_in_any_live_state_is_kept() {
 #[tokio::test]
 async fn a_queue_is_not_forgotten_under_an_insert_that_has_not_committed() {
     let app = TestApp::spawn().await;
-    app.enqueue_n("report", 1).await;
-    let lease = claim_kind(&app, "report").await;
-    app.ack(&[&lease]).await;
-    app.forget_empty_queues().await;
-    app.advance(EMPTY_QUEUE_GRACE + Duration::from_secs(1));
+    delivered_and_idle_past_the_grace(&app, "report").await;
 
     // SQL behind outboxd's back, registered by the insert trigger.
     let mut producer = app.producer().await;
@@ -214,11 +232,7 @@ async fn a_queue_is_not_forgotten_under_an_enqueue_that_has_not_committed() {
 
 async fn an_enqueue_not_committed_keeps_its_queue(key: Option<&str>) {
     let app = TestApp::spawn().await;
-    app.enqueue_n("invoice", 1).await;
-    let lease = claim_kind(&app, "invoice").await;
-    app.ack(&[&lease]).await;
-    app.forget_empty_queues().await;
-    app.advance(EMPTY_QUEUE_GRACE + Duration::from_secs(1));
+    delivered_and_idle_past_the_grace(&app, "invoice").await;
 
     let mut producer = app.service_connection().await;
     let mut tx = sqlx::Connection::begin(&mut producer).await.unwrap();
@@ -262,14 +276,7 @@ async fn an_enqueue_not_committed_keeps_its_queue(key: Option<&str>) {
 #[tokio::test]
 async fn a_tenants_forgotten_queues_no_longer_count_toward_its_cap() {
     let app = TestApp::spawn().await;
-    sqlx::query(
-        "INSERT INTO outbox.queue_level (tenant_id, kind, priority)
-         SELECT $1, 'kind.' || n, 0 FROM generate_series(1, 1000) n",
-    )
-    .bind(TENANT)
-    .execute(&app.pool)
-    .await
-    .unwrap();
+    register_kinds(&app, 1000).await;
     let refused = app.enqueue(vec![intent("new", "{}")]).await.unwrap_err();
     assert_status(&refused, Code::ResourceExhausted, "TOO_MANY_QUEUES", &[]);
 
@@ -282,14 +289,7 @@ async fn a_tenants_forgotten_queues_no_longer_count_toward_its_cap() {
 #[tokio::test]
 async fn queues_held_by_enqueues_keep_no_other_queue_from_being_forgotten() {
     let app = TestApp::spawn().await;
-    sqlx::query(
-        "INSERT INTO outbox.queue_level (tenant_id, kind, priority)
-         SELECT $1, 'kind.' || n, 0 FROM generate_series(1, 150) n",
-    )
-    .bind(TENANT)
-    .execute(&app.pool)
-    .await
-    .unwrap();
+    register_kinds(&app, 150).await;
     app.forget_empty_queues().await;
     // Noted idle a minute after the 150: the sweep comes to it after them.
     app.advance(Duration::from_secs(60));

@@ -1060,6 +1060,59 @@ async fn an_enqueue_past_a_tenants_thousand_queues_is_refused_and_records_nothin
     assert_eq!(app.enqueue_n("kind.1", 1).await.len(), 1);
 }
 
+/// Statements that bring a tenant new queues take turns on its lock: the second counts
+/// the first's levels, so together they never pass the cap.
+#[tokio::test]
+async fn new_queues_registered_at_once_take_turns_and_never_pass_the_tenants_thousand() {
+    let app = TestApp::spawn().await;
+    let insert = |from: i32, to: i32| {
+        format!(
+            "INSERT INTO outbox.queue_level (tenant_id, kind, priority) \
+             SELECT 'acme', 'kind.' || n, 0 FROM generate_series({from}, {to}) n"
+        )
+    };
+    let mut first = app.pool.begin().await.unwrap();
+    sqlx::query(&insert(1, 600))
+        .execute(&mut *first)
+        .await
+        .unwrap();
+    // Meanwhile another statement's new levels wait for the first's commit (here: until
+    // its lock_timeout), where without the lock each counted only its own.
+    let mut second = app.pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL lock_timeout = '100ms'")
+        .execute(&mut *second)
+        .await
+        .unwrap();
+    let waited = sqlx::query(&insert(601, 1100))
+        .execute(&mut *second)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        waited.as_database_error().and_then(|e| e.code()).as_deref(),
+        Some("55P03"),
+        "{waited}"
+    );
+    second.rollback().await.unwrap();
+    first.commit().await.unwrap();
+    let refused = sqlx::query(&insert(601, 1100))
+        .execute(&app.pool)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        refused
+            .as_database_error()
+            .and_then(|e| e.code())
+            .as_deref(),
+        Some("OBX01"),
+        "{refused}"
+    );
+    let levels: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.queue_level")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(levels, 600);
+}
+
 /// Every read of the policies counts each one's live leases: a tenant has at most 1,000
 /// (as many as its queues). Past them a new one is refused; those there still change.
 #[tokio::test]

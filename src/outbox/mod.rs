@@ -98,6 +98,11 @@ impl IntentState {
         matches!(self, Self::NeedsReconcile | Self::DeadLettered)
     }
 
+    /// States of a live lease: LEASED or SUBMITTED.
+    pub fn is_live_lease(self) -> bool {
+        matches!(self, Self::Leased | Self::Submitted)
+    }
+
     /// States an operator can `Reconcile` with CANCEL: not leased, not finished.
     pub fn cancellable(self) -> bool {
         matches!(self, Self::Staged | Self::Waiting | Self::Pending)

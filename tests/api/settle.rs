@@ -426,6 +426,20 @@ async fn mark_submitted_applies_only_to_a_leased_intent() {
 }
 
 #[tokio::test]
+async fn a_repeated_mark_submitted_tells_the_unchanged_lease_expiry_again() {
+    let app = TestApp::spawn().await;
+    app.enqueue_n("job", 1).await;
+    let lease = app.claim_n("w", 1).await.remove(0);
+    let first = app.mark_submitted(&[&lease]).await.remove(0);
+    assert_item_ok(&first, IntentState::Submitted);
+    assert!(first.lease_expires_at.is_some());
+    let again = app.mark_submitted(&[&lease]).await.remove(0);
+    assert_item_ok(&again, IntentState::Submitted);
+    assert_eq!(again.lease_expires_at, first.lease_expires_at);
+    assert_eq!(again.lease_expires_at, lease.lease_expires_at);
+}
+
+#[tokio::test]
 async fn extending_a_lease_keeps_the_intent_from_rescue() {
     let app = TestApp::spawn().await;
     let id = app.enqueue_one("job", "{}").await;

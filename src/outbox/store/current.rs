@@ -25,6 +25,8 @@ pub struct Current {
     pub attempts_used_up: bool,
     /// Its last state change.
     pub updated_at: chrono::DateTime<chrono::Utc>,
+    /// Its lease's expiry, while it has one.
+    pub lease_expires_at: Option<chrono::DateTime<chrono::Utc>>,
     /// An ordered dead letter an operator gave up (DEAD): its key has moved on.
     pub given_up: bool,
 }
@@ -46,7 +48,7 @@ pub async fn current_intents(
     let current = sqlx::query_as::<_, Current>(
         r#"
         SELECT i.id, i.state, i.lease_id, i.attempts >= i.max_attempts AS attempts_used_up,
-               i.updated_at,
+               i.updated_at, i.lease_expires_at,
                (i.state = 'dead_lettered' AND i.ordering_key IS NOT NULL
                 AND i.finished_at IS NOT NULL) AS given_up
         FROM outbox.intents_by_id($1) i

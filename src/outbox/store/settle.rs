@@ -113,11 +113,16 @@ fn item_results(
         .enumerate()
         .map(|(i, (row, &(_, presented)))| {
             let id = IntentId(row.id);
+            let mut lease_expires_at = row.lease_expires_at;
             let (state, error) = match (row.state, current.get(&row.id)) {
                 (Some(applied), _) => (Some(applied), None),
                 (None, None) => (None, Some(ItemError::not_found(id))),
                 (None, Some(found)) => {
                     let replay = found.lease_id == Some(presented) && is_replay(i, found);
+                    // A replayed MarkSubmitted tells the lease's expiry, as the first did.
+                    if replay && found.state.is_live_lease() {
+                        lease_expires_at = found.lease_expires_at;
+                    }
                     (
                         Some(found.state),
                         (!replay).then(|| ItemError::lease_lost(id, found.state)),
@@ -129,7 +134,7 @@ fn item_results(
                 applied: row.state.is_some(),
                 state,
                 error,
-                lease_expires_at: row.lease_expires_at,
+                lease_expires_at,
                 traceparent: row.traceparent,
             }
         })

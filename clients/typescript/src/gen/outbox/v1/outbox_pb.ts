@@ -1846,7 +1846,7 @@ export const DecisionSchema: GenEnum<Decision> = /*@__PURE__*/
  *
  * Errors carry a google.rpc.ErrorInfo with a stable reason (domain "outboxd") and, for
  * invalid input, a google.rpc.BadRequest naming the offending fields (the first 32, fewer
- * when their descriptions would pass 4 KiB, then how many more). Batch calls that
+ * when their descriptions would pass 1 KiB, then how many more). Batch calls that
  * act on leases answer per item: one lost lease does not fail its neighbours.
  *
  * @generated from service outbox.v1.OutboxService

@@ -31,7 +31,7 @@ class OutboxServiceStub(object):
 
     Errors carry a google.rpc.ErrorInfo with a stable reason (domain "outboxd") and, for
     invalid input, a google.rpc.BadRequest naming the offending fields (the first 32, fewer
-    when their descriptions would pass 4 KiB, then how many more). Batch calls that
+    when their descriptions would pass 1 KiB, then how many more). Batch calls that
     act on leases answer per item: one lost lease does not fail its neighbours.
     """
 
@@ -109,7 +109,7 @@ class OutboxServiceServicer(object):
 
     Errors carry a google.rpc.ErrorInfo with a stable reason (domain "outboxd") and, for
     invalid input, a google.rpc.BadRequest naming the offending fields (the first 32, fewer
-    when their descriptions would pass 4 KiB, then how many more). Batch calls that
+    when their descriptions would pass 1 KiB, then how many more). Batch calls that
     act on leases answer per item: one lost lease does not fail its neighbours.
     """
 
@@ -288,7 +288,7 @@ class OutboxService(object):
 
     Errors carry a google.rpc.ErrorInfo with a stable reason (domain "outboxd") and, for
     invalid input, a google.rpc.BadRequest naming the offending fields (the first 32, fewer
-    when their descriptions would pass 4 KiB, then how many more). Batch calls that
+    when their descriptions would pass 1 KiB, then how many more). Batch calls that
     act on leases answer per item: one lost lease does not fail its neighbours.
     """
 

@@ -24,8 +24,11 @@ impl Credentials {
     /// The key or tenant contains characters metadata cannot carry.
     pub fn new(api_key: Option<&str>, tenant: Option<&str>) -> Result<Self, Status> {
         let value = |s: String| {
-            MetadataValue::try_from(s)
-                .map_err(|_| Status::invalid_argument("credentials must be ASCII"))
+            MetadataValue::try_from(s).map_err(|_| {
+                Status::invalid_argument(
+                    "holds a character gRPC metadata cannot carry (printable ASCII only)",
+                )
+            })
         };
         Ok(Self {
             authorization: api_key.map(|k| value(format!("Bearer {k}"))).transpose()?,
@@ -51,5 +54,7 @@ pub type Client = OutboxServiceClient<InterceptedService<Channel, Credentials>>;
 
 /// A client over `channel` sending `credentials`.
 pub fn client(channel: Channel, credentials: Credentials) -> Client {
+    // Replies of any size: the server bounds them (OUTBOX_LIMITS__MAX_REPLY_BYTES).
     OutboxServiceClient::with_interceptor(channel, credentials)
+        .max_decoding_message_size(usize::MAX)
 }

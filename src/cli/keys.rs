@@ -13,10 +13,27 @@ use crate::startup;
 pub(super) async fn run(settings: Settings, command: KeysCommand) -> anyhow::Result<()> {
     let (embedded, url) = startup::owner_database(&settings).await?;
     let pool = startup::connect(&url, 2).await?;
-    let result = run_keys(&pool, command).await;
+    let result = match migrated(&pool).await {
+        Ok(()) => run_keys(&pool, command).await,
+        Err(e) => Err(e),
+    };
     pool.close().await;
     super::server::stop_embedded(embedded).await?;
     result.map_err(|e| startup::with_owner_hint(&settings, e))
+}
+
+/// Keys live in the schema `outboxd migrate` makes: without it, say so (not a missing
+/// relation).
+async fn migrated(pool: &sqlx::PgPool) -> anyhow::Result<()> {
+    let has_keys: bool = sqlx::query_scalar("SELECT to_regclass('outbox.api_key') IS NOT NULL")
+        .fetch_one(pool)
+        .await?;
+    anyhow::ensure!(
+        has_keys,
+        "this database has no outboxd schema yet: run `outboxd migrate` (or start `outboxd \
+         serve` once, which migrates) with the same settings first"
+    );
+    Ok(())
 }
 
 /// What `keys create --secret-from-env` did; never the secret, which the caller has.

@@ -59,6 +59,12 @@ pub struct ClientArgs {
     /// CA certificate (PEM) to trust for an https:// server.
     #[arg(long, env = "OUTBOX_CA_FILE", global = true)]
     pub ca_file: Option<std::path::PathBuf>,
+    /// Client certificate (PEM) for a server that requires one (mTLS); with `--key-file`.
+    #[arg(long, env = "OUTBOX_CERT_FILE", global = true, requires = "key_file")]
+    pub cert_file: Option<std::path::PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, env = "OUTBOX_KEY_FILE", global = true, requires = "cert_file")]
+    pub key_file: Option<std::path::PathBuf>,
 }
 
 /// Commands.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use serde_json::{Value, json};
-use tonic::transport::{Certificate, Channel, ClientTlsConfig};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
 use super::output::{
     decision_name, intent_json, print, print_intent_detail, print_results, state_name, time,
@@ -115,7 +115,7 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                             l.lease_id,
                             l.attempt,
                             i.kind,
-                            String::from_utf8_lossy(&i.payload)
+                            super::output::printable(&i.payload)
                         );
                     }
                 },
@@ -471,27 +471,60 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
 }
 
 /// `--server` as a URL: `host:port`, as the SDKs and examples take it, gets the scheme of
-/// its transport (`https` when a CA file is given).
+/// its transport (`https` when a CA file or a client certificate is given).
 fn server_url(args: &ClientArgs) -> String {
     if args.server.contains("://") {
         args.server.clone()
-    } else if args.ca_file.is_some() {
+    } else if args.ca_file.is_some() || args.cert_file.is_some() {
         format!("https://{}", args.server)
     } else {
         format!("http://{}", args.server)
     }
 }
 
+/// A PEM file of the TLS options, refused here when it holds no `what` block (a key given
+/// as the CA would otherwise fail the handshake as the server's fault).
+fn pem_file(path: &std::path::Path, flag: &str, what: &str) -> anyhow::Result<Vec<u8>> {
+    let pem =
+        std::fs::read(path).with_context(|| format!("{flag}: cannot read {}", path.display()))?;
+    let text = String::from_utf8_lossy(&pem);
+    anyhow::ensure!(
+        text.contains("-----BEGIN ") && text.contains(what),
+        "{flag}: {} holds no PEM {what}",
+        path.display()
+    );
+    Ok(pem)
+}
+
 pub(super) async fn connect(args: &ClientArgs) -> anyhow::Result<Client> {
     let mut endpoint = Channel::from_shared(server_url(args))
         .with_context(|| format!("{:?} is not a server address", args.server))?;
-    if let Some(ca) = &args.ca_file {
-        let pem = std::fs::read(ca).with_context(|| format!("cannot read {}", ca.display()))?;
-        endpoint = endpoint
-            .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)))?;
-    } else if endpoint.uri().scheme_str() == Some("https") {
-        // A certificate of a public CA (an ingress's): the system's trust store.
-        endpoint = endpoint.tls_config(ClientTlsConfig::new().with_native_roots())?;
+    let tls_asked = args.ca_file.is_some() || args.cert_file.is_some();
+    if endpoint.uri().scheme_str() == Some("https") {
+        let mut tls = ClientTlsConfig::new();
+        tls = match &args.ca_file {
+            Some(ca) => tls.ca_certificate(Certificate::from_pem(pem_file(
+                ca,
+                "--ca-file",
+                "CERTIFICATE",
+            )?)),
+            // A certificate of a public CA (an ingress's): the system's trust store.
+            None => tls.with_native_roots(),
+        };
+        if let (Some(cert), Some(key)) = (&args.cert_file, &args.key_file) {
+            tls = tls.identity(Identity::from_pem(
+                pem_file(cert, "--cert-file", "CERTIFICATE")?,
+                pem_file(key, "--key-file", "PRIVATE KEY")?,
+            ));
+        }
+        endpoint = endpoint.tls_config(tls)?;
+    } else {
+        // The key would travel in the clear to a server the flags meant to verify.
+        anyhow::ensure!(
+            !tls_asked,
+            "--ca-file and --cert-file are for an https:// server, not {}",
+            args.server
+        );
     }
     let channel = endpoint.connect().await.with_context(|| {
         format!(
@@ -499,7 +532,15 @@ pub(super) async fn connect(args: &ClientArgs) -> anyhow::Result<Client> {
             args.server
         )
     })?;
-    let credentials = Credentials::new(args.api_key.as_deref(), args.tenant.as_deref())?;
+    // A key read from a file may end in a newline (or CRLF); keys hold no whitespace.
+    let api_key = args.api_key.as_deref().map(str::trim);
+    anyhow::ensure!(
+        api_key != Some(""),
+        "the API key is empty: pass --api-key or set OUTBOX_API_KEY (`outboxd keys create` \
+         prints one)"
+    );
+    let credentials = Credentials::new(api_key, args.tenant.as_deref())
+        .map_err(|s| anyhow::anyhow!("--api-key or --tenant: {}", s.message()))?;
     Ok(client::client(channel, credentials))
 }
 
@@ -708,9 +749,10 @@ impl From<LeaseArgs> for v1::LeaseRef {
 }
 
 fn duration(d: Duration) -> prost_types::Duration {
+    // Past i64 seconds: the longest the wire holds, which the server refuses as too long.
     prost_types::Duration {
-        seconds: d.as_secs() as i64,
-        nanos: d.subsec_nanos() as i32,
+        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        nanos: i32::try_from(d.subsec_nanos()).unwrap_or(0),
     }
 }
 
@@ -820,6 +862,8 @@ mod tests {
             api_key: None,
             tenant: None,
             ca_file: ca.map(Into::into),
+            cert_file: None,
+            key_file: None,
         };
         assert_eq!(
             server_url(&args("127.0.0.1:50051", None)),

@@ -59,7 +59,22 @@ pub(super) fn print_intent_detail(i: &v1::Intent) {
     println!("worker:          {}", i.worker_id);
     println!("last error:      {}", i.last_error);
     println!("content type:    {}", i.content_type);
-    println!("payload:         {}", String::from_utf8_lossy(&i.payload));
+    println!("payload:         {}", printable(&i.payload));
+}
+
+/// A payload as text for a terminal: control characters (escape sequences a producer could
+/// send to an operator's terminal, line ends) escaped as `\u{1b}`, `\n`.
+pub(super) fn printable(payload: &[u8]) -> String {
+    String::from_utf8_lossy(payload)
+        .chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
 }
 
 pub(super) fn intent_json(i: &v1::Intent) -> Value {
@@ -165,7 +180,19 @@ mod tests {
     use tonic::{Code, Status};
     use tonic_types::{ErrorDetails, StatusExt};
 
-    use super::error_line;
+    use super::{error_line, printable};
+
+    #[test]
+    fn a_payload_reaches_the_terminal_without_its_control_characters() {
+        assert_eq!(
+            printable(b"hi\x1b]0;pwned\x07\x1b[2J\n\xff"),
+            "hi\\u{1b}]0;pwned\\u{7}\\u{1b}[2J\\n\u{fffd}"
+        );
+        assert_eq!(
+            printable("caf\u{e9} {\"a\":1}".as_bytes()),
+            "caf\u{e9} {\"a\":1}"
+        );
+    }
 
     fn refusal(code: Code, reason: &str, message: &str) -> anyhow::Error {
         let details = ErrorDetails::with_error_info(reason, "outboxd", HashMap::new());

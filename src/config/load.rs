@@ -22,11 +22,13 @@ use super::{Settings, TlsSettings};
 pub struct ConfigError(pub Vec<String>);
 
 /// Read by the operator commands (clap), not by the server.
-const CLIENT_ONLY: [&str; 4] = [
+const CLIENT_ONLY: [&str; 6] = [
     "OUTBOX_SERVER",
     "OUTBOX_API_KEY",
     "OUTBOX_TENANT",
     "OUTBOX_CA_FILE",
+    "OUTBOX_CERT_FILE",
+    "OUTBOX_KEY_FILE",
 ];
 
 /// Read by the test suites and the examples (docs/development.md), never by the server: a
@@ -560,6 +562,17 @@ mod tests {
         assert!(err.0[0].starts_with("OUTBOX_LOG__FILTER"), "{err}");
         let s = Settings::from_vars(vars(&[("OUTBOX_LOG__FILTER", "info,outboxd=debug")]));
         assert_eq!(s.unwrap().log.filter, "info,outboxd=debug");
+        // Parsed by `Targets` as targets nothing logs under: every line silenced.
+        for odd in ["outboxd:debug", "info,[["] {
+            let err = Settings::from_vars(vars(&[("OUTBOX_LOG__FILTER", odd)])).unwrap_err();
+            assert_eq!(err.0.len(), 1, "{odd}");
+            assert!(err.0[0].contains("is not a target"), "{err}");
+        }
+        let s = Settings::from_vars(vars(&[(
+            "OUTBOX_LOG__FILTER",
+            "warn,outboxd::grpc=trace,tower_http=off,h2=info",
+        )]));
+        assert!(s.is_ok(), "{s:?}");
     }
 
     #[test]
@@ -575,6 +588,54 @@ mod tests {
                 Settings::from_vars(vars(&[("OUTBOX_CONSOLE__SESSION_TTL", ttl)])).unwrap_err();
             assert_eq!(err.0, [problem], "{ttl}");
         }
+    }
+
+    #[test]
+    fn every_database_url_that_does_not_parse_is_reported_with_the_others() {
+        let err = Settings::from_vars(vars(&[
+            ("OUTBOX_DATABASE__URL", "notaurl"),
+            ("OUTBOX_DATABASE__FLEET_URL", "alsonot"),
+            (
+                "OUTBOX_DATABASE__MIGRATION_URL",
+                "postgres://owner:S3cret@db/x",
+            ),
+            ("OUTBOX_FOO", "1"),
+        ]))
+        .unwrap_err();
+        let text = err.0.join("\n");
+        assert_eq!(err.0.len(), 3, "{text}");
+        for line in [
+            "OUTBOX_DATABASE__URL is not a valid PostgreSQL URL",
+            "OUTBOX_DATABASE__FLEET_URL is not a valid PostgreSQL URL",
+            "OUTBOX_FOO: unknown variable",
+        ] {
+            assert!(err.0.iter().any(|l| l.starts_with(line)), "{line}: {text}");
+        }
+    }
+
+    #[test]
+    fn waits_and_intervals_past_the_ceiling_are_refused_not_a_panic_later() {
+        let names = [
+            "OUTBOX_CLAIM__MAX_WAIT",
+            "OUTBOX_SHUTDOWN__DRAIN_DELAY",
+            "OUTBOX_SHUTDOWN__GRACE",
+            "OUTBOX_MAINTENANCE__RESCUE_INTERVAL",
+            "OUTBOX_MAINTENANCE__PURGE_INTERVAL",
+            "OUTBOX_TXN__RESOLVE_INTERVAL",
+            "OUTBOX_AUTH__CACHE_TTL",
+            "OUTBOX_METRICS__REFRESH_INTERVAL",
+        ];
+        let huge: Vec<(&str, &str)> = names.iter().map(|n| (*n, "500000000000y")).collect();
+        let err = Settings::from_vars(vars(&huge)).unwrap_err();
+        let expected: Vec<String> = names
+            .iter()
+            .map(|n| format!("{n} must not exceed 3660d"))
+            .collect();
+        let mut lines = err.0.clone();
+        lines.sort();
+        let mut expected_sorted = expected.clone();
+        expected_sorted.sort();
+        assert_eq!(lines, expected_sorted);
     }
 
     #[test]

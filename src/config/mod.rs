@@ -375,6 +375,32 @@ pub enum LogFormat {
     Json,
 }
 
+/// A directive whose target is no Rust path (`outboxd:debug`, `[[`): `Targets` takes it as a
+/// target nothing logs under, which would silence every line it was meant to enable.
+fn odd_log_target(directive: &str) -> Option<String> {
+    let directive = directive.trim();
+    let target = match directive.split_once('=') {
+        Some((target, _)) => target,
+        None if directive.is_empty()
+            || directive
+                .parse::<tracing_subscriber::filter::LevelFilter>()
+                .is_ok() =>
+        {
+            return None;
+        }
+        None => directive,
+    };
+    let is_ident = |s: &str| {
+        s.chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    };
+    (!target.split("::").all(is_ident))
+        .then(|| format!("{target:?} is not a target (a module path such as `outboxd::grpc`)"))
+}
+
 impl Settings {
     /// Backoff between attempts.
     pub fn backoff(&self) -> BackoffParams {
@@ -385,15 +411,31 @@ impl Settings {
     fn inconsistencies(&self) -> Vec<String> {
         let (l, m) = (&self.limits, &self.maintenance);
         let mut problems = Vec::new();
-        if let Err(e) = self
-            .log
-            .filter
+        let filter = &self.log.filter;
+        let unparsed = filter
             .parse::<tracing_subscriber::filter::Targets>()
-        {
+            .err()
+            .map(|e| e.to_string());
+        if let Some(why) = unparsed.or_else(|| filter.split(',').find_map(odd_log_target)) {
             problems.push(format!(
-                "OUTBOX_LOG__FILTER={:?}: {e} (directives as `info,outboxd=debug`)",
-                self.log.filter
+                "OUTBOX_LOG__FILTER={filter:?}: {why} (directives as `info,outboxd=debug`)"
             ));
+        }
+        let urls = [
+            (&self.database.url, "OUTBOX_DATABASE__URL"),
+            (&self.database.fleet_url, "OUTBOX_DATABASE__FLEET_URL"),
+            (
+                &self.database.migration_url,
+                "OUTBOX_DATABASE__MIGRATION_URL",
+            ),
+        ];
+        for (url, name) in urls {
+            if let Some(Err(e)) = url
+                .as_deref()
+                .map(str::parse::<sqlx::postgres::PgConnectOptions>)
+            {
+                problems.push(format!("{name} is not a valid PostgreSQL URL: {e}"));
+            }
         }
         let at_least_one = [
             (l.max_batch, "OUTBOX_LIMITS__MAX_BATCH"),
@@ -455,6 +497,35 @@ impl Settings {
                 l.operator_timeout,
                 Limits::STATEMENT_TIMEOUT_CEILING,
                 "OUTBOX_LIMITS__OPERATOR_TIMEOUT",
+            ),
+            // Waits and intervals: past it, a timer's deadline overflows (a panic).
+            (l.max_wait, limit, "OUTBOX_CLAIM__MAX_WAIT"),
+            (
+                self.shutdown.drain_delay,
+                limit,
+                "OUTBOX_SHUTDOWN__DRAIN_DELAY",
+            ),
+            (self.shutdown.grace, limit, "OUTBOX_SHUTDOWN__GRACE"),
+            (
+                m.rescue_interval,
+                limit,
+                "OUTBOX_MAINTENANCE__RESCUE_INTERVAL",
+            ),
+            (
+                m.purge_interval,
+                limit,
+                "OUTBOX_MAINTENANCE__PURGE_INTERVAL",
+            ),
+            (
+                self.txn.resolve_interval,
+                limit,
+                "OUTBOX_TXN__RESOLVE_INTERVAL",
+            ),
+            (self.auth.cache_ttl, limit, "OUTBOX_AUTH__CACHE_TTL"),
+            (
+                self.metrics.refresh_interval,
+                limit,
+                "OUTBOX_METRICS__REFRESH_INTERVAL",
             ),
             (m.retention, retention, "OUTBOX_RETENTION__FINISHED"),
             (

@@ -250,11 +250,49 @@ async fn keys_and_migrate_as_the_service_role_say_to_set_the_owners_url() {
     }
 }
 
+#[tokio::test]
+async fn keys_on_a_database_never_migrated_say_to_migrate_first() {
+    let url = other_database().await;
+    let fleet = url.clone();
+    let env = [
+        ("OUTBOX_DATABASE__URL", url.as_str()),
+        ("OUTBOX_DATABASE__FLEET_URL", fleet.as_str()),
+    ];
+    let args = [
+        "keys", "create", "--name", "x", "--tenant", "acme", "--scope", "admin",
+    ];
+    for args in [&args[..], &["keys", "list"]] {
+        let output = outboxd(args, &env).await;
+        assert!(!output.status.success(), "{args:?}: {}", text(&output));
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains("run `outboxd migrate`") && !stderr.contains("does not exist"),
+            "{args:?}: {}",
+            text(&output)
+        );
+    }
+}
+
 /// `outboxd <args>` against `app`'s server with `key`, whatever its exit.
 async fn client_command(app: &TestApp, key: &str, args: &[&str]) -> Output {
     let server = format!("http://{}", app.addr);
     let args = [args, &["--server", &server, "--api-key", key]].concat();
     outboxd(&args, &[]).await
+}
+
+#[tokio::test]
+async fn an_empty_api_key_is_named_and_a_key_read_with_its_line_end_works() {
+    let app = TestApp::spawn().await;
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let empty = client_command(&app, "", &["stats"]).await;
+    assert!(!empty.status.success());
+    assert!(
+        String::from_utf8_lossy(&empty.stderr).contains("the API key is empty"),
+        "{}",
+        text(&empty)
+    );
+    let crlf = client_command(&app, &format!("{key}\r\n"), &["stats"]).await;
+    assert!(crlf.status.success(), "{}", text(&crlf));
 }
 
 /// Puts `n` intents of `kind` into NEEDS_RECONCILE (Fail UNKNOWN); their ids, sorted.

@@ -103,7 +103,7 @@ async fn call(app: &TestApp, key: &str, tls: Option<ClientTlsConfig>) -> Result<
 #[tokio::test]
 async fn tls_serves_clients_that_trust_its_ca_and_refuses_plaintext() {
     let pki = Pki::new();
-    let (app, _, _) = tls_app(&pki, false, false).await;
+    let (app, _, server_key) = tls_app(&pki, false, false).await;
     let key = app.key(&["acme"], &["operate"], &[]).await;
 
     let trusted = ClientTlsConfig::new()
@@ -148,6 +148,31 @@ async fn tls_serves_clients_that_trust_its_ca_and_refuses_plaintext() {
     let stderr = String::from_utf8_lossy(&system.stderr);
     assert!(!system.status.success());
     assert!(stderr.contains("certificate"), "{stderr}");
+
+    // A CA file that is no certificate (the server's key), or one given for a plaintext
+    // server (where the key would travel in the clear), is refused before any call.
+    let not_a_ca = cli(Some(&server_key)).await;
+    let stderr = String::from_utf8_lossy(&not_a_ca.stderr);
+    assert!(
+        !not_a_ca.status.success() && stderr.contains("holds no PEM CERTIFICATE"),
+        "{stderr}"
+    );
+    let plain = format!("http://localhost:{}", app.addr.port());
+    let args = [
+        "stats",
+        "--server",
+        &plain,
+        "--api-key",
+        &key,
+        "--ca-file",
+        ca.to_str().unwrap(),
+    ];
+    let in_the_clear = crate::commands::outboxd(&args, &[]).await;
+    let stderr = String::from_utf8_lossy(&in_the_clear.stderr);
+    assert!(
+        !in_the_clear.status.success() && stderr.contains("are for an https:// server"),
+        "{stderr}"
+    );
 }
 
 #[tokio::test]
@@ -178,6 +203,37 @@ async fn mtls_refuses_clients_without_a_certificate_from_the_configured_ca() {
         call(&app, &key, Some(forged)).await.is_err(),
         "a certificate from another CA"
     );
+
+    // The CLI presents its certificate with --cert-file and --key-file.
+    let server = format!("https://localhost:{}", app.addr.port());
+    let (ca, cert, cert_key) = (pki.ca_path(), client_cert, client_key);
+    let base_args = [
+        "stats",
+        "--server",
+        &server,
+        "--api-key",
+        &key,
+        "--ca-file",
+        ca.to_str().unwrap(),
+    ];
+    let with = [
+        &base_args[..],
+        &[
+            "--cert-file",
+            cert.to_str().unwrap(),
+            "--key-file",
+            cert_key.to_str().unwrap(),
+        ],
+    ]
+    .concat();
+    let output = crate::commands::outboxd(&with, &[]).await;
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let output = crate::commands::outboxd(&base_args, &[]).await;
+    assert!(!output.status.success(), "no client certificate");
 }
 
 #[tokio::test]

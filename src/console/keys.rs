@@ -236,12 +236,13 @@ pub(super) async fn create(
         );
     }
     // A form posted again (a reload of its answer) would mint a second key of the name,
-    // and a name several active keys share revokes none of them.
+    // and a name several active keys share revokes none of them. Among the keys this one
+    // manages only: another tenant's key names are not this admin's to learn.
     match store::list_api_keys(console.pools.tenant()).await {
         Ok(keys)
-            if keys
-                .iter()
-                .any(|k| k.name == name && k.revoked_at.is_none()) =>
+            if keys.iter().any(|k| {
+                k.name == name && k.revoked_at.is_none() && manages(&session.caller, k)
+            }) =>
         {
             return view::error_page(
                 StatusCode::CONFLICT,

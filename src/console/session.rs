@@ -251,14 +251,13 @@ pub(super) async fn sign_in(State(console): State<Shared>, Form(form): Form<Sign
         Err(e) => return view::failure(&e.into()),
     }
     tracing::info!(auth.key = %caller.key_name, "console sign-in");
+    // No Max-Age: the browser keeps sending the cookie past the session's expiry, so the
+    // sign-in page can say that the session expired (the database decides when it does).
     let cookie = Cookie::build((COOKIE, token))
         .path("/")
         .http_only(true)
         .secure(console.secure)
         .same_site(SameSite::Strict)
-        .max_age(cookie::time::Duration::seconds(
-            i64::try_from(console.session_ttl.as_secs()).unwrap_or(i64::MAX),
-        ))
         .build();
     let page = if next.is_empty() { "/" } else { next };
     with_cookie(Redirect::to(page).into_response(), &cookie)

@@ -145,6 +145,9 @@ pub(super) fn decision(decision: i32) -> String {
 /// Most payload bytes a page shows.
 pub(super) const PAYLOAD_SHOWN: usize = 64 * 1024;
 
+/// Most bytes of a JSON payload once indented; past it, the payload is shown as stored.
+const INDENTED_SHOWN: usize = 4 * PAYLOAD_SHOWN;
+
 /// A payload as shown: pretty JSON when it is JSON, its text when it is UTF-8, hex
 /// otherwise; at most [`PAYLOAD_SHOWN`] bytes of it. Escaped by the template.
 pub(super) struct Payload {
@@ -163,7 +166,8 @@ impl Payload {
         {
             return Self {
                 format: "JSON",
-                text: indent_json(json),
+                // Indentation deep enough to outweigh the payload: shown as stored.
+                text: indent_json(json, INDENTED_SHOWN).unwrap_or_else(|| json.to_owned()),
                 size,
                 truncated: false,
             };
@@ -218,8 +222,8 @@ pub(super) fn trace_id(headers: &std::collections::HashMap<String, String>) -> S
 
 /// `json` (valid JSON) indented by two spaces, its tokens as they are: keys in their order,
 /// repeated ones kept, numbers as written (a parsed value would sort its keys and round
-/// large numbers).
-fn indent_json(json: &str) -> String {
+/// large numbers); `None` once it would pass `max_len` bytes.
+fn indent_json(json: &str, max_len: usize) -> Option<String> {
     let mut out = String::with_capacity(json.len() * 2);
     let mut depth = 0usize;
     let (mut in_string, mut escaped) = (false, false);
@@ -268,13 +272,16 @@ fn indent_json(json: &str) -> String {
             c if c.is_ascii_whitespace() => {}
             c => out.push(c),
         }
+        if out.len() > max_len {
+            return None;
+        }
     }
-    out
+    Some(out)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{PAYLOAD_SHOWN, Payload};
+    use super::{INDENTED_SHOWN, PAYLOAD_SHOWN, Payload};
 
     #[test]
     fn json_is_indented_with_its_keys_numbers_and_strings_as_stored() {
@@ -303,6 +310,26 @@ mod tests {
                 "\"b\": [\n    1,\n    2\n  ],\n  \"a\": \"x\""
             )
         );
+    }
+
+    #[test]
+    fn json_nested_deep_enough_to_outgrow_its_indentation_budget_is_shown_as_stored() {
+        // 127 levels deep (serde_json's most), 64 KiB in all: indented, ~8 MiB.
+        let depth = 127;
+        let items = (PAYLOAD_SHOWN - 2 * depth - 1) / 2;
+        let stored = format!(
+            "{}{}0{}",
+            "[".repeat(depth),
+            "0,".repeat(items),
+            "]".repeat(depth)
+        );
+        let payload = Payload::of(stored.as_bytes());
+        assert_eq!(payload.format, "JSON");
+        assert_eq!(payload.text, stored);
+        assert!(payload.text.len() <= INDENTED_SHOWN);
+        // Shallow, the same size is indented.
+        let shallow = format!("[{}0]", "0,".repeat(items));
+        assert!(Payload::of(shallow.as_bytes()).text.contains("\n  0,"));
     }
 
     #[test]

@@ -446,6 +446,13 @@ async fn an_admin_creates_a_key_whose_secret_is_shown_once_and_revokes_it() {
     submit_key_form(&browser, "sneaky", "*", "admin", &admin).await;
     assert!(browser.text("h1").await.contains("403"));
 
+    // Another tenant's key names are not this admin's to learn: a name taken there is
+    // free here.
+    crate::helpers::create_key(&app.pool, "beta-ops", &["beta"], &["operate"], &[]).await;
+    browser.goto("/keys").await;
+    submit_key_form(&browser, "beta-ops", "acme", "consume", &admin).await;
+    assert!(browser.text("#secret").await.starts_with("obx_"));
+
     browser.goto("/keys").await;
     let row = "//tr[td[text()='billing-worker']]";
     let confirm = browser
@@ -878,6 +885,15 @@ async fn a_decision_sent_after_the_session_expired_says_so_and_a_new_sign_in_ret
     let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
     let page = format!("/intents/{}", ids[0]);
     browser.goto(&page).await;
+    // The browser keeps the cookie until it closes: past the session's expiry, it still
+    // sends it, and the server can tell an expired session from none.
+    let cookie = browser
+        .client
+        .get_named_cookie("outboxd_session")
+        .await
+        .unwrap();
+    assert_eq!(cookie.expires(), None, "{cookie:?}");
+    assert_eq!(cookie.max_age(), None, "{cookie:?}");
     sqlx::query("UPDATE outbox.console_session SET expires_at = now() - interval '1 second'")
         .execute(&app.pool)
         .await
@@ -953,6 +969,28 @@ async fn the_overview_says_where_its_counts_stop_and_marks_only_the_counts_cut_s
     let groups = table_text(&browser, "//table[@id='groups']").await;
     assert!(groups.contains("PENDING acme bulk ≥ 2000"), "{groups}");
     assert!(groups.contains("NEEDS_RECONCILE acme charge 1"), "{groups}");
+    browser.close().await;
+}
+
+#[tokio::test]
+async fn a_kinds_backlog_over_two_priorities_each_within_its_share_is_counted_exactly() {
+    let app = console_app().await;
+    left_unknown(&app, "charge", 1).await;
+    // Three levels (charge, bulk at priorities 0 and 1): each counted up to 1,000.
+    for priority in [0, 1] {
+        let intents = (0..600)
+            .map(|_| v1::NewIntent {
+                priority,
+                ..intent("bulk", "{}")
+            })
+            .collect();
+        app.enqueue(intents).await.unwrap();
+    }
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
+    let kinds = table_text(&browser, "//div[h2='By kind']//table").await;
+    let kinds: Vec<&str> = kinds.lines().collect();
+    assert_eq!(kinds, ["bulk 1200", "charge 1"], "no level was cut short");
     browser.close().await;
 }
 

@@ -156,33 +156,36 @@ fn pending_per_level(levels: i64) -> i64 {
 /// order (so that the scan stops at the limit, where a bitmap scan would read the whole
 /// index first). $1 the API key's regions (empty: any).
 const OVERVIEW_COUNTS: &str = r#"
-    SELECT p.part, p.state, p.tenant_id AS tenant, p.kind, p.region, count(*) AS count
+    SELECT p.part, p.state, p.tenant_id AS tenant, p.kind, p.region, count(*) AS count,
+           bool_or(p.nth = $3) AS level_full
     FROM (
         -- Level by level (the transaction's tenants' queues): in the index's order, other
-        -- tenants' levels would be read and filtered out first.
-        (SELECT 1 AS part, i.state, i.tenant_id, i.kind, i.region
+        -- tenants' levels would be read and filtered out first. `nth`: a level read to its
+        -- share has a row numbered $3.
+        (SELECT 1 AS part, i.state, i.tenant_id, i.kind, i.region, i.nth
          FROM outbox.queue_level l
          CROSS JOIN LATERAL (
-             SELECT i.state, i.tenant_id, i.kind, i.region FROM outbox.intent i
+             SELECT i.state, i.tenant_id, i.kind, i.region, row_number() OVER () AS nth
+             FROM outbox.intent i
              WHERE i.level_key = l.level_key AND i.state = 'pending'
                AND (cardinality($1::text[]) = 0 OR i.region = '' OR i.region = ANY($1::text[]))
              LIMIT $3
          ) i
          LIMIT $4)
         UNION ALL
-        (SELECT 2, i.state, i.tenant_id, i.kind, i.region FROM outbox.intent i
+        (SELECT 2, i.state, i.tenant_id, i.kind, i.region, NULL FROM outbox.intent i
          WHERE i.state IN ('leased', 'submitted') AND i.lease_expires_at IS NOT NULL
            AND (cardinality($1::text[]) = 0 OR i.region = '' OR i.region = ANY($1::text[]))
          ORDER BY i.lease_expires_at
          LIMIT $2)
         UNION ALL
-        (SELECT 3, i.state, i.tenant_id, i.kind, i.region FROM outbox.intent i
+        (SELECT 3, i.state, i.tenant_id, i.kind, i.region, NULL FROM outbox.intent i
          WHERE i.state IN ('needs_reconcile', 'dead_lettered', 'staged')
            AND (cardinality($1::text[]) = 0 OR i.region = '' OR i.region = ANY($1::text[]))
          ORDER BY i.tenant_id, i.state, i.id
          LIMIT $2)
         UNION ALL
-        (SELECT 4, i.state, i.tenant_id, i.kind, i.region FROM outbox.intent i
+        (SELECT 4, i.state, i.tenant_id, i.kind, i.region, NULL FROM outbox.intent i
          WHERE i.state = 'waiting' AND i.ordering_key IS NOT NULL
            AND (cardinality($1::text[]) = 0 OR i.region = '' OR i.region = ANY($1::text[]))
          ORDER BY i.tenant_id, i.ordering_key, i.order_ts, i.order_seq
@@ -291,6 +294,7 @@ pub async fn overview(
         part: i32,
         #[sqlx(flatten)]
         group: GroupCount,
+        level_full: Option<bool>,
     }
     bounded_reads(conn).await?;
     let levels: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.queue_level")
@@ -316,14 +320,8 @@ pub async fn overview(
             capped.extend(in_part().map(|r| r.group.state));
         }
     }
-    // A level read up to its share (its tenant's kind, over regions and priorities).
-    let mut by_queue: std::collections::HashMap<(&str, &str), i64> = Default::default();
-    for r in rows.iter().filter(|r| r.part == 1) {
-        *by_queue
-            .entry((&r.group.tenant, &r.group.kind))
-            .or_default() += r.group.count;
-    }
-    if by_queue.values().any(|&n| n >= per_level) {
+    // A level (a tenant's kind at one priority) read up to its share.
+    if rows.iter().any(|r| r.level_full == Some(true)) {
         capped.push(IntentState::Pending);
     }
     capped.sort_by_key(|s| *s as i32);

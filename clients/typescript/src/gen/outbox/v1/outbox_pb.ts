@@ -436,8 +436,10 @@ export type ClaimRequest = Message<"outbox.v1.ClaimRequest"> & {
   /**
    * Client-chosen id of this claim. Retrying with the same id, worker, API key and tenant
    * scope returns the leases the first attempt took that are still held instead of leasing
-   * more. At most 200 characters (the name limit), no control characters (tab and newline
-   * included); INVALID_ARGUMENT otherwise.
+   * more. A retry repeats its request: of those leases it returns the ones within its kinds
+   * and region, however many its max_intents; a retry whose kinds and region take none of
+   * them (or one after all of them ended) leases anew. At most 200 characters (the name
+   * limit), no control characters (tab and newline included); INVALID_ARGUMENT otherwise.
    *
    * @generated from field: string request_id = 7;
    */

@@ -138,14 +138,16 @@ export class Connection {
   async call<T>(call: (client: OutboxServiceClient, options: CallOptions) => Promise<T>, policy: RetryPolicy): Promise<T> {
     // The caller's trace context, so that the server's span of the call is a child of it.
     const headers = activeTraceContext(await loadTracing());
-    const started = Date.now();
+    const started = performance.now();
     const retryable = policy.retryable ?? transient;
     for (let attempt = 0; ; attempt++) {
       const index = this.current % this.clients.length;
       const client = this.clients[index];
       if (client === undefined) throw new Error("unreachable: no client");
-      const left = policy.budgetMs - (Date.now() - started);
-      const timeoutMs = attempt === 0 || policy.bounded !== true ? policy.tryTimeoutMs : Math.max(1, Math.min(policy.tryTimeoutMs, left));
+      const left = policy.budgetMs - (performance.now() - started);
+      const wanted = attempt === 0 || policy.bounded !== true ? policy.tryTimeoutMs : Math.min(policy.tryTimeoutMs, left);
+      // Whole milliseconds: a fraction makes a grpc-timeout header that servers ignore.
+      const timeoutMs = Math.max(1, Math.floor(wanted));
       try {
         return await call(client, { timeoutMs, signal: policy.signal, headers });
       } catch (thrown) {
@@ -158,7 +160,7 @@ export class Connection {
         if ((again || transient(error)) && this.current === index) this.current = (index + 1) % this.clients.length;
         if (!again) throw error;
         const delay = Math.random() * Math.min(BACKOFF_CAP_MS, BACKOFF_BASE_MS * 2 ** attempt);
-        if (Date.now() - started + delay >= policy.budgetMs) throw error;
+        if (performance.now() - started + delay >= policy.budgetMs) throw error;
         await sleep(delay, policy.signal);
       }
     }

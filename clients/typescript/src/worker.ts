@@ -184,6 +184,9 @@ export class Worker {
   private gathering = false;
   private readonly stopping = new AbortController();
   private readonly graceOver = new AbortController();
+  /** Aborts the settles still in flight, a short while after the grace ends. */
+  private readonly settlesCut = new AbortController();
+  private stoppedAt: number | undefined;
   private runPromise: Promise<void> | undefined;
   /** What stopped the worker on its own (a Claim refused for good): `run()` rejects with it. */
   private fatal: OutboxError | undefined;
@@ -208,7 +211,7 @@ export class Worker {
     this.concurrency = count("concurrency", options.concurrency ?? 8);
     this.leaseMs = millis("leaseMs", options.leaseMs ?? 30_000, 1);
     this.heartbeatMs = millis("heartbeatMs", options.heartbeatMs ?? Math.max(50, Math.floor(this.leaseMs / 3)), 1);
-    this.claimWaitMs = millis("claimWaitMs", options.claimWaitMs ?? 20_000, 1);
+    this.claimWaitMs = millis("claimWaitMs", options.claimWaitMs ?? 20_000, 100);
     // The server refuses a batch of more than 1,000 (OUTBOX_LIMITS__MAX_BATCH).
     this.claimBatch = Math.min(count("claimBatch", options.claimBatch ?? this.concurrency), MAX_BATCH);
     this.claimLingerMs = millis("claimLingerMs", options.claimLingerMs ?? 5, 0);
@@ -258,6 +261,7 @@ export class Worker {
   }
 
   private beginStop(): void {
+    this.stoppedAt ??= performance.now();
     this.stopping.abort();
     this.wakeAll();
   }
@@ -269,9 +273,13 @@ export class Worker {
   private async loop(): Promise<void> {
     const kinds = this.claimKinds();
     const tracing = await loadTracing();
+    // A second signal, not a signal after stop(): an app's own SIGTERM hook that calls
+    // stop() must not cut the grace short.
+    let signalled = false;
     const onSignal = (): void => {
-      if (this.stopping.signal.aborted) this.graceOver.abort();
-      else void this.stop();
+      if (signalled) this.graceOver.abort();
+      signalled = true;
+      void this.stop();
     };
     if (this.options.handleSignals ?? true) {
       process.on("SIGTERM", onSignal);
@@ -345,7 +353,7 @@ export class Worker {
       // A claimer left waiting while this one gathered may claim what is still free.
       if (gathered) this.wakeAll();
       const requestId = randomUUID();
-      const sentAt = Date.now();
+      const sentAt = performance.now();
       let tries = 0;
       let leases: Lease[] | undefined;
       while (leases === undefined) {
@@ -408,7 +416,7 @@ export class Worker {
       // held on its way back), they may have begun long before it: renewed first.
       const margin = Math.min(1_000, this.leaseMs / 4);
       let leasedAt = sentAt;
-      if (Date.now() - sentAt > margin) ({ leases, leasedAt } = await this.renewClaimed(leases, sentAt));
+      if (performance.now() - sentAt > margin) ({ leases, leasedAt } = await this.renewClaimed(leases, sentAt));
       // Reserved until started: a slot freed meanwhile must not be claimed twice.
       this.reserved -= max;
       // The grace ended (a second signal) during the renewal: nothing more starts; the
@@ -430,7 +438,7 @@ export class Worker {
    */
   private async renewClaimed(leases: Lease[], sentAt: number): Promise<{ leases: Lease[]; leasedAt: number }> {
     if (leases.length === 0) return { leases, leasedAt: sentAt };
-    const renewedAt = Date.now();
+    const renewedAt = performance.now();
     const results = await this.extendLeases(
       leases.map((l) => ({ intentId: l.intent?.id ?? "", leaseId: l.leaseId })),
       this.heartbeatMs,
@@ -465,9 +473,9 @@ export class Worker {
    */
   private async gather(): Promise<void> {
     const target = Math.min(this.claimBatch, this.concurrency);
-    const deadline = Date.now() + this.claimLingerMs;
+    const deadline = performance.now() + this.claimLingerMs;
     while (!this.stopped && this.backlog && this.freeSlots() < target) {
-      const left = deadline - Date.now();
+      const left = deadline - performance.now();
       if (left <= 0) return;
       await new Promise<void>((resolve) => {
         const wake = (): void => {
@@ -490,7 +498,7 @@ export class Worker {
   }
 
   private start(lease: Lease, leasedAt: number, tracing: Awaited<ReturnType<typeof loadTracing>>): void {
-    if (leasedAt + this.leaseMs <= Date.now()) {
+    if (leasedAt + this.leaseMs <= performance.now()) {
       // Past its local expiry before it started (a late answer whose renewal failed): it
       // may be leased again by now, so the side effect is not begun.
       this.counters.leaseLost++;
@@ -632,15 +640,17 @@ export class Worker {
         (client, options) =>
           client.markSubmitted({ leases: [{ intentId: live.intent.id, leaseId: live.leaseId }] }, options),
         {
-          budgetMs: Math.max(0, live.expiresAt - Date.now()),
+          budgetMs: Math.max(0, live.expiresAt - performance.now()),
           tryTimeoutMs: Math.min(5_000, this.leaseCallTimeoutMs()),
           signal: live.controller.signal,
         },
       );
       result = reply.results[0];
     } catch (thrown) {
-      // Whether it applied is unknown; the call did not start, so a retry is safe either way.
-      throw new Retry(`MarkSubmitted failed: ${OutboxError.from(thrown).message}`);
+      const message = `MarkSubmitted failed: ${OutboxError.from(thrown).message}`;
+      // Submitted before (an earlier submitting() of this run): a side effect may have
+      // begun, so never a blind retry. Else the call did not start, and a retry is safe.
+      throw live.submitted ? new Unknown(message) : new Retry(message);
     }
     if (result?.error) {
       if (result.error.reason === "LEASE_LOST" || result.error.code === (Code.NotFound as number)) {
@@ -649,14 +659,17 @@ export class Worker {
         live.controller.abort(lost);
         throw lost;
       }
-      throw new Retry(`MarkSubmitted refused: ${result.error.reason} ${result.error.message}`);
+      const message = `MarkSubmitted refused: ${result.error.reason} ${result.error.message}`;
+      throw live.submitted ? new Unknown(message) : new Retry(message);
     }
     live.submitted = true;
   }
 
   /** Extends leases past a third of their life; fires the signal of those already expired. */
   private heartbeat(): void {
-    const now = Date.now();
+    // Past the grace the handlers are told to stop and their leases given back.
+    if (this.graceOver.signal.aborted) return;
+    const now = performance.now();
     const due: Live[] = [];
     for (const live of this.live.values()) {
       if (live.lost || live.expired || live.done) continue;
@@ -675,7 +688,7 @@ export class Worker {
 
   private async extend(leases: Live[]): Promise<void> {
     for (const live of leases) live.extending = true;
-    const sentAt = Date.now();
+    const sentAt = performance.now();
     const earliest = Math.min(...leases.map((l) => l.expiresAt));
     try {
       const results = await this.extendLeases(
@@ -776,7 +789,7 @@ export class Worker {
   ): Promise<void> {
     try {
       // Repeating a settle with the same leases is a replay: answered OK if it applied.
-      const results = await this.connection.call(send, { ...policy, retryable: transient });
+      const results = await this.connection.call(send, { ...policy, retryable: transient, signal: this.settlesCut.signal });
       batch.forEach(({ live, failure }, i) => {
         const result = results[i];
         if (result?.error) {
@@ -844,10 +857,12 @@ export class Worker {
   }
 
   private async drain(): Promise<void> {
-    const deadline = Date.now() + this.graceMs;
-    while (this.running > 0 && Date.now() < deadline && !this.graceOver.signal.aborted) {
-      await sleep(Math.min(20, deadline - Date.now()), this.graceOver.signal);
+    // The grace counts from the stop, not from when the claim loops ended.
+    const deadline = (this.stoppedAt ?? performance.now()) + this.graceMs;
+    while (this.running > 0 && performance.now() < deadline && !this.graceOver.signal.aborted) {
+      await sleep(Math.min(20, deadline - performance.now()), this.graceOver.signal);
     }
+    this.graceOver.abort();
     if (this.running > 0) {
       // The grace is over: tell the handlers, then give their leases back.
       const abandoned: PendingSettle[] = [];
@@ -879,7 +894,16 @@ export class Worker {
       );
     }
     this.flush();
-    while (this.settling > 0) await new Promise<void>((resolve) => setTimeout(resolve, 5));
+    // Settles still failing SETTLE_AFTER_GRACE_MS after the grace are given up (settleFailed):
+    // their leases expire instead, and the worker's exit is bounded.
+    const cut = setTimeout(() => {
+      this.settlesCut.abort();
+    }, SETTLE_AFTER_GRACE_MS);
+    try {
+      while (this.settling > 0) await new Promise<void>((resolve) => setTimeout(resolve, 5));
+    } finally {
+      clearTimeout(cut);
+    }
   }
 
   private emit(event: WorkerEvent): void {
@@ -914,6 +938,9 @@ interface SettlePolicy {
   budgetMs: number;
   tryTimeoutMs: number;
 }
+
+/** How long settles may still take once the grace is over. */
+const SETTLE_AFTER_GRACE_MS = 5_000;
 
 /** The server's most items per call (`OUTBOX_LIMITS__MAX_BATCH`): past it a call is refused. */
 const MAX_BATCH = 1_000;
@@ -1031,7 +1058,7 @@ function count(name: string, value: number): number {
 const MAX_TIMER_MS = 2 ** 31 - 1;
 
 /** An option in milliseconds, rounded to a whole millisecond (durations go on the wire as such). */
-function millis(name: string, value: number, min: 0 | 1): number {
+function millis(name: string, value: number, min: number): number {
   const ms = Math.round(value);
   if (!Number.isFinite(ms) || ms < min || ms > MAX_TIMER_MS) {
     throw new RangeError(`outboxd: ${name} must be a number of milliseconds from ${min} to ${MAX_TIMER_MS}`);

@@ -39,7 +39,7 @@ export async function freePort(): Promise<number> {
 
 /** Polls `check` until it returns a truthy value or the deadline passes. */
 export async function waitFor<T>(what: string, check: () => Promise<T> | T, timeoutMs = 20_000): Promise<NonNullable<T>> {
-  const deadline = Date.now() + timeoutMs;
+  const deadline = performance.now() + timeoutMs;
   let last: unknown;
   for (;;) {
     try {
@@ -48,7 +48,7 @@ export async function waitFor<T>(what: string, check: () => Promise<T> | T, time
     } catch (error) {
       last = error;
     }
-    if (Date.now() > deadline) {
+    if (performance.now() > deadline) {
       throw new Error(`timed out after ${timeoutMs} ms waiting for ${what}${last instanceof Error ? `: ${last.message}` : ""}`);
     }
     await new Promise((r) => setTimeout(r, 20));

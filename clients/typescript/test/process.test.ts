@@ -69,6 +69,16 @@ test("SIGTERM: no new claims, running handlers finish, their Acks are flushed, t
   }
 });
 
+test("SIGTERM after the app's own stop(): the grace holds, only a second signal would end it", async () => {
+  await outbox.enqueueDirect(Array.from({ length: 2 }, () => ({ kind: "sigterm.own-stop" })));
+  const child = startWorker({ KIND: "sigterm.own-stop", MODE: "sleep", SLEEP_MS: "1500", CONCURRENCY: "2", GRACE_MS: "10000", STOP_ON_SIGTERM: "1" });
+  await waitFor("2 handlers running", () => ids(child, "started").length === 2);
+  child.process.kill("SIGTERM");
+  assert.equal(await child.exited, 0);
+  assert.equal(ids(child, "finished").length, 2);
+  assert.equal(child.events.at(-1)?.stats?.acked, 2, "the grace was cut short");
+});
+
 test("SIGKILL: the dead worker's intents are delivered again after their leases expire", async () => {
   const enqueued = (await outbox.enqueueDirect(Array.from({ length: 3 }, () => ({ kind: "sigkill.redeliver" })))).map((r) => r.id);
   const child = startWorker({ KIND: "sigkill.redeliver", MODE: "hang", LEASE_MS: "1000", CONCURRENCY: "3" });

@@ -10,6 +10,7 @@ import { create, toBinary } from "@bufbuild/protobuf";
 import { FailRequestSchema, FailureSchema } from "../src/gen/outbox/v1/outbox_pb.js";
 import { batches, failText } from "../src/worker.js";
 import { Fixture, freePort, waitFor } from "./harness.js";
+import { LossyProxy } from "./proxy.js";
 
 let fx: Fixture;
 let outbox: Outbox;
@@ -206,6 +207,84 @@ describe("outcomes", () => {
     await run;
     assert.match((await fx.intent(permanent ?? "")).lastError, /bad address/);
     assert.match((await fx.intent(unknown ?? "")).lastError, /PSP timed out/);
+  });
+
+  test("a second submitting() whose MarkSubmitted fails is failed UNKNOWN: the first side effect has run", async () => {
+    let marks = 0;
+    const failSecond: Interceptor = (next) => async (request) => {
+      if (request.method.name === "MarkSubmitted" && ++marks === 2) throw new ConnectError("injected", Code.PermissionDenied);
+      return next(request);
+    };
+    const effects: string[] = [];
+    const w = worker({ concurrency: 1, interceptors: [failSecond] });
+    w.handle("submit.twice", async (_intent, ctx) => {
+      await ctx.submitting(() => effects.push("charge"));
+      await ctx.submitting(() => effects.push("receipt"));
+    });
+    const run = w.run();
+    const [id] = await enqueue("submit.twice", 1);
+    await waitFor("NEEDS_RECONCILE", async () => (await fx.intent(id ?? "")).state === "NEEDS_RECONCILE", 20_000);
+    await w.stop();
+    await run;
+    assert.deepEqual(effects, ["charge"]);
+    assert.match((await fx.intent(id ?? "")).lastError, /MarkSubmitted failed/);
+  });
+
+  test("lease times are kept on a monotonic clock: a wall clock stepped a minute ahead loses no lease", async () => {
+    const wallClock = Date.now;
+    const w = worker({ concurrency: 1, leaseMs: 3_000 });
+    let aborted = false;
+    w.handle("clock.step", async (_intent, { signal }) => {
+      Date.now = () => wallClock() + 60_000;
+      try {
+        // Past a heartbeat's turn, on the stepped clock.
+        await new Promise((r) => setTimeout(r, 1_500));
+      } finally {
+        Date.now = wallClock;
+      }
+      aborted = signal.aborted;
+    });
+    const run = w.run();
+    const [id] = await enqueue("clock.step", 1);
+    await waitFor("the Ack", () => w.stats().acked === 1, 20_000);
+    await w.stop();
+    await run;
+    assert.equal(aborted, false);
+    assert.equal(w.stats().leaseLost, 0);
+    assert.deepEqual(await fx.intent(id ?? "").then((i) => [i.state, i.attempts]), ["DELIVERED", 1]);
+  });
+
+  test("a stop while the server answers nothing returns 5 s after the grace: the Ack given up, no heartbeats after it", async () => {
+    const proxy = await LossyProxy.start(fx.endpoints[0] ?? "");
+    try {
+      const events: { at: number; event: WorkerEvent }[] = [];
+      const w = worker({
+        endpoints: [proxy.endpoint],
+        concurrency: 1,
+        leaseMs: 3_000,
+        shutdownGraceMs: 500,
+        onEvent: (event) => events.push({ at: performance.now(), event }),
+      });
+      let release!: () => void;
+      const held = new Promise<void>((r) => (release = r));
+      w.handle("drain.frozen", () => held);
+      const run = w.run();
+      await enqueue("drain.frozen", 1);
+      await waitFor("the handler running", () => w.stats().running === 1);
+      proxy.frozen = true;
+      const stopped = performance.now();
+      const stopping = w.stop();
+      release();
+      await stopping;
+      await run;
+      const took = performance.now() - stopped;
+      assert.ok(took < 500 + 5_000 + 2_000, `run() resolved ${took} ms after the stop`);
+      assert.ok(events.some(({ event }) => event.type === "settleFailed"), "the Ack was not given up");
+      const late = events.filter(({ at, event }) => event.type === "heartbeatFailed" && at > stopped + 500 + 1_000);
+      assert.equal(late.length, 0, "heartbeats went on after the grace");
+    } finally {
+      await proxy.stop();
+    }
   });
 
   test("an error with a newline and a tab is failed at once, with spaces in their place", async () => {
@@ -446,6 +525,7 @@ describe("options", () => {
       { settleBatch: 0 },
       { leaseMs: Number.POSITIVE_INFINITY },
       { claimWaitMs: 0.2 },
+      { claimWaitMs: 99 }, // an idle worker would claim in a loop
       { claimLingerMs: -1 },
       { settleDelayMs: -1 },
       { settleDelayMs: Number.NaN },

@@ -69,6 +69,19 @@ def test_sigterm_stops_claiming_lets_running_handlers_finish_and_flushes_their_s
     assert all(states[i] == pb.INTENT_STATE_PENDING for i in set(ids) - started), "no lease left behind"
 
 
+def test_sigterm_after_the_apps_own_stop_keeps_the_grace(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str], tmp_path: Path
+) -> None:
+    k = kind("own-stop")
+    outbox.enqueue_direct_many([NewIntent(kind=k, payload=b"{}") for _ in range(2)])
+    p = Proc(stack, tmp_path, k, concurrency=2, work_seconds=1.5, grace=10.0, app_stops_when_started=2)
+    wait_for("the app's stop", lambda: p.events("stop"), timeout=20)
+    p.proc.send_signal(signal.SIGTERM)  # a first signal: not a second stop
+    assert p.proc.wait(timeout=15) == 0
+    assert len(p.events("finished")) == 2, "the grace was cut short"
+    assert p.events("exit")[0]["stats"]["acked"] == 2
+
+
 def test_a_handler_still_running_after_the_grace_is_failed_retry_and_the_process_exits(
     stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str], tmp_path: Path
 ) -> None:

@@ -16,7 +16,7 @@ from harness import Stack, free_port, wait_for
 from proxy import Cuts, FaultProxy
 
 import outboxd
-from outboxd import Intent, NewIntent, Permanent, Retry, Worker, pb
+from outboxd import Intent, LeaseLost, NewIntent, Permanent, Retry, Worker, pb
 from outboxd._rpc import AsyncClient
 from outboxd.worker import _MAX_CALL_BYTES
 from outboxd.worker import _fail_text as fail_text
@@ -595,6 +595,120 @@ def test_cancelling_run_async_flushes_queued_settles_and_gives_back_running_inte
     given_back = outbox.get_intent(stuck).intent
     assert given_back.state == pb.INTENT_STATE_PENDING and "shut down" in given_back.last_error
     assert worker.stats.acked == 1 and worker.stats.failed == 1
+
+
+def test_cancelling_every_task_of_the_loop_as_asyncio_run_did_before_3_11_still_flushes_and_gives_back(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    quick_kind, stuck_kind = kind("quick"), kind("stuck")
+    quick = outbox.enqueue_direct(quick_kind, b"{}").id
+    stuck = outbox.enqueue_direct(stuck_kind, b"{}").id
+    worker = Worker(stack.endpoints, stack.api_key, concurrency=2, lease=120, grace=60, settle_delay=60)
+    started = threading.Event()
+    worker.add_handler(quick_kind, lambda intent: None)
+
+    @worker.handler(stuck_kind)
+    async def hang(intent: Intent) -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    async def main() -> None:
+        task = asyncio.create_task(worker.run_async())
+        await until("the stuck handler and the quick Ack", lambda: started.is_set() and worker._unsettled == 1, 15)
+        # What asyncio.run does on Ctrl-C before Python 3.11: every task is cancelled, the
+        # worker's settle loop and heartbeats with its main task.
+        for other in asyncio.all_tasks():
+            if other is not asyncio.current_task():
+                other.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    began = time.monotonic()
+    asyncio.run(main())
+    assert time.monotonic() - began < 30, "the drain waited out its budget: the settles were lost"
+    assert state(outbox, quick) == "DELIVERED"
+    assert state(outbox, stuck) == "PENDING"
+    assert worker.stats.acked == 1 and worker.stats.failed == 1
+
+
+def test_a_handler_raising_a_base_exception_of_its_own_is_failed_retry_at_once(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    class Halt(BaseException):
+        """As gevent's Timeout or GreenletExit: not an Exception."""
+
+    k = kind("halt")
+    ids = enqueue(outbox, k, 2)
+    worker = Worker(stack.endpoints, stack.api_key, concurrency=2, lease=60)
+    raised: list[str] = []
+
+    @worker.handler(k)
+    async def handle(intent: Intent) -> None:
+        if not raised:
+            raised.append(intent.id)
+            raise Halt()
+
+    with Running(worker):
+        # Before its 60 s lease: given back by a Fail, not by the expiry.
+        wait_for("2 acks", lambda: worker.stats.acked == 2, timeout=20)
+    assert worker.stats.failed == 1
+    assert all(state(outbox, i) == "DELIVERED" for i in ids)
+    assert list_intents(outbox, k)[raised[0]].attempts == 2
+
+
+def test_submitting_again_after_the_lease_was_lost_raises_lease_lost_and_never_starts_the_call(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    k = kind("resubmit")
+    [intent_id] = enqueue(outbox, k, 1)
+    worker = Worker(stack.endpoints[:1], stack.api_key, lease=2, concurrency=1)
+
+    async def no_heartbeat() -> None:
+        worker._count("heartbeat_failures")  # as if every ExtendLease were lost
+
+    worker._extend_all = no_heartbeat  # type: ignore[method-assign]
+    calls: list[str] = []
+    refused: list[BaseException] = []
+
+    @worker.handler(k)
+    def charge(intent: Intent) -> None:
+        with intent.submitting():
+            calls.append("charge")
+        assert intent.wait_lease_lost(20.0)
+        try:
+            with intent.submitting():
+                calls.append("charge again")
+        except LeaseLost as e:
+            refused.append(e)
+            raise
+
+    with Running(worker):
+        wait_for("the second submitting() refused", lambda: refused, timeout=20)
+    assert calls == ["charge"]
+    wait_state(outbox, intent_id, "NEEDS_RECONCILE")
+
+
+def test_a_sync_handler_added_while_the_worker_runs_is_run(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    first, later = kind("first"), kind("later")
+    worker = Worker(stack.endpoints, stack.api_key, concurrency=2)
+
+    @worker.handler(first)
+    async def handle_first(intent: Intent) -> None:
+        pass
+
+    with Running(worker):
+        worker.add_handler(later, lambda intent: None)
+        [intent_id] = enqueue(outbox, later, 1)
+        wait_state(outbox, intent_id, "DELIVERED")
+    assert worker.stats.failed == 0
+
+
+def test_a_claim_wait_under_a_tenth_of_a_second_is_refused_not_a_claim_loop() -> None:
+    for wait in (0, 0.05, -1, float("nan")):
+        with pytest.raises(ValueError, match="claim_wait"):
+            Worker("127.0.0.1:1", "key", claim_wait=wait)
 
 
 def test_an_on_count_callback_that_raises_does_not_stop_the_worker(

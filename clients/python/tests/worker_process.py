@@ -2,7 +2,8 @@
 
 Writes one JSON line per event to the config's `events` file (flushed at once, so a test
 can read them while the process runs, or after SIGKILL): started, finished, submitted,
-stop (the signal arrived), interrupted (KeyboardInterrupt out of asyncio.run), exit (with
+stop (a stop: the signal's, or with `app_stops_when_started` the app's own once that many
+handlers started), interrupted (KeyboardInterrupt out of asyncio.run), exit (with
 the counters).
 """
 
@@ -42,9 +43,17 @@ def main() -> None:
         grace=config["grace"],
     )
 
+    started = 0
+
     @worker.handler(config["kind"])
     def handle(intent: outboxd.Intent) -> None:
+        nonlocal started
         emit("started", id=intent.id, attempt=intent.attempt)
+        with lock:
+            started += 1
+            app_stops = started == config.get("app_stops_when_started")
+        if app_stops:
+            worker.stop()  # the app's own stop(), before any signal
         if config["mode"] == "submit_and_hang":
             with intent.submitting():
                 emit("submitted", id=intent.id)

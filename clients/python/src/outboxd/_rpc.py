@@ -126,7 +126,13 @@ class Config:
 
     def channel_options(self) -> list[tuple[str, Any]]:
         # Reconnect quickly after a replica comes back; the retry loop rotates meanwhile.
-        return [("grpc.max_reconnect_backoff_ms", 2000), *self.options]
+        # Replies of any size: the server bounds them (OUTBOX_LIMITS__MAX_REPLY_BYTES), and
+        # grpc's 4 MiB default would refuse a Claim of an intent the server accepted.
+        return [
+            ("grpc.max_reconnect_backoff_ms", 2000),
+            ("grpc.max_receive_message_length", -1),
+            *self.options,
+        ]
 
 
 Endpoint = Union[str, Sequence[str]]

@@ -317,6 +317,9 @@ class Worker:
         if isinstance(kinds, str):
             # A str is a Sequence[str] too: it would claim one-letter kinds.
             raise TypeError(f"kinds takes a list of kinds, not a str: kinds=[{kinds!r}]")
+        if not claim_wait >= 0.1:
+            # Shorter, an idle worker would claim in a loop, a transaction each time.
+            raise ValueError(f"claim_wait must be at least 0.1 s, not {claim_wait!r}")
         if kinds is not None and not kinds:
             # The server reads an empty filter as every kind: intents of kinds without a
             # handler would be dead-lettered.
@@ -348,6 +351,7 @@ class Worker:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._stop: Optional[asyncio.Event] = None
         self._stop_requested = False
+        self._signalled = False
         self._force = False
 
     # Registration -------------------------------------------------------------------
@@ -395,10 +399,22 @@ class Worker:
     def stop(self) -> None:
         """Asks the worker to drain and stop; safe from any thread or a signal handler.
         A second call skips the rest of the grace."""
-        loop = self._loop
-        if self._stop_requested:
+        self._request_stop(force=self._stop_requested)
+
+    def _on_signal(self) -> None:
+        # A second signal ends the grace; a stop() of the app's own before the first signal
+        # does not count as one.
+        first, self._signalled = not self._signalled, True
+        if not first:
+            self._request_stop(force=True)
+        elif not self._stop_requested:
+            self.stop()
+
+    def _request_stop(self, *, force: bool) -> None:
+        if force:
             self._force = True
         self._stop_requested = True
+        loop = self._loop
         if loop is not None and self._stop is not None:
             loop.call_soon_threadsafe(self._stop.set)
 
@@ -428,14 +444,13 @@ class Worker:
         self._all_settled = asyncio.Event()
         self._flush_now = asyncio.Event()
         self._fatal: Optional[BaseException] = None
+        # Made by the first sync handler's run (_call).
         self._pool: Optional[_ThreadPool] = None
-        if any(not _is_async(h) for h in self._handlers.values()):
-            self._pool = _ThreadPool(self.concurrency, f"outboxd-{self.worker_id}")
         if handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self.stop)
+                loop.add_signal_handler(sig, self._on_signal)
         heartbeat = asyncio.create_task(self._heartbeat_loop())
-        settler = asyncio.create_task(self._settle_loop())
+        self._settler = asyncio.create_task(self._settle_loop())
         try:
             try:
                 await self._claim_loop()
@@ -447,8 +462,8 @@ class Worker:
                 raise
         finally:
             heartbeat.cancel()
-            settler.cancel()
-            await asyncio.gather(heartbeat, settler, return_exceptions=True)
+            self._settler.cancel()
+            await asyncio.gather(heartbeat, self._settler, return_exceptions=True)
             if handle_signals:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
@@ -688,8 +703,11 @@ class Worker:
                     if result is not None:
                         await result
             else:
-                assert self._pool is not None and self._loop is not None
+                assert self._loop is not None
                 loop = self._loop
+                if self._pool is None:
+                    self._pool = _ThreadPool(self.concurrency, f"outboxd-{self.worker_id}")
+                pool = self._pool
 
                 def run() -> None:
                     with _otel.handler_span(intent.kind, intent.id, intent.attempt, self.worker_id, intent.headers):
@@ -703,12 +721,7 @@ class Worker:
                                 future.cancel()
                             future.result()
 
-                try:
-                    await self._pool.submit(loop, run)
-                except (SystemExit, KeyboardInterrupt) as e:
-                    # Raised in the handler's thread, so the handler's own (Ctrl-C and the
-                    # process's exit come to the main thread): a failure like any other.
-                    return self._failed(lease, e)
+                await pool.submit(loop, run)
         except asyncio.CancelledError as e:
             if lease.lost or lease.abandoned:
                 # The worker's: lease lost or shutdown past the grace, nothing to report.
@@ -725,7 +738,9 @@ class Worker:
             return _Settle(lease, pb.FAIL_OUTCOME_PERMANENT, _text(e) or _describe(e))
         except Unknown as e:
             return _Settle(lease, pb.FAIL_OUTCOME_UNKNOWN, _text(e) or _describe(e))
-        except Exception as e:  # noqa: BLE001 - logged with its traceback by _failed
+        except BaseException as e:  # noqa: BLE001 - logged with its traceback by _failed
+            # Any other, BaseExceptions too (SystemExit in a handler's thread, a gevent
+            # Timeout, an exception group): the handler's own, a failure like any other.
             return self._failed(lease, e)
         return _Settle(lease, 0)
 
@@ -755,10 +770,11 @@ class Worker:
         return min(self.call_timeout, max(self.heartbeat_interval, 1.0))
 
     async def _mark_submitted(self, lease: _Lease) -> None:
-        if lease.submitted:
-            return
+        # Lost first: a second submitting() after the loss must not start its call either.
         if lease.lost or lease.abandoned:
             raise LeaseLost(f"lease on {lease.intent.id} lost before MarkSubmitted")
+        if lease.submitted:
+            return
         answer = await self._client.call(
             "MarkSubmitted",
             pb.MarkSubmittedRequest(leases=[lease.ref()]),
@@ -864,6 +880,9 @@ class Worker:
                     await asyncio.wait_for(self._flush_now.wait(), self.settle_delay)
                 except asyncio.TimeoutError:
                     pass
+                except asyncio.CancelledError:
+                    self._settles.put_nowait(first)  # for the drain's settle loop
+                    raise
             batch = [first]
             while len(batch) < 1000 and not self._settles.empty():
                 batch.append(self._settles.get_nowait())
@@ -881,16 +900,22 @@ class Worker:
     async def _flush(self, batch: list[_Settle]) -> None:
         try:
             await self._flush_batch(batch)
+        except asyncio.CancelledError:
+            # Cancelled with every task of the loop (asyncio.run before Python 3.11, on
+            # Ctrl-C): queued again for the drain's settle loop, where a part that applied
+            # is answered as a replay.
+            for s in batch:
+                self._settles.put_nowait(s)
+            raise
         except Exception as error:
             log.exception("outboxd worker %s: settle of %d intents failed: %s", self.worker_id, len(batch), error)
             self._count("settle_errors", len(batch))
-        finally:
-            # Settled, refused or failed: its lease is never heartbeated again.
-            for s in batch:
-                self._forget(s.lease)
-            self._unsettled -= len(batch)
-            if self._unsettled == 0:
-                self._all_settled.set()
+        # Settled, refused or failed: its lease is never heartbeated again.
+        for s in batch:
+            self._forget(s.lease)
+        self._unsettled -= len(batch)
+        if self._unsettled == 0:
+            self._all_settled.set()
 
     async def _flush_batch(self, batch: list[_Settle]) -> None:
         batch = [s for s in batch if not s.lease.lost]
@@ -1041,6 +1066,11 @@ class Worker:
         self._stop_requested = self._force = True
         if self._stop is not None:
             self._stop.set()
+        # A settle loop of the drain's own: the cancellation may have reached every task of
+        # the loop (asyncio.run before Python 3.11), the settle loop's and its calls' too,
+        # which queue their settles again as they end, for this one to send.
+        self._settler.cancel()
+        self._settler = asyncio.create_task(self._settle_loop())
         drain = asyncio.ensure_future(self._drain())
         # Bounded whatever happens to its calls: a cancelled worker always ends.
         deadline = time.monotonic() + self.call_timeout + max(self.lease, self.call_timeout)

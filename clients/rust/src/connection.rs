@@ -364,7 +364,10 @@ impl Connection {
             timeout: Some(timeout),
             ..self.inner.credentials.clone()
         };
+        // Replies of any size: the server bounds them (OUTBOX_LIMITS__MAX_REPLY_BYTES), and
+        // tonic's 4 MiB default would refuse a Claim of an intent the server accepted.
         OutboxServiceClient::with_interceptor(self.inner.channels[index].clone(), credentials)
+            .max_decoding_message_size(usize::MAX)
     }
 
     /// One logical call: `attempt` is given a client (on the endpoint in use, with the

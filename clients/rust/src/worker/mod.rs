@@ -36,6 +36,9 @@ use crate::proto_duration;
 /// batch limit).
 const MAX_BATCH: usize = 1000;
 
+/// How long settles may still take once the shutdown grace is over.
+const SETTLE_AFTER_GRACE: Duration = Duration::from_secs(5);
+
 /// Per-item reasons meaning "this lease is not ours any more".
 const LOST_REASONS: [&str; 3] = ["LEASE_LOST", "NOT_FOUND", "INVALID_STATE"];
 
@@ -312,6 +315,12 @@ impl WorkerBuilder {
                 "outboxd worker: the lease must be at least 1 s".into(),
             ));
         }
+        // Shorter, an idle worker would claim in a loop, a transaction each time.
+        if self.claim_wait < Duration::from_millis(100) {
+            return Err(Error::Invalid(
+                "outboxd worker: claim_wait must be at least 100 ms".into(),
+            ));
+        }
         let kinds = self.kinds.unwrap_or_else(|| {
             let mut kinds: Vec<String> = self.handlers.keys().cloned().collect();
             kinds.sort();
@@ -501,10 +510,22 @@ impl Worker {
             }
         };
 
+        // Settles may run past the grace by SETTLE_AFTER_GRACE at most: against a server that
+        // does not answer, the exit is bounded (their leases expire instead).
+        let settles_end = Instant::now() + shared.config.grace + SETTLE_AFTER_GRACE;
         shared.drain(&mut jobs).await;
         drop(settle_tx);
         let mut settler = settler;
-        let _ = (&mut settler.0).await;
+        if tokio::time::timeout_at(settles_end, &mut settler.0)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                worker = %shared.config.worker_id,
+                "outboxd settles still unanswered {SETTLE_AFTER_GRACE:?} after the grace; \
+                 their leases expire instead"
+            );
+        }
         drop(heartbeats);
         match fatal {
             Some(error) => Err(error),
@@ -860,15 +881,25 @@ impl Shared {
 
     /// `Job::submitting`: MarkSubmitted for one lease.
     async fn mark_submitted(&self, lease: &LeaseState) -> Result<(), Failure> {
-        if lease.is_submitted() {
-            return Ok(());
-        }
+        // Lost first: a later submitting() on a lost lease must not start its call either.
         if lease.is_lost() || lease.is_abandoned() {
             return Err(Failure::lease_lost(format!(
                 "the lease on {} was lost before MarkSubmitted",
                 lease.intent_id
             )));
         }
+        if lease.is_submitted() {
+            return Ok(());
+        }
+        // Not marked by this call: safe to retry, unless a submitting() running beside it
+        // marked the lease and began its external call meanwhile.
+        let not_marked = |message: String| {
+            if lease.is_submitted() {
+                Failure::unknown(message)
+            } else {
+                Failure::retry(message)
+            }
+        };
         // Worth trying while the lease lives.
         let left = lease
             .expires()
@@ -899,12 +930,12 @@ impl Shared {
         });
         let answer = match answer {
             Ok(answer) => answer,
-            // The external call has not started: a retry is safe whatever happened.
-            Err(error) => return Err(Failure::retry(format!("MarkSubmitted failed: {error}"))),
+            // This call's external call has not started.
+            Err(error) => return Err(not_marked(format!("MarkSubmitted failed: {error}"))),
         };
         let Some(result) = answer.results.first() else {
             // Not known to be marked: the external call must not start.
-            return Err(Failure::retry("MarkSubmitted answered without a result"));
+            return Err(not_marked("MarkSubmitted answered without a result".into()));
         };
         match &result.error {
             None => {
@@ -918,7 +949,7 @@ impl Shared {
                     error.reason, error.message
                 )))
             }
-            Some(error) => Err(Failure::retry(format!(
+            Some(error) => Err(not_marked(format!(
                 "MarkSubmitted refused: {} {}",
                 error.reason, error.message
             ))),
@@ -984,7 +1015,16 @@ impl Shared {
             while extending.try_join_next().is_some() {}
             if now.duration_since(last) >= self.config.heartbeat && extending.is_empty() {
                 last = now;
-                let live: Vec<_> = live.into_iter().filter(|l| !l.is_lost()).collect();
+                // One lease per intent in a call (the server refuses a repeated intent): a
+                // lease whose settle is in flight gives way to a newer lease of its intent.
+                let mut by_intent: HashMap<&str, &Arc<LeaseState>> = HashMap::new();
+                for lease in live.iter().filter(|l| !l.is_lost()) {
+                    let kept = by_intent.entry(lease.intent_id.as_str()).or_insert(lease);
+                    if kept.is_settling() && !lease.is_settling() {
+                        *kept = lease;
+                    }
+                }
+                let live: Vec<Arc<LeaseState>> = by_intent.into_values().cloned().collect();
                 let this = self.clone();
                 extending.spawn(async move {
                     for chunk in live.chunks(MAX_BATCH) {

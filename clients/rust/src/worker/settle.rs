@@ -17,6 +17,9 @@ use crate::connection::{Attempts, CallOptions};
 use crate::error::Error;
 use crate::proto::{self, FailOutcome, LeaseResult};
 
+/// The longest `retry_after` sent.
+const LONGEST_RETRY_AFTER: Duration = Duration::from_secs(366 * 86_400);
+
 /// Settle calls in flight at once.
 const FLUSHES_IN_FLIGHT: usize = 4;
 
@@ -291,9 +294,10 @@ fn failure(settle: &Settle) -> proto::Failure {
         error: fail_text(error),
         outcome: *outcome as i32,
         retry_after: match outcome {
-            FailOutcome::Retry => {
-                retry_after.map(|d| proto_duration(d.max(Duration::from_millis(1))))
-            }
+            // Within the server's default OUTBOX_LIMITS__MAX_DELAY (366 days), as the other
+            // SDKs cut it: a longer one would have the whole Fail refused.
+            FailOutcome::Retry => retry_after
+                .map(|d| proto_duration(d.clamp(Duration::from_millis(1), LONGEST_RETRY_AFTER))),
             _ => None,
         },
     }

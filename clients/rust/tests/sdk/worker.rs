@@ -882,6 +882,63 @@ async fn handlers_still_running_after_the_grace_are_given_back() {
     );
 }
 
+/// A drain while the only replica answers nothing ends 5 s after the grace: the Ack is
+/// given up (its lease expires), not retried for a lease's length.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_while_the_server_answers_nothing_ends_five_seconds_after_the_grace() {
+    let stack = stack();
+    let k = kind("drain-frozen");
+    enqueue(&Outbox::new(connection()), &k, 1, 0).await;
+    let proxy = Arc::new(Proxy::start(&stack.endpoints[0], Cuts::new(0, usize::MAX)).await);
+    let release = Arc::new(Notify::new());
+    let worker = Worker::builder(connect(&[proxy.addr.clone()]))
+        .lease(Duration::from_secs(60))
+        .grace(Duration::from_millis(500))
+        .claim_wait(Duration::from_secs(1))
+        .handler(&k, {
+            let release = release.clone();
+            move |_job: Job| {
+                let release = release.clone();
+                async move {
+                    release.notified().await;
+                    Ok::<_, Failure>(())
+                }
+            }
+        })
+        .build()
+        .unwrap();
+    let running = Running::start(worker);
+    wait_for("the handler running", Duration::from_secs(15), || {
+        (running.worker.stats().running == 1).then_some(())
+    })
+    .await;
+    proxy.freeze(true);
+    let stopped = Instant::now();
+    running.begin_stop();
+    release.notify_one();
+    let stats = running.worker.clone();
+    running.stop().await.unwrap();
+    let took = stopped.elapsed();
+    assert!(
+        took < Duration::from_millis(500 + 5_000 + 2_000),
+        "run_until returned {took:?} after the stop"
+    );
+    assert_eq!(stats.stats().acked, 0);
+}
+
+#[tokio::test]
+async fn a_claim_wait_under_100_ms_is_refused_not_a_claim_loop() {
+    let refused = Worker::builder(connect(&["127.0.0.1:1".to_owned()]))
+        .claim_wait(Duration::from_millis(99))
+        .handler("k", |_job: Job| async { Ok::<_, Failure>(()) })
+        .build();
+    assert!(
+        matches!(&refused, Err(outboxd_client::Error::Invalid(m)) if m.contains("claim_wait")),
+        "{:?}",
+        refused.err()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_whose_heartbeats_cannot_get_through_is_lost_and_never_acked() {
     let stack = stack();

@@ -236,8 +236,9 @@ pub(super) async fn create(
         );
     }
     // A form posted again (a reload of its answer) would mint a second key of the name,
-    // and a name several active keys share revokes none of them. Among the keys this one
-    // manages only: another tenant's key names are not this admin's to learn.
+    // and a name several active keys share revokes none of them by name. Among the keys
+    // this one manages only: another tenant's key names are not this admin's to learn (a
+    // name shared across tenants is revoked from the console, by its row).
     match store::list_api_keys(console.pools.tenant()).await {
         Ok(keys)
             if keys.iter().any(|k| {

@@ -74,7 +74,7 @@ def test_sigterm_after_the_apps_own_stop_keeps_the_grace(
 ) -> None:
     k = kind("own-stop")
     outbox.enqueue_direct_many([NewIntent(kind=k, payload=b"{}") for _ in range(2)])
-    p = Proc(stack, tmp_path, k, concurrency=2, work_seconds=1.5, grace=10.0, app_stops_when_started=2)
+    p = Proc(stack, tmp_path, k, concurrency=2, work_seconds=4.0, grace=20.0, app_stops_when_started=2)
     wait_for("the app's stop", lambda: p.events("stop"), timeout=20)
     p.proc.send_signal(signal.SIGTERM)  # a first signal: not a second stop
     assert p.proc.wait(timeout=15) == 0

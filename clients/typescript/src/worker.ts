@@ -647,10 +647,9 @@ export class Worker {
       );
       result = reply.results[0];
     } catch (thrown) {
-      const message = `MarkSubmitted failed: ${OutboxError.from(thrown).message}`;
-      // Submitted before (an earlier submitting() of this run): a side effect may have
-      // begun, so never a blind retry. Else the call did not start, and a retry is safe.
-      throw live.submitted ? new Unknown(message) : new Retry(message);
+      // Neither Retry nor Unknown: decided when the handler ends, UNKNOWN if the lease is
+      // submitted by then (another submitting() of this run may have begun its call).
+      throw new Error(`MarkSubmitted failed: ${OutboxError.from(thrown).message}`);
     }
     if (result?.error) {
       if (result.error.reason === "LEASE_LOST" || result.error.code === (Code.NotFound as number)) {
@@ -659,8 +658,7 @@ export class Worker {
         live.controller.abort(lost);
         throw lost;
       }
-      const message = `MarkSubmitted refused: ${result.error.reason} ${result.error.message}`;
-      throw live.submitted ? new Unknown(message) : new Retry(message);
+      throw new Error(`MarkSubmitted refused: ${result.error.reason} ${result.error.message}`);
     }
     live.submitted = true;
   }
@@ -683,7 +681,15 @@ export class Worker {
       }
       if (!live.extending && live.expiresAt - now < this.leaseMs - this.heartbeatMs) due.push(live);
     }
-    for (let i = 0; i < due.length; i += 1000) void this.extend(due.slice(i, i + 1000));
+    // One lease per intent in a call (the server refuses a repeated intent): a lease whose
+    // settle is in flight gives way to a newer lease of its intent.
+    const byIntent = new Map<string, Live>();
+    for (const live of due) {
+      const kept = byIntent.get(live.intent.id);
+      if (kept === undefined || (kept.settled !== undefined && live.settled === undefined)) byIntent.set(live.intent.id, live);
+    }
+    const calls = [...byIntent.values()];
+    for (let i = 0; i < calls.length; i += 1000) void this.extend(calls.slice(i, i + 1000));
   }
 
   private async extend(leases: Live[]): Promise<void> {
@@ -862,7 +868,20 @@ export class Worker {
     while (this.running > 0 && performance.now() < deadline && !this.graceOver.signal.aborted) {
       await sleep(Math.min(20, deadline - performance.now()), this.graceOver.signal);
     }
-    this.graceOver.abort();
+    // Settles still failing SETTLE_AFTER_GRACE_MS after the grace are given up
+    // (settleFailed): their leases expire instead, and the worker's exit is bounded.
+    const cut = setTimeout(() => {
+      this.settlesCut.abort();
+    }, SETTLE_AFTER_GRACE_MS);
+    try {
+      await this.settleAll();
+    } finally {
+      clearTimeout(cut);
+    }
+  }
+
+  /** After the grace: gives back the leases of handlers still running, flushes every settle. */
+  private async settleAll(): Promise<void> {
     if (this.running > 0) {
       // The grace is over: tell the handlers, then give their leases back.
       const abandoned: PendingSettle[] = [];
@@ -894,16 +913,7 @@ export class Worker {
       );
     }
     this.flush();
-    // Settles still failing SETTLE_AFTER_GRACE_MS after the grace are given up (settleFailed):
-    // their leases expire instead, and the worker's exit is bounded.
-    const cut = setTimeout(() => {
-      this.settlesCut.abort();
-    }, SETTLE_AFTER_GRACE_MS);
-    try {
-      while (this.settling > 0) await new Promise<void>((resolve) => setTimeout(resolve, 5));
-    } finally {
-      clearTimeout(cut);
-    }
+    while (this.settling > 0) await new Promise<void>((resolve) => setTimeout(resolve, 5));
   }
 
   private emit(event: WorkerEvent): void {

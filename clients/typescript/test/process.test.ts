@@ -71,7 +71,7 @@ test("SIGTERM: no new claims, running handlers finish, their Acks are flushed, t
 
 test("SIGTERM after the app's own stop(): the grace holds, only a second signal would end it", async () => {
   await outbox.enqueueDirect(Array.from({ length: 2 }, () => ({ kind: "sigterm.own-stop" })));
-  const child = startWorker({ KIND: "sigterm.own-stop", MODE: "sleep", SLEEP_MS: "1500", CONCURRENCY: "2", GRACE_MS: "10000", STOP_ON_SIGTERM: "1" });
+  const child = startWorker({ KIND: "sigterm.own-stop", MODE: "sleep", SLEEP_MS: "4000", CONCURRENCY: "2", GRACE_MS: "20000", STOP_ON_SIGTERM: "1" });
   await waitFor("2 handlers running", () => ids(child, "started").length === 2);
   child.process.kill("SIGTERM");
   assert.equal(await child.exited, 0);

@@ -255,6 +255,7 @@ class _Settle:
     outcome: int  # 0: Ack, else a pb.FailOutcome
     error: str = ""
     retry_after: Optional[float] = None
+    answered: bool = False  # its call's answer (or failure) was applied
 
 
 class Worker:
@@ -432,6 +433,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._stop = asyncio.Event()
+        self._signalled = False
         if self._stop_requested:
             self._stop.set()
         self._client = AsyncClient(self._config)
@@ -738,9 +740,15 @@ class Worker:
             return _Settle(lease, pb.FAIL_OUTCOME_PERMANENT, _text(e) or _describe(e))
         except Unknown as e:
             return _Settle(lease, pb.FAIL_OUTCOME_UNKNOWN, _text(e) or _describe(e))
+        except (KeyboardInterrupt, SystemExit) as e:
+            if _is_async(handler):
+                raise  # on the loop's thread: Ctrl-C or the program's exit, not the handler's
+            # Raised in the handler's thread, so the handler's own (Ctrl-C and the process's
+            # exit come to the main thread): a failure like any other.
+            return self._failed(lease, e)
         except BaseException as e:  # noqa: BLE001 - logged with its traceback by _failed
-            # Any other, BaseExceptions too (SystemExit in a handler's thread, a gevent
-            # Timeout, an exception group): the handler's own, a failure like any other.
+            # Any other, BaseExceptions too (a gevent Timeout, an exception group): the
+            # handler's own, a failure like any other.
             return self._failed(lease, e)
         return _Settle(lease, 0)
 
@@ -898,24 +906,28 @@ class Worker:
         self._settles.put_nowait(settle)
 
     async def _flush(self, batch: list[_Settle]) -> None:
+        ended = batch
         try:
             await self._flush_batch(batch)
         except asyncio.CancelledError:
             # Cancelled with every task of the loop (asyncio.run before Python 3.11, on
-            # Ctrl-C): queued again for the drain's settle loop, where a part that applied
-            # is answered as a replay.
+            # Ctrl-C): those whose call had not answered are queued again, for the drain's
+            # settle loop (a call that applied meanwhile is answered as a replay).
+            ended = [s for s in batch if s.answered]
             for s in batch:
-                self._settles.put_nowait(s)
+                if not s.answered:
+                    self._settles.put_nowait(s)
             raise
         except Exception as error:
             log.exception("outboxd worker %s: settle of %d intents failed: %s", self.worker_id, len(batch), error)
             self._count("settle_errors", len(batch))
-        # Settled, refused or failed: its lease is never heartbeated again.
-        for s in batch:
-            self._forget(s.lease)
-        self._unsettled -= len(batch)
-        if self._unsettled == 0:
-            self._all_settled.set()
+        finally:
+            # Settled, refused or failed: its lease is never heartbeated again.
+            for s in ended:
+                self._forget(s.lease)
+            self._unsettled -= len(ended)
+            if self._unsettled == 0:
+                self._all_settled.set()
 
     async def _flush_batch(self, batch: list[_Settle]) -> None:
         batch = [s for s in batch if not s.lease.lost]
@@ -994,6 +1006,8 @@ class Worker:
 
     def _apply(self, batch: list[_Settle], results: Sequence[pb.LeaseResult], counter: str) -> None:
         done = 0
+        for settle in batch:
+            settle.answered = True
         for settle, item in zip(batch, results):
             if not item.HasField("error"):
                 done += 1
@@ -1018,6 +1032,7 @@ class Worker:
         log.error("outboxd worker %s: settle of %d intents failed: %s", self.worker_id, len(batch), error)
         self._count("settle_errors", len(batch))
         for s in batch:
+            s.answered = True
             self._forget(s.lease)
 
     # Shutdown -----------------------------------------------------------------------

@@ -891,15 +891,10 @@ impl Shared {
         if lease.is_submitted() {
             return Ok(());
         }
-        // Not marked by this call: safe to retry, unless a submitting() running beside it
-        // marked the lease and began its external call meanwhile.
-        let not_marked = |message: String| {
-            if lease.is_submitted() {
-                Failure::unknown(message)
-            } else {
-                Failure::retry(message)
-            }
-        };
+        // Not marked by this call: an error of no class, which the handler's end makes RETRY,
+        // or UNKNOWN if by then a submitting() beside this one marked the lease (its external
+        // call may have begun).
+        let not_marked = Failure::from;
         // Worth trying while the lease lives.
         let left = lease
             .expires()

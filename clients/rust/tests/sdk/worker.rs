@@ -891,7 +891,7 @@ async fn a_drain_while_the_server_answers_nothing_ends_five_seconds_after_the_gr
     enqueue(&Outbox::new(connection()), &k, 1, 0).await;
     let proxy = Arc::new(Proxy::start(&stack.endpoints[0], Cuts::new(0, usize::MAX)).await);
     let release = Arc::new(Notify::new());
-    let worker = Worker::builder(connect(&[proxy.addr.clone()]))
+    let worker = Worker::builder(connect(std::slice::from_ref(&proxy.addr)))
         .lease(Duration::from_secs(60))
         .grace(Duration::from_millis(500))
         .claim_wait(Duration::from_secs(1))

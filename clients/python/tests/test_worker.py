@@ -562,9 +562,13 @@ def test_a_submitting_block_whose_mark_submitted_answers_after_the_grace_is_neve
     assert "shut down" in wait_state(outbox, intent_id, "PENDING", timeout=5).last_error
 
 
-def test_cancelling_run_async_flushes_queued_settles_and_gives_back_running_intents(
-    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
-) -> None:
+def cancel_a_worker_mid_run(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str], every_task: bool
+) -> tuple[str, str, Worker, float, list[asyncio.Task[Any]]]:
+    """Runs a worker until one handler hangs and another's Ack is queued, then cancels its
+    task (or, with `every_task`, every task of the loop, as asyncio.run did on Ctrl-C before
+    Python 3.11: the worker's settle loop and heartbeats too). The two intents' ids, the
+    worker, how long it took and the tasks left on the loop after the worker's."""
     quick_kind, stuck_kind = kind("quick"), kind("stuck")
     quick = outbox.enqueue_direct(quick_kind, b"{}").id
     stuck = outbox.enqueue_direct(stuck_kind, b"{}").id
@@ -582,14 +586,23 @@ def test_cancelling_run_async_flushes_queued_settles_and_gives_back_running_inte
     async def main() -> list[asyncio.Task[Any]]:
         task = asyncio.create_task(worker.run_async())
         await until("the stuck handler and the quick Ack", lambda: started.is_set() and worker._unsettled == 1, 15)
-        task.cancel()
+        for other in asyncio.all_tasks() if every_task else [task]:
+            if other is not asyncio.current_task():
+                other.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
 
     began = time.monotonic()
     left = asyncio.run(main())
-    assert time.monotonic() - began < 30, "the grace was waited for"
+    return quick, stuck, worker, time.monotonic() - began, left
+
+
+def test_cancelling_run_async_flushes_queued_settles_and_gives_back_running_intents(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    quick, stuck, worker, took, left = cancel_a_worker_mid_run(stack, outbox, kind, every_task=False)
+    assert took < 30, "the grace was waited for"
     assert left == [], "tasks left running after the cancelled worker"
     assert state(outbox, quick) == "DELIVERED"
     given_back = outbox.get_intent(stuck).intent
@@ -600,32 +613,8 @@ def test_cancelling_run_async_flushes_queued_settles_and_gives_back_running_inte
 def test_cancelling_every_task_of_the_loop_as_asyncio_run_did_before_3_11_still_flushes_and_gives_back(
     stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
 ) -> None:
-    quick_kind, stuck_kind = kind("quick"), kind("stuck")
-    quick = outbox.enqueue_direct(quick_kind, b"{}").id
-    stuck = outbox.enqueue_direct(stuck_kind, b"{}").id
-    worker = Worker(stack.endpoints, stack.api_key, concurrency=2, lease=120, grace=60, settle_delay=60)
-    started = threading.Event()
-    worker.add_handler(quick_kind, lambda intent: None)
-
-    @worker.handler(stuck_kind)
-    async def hang(intent: Intent) -> None:
-        started.set()
-        await asyncio.Event().wait()
-
-    async def main() -> None:
-        task = asyncio.create_task(worker.run_async())
-        await until("the stuck handler and the quick Ack", lambda: started.is_set() and worker._unsettled == 1, 15)
-        # What asyncio.run does on Ctrl-C before Python 3.11: every task is cancelled, the
-        # worker's settle loop and heartbeats with its main task.
-        for other in asyncio.all_tasks():
-            if other is not asyncio.current_task():
-                other.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    began = time.monotonic()
-    asyncio.run(main())
-    assert time.monotonic() - began < 30, "the drain waited out its budget: the settles were lost"
+    quick, stuck, worker, took, _ = cancel_a_worker_mid_run(stack, outbox, kind, every_task=True)
+    assert took < 30, "the drain waited out its budget: the settles were lost"
     assert state(outbox, quick) == "DELIVERED"
     assert state(outbox, stuck) == "PENDING"
     assert worker.stats.acked == 1 and worker.stats.failed == 1

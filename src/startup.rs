@@ -76,10 +76,16 @@ pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
         .execute(&mut *conn)
         .await
         .context("cannot connect to migrate")?;
-    let migrated = crate::MIGRATOR
-        .run(&mut *conn)
-        .await
-        .context("migrations failed");
+    // A database a newer release migrated (a rollback, or its replicas beside this one in
+    // a rolling update) holds migrations this binary does not know: they are additive
+    // (docs/development.md), so it runs on them where sqlx would refuse the database.
+    let migrator = sqlx::migrate::Migrator {
+        migrations: crate::MIGRATOR.migrations.clone(),
+        ignore_missing: true,
+        locking: crate::MIGRATOR.locking,
+        no_tx: crate::MIGRATOR.no_tx,
+    };
+    let migrated = migrator.run(&mut *conn).await.context("migrations failed");
     // The connection goes back to the pool: back to the server's default for the next user.
     if migrated.is_ok() {
         sqlx::query("RESET client_min_messages")

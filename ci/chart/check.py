@@ -1050,13 +1050,13 @@ def runtime_test(args, chart, binary: Binary, pg: Postgres, mode: str, tls: bool
             except grpc.RpcError:
                 pass
             results["mTLS"] = "client certificate required"
-            # What docs/kubernetes.md, values.yaml and NOTES tell operators: the certificate
-            # is read once, so a renewal (the Secret volume's files replaced) is served only
-            # after a restart.
+            # What docs/kubernetes.md, values.yaml and NOTES tell operators: the files are
+            # read again when they change, so a renewal (the Secret volume's files replaced)
+            # reaches new connections without a restart.
             served = renewal_served(work / "tls-material", Path(values["tls"]["mountPath"]), port_names["grpc"])
-            check(not served, "outboxd served a renewed certificate without a restart: the chart's docs (a restart "
-                              "after each renewal) are out of date")
-            results["renewal"] = "not served until a restart, as documented"
+            check(served, "outboxd did not serve a renewed certificate within 10 s without a restart, as the "
+                          "chart's docs say it does")
+            results["renewal"] = "served to new connections without a restart, as documented"
             # NOTES' buf curl line, as written (files and port aside), passes TLS and mTLS.
             results["NOTES buf curl"] = run_notes_buf_curl(install_notes, work / "tls-material", port_names["grpc"],
                                                            chart.values["service"]["port"])
@@ -1132,13 +1132,19 @@ def renewal_served(material: Path, mount: Path, port: int) -> bool:
     context = ssl.create_default_context(cafile=str(material / "ca.crt"))
     context.load_cert_chain(str(material / "client.crt"), str(material / "client.pk8"))
     context.set_alpn_protocols(["h2"])
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
-        with context.wrap_socket(raw, server_hostname="localhost") as tls:
-            served = tls.getpeercert(binary_form=True)
     renewed = ssl.PEM_cert_to_DER_cert((material / "renewed.crt").read_text())
     original = ssl.PEM_cert_to_DER_cert((material / "server.crt").read_text())
-    check(served in (renewed, original), "the server serves a certificate the test never issued")
-    return served == renewed
+    # The server looks at the files again about once a second: a new connection gets the
+    # renewed certificate within a few.
+    deadline = time.monotonic() + 10
+    while True:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+            with context.wrap_socket(raw, server_hostname="localhost") as tls:
+                served = tls.getpeercert(binary_form=True)
+        check(served in (renewed, original), "the server serves a certificate the test never issued")
+        if served == renewed or time.monotonic() > deadline:
+            return served == renewed
+        time.sleep(0.2)
 
 
 def run_notes_buf_curl(notes: str, material: Path, port: int, service_port: int) -> str:

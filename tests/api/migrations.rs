@@ -26,6 +26,28 @@ async fn migrating_an_empty_database_and_again_a_migrated_one_succeeds() {
     }
 }
 
+/// A rollback: the database holds a migration of a newer release, which this binary does
+/// not carry; later migrations are additive, so it migrates (nothing to do) and serves.
+#[tokio::test]
+async fn a_database_a_newer_release_migrated_is_accepted_for_a_rollback() {
+    let pool = PgPool::connect(&fresh_database().await).await.unwrap();
+    startup::migrate(&pool).await.unwrap();
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES (29991231000001, 'a newer release', true, '\\x00', 1)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    startup::migrate(&pool).await.unwrap();
+    let newest: i64 = sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(newest, 29991231000001, "left as it was");
+    pool.close().await;
+}
+
 #[tokio::test]
 async fn a_database_migrated_by_a_build_before_the_baseline_is_refused_and_left_alone() {
     let pool = PgPool::connect(&fresh_database().await).await.unwrap();

@@ -268,9 +268,7 @@ pub async fn enqueue(
         | TxnStatus::Forgotten
             if !same_life =>
         {
-            return store::find_replay(&mut tx, token.xid, &intents)
-                .await?
-                .ok_or_else(|| stale_token(token.xid));
+            return replay(tx, token.xid, &intents, || stale_token(token.xid)).await;
         }
         TxnStatus::Future | TxnStatus::Aborted if !same_life => {
             return Err(stale_token(token.xid));
@@ -296,27 +294,25 @@ pub async fn enqueue(
         }
         // Its transaction manager may have voted on what it held: a replay only.
         TxnStatus::Prepared => {
-            return store::find_replay(&mut tx, token.xid, &intents)
-                .await?
-                .ok_or_else(|| {
-                    Error::TxnFinished(format!(
-                        "the producer transaction {} is prepared (PREPARE TRANSACTION); enqueue \
-                         must happen before PREPARE (only a replay with the same idempotency \
-                         keys is accepted)",
-                        token.xid
-                    ))
-                });
+            return replay(tx, token.xid, &intents, || {
+                Error::TxnFinished(format!(
+                    "the producer transaction {} is prepared (PREPARE TRANSACTION); enqueue \
+                     must happen before PREPARE (only a replay with the same idempotency keys \
+                     is accepted)",
+                    token.xid
+                ))
+            })
+            .await;
         }
         TxnStatus::Committed => {
-            return store::find_replay(&mut tx, token.xid, &intents)
-                .await?
-                .ok_or_else(|| {
-                    Error::TxnFinished(format!(
-                        "the producer transaction {} already committed; enqueue must happen \
-                         before COMMIT (only a replay with the same idempotency keys is accepted)",
-                        token.xid
-                    ))
-                });
+            return replay(tx, token.xid, &intents, || {
+                Error::TxnFinished(format!(
+                    "the producer transaction {} already committed; enqueue must happen \
+                     before COMMIT (only a replay with the same idempotency keys is accepted)",
+                    token.xid
+                ))
+            })
+            .await;
         }
     }
     let results = store::insert_intents(
@@ -332,6 +328,25 @@ pub async fn enqueue(
     .await?;
     commit(tx).await?;
     Ok(results.enqueued)
+}
+
+/// The answer to a retry of an Enqueue whose producer transaction is past staging
+/// (committed, prepared, or of an earlier server life): the intents it recorded, `refused`
+/// when it is no replay. Answered once the producer's commit is as durable as an answer of
+/// ours: a WAL record of this transaction's own makes its COMMIT wait for the flush and a
+/// synchronous standby, which come after the producer's commit record.
+async fn replay(
+    mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    xid: u64,
+    intents: &[NewIntent],
+    refused: impl FnOnce() -> Error,
+) -> Result<Vec<Enqueued>> {
+    let Some(found) = store::find_replay(&mut tx, xid, intents).await? else {
+        return Err(refused());
+    };
+    store::commit_waits_for_flush(&mut tx).await?;
+    commit(tx).await?;
+    Ok(found)
 }
 
 /// Commits an enqueue's transaction. A COMMIT that failed may have happened (the

@@ -478,6 +478,72 @@ async fn the_call_waits_for_the_standby<T: std::fmt::Debug>(
     }
 }
 
+/// A producer's COMMIT that lost its answer while it waited for a synchronous standby is
+/// on the primary only; the retry of its Enqueue, answered from what it staged, must not
+/// be answered before that commit reached the standby (a failover meanwhile would roll the
+/// producer's transaction back after outboxd said it committed).
+#[tokio::test]
+async fn a_two_phase_replay_is_answered_once_the_producers_commit_is_durable() {
+    let (app, cluster) = app_on_own_cluster_with(Vec::new()).await;
+    let mut admin = PgConnection::connect(&cluster.url("postgres"))
+        .await
+        .unwrap();
+    let mut producer = app.producer().await;
+    sqlx::Executor::execute(&mut producer, "BEGIN")
+        .await
+        .unwrap();
+    let token = crate::two_phase::token_of(&mut producer).await;
+    let mut keyed = intent("order.created", "{}");
+    keyed.idempotency_key = "order-1".into();
+    crate::two_phase::enqueue_in(&app, &token, vec![keyed.clone()])
+        .await
+        .unwrap();
+    synchronous_standby(&mut admin, "ghost").await;
+    let commit = tokio::spawn(async move {
+        let _ = sqlx::Executor::execute(&mut producer, "COMMIT").await;
+    });
+    cut_a_commit_waiting_for_the_standby(&mut admin).await;
+    let _ = commit.await;
+    let mut client = app.client();
+    let retry = tokio::spawn(async move {
+        client
+            .enqueue(v1::EnqueueRequest {
+                intents: vec![keyed],
+                txn_token: token,
+            })
+            .await
+    });
+    // The staged intent's promotion (the fleet role's) waits for the standby too: the
+    // retry's own session, the service role's, must be the one waiting.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let waiting: Vec<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE wait_event = 'SyncRep' AND usename = $1",
+        )
+        .bind(crate::helpers::SERVICE_ROLE)
+        .fetch_all(&mut admin)
+        .await
+        .unwrap();
+        if !waiting.is_empty() {
+            break;
+        }
+        assert!(
+            !retry.is_finished(),
+            "answered before the producer's commit reached the standby: {:?}",
+            retry.await
+        );
+        assert!(
+            Instant::now() < deadline,
+            "the retry neither waited nor answered"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    synchronous_standby(&mut admin, "").await;
+    let answered = retry.await.unwrap().unwrap().into_inner();
+    assert!(answered.results[0].deduplicated, "{answered:?}");
+    stop_own_cluster(app, cluster).await;
+}
+
 /// An Enqueue whose COMMIT lost its answer while it waited for a synchronous standby is
 /// committed on the primary only; its retry, which deduplicates and writes nothing, must
 /// not be answered before that commit reached the standby (a failover meanwhile would lose

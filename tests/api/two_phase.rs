@@ -366,6 +366,40 @@ async fn replaying_an_enqueue_after_commit_returns_the_recorded_intents() {
     assert_eq!(count, 1);
 }
 
+/// A first try that deduplicated one of its keys against an intent recorded earlier (by a
+/// direct Enqueue) is replayed whole after the commit: that key's intent is the earlier one.
+#[tokio::test]
+async fn replaying_after_commit_an_enqueue_that_deduplicated_a_key_returns_its_intents() {
+    let app = TestApp::spawn().await;
+    let mut earlier = intent("order.created", r#"{"order":6}"#);
+    earlier.idempotency_key = "order-6".into();
+    let recorded = app.enqueue(vec![earlier.clone()]).await.unwrap();
+    let mut producer = app.producer().await;
+    let mut tx = producer.begin().await.unwrap();
+    let token = token_of(&mut tx).await;
+    let mut fresh = intent("order.created", r#"{"order":7}"#);
+    fresh.idempotency_key = "order-7".into();
+    let first = enqueue_in(&app, &token, vec![fresh.clone(), earlier.clone()])
+        .await
+        .unwrap();
+    assert!(!first[0].deduplicated && first[1].deduplicated);
+    assert_eq!(first[1].id, recorded[0].id);
+    tx.commit().await.unwrap();
+
+    // The first answer was lost; the producer committed anyway and retries.
+    let replay = enqueue_in(&app, &token, vec![fresh, earlier])
+        .await
+        .unwrap();
+    let ids: Vec<&str> = replay.iter().map(|r| r.id.as_str()).collect();
+    assert_eq!(ids, [first[0].id.as_str(), first[1].id.as_str()]);
+    assert!(replay.iter().all(|r| r.deduplicated));
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.intent")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(count, 2);
+}
+
 /// A server on a PostgreSQL cluster of its own, for tests that crash it: crashing the
 /// shared one would break every other test.
 async fn app_on_own_cluster() -> (TestApp, EmbeddedPostgres) {
@@ -395,6 +429,22 @@ pub(crate) async fn app_on_own_cluster_with(
         .unwrap();
     pool.close().await;
     (TestApp::spawn_on(url, |_| {}).await, cluster)
+}
+
+/// A cluster that records no commit times (a standby promoted without
+/// track_commit_timestamp): a commit time reads as unknown, as one too old to tell, where
+/// PostgreSQL raises an error, which failed every promotion that held an ordered intent.
+#[tokio::test]
+async fn without_commit_times_a_commit_time_is_unknown_not_an_error() {
+    let (app, cluster) =
+        app_on_own_cluster_with(vec![("track_commit_timestamp".into(), "off".into())]).await;
+    let time: Option<chrono::DateTime<chrono::Utc>> =
+        sqlx::query_scalar("SELECT outbox.commit_time(pg_current_xact_id())")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(time, None);
+    stop_own_cluster(app, cluster).await;
 }
 
 /// `pg_ctl stop -m immediate`, then a start: crash recovery.

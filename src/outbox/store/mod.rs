@@ -43,7 +43,7 @@ pub use console::{
     overview_minutes, revoke_api_key_by_id,
 };
 pub use enqueue::{EnqueueParams, Inserted, insert_intents};
-pub use flush::{Unflushed, flush};
+pub use flush::{Unflushed, commit_waits_for_flush, flush};
 pub use inspect::{
     ListParams, Listed, QueueDepth, QueueStats, StateCount, get_intent, list_intents, probe,
     queue_depth, queue_stats, region_of,

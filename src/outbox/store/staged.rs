@@ -82,8 +82,9 @@ pub async fn check_token(conn: &mut PgConnection, xid: u64) -> Result<TokenCheck
 }
 
 /// When transaction `xid` already committed, an Enqueue naming it is accepted only as a
-/// replay: every intent carries an idempotency key already recorded with this transaction
-/// and the same content. Returns the recorded intents, or `None` when it is not a replay.
+/// replay: every intent carries an idempotency key already recorded, with the same
+/// content, by this transaction or by one that committed (the first try deduplicated it).
+/// Returns the recorded intents, or `None` when it is not a replay.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
@@ -109,10 +110,12 @@ pub async fn find_replay(
             WITH ORDINALITY AS t(key, kind, payload, region, ord)
         LEFT JOIN outbox.intent i
             ON i.idempotency_key = t.key
-           AND i.txn_xid = $4::text::xid8
            AND i.kind = t.kind
            AND i.payload = t.payload
            AND i.region = t.region
+           -- Recorded with this transaction, or the intent its key was deduplicated
+           -- against (committed: not STAGED, not DISCARDED), as the first try answered.
+           AND (i.txn_xid = $4::text::xid8 OR i.state NOT IN ('staged', 'discarded'))
         ORDER BY t.ord
         "#,
     )

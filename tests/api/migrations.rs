@@ -26,19 +26,26 @@ async fn migrating_an_empty_database_and_again_a_migrated_one_succeeds() {
     }
 }
 
+/// Records migration `version` as applied, as a build that carried it would have.
+async fn record_applied(pool: &PgPool, version: i64, description: &str) {
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES ($1, $2, true, '\\x00', 1)",
+    )
+    .bind(version)
+    .bind(description)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 /// A rollback: the database holds a migration of a newer release, which this binary does
 /// not carry; later migrations are additive, so it migrates (nothing to do) and serves.
 #[tokio::test]
 async fn a_database_a_newer_release_migrated_is_accepted_for_a_rollback() {
     let pool = PgPool::connect(&fresh_database().await).await.unwrap();
     startup::migrate(&pool).await.unwrap();
-    sqlx::query(
-        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
-         VALUES (29991231000001, 'a newer release', true, '\\x00', 1)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    record_applied(&pool, 29991231000001, "a newer release").await;
     startup::migrate(&pool).await.unwrap();
     let newest: i64 = sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations")
         .fetch_one(&pool)
@@ -52,13 +59,7 @@ async fn a_database_a_newer_release_migrated_is_accepted_for_a_rollback() {
 async fn a_database_migrated_by_a_build_before_the_baseline_is_refused_and_left_alone() {
     let pool = PgPool::connect(&fresh_database().await).await.unwrap();
     // What a build before 0.1.0 left: its first migration recorded, and others after it.
-    sqlx::query(
-        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
-         VALUES (20261130000001, 'create outbox intent', true, '\\x00', 1)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    record_applied(&pool, 20261130000001, "create outbox intent").await;
     let before: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations")
         .fetch_one(&pool)
         .await

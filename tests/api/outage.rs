@@ -391,9 +391,9 @@ async fn a_commit_before_a_backend_crash_is_not_proven_by_a_flush_after_it() {
     stop_own_cluster(app, cluster).await;
 }
 
-/// Backends waiting for a synchronous standby to confirm their commit.
-async fn waiting_for_the_standby(conn: &mut PgConnection) -> Vec<i32> {
-    sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE wait_event = 'SyncRep'")
+/// Backends waiting for a synchronous standby to confirm their commit: pid and role.
+async fn waiting_for_the_standby(conn: &mut PgConnection) -> Vec<(i32, String)> {
+    sqlx::query_as("SELECT pid, usename::text FROM pg_stat_activity WHERE wait_event = 'SyncRep'")
         .fetch_all(conn)
         .await
         .unwrap()
@@ -434,7 +434,7 @@ async fn synchronous_standby(admin: &mut PgConnection, names: &str) {
 async fn cut_a_commit_waiting_for_the_standby(admin: &mut PgConnection) -> i32 {
     let deadline = Instant::now() + Duration::from_secs(30);
     let pid = loop {
-        if let Some(pid) = waiting_for_the_standby(admin).await.first() {
+        if let Some((pid, _)) = waiting_for_the_standby(admin).await.first() {
             break *pid;
         }
         assert!(
@@ -451,18 +451,18 @@ async fn cut_a_commit_waiting_for_the_standby(admin: &mut PgConnection) -> i32 {
     pid
 }
 
-/// Waits until a commit other than `cut`'s waits for the standby, failing if `call` is
-/// answered first (it answered OK before what it reports was durable).
+/// Waits until a commit that `is_the_calls` (pid, role) waits for the standby, failing if
+/// `call` is answered first (it answered OK before what it reports was durable).
 async fn the_call_waits_for_the_standby<T: std::fmt::Debug>(
     admin: &mut PgConnection,
-    cut: i32,
+    is_the_calls: impl Fn(i32, &str) -> bool,
     call: &mut tokio::task::JoinHandle<T>,
 ) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while !waiting_for_the_standby(admin)
         .await
         .iter()
-        .any(|p| *p != cut)
+        .any(|(pid, role)| is_the_calls(*pid, role))
     {
         if call.is_finished() {
             panic!(
@@ -505,7 +505,7 @@ async fn a_two_phase_replay_is_answered_once_the_producers_commit_is_durable() {
     cut_a_commit_waiting_for_the_standby(&mut admin).await;
     let _ = commit.await;
     let mut client = app.client();
-    let retry = tokio::spawn(async move {
+    let mut retry = tokio::spawn(async move {
         client
             .enqueue(v1::EnqueueRequest {
                 intents: vec![keyed],
@@ -515,29 +515,8 @@ async fn a_two_phase_replay_is_answered_once_the_producers_commit_is_durable() {
     });
     // The staged intent's promotion (the fleet role's) waits for the standby too: the
     // retry's own session, the service role's, must be the one waiting.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let waiting: Vec<i32> = sqlx::query_scalar(
-            "SELECT pid FROM pg_stat_activity WHERE wait_event = 'SyncRep' AND usename = $1",
-        )
-        .bind(crate::helpers::SERVICE_ROLE)
-        .fetch_all(&mut admin)
-        .await
-        .unwrap();
-        if !waiting.is_empty() {
-            break;
-        }
-        assert!(
-            !retry.is_finished(),
-            "answered before the producer's commit reached the standby: {:?}",
-            retry.await
-        );
-        assert!(
-            Instant::now() < deadline,
-            "the retry neither waited nor answered"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let service = |_: i32, role: &str| role == crate::helpers::SERVICE_ROLE;
+    the_call_waits_for_the_standby(&mut admin, service, &mut retry).await;
     synchronous_standby(&mut admin, "").await;
     let answered = retry.await.unwrap().unwrap().into_inner();
     assert!(answered.results[0].deduplicated, "{answered:?}");
@@ -575,7 +554,7 @@ async fn a_retry_that_deduplicates_is_answered_once_the_original_is_durable() {
     assert_status(&lost, Code::Unavailable, "COMMIT_OUTCOME_UNKNOWN", &[]);
 
     let mut retry = enqueue();
-    the_call_waits_for_the_standby(&mut admin, cut, &mut retry).await;
+    the_call_waits_for_the_standby(&mut admin, |pid, _| pid != cut, &mut retry).await;
     synchronous_standby(&mut admin, "").await;
     let answered = retry.await.unwrap().unwrap().into_inner();
     assert!(answered.results[0].deduplicated);
@@ -606,7 +585,7 @@ async fn a_replayed_mark_submitted_is_answered_once_the_original_is_durable() {
 
     let cut = cut_a_commit_waiting_for_the_standby(&mut admin).await;
     // The call goes on as a replay, which must wait for the standby too.
-    the_call_waits_for_the_standby(&mut admin, cut, &mut mark).await;
+    the_call_waits_for_the_standby(&mut admin, |pid, _| pid != cut, &mut mark).await;
     synchronous_standby(&mut admin, "").await;
     let answered = mark.await.unwrap().unwrap().into_inner();
     assert!(answered.results[0].error.is_none(), "{answered:?}");

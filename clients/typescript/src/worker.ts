@@ -665,7 +665,8 @@ export class Worker {
 
   /** Extends leases past a third of their life; fires the signal of those already expired. */
   private heartbeat(): void {
-    // Past the grace the handlers are told to stop and their leases given back.
+    // After a second signal (the grace ended at once) the handlers are told to stop and
+    // their leases given back: nothing more to extend.
     if (this.graceOver.signal.aborted) return;
     const now = performance.now();
     const due: Live[] = [];

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import datetime as dt
+import os
 import socket
 import threading
 import time
+import uuid
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import pytest
@@ -912,3 +914,68 @@ def _typing_only(worker: Worker) -> None:
 
     @worker.handler("k")  # type: ignore[type-var]
     def no_intent() -> None: ...
+
+
+def test_while_4000_acks_are_unanswered_the_worker_claims_nothing_more(
+    stack: Stack, outbox: outboxd.Outbox, kind: Callable[[str], str]
+) -> None:
+    """Acks slower than the handlers: the worker stops claiming once 4,000 results await
+    their settle, instead of piling up leases (each one heartbeated) without bound."""
+    import psycopg
+
+    unsettled_max, concurrency = 4000, 100
+    k = kind("settle-backlog")
+    total = unsettled_max + 3 * concurrency + 500
+    enqueue(outbox, k, total)
+    # Every Ack of this kind waits in PostgreSQL for an advisory lock the test holds.
+    hold = f"hold_acks_{uuid.uuid4().hex[:12]}"
+    lock_key = int.from_bytes(os.urandom(7), "big")
+    owner = psycopg.connect(stack.cluster.url("app"), autocommit=True)
+    holder = psycopg.connect(stack.cluster.url("app"), autocommit=True)
+    owner.execute(
+        f"""CREATE FUNCTION public.{hold}() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                PERFORM pg_advisory_xact_lock_shared({lock_key});
+                RETURN CASE WHEN TG_OP = 'DELETE' THEN OLD ELSE NEW END;
+            END $$"""
+    )
+    owner.execute(
+        f"""CREATE TRIGGER {hold} BEFORE UPDATE OR DELETE ON outbox.intent FOR EACH ROW
+            WHEN (OLD.kind = '{k}' AND OLD.state IN ('leased', 'submitted'))
+            EXECUTE FUNCTION public.{hold}()"""
+    )
+    holder.execute("SELECT pg_advisory_lock(%s)", (lock_key,))
+
+    counts = {"claimed": 0, "acked": 0, "most_unacked_at_a_claim": 0}
+
+    def on_count(name: str, n: int) -> None:
+        # On the worker's loop, as the Claim's answer arrives: before its leases, what the
+        # worker held when it sent the Claim, less what was answered since.
+        if name == "claimed":
+            unacked = counts["claimed"] - counts["acked"]
+            counts["most_unacked_at_a_claim"] = max(counts["most_unacked_at_a_claim"], unacked)
+        if name in ("claimed", "acked"):
+            counts[name] += n
+
+    # Heartbeats wait for the lock too: no lease may need one meanwhile.
+    worker = Worker(stack.endpoints, stack.api_key, concurrency=concurrency, lease=300, on_count=on_count)
+    worker.add_handler(k, lambda intent: None)
+    try:
+        with Running(worker):
+            # Until the worker says it paused, or until a Claim went out past the bound.
+            past = unsettled_max + concurrency
+            wait_for(
+                "claims paused",
+                lambda: worker.stats.claims_paused > 0 or counts["most_unacked_at_a_claim"] >= past,
+                timeout=120,
+            )
+            holder.execute("SELECT pg_advisory_unlock(%s)", (lock_key,))
+            wait_for(f"{total} acks", lambda: worker.stats.acked >= total, timeout=120)
+    finally:
+        holder.close()
+        owner.execute(f"DROP TRIGGER IF EXISTS {hold} ON outbox.intent")
+        owner.execute(f"DROP FUNCTION IF EXISTS public.{hold}()")
+        owner.close()
+    assert counts["most_unacked_at_a_claim"] < past, counts
+    states = collections.Counter(i.state for i in list_intents(outbox, k).values())
+    assert states == {pb.INTENT_STATE_DELIVERED: total}

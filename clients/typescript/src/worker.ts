@@ -72,6 +72,8 @@ export interface WorkerStats {
   heartbeatFailures: number;
   /** Claim calls retried after a transient failure (the same request_id). */
   claimRetries: number;
+  /** Times claiming paused because 4 × `settleBatch` results awaited their settle (slow Acks). */
+  claimsPaused: number;
   /** Handlers running now. */
   running: number;
 }
@@ -173,6 +175,7 @@ export class Worker {
     leaseLost: 0,
     heartbeatFailures: 0,
     claimRetries: 0,
+    claimsPaused: 0,
   };
   private running = 0;
   private settling = 0;
@@ -327,9 +330,14 @@ export class Worker {
     let failures = 0;
     const backOff = (): Promise<void> =>
       sleep(Math.random() * Math.min(5_000, 100 * 2 ** failures++), this.stopping.signal);
+    let paused = false;
     while (!this.stopping.signal.aborted) {
+      // Acks slower than the handlers: claiming on would pile up leases, each heartbeated.
+      const settlesLag = this.settling > 4 * this.settleBatch;
+      if (settlesLag && !paused && index === 0) this.counters.claimsPaused++;
+      paused = settlesLag;
       let free = this.freeSlots();
-      if (free <= 0 || this.settling > 4 * this.settleBatch || (index > 0 && !this.backlog) || this.gathering) {
+      if (free <= 0 || settlesLag || (index > 0 && !this.backlog) || this.gathering) {
         await new Promise<void>((resolve) => this.waiters.add(resolve));
         continue;
       }

@@ -11,6 +11,7 @@ import { FailRequestSchema, FailureSchema } from "../src/gen/outbox/v1/outbox_pb
 import { batches, failText } from "../src/worker.js";
 import { Fixture, freePort, waitFor } from "./harness.js";
 import { LossyProxy } from "./proxy.js";
+import pg from "pg";
 
 let fx: Fixture;
 let outbox: Outbox;
@@ -630,6 +631,70 @@ function claimSpy(): { sent: number[]; answered: [number, number][]; interceptor
 }
 
 describe("claim batching", () => {
+  test("while 4 × settleBatch results await their Ack the worker claims nothing more", async () => {
+    const settleBatch = 50;
+    const concurrency = 20;
+    const bound = 4 * settleBatch;
+    const kind = `backlog.${randomUUID().slice(0, 8)}`;
+    const total = bound + 3 * concurrency + 100;
+    await enqueue(kind, total);
+    // Every Ack of this kind waits in PostgreSQL for an advisory lock the test holds.
+    const hold = `hold_acks_${randomUUID().replaceAll("-", "").slice(0, 12)}`;
+    const lockKey = Math.floor(Math.random() * 2 ** 40);
+    await fx.postgres.sql(
+      "outbox",
+      `CREATE FUNCTION public.${hold}() RETURNS trigger LANGUAGE plpgsql AS $$
+       BEGIN
+           PERFORM pg_advisory_xact_lock_shared(${lockKey});
+           RETURN CASE WHEN TG_OP = 'DELETE' THEN OLD ELSE NEW END;
+       END $$`,
+    );
+    await fx.postgres.sql(
+      "outbox",
+      `CREATE TRIGGER ${hold} BEFORE UPDATE OR DELETE ON outbox.intent FOR EACH ROW
+       WHEN (OLD.kind = '${kind}' AND OLD.state IN ('leased', 'submitted'))
+       EXECUTE FUNCTION public.${hold}()`,
+    );
+    const holder = new pg.Client({ connectionString: fx.postgres.url("outbox") });
+    await holder.connect();
+    try {
+      await holder.query("SELECT pg_advisory_lock($1)", [lockKey]);
+      let claimed = 0;
+      let acked = 0;
+      let mostUnackedAtAClaim = 0;
+      const w = worker({
+        concurrency,
+        settleBatch,
+        // Heartbeats wait for the lock too: no lease may need one meanwhile.
+        leaseMs: 300_000,
+        onEvent: (event) => {
+          // As the Claim's answer arrives, before its leases: what the worker held when it
+          // sent the Claim, less what was answered since.
+          if (event.type === "claimed") {
+            mostUnackedAtAClaim = Math.max(mostUnackedAtAClaim, claimed - acked);
+            claimed += event.count;
+          }
+          if (event.type === "acked") acked++;
+        },
+      });
+      w.handle(kind, async () => {});
+      const run = w.run();
+      // Until the worker says it paused, or until a Claim went out past the bound.
+      await waitFor("claims paused", () => w.stats().claimsPaused > 0 || mostUnackedAtAClaim > bound + 2 * concurrency, 60_000);
+      await holder.query("SELECT pg_advisory_unlock($1)", [lockKey]);
+      await waitFor(`${total} acks`, () => w.stats().acked >= total, 60_000);
+      await w.stop();
+      await run;
+      // Claims in flight when the bound was reached (two claimers) may add their leases.
+      assert.ok(mostUnackedAtAClaim <= bound + 2 * concurrency, `a Claim went out while ${mostUnackedAtAClaim} leases awaited their Ack or handler`);
+    } finally {
+      await holder.end();
+      await fx.postgres.sql("outbox", `DROP TRIGGER IF EXISTS ${hold} ON outbox.intent`);
+      await fx.postgres.sql("outbox", `DROP FUNCTION IF EXISTS public.${hold}()`);
+    }
+  });
+
+
   test("with a backlog and quick handlers every Claim asks for the whole batch", async () => {
     await enqueue("batch.backlog", 48);
     const spy = claimSpy();

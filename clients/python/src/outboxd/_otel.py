@@ -84,6 +84,7 @@ class Counters:
             return
         counter = self._counters.get(name)
         if counter is None:
-            counter = self._meter.create_counter(f"outboxd.worker.{name}", unit="{intent}")
+            unit = "{pause}" if name == "claims_paused" else "{intent}"
+            counter = self._meter.create_counter(f"outboxd.worker.{name}", unit=unit)
             self._counters[name] = counter
         counter.add(n, dict(attributes))

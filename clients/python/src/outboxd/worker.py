@@ -38,6 +38,9 @@ H = TypeVar("H", bound=Handler)
 
 # Most leases per Claim and items per settle or heartbeat call (the server's default limit).
 _MAX_BATCH = 1000
+# Results awaiting their Ack or Fail at which the worker stops claiming: against Acks slower
+# than its handlers it would otherwise pile up leases (each heartbeated) without bound.
+_UNSETTLED_MAX = 4 * _MAX_BATCH
 # Most bytes of one Fail call: half the server's default request limit
 # (OUTBOX_LIMITS__MAX_MESSAGE_BYTES, 8 MiB); a thousand long non-ASCII error texts pass it.
 _MAX_CALL_BYTES = 4 * 1024 * 1024
@@ -61,6 +64,8 @@ class WorkerStats:
     heartbeat_failures: int = 0
     claim_retries: int = 0
     settle_errors: int = 0
+    # Times claiming paused because 4,000 results awaited their settle (slow Acks).
+    claims_paused: int = 0
 
 
 class _Lease:
@@ -490,10 +495,18 @@ class Worker:
         # The last Claim got fewer leases than it asked for: the queue is short, so waiting
         # for company would only add latency.
         short = True
+        paused = False
         claim: Optional[asyncio.Task[tuple[Sequence[pb.Lease], float, bool]]] = None
         try:
             while not self._stop.is_set():
                 free = self.concurrency - self._running
+                if len(self._active) >= self.concurrency + _UNSETTLED_MAX:
+                    if not paused:
+                        paused = True
+                        self._count("claims_paused")
+                    await self._slot_or_stop(stop_wait)
+                    continue
+                paused = False
                 if free <= 0:
                     await self._slot_or_stop(stop_wait)
                     continue
@@ -823,6 +836,8 @@ class Worker:
     def _forget(self, lease: _Lease) -> None:
         if self._active.get(lease.intent.id) is lease:
             del self._active[lease.intent.id]
+            # A claim paused while settles lag waits for this.
+            self._slot_freed.set()
 
     # Heartbeats ---------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -35,6 +35,11 @@ use crate::proto_duration;
 /// Most leases per Claim and items per settle or heartbeat call (the server's default
 /// batch limit).
 const MAX_BATCH: usize = 1000;
+
+/// Results awaiting their Ack or Fail at which the worker stops claiming: against Acks
+/// slower than its handlers it would otherwise pile up leases (each one heartbeated)
+/// without bound.
+const UNSETTLED_MAX: usize = 4 * MAX_BATCH;
 
 /// How long settles may still take once the shutdown grace is over.
 const SETTLE_AFTER_GRACE: Duration = Duration::from_secs(5);
@@ -64,6 +69,9 @@ pub struct WorkerStats {
     pub claim_retries: u64,
     /// Settle items refused for another reason than a lost lease, or not answered.
     pub settle_errors: u64,
+    /// Times claiming paused because 4,000 results awaited their settle (Acks slower
+    /// than the handlers).
+    pub claims_paused: u64,
     /// Handlers running now.
     pub running: u64,
 }
@@ -104,6 +112,7 @@ struct Counters {
     heartbeat_failures: Counter,
     claim_retries: Counter,
     settle_errors: Counter,
+    claims_paused: Counter,
     running: Counter,
 }
 
@@ -135,6 +144,8 @@ struct Shared {
     /// Live leases by lease id: the heartbeats extend these.
     leases: Mutex<HashMap<String, Arc<LeaseState>>>,
     stats: Counters,
+    /// Told when a lease leaves `leases`.
+    lease_ended: Notify,
     running: AtomicBool,
     /// None unless set: then no event is built.
     observer: Option<Arc<dyn WorkerObserver>>,
@@ -352,6 +363,7 @@ impl WorkerBuilder {
                 handlers: self.handlers,
                 leases: Mutex::new(HashMap::new()),
                 stats: Counters::default(),
+                lease_ended: Notify::new(),
                 running: AtomicBool::new(false),
                 observer: self.observer,
             }),
@@ -392,6 +404,8 @@ impl WorkerBuilder {
 ///   reported for it.
 /// - **Batched settles**: Acks and Fails go out in one call each; each item's result is
 ///   applied on its own; a call that gets no answer is retried with the same items.
+///   While 4,000 results await their settle (Acks slower than the handlers), it claims
+///   nothing more.
 /// - **Failover**: transient failures move to the next endpoint (see [`Connection`]).
 /// - **Drain**: when the shutdown future resolves, it stops claiming (a long poll in
 ///   flight is cancelled: what it took as the stop came expires with its lease, kept by
@@ -453,6 +467,7 @@ impl Worker {
             heartbeat_failures: s.heartbeat_failures.get(),
             claim_retries: s.claim_retries.get(),
             settle_errors: s.settle_errors.get(),
+            claims_paused: s.claims_paused.get(),
             running: s.running.get(),
         }
     }
@@ -548,6 +563,9 @@ impl Shared {
         let mut short = true;
         loop {
             while jobs.try_join_next().is_some() {}
+            if !self.settles_keep_up(stop).await {
+                return None;
+            }
             let first = tokio::select! {
                 biased;
                 () = stop.cancelled() => return None,
@@ -977,6 +995,30 @@ impl Shared {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&lease.lease_id);
+        self.lease_ended.notify_waiters();
+    }
+
+    /// Waits while `UNSETTLED_MAX` results await their settle (live leases beyond the
+    /// handler slots); false once `stop` comes.
+    async fn settles_keep_up(&self, stop: &CancellationToken) -> bool {
+        let mut paused = false;
+        loop {
+            // Made before the count: a lease that ends in between still wakes it.
+            let ended = self.lease_ended.notified();
+            let live = self.leases.lock().unwrap_or_else(|e| e.into_inner()).len();
+            if live < self.config.concurrency + UNSETTLED_MAX {
+                return true;
+            }
+            if !paused {
+                paused = true;
+                self.stats.claims_paused.add(1);
+            }
+            tokio::select! {
+                biased;
+                () = stop.cancelled() => return false,
+                () = ended => {}
+            }
+        }
     }
 
     /// Extends every live lease each third of the lease; a lease whose local expiry

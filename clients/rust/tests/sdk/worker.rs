@@ -9,6 +9,7 @@ use std::time::Duration;
 use outboxd_client::{
     CallOptions, Failure, IntentState, Job, LeaseCall, NewIntent, Outbox, Worker, proto,
 };
+use sqlx::Connection as _;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -1039,4 +1040,115 @@ async fn a_refused_api_key_stops_the_worker_with_the_error() {
     .expect("returned")
     .unwrap_err();
     assert_eq!(error.code(), Some(tonic::Code::Unauthenticated), "{error}");
+}
+
+/// Counts leases claimed and Acks answered, and remembers the most claimed beyond the Acks
+/// answered when a Claim's answer arrived.
+#[derive(Clone, Default)]
+struct Backlog(Arc<Mutex<(usize, usize, usize)>>);
+
+impl Backlog {
+    fn most_unacked_at_a_claim(&self) -> usize {
+        self.0.lock().unwrap().2
+    }
+}
+
+impl outboxd_client::WorkerObserver for Backlog {
+    fn claimed(&self, claim: &outboxd_client::ClaimEvent<'_>) {
+        let mut counts = self.0.lock().unwrap();
+        // Before this Claim's leases: what the worker held when it sent it, less what was
+        // answered since.
+        counts.2 = counts.2.max(counts.0 - counts.1);
+        counts.0 += claim.leases.len();
+    }
+
+    fn answered(
+        &self,
+        _lease: outboxd_client::LeaseId<'_>,
+        call: LeaseCall,
+        answer: &outboxd_client::Answer<'_>,
+    ) {
+        if call == LeaseCall::Ack && answer.is_ok() {
+            self.0.lock().unwrap().1 += 1;
+        }
+    }
+}
+
+/// Acks slower than the handlers: the worker stops claiming once 4,000 results await their
+/// settle, instead of piling up leases (each one heartbeated) without bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_4000_acks_are_unanswered_the_worker_claims_nothing_more() {
+    const UNSETTLED_MAX: usize = 4000;
+    const CONCURRENCY: usize = 100;
+    let k = kind("settle-backlog");
+    let total = UNSETTLED_MAX + 3 * CONCURRENCY + 500;
+    enqueue(&Outbox::new(connection()), &k, total, 0).await;
+
+    // Every Ack of this kind waits in PostgreSQL for an advisory lock the test holds.
+    let db = stack().url("app");
+    let mut owner = sqlx::PgConnection::connect(&db).await.expect("connect");
+    let hold = format!("hold_acks_{}", &k[1..11]);
+    let lock_key: i64 = rand_key();
+    sqlx::raw_sql(&format!(
+        "CREATE FUNCTION public.{hold}() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             PERFORM pg_advisory_xact_lock_shared({lock_key});
+             RETURN CASE WHEN TG_OP = 'DELETE' THEN OLD ELSE NEW END;
+         END $$;
+         CREATE TRIGGER {hold} BEFORE UPDATE OR DELETE ON outbox.intent FOR EACH ROW
+         WHEN (OLD.kind = '{k}' AND OLD.state IN ('leased', 'submitted'))
+         EXECUTE FUNCTION public.{hold}();"
+    ))
+    .execute(&mut owner)
+    .await
+    .expect("the trigger that holds Acks");
+    let mut holder = sqlx::PgConnection::connect(&db).await.expect("connect");
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(lock_key)
+        .execute(&mut holder)
+        .await
+        .expect("lock");
+
+    let backlog = Backlog::default();
+    let worker = Worker::builder(connection())
+        .concurrency(CONCURRENCY)
+        // Heartbeats wait for the lock too: no lease may need one meanwhile.
+        .lease(Duration::from_secs(300))
+        .observer(backlog.clone())
+        .handler(&k, |_job: Job| async { Ok::<_, Failure>(()) })
+        .build()
+        .unwrap();
+    let running = Running::start(worker);
+    // Until the worker says it paused, or until a Claim went out past the bound.
+    wait_for("claims paused", Duration::from_secs(120), || {
+        let paused = running.worker.stats().claims_paused > 0;
+        (paused || backlog.most_unacked_at_a_claim() >= UNSETTLED_MAX + CONCURRENCY).then_some(())
+    })
+    .await;
+    sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(lock_key)
+        .execute(&mut holder)
+        .await
+        .expect("unlock");
+    running.acked(total as u64, Duration::from_secs(120)).await;
+    running.stop().await.unwrap();
+    sqlx::raw_sql(&format!(
+        "DROP TRIGGER {hold} ON outbox.intent; DROP FUNCTION public.{hold}();"
+    ))
+    .execute(&mut owner)
+    .await
+    .expect("drop the trigger");
+
+    assert!(
+        backlog.most_unacked_at_a_claim() < UNSETTLED_MAX + CONCURRENCY,
+        "a Claim went out while {} leases awaited their Ack or handler",
+        backlog.most_unacked_at_a_claim()
+    );
+    let intents = list(&connection(), &k).await;
+    assert_eq!(intents.len(), total);
+    assert!(intents.iter().all(|i| i.state() == IntentState::Delivered));
+}
+
+fn rand_key() -> i64 {
+    i64::from_le_bytes(uuid::Uuid::new_v4().as_bytes()[..8].try_into().unwrap())
 }

@@ -349,11 +349,14 @@ pub enum ReconcileCommand {
         client: ClientArgs,
     },
     /// Record a decision, by id (--id, repeatable) or by filter (--state, with --kind,
-    /// --region, --limit); the filter's flags are refused with --id.
+    /// --region, --created-before, --limit); the filter's flags are refused with --id.
     Resolve {
         /// Intents to resolve (not with the filter's flags: --state, --kind, --region,
-        /// --limit).
-        #[arg(long = "id", conflicts_with_all = ["state", "kind", "region", "limit"])]
+        /// --created-before, --limit).
+        #[arg(
+            long = "id",
+            conflicts_with_all = ["state", "kind", "region", "created_before", "limit"]
+        )]
         ids: Vec<String>,
         /// Filter: resolve every intent in these states (needs_reconcile, dead_lettered;
         /// for cancel: staged, waiting, pending).
@@ -365,6 +368,10 @@ pub enum ReconcileCommand {
         /// Filter: only this region.
         #[arg(long, default_value = "")]
         region: String,
+        /// Filter: only intents created before this instant (RFC 3339, e.g.
+        /// 2026-12-08T09:00:00Z).
+        #[arg(long, value_parser = parse_instant)]
+        created_before: Option<chrono::DateTime<chrono::Utc>>,
         /// Filter: most intents in this call (0: the server's default, 100).
         #[arg(long, default_value_t = 0)]
         limit: i32,

@@ -343,6 +343,7 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                     state,
                     kind,
                     region,
+                    created_before,
                     limit,
                     decision,
                     actor,
@@ -361,7 +362,7 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                         .collect(),
                     kind,
                     region,
-                    created_before: None,
+                    created_before: created_before.map(crate::proto::timestamp),
                 })
             } else {
                 v1::reconcile_request::Target::Ids(v1::ReconcileIds {
@@ -428,6 +429,7 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                     "blocked_keys": stats.blocked_keys,
                     "oldest_blocked_at": time_json(stats.oldest_blocked_at.as_ref()),
                     "policies": stats.policies.iter().map(policy_json).collect::<Vec<_>>(),
+                    "policies_left_out": stats.policies_left_out,
                 }),
                 || {
                     println!("{:<16} {:<12} {:>10}", "STATE", "REGION", "COUNT");
@@ -459,6 +461,9 @@ pub(super) async fn run(command: Command) -> anyhow::Result<()> {
                     if !stats.policies.is_empty() {
                         println!();
                         print_policy_table(&stats.policies);
+                    }
+                    if stats.policies_left_out {
+                        println!("(more policies than fit the reply: `outboxd queues list`)");
                     }
                 },
             )

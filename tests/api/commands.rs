@@ -461,3 +461,53 @@ async fn reconcile_resolve_by_filter_says_how_many_it_resolved_none_too() {
     }
     assert!(stdout.ends_with("resolved 2 intents\n"), "{stdout}");
 }
+
+#[tokio::test]
+async fn reconcile_resolve_cancels_only_the_intents_created_before_an_instant() {
+    let app = TestApp::spawn().await;
+    let key = app.key(&[TENANT], &["operate"], &[]).await;
+    let older = app.enqueue_n("mail", 2).await;
+    app.clock.advance(std::time::Duration::from_secs(1));
+    let newer = app.enqueue_one("mail", "{}").await;
+    let cut = app.intent(&newer).await.created_at.unwrap();
+    let cut = chrono::DateTime::from_timestamp(cut.seconds, cut.nanos as u32)
+        .unwrap()
+        .to_rfc3339();
+
+    let args = [
+        "reconcile",
+        "resolve",
+        "--state",
+        "pending",
+        "--kind",
+        "mail",
+        "--created-before",
+        &cut,
+        "--decision",
+        "cancel",
+        "--reason",
+        "campaign withdrawn",
+    ];
+    let out = client_command(&app, &key, &args).await;
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.ends_with("resolved 2 intents\n"), "{stdout}");
+    for id in &older {
+        assert_eq!(app.intent(id).await.state(), v1::IntentState::Cancelled);
+    }
+    assert_eq!(app.intent(&newer).await.state(), v1::IntentState::Pending);
+
+    let refused = client_command(&app, &key, &[&args[..], &["--id", &newer]].concat()).await;
+    assert!(!refused.status.success(), "--id with the filter's flags");
+    let refused = client_command(
+        &app,
+        &key,
+        &[&args[..7], &["not a time"], &args[8..]].concat(),
+    )
+    .await;
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("--created-before"),
+        "{}",
+        text(&refused)
+    );
+}

@@ -1420,6 +1420,13 @@ async fn policies_are_listed_in_pages_within_the_reply_limit() {
         "{} bytes",
         stats.encoded_len()
     );
+    // `outboxd stats` says so too.
+    let key = app.key(&[crate::helpers::TENANT], &["admin"], &[]).await;
+    let out = crate::ordering::cli(&app, &key, &["stats"]).await;
+    assert!(out.contains("more policies than fit the reply"), "{out}");
+    let out = crate::ordering::cli(&app, &key, &["stats", "--json"]).await;
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(json["policies_left_out"], true, "{out}");
 
     let request = v1::ListQueuePoliciesRequest {
         page_token: "not a token".to_owned(),

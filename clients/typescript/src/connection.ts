@@ -54,8 +54,10 @@ export function transient(error: OutboxError): boolean {
   if (error.code === Code.Aborted && error.reason === "CONFLICT") return true;
   // A request this side cannot encode (a value its field cannot hold) fails every try.
   if (unencodable(error)) return false;
-  // A connection that broke mid-call surfaces as INTERNAL, UNKNOWN or CANCELED made here.
-  return !error.fromServer && (error.code === Code.Internal || error.code === Code.Unknown || error.code === Code.Canceled);
+  // A connection that broke mid-call surfaces as INTERNAL, UNKNOWN, CANCELED or (a TCP
+  // reset: ECONNRESET) ABORTED made here, with no status from a server.
+  const broken = [Code.Internal, Code.Unknown, Code.Canceled, Code.Aborted];
+  return !error.fromServer && broken.includes(error.code);
 }
 
 /** Connect's error for a request message that protobuf could not serialize (made here, never sent). */

@@ -2,7 +2,8 @@
 // the server of at least `minBytes` and cuts that connection, as a network that fails
 // after the server committed and replied. Frozen, it forwards nothing either way, as a
 // replica stopped with SIGSTOP. With `delayMs`, each answer is held that long, as a
-// network that delivers late.
+// network that delivers late. With `reset`, a cut sends the client a TCP RST (a server
+// killed, a middlebox dropping the connection) instead of closing it.
 import { createServer, connect, type Server, type Socket, type AddressInfo } from "node:net";
 
 export class LossyProxy {
@@ -10,6 +11,7 @@ export class LossyProxy {
   dropped = 0;
   frozen = false;
   delayMs = 0;
+  reset = false;
   private armedFor: number | undefined;
   private readonly server: Server;
   private readonly sockets = new Set<Socket>();
@@ -41,6 +43,7 @@ export class LossyProxy {
         if (p?.armedFor !== undefined && chunk.length >= p.armedFor) {
           p.armedFor = undefined;
           p.dropped++;
+          if (p.reset) client.resetAndDestroy();
           cut();
           return;
         }

@@ -145,6 +145,45 @@ test("an Ack to a replica that froze while the handler ran goes to the next endp
   }
 });
 
+test("an Ack whose connection is reset (ECONNRESET) is retried: the side effect runs once", async () => {
+  const resetting = await LossyProxy.start(fx.endpoints[0] ?? "");
+  resetting.reset = true;
+  const outbox = new Outbox({ endpoints: fx.endpoints, apiKey: fx.apiKey });
+  const [id] = (await outbox.enqueueDirect([{ kind: "replay.ackreset", json: {} }])).map((r) => r.id);
+  outbox.close();
+  const runs: string[] = [];
+  const events: WorkerEvent[] = [];
+  const w = new Worker({
+    endpoints: [resetting.endpoint, fx.endpoints[0] ?? ""],
+    apiKey: fx.apiKey,
+    handleSignals: false,
+    claimers: 1,
+    claimWaitMs: 10_000,
+    leaseMs: 30_000,
+    onEvent: (e) => events.push(e),
+  });
+  w.handle("replay.ackreset", (intent) => {
+    runs.push(intent.id);
+    // The next answer on this connection (the Ack's) comes back as a reset.
+    resetting.arm(1);
+  });
+  const run = w.run();
+  try {
+    await waitFor("an ack", () => w.stats().acked >= 1, 20_000);
+    assert.equal(resetting.dropped, 1, "no connection was reset");
+    assert.deepEqual(
+      events.filter((e) => e.type === "settleFailed" || e.type === "claimFailed"),
+      [],
+    );
+    assert.deepEqual(runs, [id]);
+    assert.deepEqual(await fx.intent(id ?? "").then((i) => [i.state, i.attempts]), ["DELIVERED", 1]);
+  } finally {
+    await w.stop();
+    await run;
+    await resetting.stop();
+  }
+});
+
 test("a Claim answer held past its lease is not run beside the rescue that took it again", async () => {
   const slow = await LossyProxy.start(fx.endpoints[0] ?? "");
   let claims = 0;

@@ -949,8 +949,9 @@ def test_while_4000_acks_are_unanswered_the_worker_claims_nothing_more(
     counts = {"claimed": 0, "acked": 0, "most_unacked_at_a_claim": 0}
 
     def on_count(name: str, n: int) -> None:
-        # On the worker's loop, as the Claim's answer arrives: before its leases, what the
-        # worker held when it sent the Claim, less what was answered since.
+        # On the worker's loop, once per lease as a Claim's leases start: what the worker
+        # held when it sent the Claim, less what was answered since, plus fewer than
+        # `concurrency` leases of this Claim's.
         if name == "claimed":
             unacked = counts["claimed"] - counts["acked"]
             counts["most_unacked_at_a_claim"] = max(counts["most_unacked_at_a_claim"], unacked)
@@ -963,7 +964,7 @@ def test_while_4000_acks_are_unanswered_the_worker_claims_nothing_more(
     try:
         with Running(worker):
             # Until the worker says it paused, or until a Claim went out past the bound.
-            past = unsettled_max + concurrency
+            past = unsettled_max + 2 * concurrency
             wait_for(
                 "claims paused",
                 lambda: worker.stats.claims_paused > 0 or counts["most_unacked_at_a_claim"] >= past,

@@ -125,10 +125,11 @@ pub struct Metrics {
     /// Leases a queue's concurrency or rate limit refused to claims while it had due
     /// intents.
     pub refused_by_limit: Counter,
-    /// Queues paused by their policy.
-    pub queues_paused: Gauge,
-    /// Queues with a limit at that limit now (in flight at the maximum, or no token).
-    pub queues_throttled: Gauge,
+    /// Queues paused by their policy, by kind.
+    pub queues_paused: Family<KindLabels, Gauge>,
+    /// Queues with a limit at that limit now (in flight at the maximum, or no token), by
+    /// kind.
+    pub queues_throttled: Family<KindLabels, Gauge>,
     /// Intents an Enqueue leased to a waiting Claim that never received them (its call
     /// ended first, or the enqueue lost its COMMIT's answer), given back to PENDING.
     pub given_back: Counter,
@@ -219,8 +220,8 @@ impl Metrics {
             claimed: Family::default(),
             handed_off: Counter::default(),
             refused_by_limit: Counter::default(),
-            queues_paused: Gauge::default(),
-            queues_throttled: Gauge::default(),
+            queues_paused: Family::default(),
+            queues_throttled: Family::default(),
             given_back: Counter::default(),
             enqueue_to_claim: Family::new_with_constructor(wait_histogram),
             acked: Counter::default(),
@@ -247,6 +248,8 @@ impl Metrics {
             };
             let _ = m.enqueued.get_or_create(&labels);
             let _ = m.claimed.get_or_create(&labels);
+            let _ = m.queues_paused.get_or_create(&labels);
+            let _ = m.queues_throttled.get_or_create(&labels);
         }
         for outcome in [
             FailOutcome::Retry,
@@ -304,12 +307,12 @@ impl Metrics {
         );
         r.register(
             "queues_paused",
-            "Queues (a tenant's kind) paused by their policy",
+            "Queues (a tenant's kind) paused by their policy, by kind",
             m.queues_paused.clone(),
         );
         r.register(
             "queues_throttled",
-            "Queues at their concurrency or rate limit now",
+            "Queues at their concurrency or rate limit now, by kind",
             m.queues_throttled.clone(),
         );
         r.register(
@@ -467,7 +470,7 @@ impl Metrics {
         // orders of magnitude and would scan the table for them as it grows.
         let mut tx =
             store::begin_with(pools, &TenantScope::All, &[AlsoAtBegin::IndexPlans]).await?;
-        let depth = store::queue_depth(&mut tx).await?;
+        let depth = store::queue_depth(&mut tx, &self.kinds).await?;
         tx.commit().await?;
         let regions = {
             let mut seen = self
@@ -494,9 +497,26 @@ impl Metrics {
         self.oldest_staged_age
             .set(depth.oldest_staged_age.unwrap_or(0.0));
         self.blocked_keys.set(depth.blocked_keys);
-        self.queues_paused.set(depth.paused_queues);
-        self.queues_throttled.set(depth.throttled_queues);
+        self.set_policed(&depth.policed_queues);
         Ok(())
+    }
+
+    /// Sets `outbox_queues_paused` and `outbox_queues_throttled` of every kind label, 0
+    /// where no queue is.
+    fn set_policed(&self, queues: &[store::QueuesOfKind]) {
+        for kind in self.kinds.iter().map(String::as_str).chain([OTHER_KIND]) {
+            let of_kind =
+                |q: &&store::QueuesOfKind| q.kind.as_deref().unwrap_or(OTHER_KIND) == kind;
+            let labels = KindLabels {
+                kind: kind.to_owned(),
+            };
+            let (paused, throttled) = queues
+                .iter()
+                .filter(of_kind)
+                .fold((0, 0), |(p, t), q| (p + q.paused, t + q.throttled));
+            self.queues_paused.get_or_create(&labels).set(paused);
+            self.queues_throttled.get_or_create(&labels).set(throttled);
+        }
     }
 
     /// Sets `outbox_intents` of every live state in every region of `regions` to its count

@@ -631,6 +631,46 @@ async fn leases_a_limit_refuses_are_counted_in_the_metrics() {
         .await;
 }
 
+/// Paused queues and queues at their limit are gauges by kind (those of
+/// `OUTBOX_METRICS__KINDS`, the others as `other`), at 0 from the start.
+#[tokio::test]
+async fn paused_and_throttled_queues_are_gauges_by_kind() {
+    let app = TestApp::spawn_with(|s| {
+        s.metrics.kinds = "pay".parse().unwrap();
+    })
+    .await;
+    for line in [
+        r#"outbox_queues_paused{kind="pay"} 0"#,
+        r#"outbox_queues_paused{kind="other"} 0"#,
+        r#"outbox_queues_throttled{kind="pay"} 0"#,
+        r#"outbox_queues_throttled{kind="other"} 0"#,
+    ] {
+        app.wait_for_metric(line).await;
+    }
+    for kind in ["pay", "sms", "push"] {
+        let paused = v1::SetQueuePolicyRequest {
+            paused: true,
+            ..policy(kind)
+        };
+        set(&mut app.client(), paused).await;
+    }
+    let limited = v1::SetQueuePolicyRequest {
+        max_in_flight: 1,
+        ..policy("mail")
+    };
+    set(&mut app.client(), limited).await;
+    app.enqueue(vec![intent("mail", "{}")]).await.unwrap();
+    assert_eq!(app.claim_n("w", 5).await.len(), 1);
+    for line in [
+        r#"outbox_queues_paused{kind="pay"} 1"#,
+        r#"outbox_queues_paused{kind="other"} 2"#,
+        r#"outbox_queues_throttled{kind="pay"} 0"#,
+        r#"outbox_queues_throttled{kind="other"} 1"#,
+    ] {
+        app.wait_for_metric(line).await;
+    }
+}
+
 /// The docs' promise: a worker that acks and claims again gets the freed capacity at once,
 /// also with a long poll (whose group's last look, held back by the limit, must not count
 /// as having drained the queue: nothing would wake it but the recheck).

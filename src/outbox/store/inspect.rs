@@ -344,17 +344,16 @@ pub struct QueueDepth {
     pub oldest_staged_age: Option<f64>,
     /// Ordering keys held back by their head (retrying, dead-lettered, NEEDS_RECONCILE).
     pub blocked_keys: i64,
-    /// Queues paused by their policy.
-    pub paused_queues: i64,
-    /// Queues at their concurrency or rate limit now.
-    pub throttled_queues: i64,
+    /// Queues paused by their policy, and queues at their concurrency or rate limit now:
+    /// by kind for the kinds asked for, the others together.
+    pub policed_queues: Vec<super::policy::QueuesOfKind>,
 }
 
-/// Reads [`QueueDepth`].
+/// Reads [`QueueDepth`], its queues by kind for `labelled_kinds`.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
-pub async fn queue_depth(conn: &mut PgConnection) -> Result<QueueDepth> {
+pub async fn queue_depth(conn: &mut PgConnection, labelled_kinds: &[String]) -> Result<QueueDepth> {
     let counts: Vec<StateCount> = sqlx::query_as(
         r#"
         SELECT 'pending'::outbox.intent_state AS state, region, count(*) AS count
@@ -404,14 +403,13 @@ pub async fn queue_depth(conn: &mut PgConnection) -> Result<QueueDepth> {
         .bind(None::<DateTime<Utc>>)
         .fetch_one(&mut *conn)
         .await?;
-    let (paused_queues, throttled_queues) = super::policy::paused_and_throttled(conn).await?;
+    let policed_queues = super::policy::paused_and_throttled(conn, labelled_kinds).await?;
     Ok(QueueDepth {
         counts,
         oldest_pending_age,
         oldest_staged_age,
         blocked_keys,
-        paused_queues,
-        throttled_queues,
+        policed_queues,
     })
 }
 

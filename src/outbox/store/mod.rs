@@ -54,7 +54,8 @@ pub use maintenance::{
 };
 pub use ordering::{advance_keys, lock_ordering_keys};
 pub use policy::{
-    PolicyCursor, PolicyPage, PolicyParams, QueuePolicy, list_queue_policies, set_queue_policy,
+    PolicyCursor, PolicyPage, PolicyParams, QueuePolicy, QueuesOfKind, list_queue_policies,
+    set_queue_policy,
 };
 pub use queue_levels::forget_empty_queues;
 pub use reconcile::{ReconcileParams, ReconcileTarget, resolve_intents};

@@ -286,20 +286,36 @@ pub async fn list_queue_policies(
 }
 
 /// How many queues are paused, and how many are at their limit now (in flight at the
-/// maximum, or less than one token), across the transaction's tenants: for the gauges.
+/// maximum, or less than one token), across the transaction's tenants, for the gauges: by
+/// kind for `labelled_kinds`, the other kinds together.
 ///
 /// # Errors
 /// [`crate::outbox::Error::Database`].
-pub async fn paused_and_throttled(conn: &mut PgConnection) -> Result<(i64, i64)> {
+pub async fn paused_and_throttled(
+    conn: &mut PgConnection,
+    labelled_kinds: &[String],
+) -> Result<Vec<QueuesOfKind>> {
     let counts = sqlx::query_as(&format!(
-        "SELECT count(*) FILTER (WHERE p.paused),
+        "SELECT CASE WHEN p.kind = ANY ($3) THEN p.kind END AS kind,
+                count(*) FILTER (WHERE p.paused) AS paused,
                 count(*) FILTER (WHERE NOT p.paused
                                    AND (p.in_flight >= p.max_in_flight OR p.tokens < 1))
-         FROM ({POLICIES}) p"
+                    AS throttled
+         FROM ({POLICIES}) p
+         GROUP BY 1"
     ))
     .bind(None::<&str>)
     .bind(None::<DateTime<Utc>>)
-    .fetch_one(&mut *conn)
+    .bind(labelled_kinds)
+    .fetch_all(&mut *conn)
     .await?;
     Ok(counts)
+}
+
+/// Queues paused and queues at their limit, of one kind (`None`: every kind not named).
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct QueuesOfKind {
+    pub kind: Option<String>,
+    pub paused: i64,
+    pub throttled: i64,
 }

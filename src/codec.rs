@@ -240,8 +240,9 @@ pub fn message_name<U>() -> &'static str {
 
 /// The status for bytes that are not a valid `message` (a short message type name).
 /// Requests (every type not named `…Response`) answer INVALID_ARGUMENT with an ErrorInfo
-/// (reason INVALID_ARGUMENT, domain outboxd, metadata `message`) and, when prost located
-/// the failure, a BadRequest violation whose field is the path to it (`intents.kind`).
+/// (reason INVALID_ARGUMENT, domain outboxd, metadata `message`) and a BadRequest violation
+/// whose field is the path to the failure when prost located it (`intents.kind`), else
+/// empty: the request as a whole.
 /// Responses answer INTERNAL, as tonic-prost does.
 pub fn decode_error(message: &str, error: &prost::DecodeError) -> Status {
     let (path, what) = located(error);
@@ -258,9 +259,7 @@ pub fn decode_error(message: &str, error: &prost::DecodeError) -> Status {
         ERROR_DOMAIN,
         HashMap::from([("message".to_owned(), format!("outbox.v1.{message}"))]),
     );
-    if !path.is_empty() {
-        details.add_bad_request_violation(path, what);
-    }
+    details.add_bad_request_violation(path, what);
     Status::with_error_details(
         tonic::Code::InvalidArgument,
         format!("request is not a valid {message}: {description}"),
@@ -412,6 +411,18 @@ mod tests {
         assert_eq!(details.error_info().unwrap().domain, "outboxd");
         let violations = &details.bad_request().unwrap().field_violations;
         assert_eq!(violations[0].field, "intents.kind");
+    }
+
+    #[test]
+    fn bytes_that_are_no_message_at_all_get_a_violation_of_the_whole_request() {
+        let error = v1::AckRequest::decode(&[0xff; 4][..]).unwrap_err();
+        let status = decode_error(message_name::<v1::AckRequest>(), &error);
+        assert_eq!(status.code(), Code::InvalidArgument);
+        let details = status.get_error_details();
+        let violations = &details.bad_request().unwrap().field_violations;
+        assert_eq!(violations.len(), 1);
+        assert_eq!(violations[0].field, "");
+        assert!(violations[0].description.contains("varint"), "{violations:?}");
     }
 
     #[test]

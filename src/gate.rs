@@ -19,7 +19,7 @@ use tonic::codegen::{Bytes, Service, http};
 use tonic::metadata::MetadataMap;
 use tonic::server::NamedService;
 
-use crate::auth::{Authenticator, Caller};
+use crate::auth::{Authenticator, Caller, Permission};
 use crate::codec::DecodeBounds;
 use crate::config::Limits;
 use crate::outbox::Reason;
@@ -90,6 +90,15 @@ impl Method {
             Self::Claim => "Claim",
             Self::Reconcile => "Reconcile",
             Self::Policy => "SetQueuePolicy",
+        }
+    }
+
+    /// The scope a key needs for this method (or `admin`).
+    pub fn permission(self) -> Permission {
+        match self {
+            Self::Large("Enqueue") => Permission::Produce,
+            Self::Large(_) | Self::Leases(_) | Self::Claim => Permission::Consume,
+            Self::Reconcile | Self::Inspect(_) | Self::Policy => Permission::Operate,
         }
     }
 
@@ -191,7 +200,13 @@ where
         let limits = self.limits.clone();
         Box::pin(async move {
             let metadata = MetadataMap::from_headers(request.headers().clone());
-            let caller = match auth.authenticate(&metadata).await {
+            // A key without the method's scope, or naming a tenant not its own, is refused
+            // before its body is read or decoded (the handler checks both again).
+            let caller = match auth.authenticate(&metadata).await.and_then(|caller| {
+                caller.require(method.permission())?;
+                caller.scope(&metadata)?;
+                Ok(caller)
+            }) {
                 Ok(caller) => caller,
                 Err(e) => {
                     tracing::debug!(rpc.method = method.name(), error = %e, "call refused before its body");

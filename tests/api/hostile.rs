@@ -1669,6 +1669,59 @@ async fn hostile_requests_get_their_status_and_change_nothing() {
             whole(c.claim(claim_with(|_| {})).await)
         }
     );
+    // A key without the scope, or naming another tenant, is refused before its body is
+    // read: not told its body's size, batch or bytes were wrong.
+    case!(
+        cases,
+        "Ack: a produce-only key's oversized body",
+        call(Code::PermissionDenied, "MISSING_SCOPE", ""),
+        async move {
+            let produce = Raw {
+                channel: s.raw.channel.clone(),
+                key: s.produce_key.clone(),
+            };
+            produce.unary("Ack", [0x0a, 0x00].repeat(100_000)).await
+        }
+    );
+    case!(
+        cases,
+        "Ack: a produce-only key's garbage bytes",
+        call(Code::PermissionDenied, "MISSING_SCOPE", ""),
+        async move {
+            let produce = Raw {
+                channel: s.raw.channel.clone(),
+                key: s.produce_key.clone(),
+            };
+            produce.unary("Ack", vec![0xff; 16]).await
+        }
+    );
+    case!(
+        cases,
+        "Enqueue: a consume-only key's batch of 1,001",
+        call(Code::PermissionDenied, "MISSING_SCOPE", ""),
+        async move {
+            let consume = Raw {
+                channel: s.raw.channel.clone(),
+                key: s.consume_key.clone(),
+            };
+            consume.unary("Enqueue", [0x0a, 0x00].repeat(1001)).await
+        }
+    );
+    case!(
+        cases,
+        "Enqueue: another tenant named, a message announced over the limit",
+        call(Code::PermissionDenied, "TENANT_NOT_ALLOWED", ""),
+        async move {
+            let produce = Raw {
+                channel: s.raw.channel.clone(),
+                key: s.produce_key.clone(),
+            };
+            let body = frame(false, 0x7f_00_00_00, "");
+            produce
+                .http("Enqueue", &body, &[("x-outbox-tenant", b"globex")])
+                .await
+        }
+    );
     case!(
         cases,
         "Enqueue: region outside the key's regions",

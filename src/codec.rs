@@ -422,7 +422,10 @@ mod tests {
         let violations = &details.bad_request().unwrap().field_violations;
         assert_eq!(violations.len(), 1);
         assert_eq!(violations[0].field, "");
-        assert!(violations[0].description.contains("varint"), "{violations:?}");
+        assert!(
+            violations[0].description.contains("varint"),
+            "{violations:?}"
+        );
     }
 
     #[test]

@@ -11,8 +11,7 @@
 
 use std::time::Duration;
 
-use outboxd_client::{Connection, Failure, Job, NewIntent, Outbox, Worker};
-use tokio_util::sync::CancellationToken;
+use outboxd_client::{CancellationToken, Connection, Failure, Job, NewIntent, Outbox, Worker};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

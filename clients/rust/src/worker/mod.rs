@@ -26,7 +26,7 @@ use self::job::FailureKind;
 pub use self::job::{Failure, Job};
 use self::lease::LeaseState;
 pub use self::observer::{Answer, ClaimEvent, LeaseCall, LeaseId, WorkerObserver};
-use self::settle::{Outcome, Settle};
+use self::settle::{Outcome, Settle, fail_text};
 use crate::connection::{Attempts, Backoff, CallOptions, Connection, Retry};
 use crate::error::Error;
 use crate::proto::{self, FailOutcome};
@@ -854,7 +854,9 @@ impl Shared {
                     worker = %self.config.worker_id,
                     intent = %lease.intent_id,
                     kind = %kind,
-                    "outboxd handler failed: {failure}"
+                    // As cut for the Fail: a handler's message may be of any length.
+                    "outboxd handler failed: {}",
+                    fail_text(&failure.to_string())
                 );
                 Some(fail(outcome, failure.message().to_owned(), retry_after))
             }
@@ -869,7 +871,8 @@ impl Shared {
                     worker = %self.config.worker_id,
                     intent = %lease.intent_id,
                     kind = %kind,
-                    "outboxd handler panicked: {message}"
+                    "outboxd handler panicked: {}",
+                    fail_text(&message)
                 );
                 let outcome = if submitted {
                     FailOutcome::Unknown

@@ -306,7 +306,7 @@ fn failure(settle: &Settle) -> proto::Failure {
 /// The `error` of a Fail as the server accepts it: every control character (a multi-line
 /// message's newlines, tabs) becomes a space and the text is cut to [`MAX_ERROR_CHARS`]
 /// characters. Refused text would refuse the Fail, and the intent would wait out its lease.
-fn fail_text(error: &str) -> String {
+pub(crate) fn fail_text(error: &str) -> String {
     error
         .chars()
         .take(MAX_ERROR_CHARS)

@@ -46,6 +46,8 @@ const PAGE_SIZE: i32 = 50;
 /// One intent as a row of a listing.
 pub(super) struct Row {
     pub id: String,
+    /// Whose: a key of several tenants sees intents of each side by side.
+    pub tenant: String,
     pub state: String,
     pub kind: String,
     pub region: String,
@@ -63,6 +65,7 @@ impl Row {
     pub fn of(i: &v1::Intent) -> Self {
         Self {
             id: i.id.clone(),
+            tenant: i.tenant.clone(),
             state: view::state(i.state),
             kind: i.kind.clone(),
             region: i.region.clone(),

@@ -110,6 +110,33 @@ async fn a_key_of_another_tenant_sees_none_of_it() {
 }
 
 #[tokio::test]
+async fn a_key_of_two_tenants_sees_whose_each_intent_is() {
+    let app = console_app().await;
+    let ids = left_unknown(&app, "charge", 1).await;
+    let globex = crate::helpers::populate_globex(&app).await;
+    let key = crate::helpers::create_key(
+        &app.pool,
+        "fleet-ops",
+        &["acme", "globex"],
+        &["operate"],
+        &[],
+    )
+    .await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
+    browser.goto("/desk").await;
+    let desk = browser.text("#intents").await;
+    assert!(desk.contains("tenant") && desk.contains("acme"), "{desk}");
+    browser.goto("/intents").await;
+    let listed = browser.text("#intents").await;
+    assert!(listed.contains("acme") && listed.contains("globex"), "{listed}");
+    for (id, tenant) in [(&ids[0], "acme"), (&globex.pending, "globex")] {
+        browser.goto(&format!("/intents/{id}")).await;
+        assert_eq!(browser.text("#intent-tenant").await, tenant);
+    }
+    browser.close().await;
+}
+
+#[tokio::test]
 async fn signing_out_ends_the_session_and_a_revoked_key_ends_its_sessions() {
     let app = console_app().await;
     let key = crate::helpers::create_key(&app.pool, "bob", &["acme"], &["operate"], &[]).await;

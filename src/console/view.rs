@@ -64,11 +64,17 @@ pub(super) fn failure(status: &tonic::Status) -> Response {
         tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
+    // Listed unless the message already says it (the API's messages name their fields).
     let violations = status
         .get_details_bad_request()
         .map(|b| {
             b.field_violations
                 .into_iter()
+                .filter(|v| {
+                    !status
+                        .message()
+                        .contains(&format!("{}: {}", v.field, v.description))
+                })
                 .map(|v| (v.field, v.description))
                 .collect()
         })

@@ -128,7 +128,10 @@ async fn a_key_of_two_tenants_sees_whose_each_intent_is() {
     assert!(desk.contains("tenant") && desk.contains("acme"), "{desk}");
     browser.goto("/intents").await;
     let listed = browser.text("#intents").await;
-    assert!(listed.contains("acme") && listed.contains("globex"), "{listed}");
+    assert!(
+        listed.contains("acme") && listed.contains("globex"),
+        "{listed}"
+    );
     for (id, tenant) in [(&ids[0], "acme"), (&globex.pending, "globex")] {
         browser.goto(&format!("/intents/{id}")).await;
         assert_eq!(browser.text("#intent-tenant").await, tenant);
@@ -359,6 +362,27 @@ async fn a_change_without_the_csrf_token_is_refused_and_changes_nothing() {
     assert!(browser.text("#error").await.contains("CSRF"));
     assert_eq!(app.state(&ids[0]).await, IntentState::NeedsReconcile);
     assert!(app.get(&ids[0]).await.resolutions.is_empty());
+    browser.close().await;
+}
+
+#[tokio::test]
+async fn a_refused_field_is_said_once_and_nothing_changes() {
+    let app = console_app().await;
+    let ids = left_unknown(&app, "charge", 1).await;
+    let key = app.key(&["acme"], &["operate"], &[]).await;
+    let browser = Browser::signed_in(app.console_addr.unwrap(), &key).await;
+    browser.goto(&format!("/intents/{}", ids[0])).await;
+    browser
+        .run("document.querySelector('#reason').removeAttribute('required')")
+        .await;
+    browser.select("#decision", "REQUEUE").await;
+    browser.fill("#reason", "   ").await;
+    browser.submit("#resolve").await;
+    assert!(browser.text("h1").await.contains("400"));
+    let body = browser.body().await;
+    assert!(body.contains("reason"), "{body}");
+    assert_eq!(body.matches("is required").count(), 1, "{body}");
+    assert_eq!(app.state(&ids[0]).await, IntentState::NeedsReconcile);
     browser.close().await;
 }
 

@@ -10,6 +10,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
 use crate::auth::{Authenticator, Caller, Permission, TENANT_HEADER};
 use crate::codec::{ClientFaults, ClientFaultsLayer};
@@ -62,7 +63,7 @@ impl OutboxHandler {
         // Before validation: a refused call's span says how many it was given.
         span.record(
             "messaging.batch.message_count",
-            request.get_ref().intents.len(),
+            batch_count(request.get_ref().intents.len()),
         );
         let (caller, scope) = self.access(&request, Permission::Produce).await?;
         let tenant = one_tenant(&scope, "enqueue for")?;
@@ -376,8 +377,11 @@ fn refusal_level(code: tonic::Code) -> tracing::Level {
 /// Logs a call's error status at its [`refusal_level`], in the call's span.
 fn log_refusal(status: &Status) {
     let (code, message) = (status.code(), status.message());
-    // The messaging spans' `error.type` (a no-op in spans without the field).
-    tracing::Span::current().record("error.type", format!("{code:?}"));
+    // The messaging spans' `error.type` (a no-op in spans without the field), and the
+    // status that marks a span failed in a trace's view.
+    let span = tracing::Span::current();
+    span.record("error.type", format!("{code:?}"));
+    span.set_status(opentelemetry::trace::Status::error(message.to_owned()));
     match refusal_level(code) {
         tracing::Level::ERROR => {
             tracing::error!(rpc.grpc.status_code = ?code, rpc.grpc.status_message = message, "call failed")
@@ -393,6 +397,12 @@ fn log_refusal(status: &Status) {
     }
 }
 
+/// `messaging.batch.message_count` as the integer the conventions make it: an `i64`, since
+/// tracing-opentelemetry exports a `u64` or `usize` as its text.
+fn batch_count(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
 /// The caller's trace context: its `traceparent` and `tracestate` metadata, if valid.
 fn caller_trace(metadata: &tonic::metadata::MetadataMap) -> Option<TraceContext> {
     let get = |name| metadata.get(name).and_then(|v| v.to_str().ok());
@@ -403,7 +413,7 @@ fn caller_trace(metadata: &tonic::metadata::MetadataMap) -> Option<TraceContext>
 fn record_settling(mut leases: impl ExactSizeIterator<Item = outbox::IntentId>) {
     let span = tracing::Span::current();
     let count = leases.len();
-    span.record("messaging.batch.message_count", count);
+    span.record("messaging.batch.message_count", batch_count(count));
     if let (1, Some(id)) = (count, leases.next()) {
         span.record("messaging.message.id", id.to_string());
     }
@@ -500,7 +510,7 @@ impl OutboxHandler {
         if !over_budget.is_empty() && !replayed {
             self.claims.give_back(&scope, over_budget);
         }
-        span.record("messaging.batch.message_count", intents.len());
+        span.record("messaging.batch.message_count", batch_count(intents.len()));
         if let [one] = intents.as_slice() {
             span.record("messaging.message.id", one.id.to_string());
         }
@@ -904,7 +914,7 @@ impl OutboxService for OutboxHandler {
         request: Request<v1::EnqueueRequest>,
     ) -> RpcResult<v1::EnqueueResponse> {
         let caller = caller_trace(request.metadata());
-        let span = ENQUEUE.span(caller.as_ref());
+        let span = ENQUEUE.span(caller.as_ref(), request.local_addr());
         to_completion(self.clone().enqueue_work(request, caller))
             .instrument(span)
             .await
@@ -915,7 +925,10 @@ impl OutboxService for OutboxHandler {
         let _gone_when_dropped = gone.clone().drop_guard();
         // Built by hand rather than with #[instrument], as the other messaging spans: the
         // caller's trace context must become the parent before the span starts.
-        let span = CLAIM.span(caller_trace(request.metadata()).as_ref());
+        let span = CLAIM.span(
+            caller_trace(request.metadata()).as_ref(),
+            request.local_addr(),
+        );
         to_completion(self.clone().claim_work(request, gone))
             .instrument(span)
             .await
@@ -938,14 +951,20 @@ impl OutboxService for OutboxHandler {
     }
 
     async fn ack(&self, request: Request<v1::AckRequest>) -> RpcResult<v1::AckResponse> {
-        let span = ACK.span(caller_trace(request.metadata()).as_ref());
+        let span = ACK.span(
+            caller_trace(request.metadata()).as_ref(),
+            request.local_addr(),
+        );
         to_completion(self.clone().ack_work(request))
             .instrument(span)
             .await
     }
 
     async fn fail(&self, request: Request<v1::FailRequest>) -> RpcResult<v1::FailResponse> {
-        let span = FAIL.span(caller_trace(request.metadata()).as_ref());
+        let span = FAIL.span(
+            caller_trace(request.metadata()).as_ref(),
+            request.local_addr(),
+        );
         to_completion(self.clone().fail_work(request))
             .instrument(span)
             .await

@@ -231,6 +231,8 @@ pub fn link_to<'a>(span: &Span, contexts: impl Iterator<Item = (&'a str, Option<
 /// macros need the attribute names as literal field names, and the crate has the messaging
 /// names only behind its experimental feature.
 pub mod messaging {
+    use std::net::SocketAddr;
+
     use opentelemetry::trace::TraceContextExt;
     use tracing::Span;
     use tracing::field::Empty;
@@ -287,8 +289,9 @@ pub mod messaging {
 
     impl Operation {
         /// The operation's span, a child of `caller` (the trace context of the call) if
-        /// given. The fields left empty are recorded once known.
-        pub fn span(self, caller: Option<&TraceContext>) -> Span {
+        /// given, on the connection's local address `server` (the conventions'
+        /// `server.address` and `server.port`). The fields left empty are recorded once known.
+        pub fn span(self, caller: Option<&TraceContext>, server: Option<SocketAddr>) -> Span {
             let span = tracing::info_span!(
                 "messaging",
                 otel.name = self.name,
@@ -306,7 +309,13 @@ pub mod messaging {
                 rpc.method = self.rpc,
                 auth.key = Empty,
                 claim.worker = Empty,
+                server.address = Empty,
+                server.port = Empty,
             );
+            if let Some(server) = server {
+                span.record("server.address", server.ip().to_string());
+                span.record("server.port", i64::from(server.port()));
+            }
             if let Some(caller) = caller {
                 set_remote_parent(&span, caller);
             }

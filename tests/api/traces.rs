@@ -141,6 +141,11 @@ async fn a_call_that_fails_records_its_status_as_the_error_type_of_its_span() {
         .find(|kv| kv.key.as_str() == "error.type")
         .map(|kv| kv.value.as_str().into_owned());
     assert_eq!(error_type.as_deref(), Some("InvalidArgument"));
+    assert!(
+        matches!(ack.status, opentelemetry::trace::Status::Error { .. }),
+        "a failed call's span is marked failed: {:?}",
+        ack.status
+    );
 }
 
 /// An OTLP/gRPC collector: keeps every span exported to it.
@@ -209,11 +214,12 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// A string or integer attribute value, as text.
+/// A string attribute value; an integer one as its digits preceded by `int:`, so that a
+/// number exported as text does not pass for an integer.
 fn value(v: Option<&AnyValue>) -> Option<String> {
     match v?.value.as_ref()? {
         any_value::Value::StringValue(s) => Some(s.clone()),
-        any_value::Value::IntValue(i) => Some(i.to_string()),
+        any_value::Value::IntValue(i) => Some(format!("int:{i}")),
         _ => None,
     }
 }
@@ -412,7 +418,7 @@ async fn a_collector_gets_the_workers_calls_in_the_workers_trace_linked_to_the_p
             ("messaging.operation.name", "enqueue"),
             ("messaging.operation.type", "send"),
             ("messaging.destination.name", "email.send"),
-            ("messaging.batch.message_count", "2"),
+            ("messaging.batch.message_count", "int:2"),
         ],
     );
     // Each intent's creation context is the enqueue span, its tracestate with it.
@@ -447,8 +453,9 @@ async fn a_collector_gets_the_workers_calls_in_the_workers_trace_linked_to_the_p
             ("messaging.operation.name", "claim"),
             ("messaging.operation.type", "receive"),
             ("messaging.destination.name", "email.send"),
-            ("messaging.batch.message_count", "2"),
+            ("messaging.batch.message_count", "int:2"),
             ("messaging.client.id", "w1"),
+            ("server.address", "127.0.0.1"),
         ],
     );
 
@@ -470,7 +477,7 @@ async fn a_collector_gets_the_workers_calls_in_the_workers_trace_linked_to_the_p
                 ("messaging.system", "outboxd"),
                 ("messaging.operation.name", name),
                 ("messaging.operation.type", "settle"),
-                ("messaging.batch.message_count", "1"),
+                ("messaging.batch.message_count", "int:1"),
                 ("messaging.message.id", &intent_id(lease)),
             ],
         );
